@@ -1,0 +1,167 @@
+"""Packed token-level arrays carried inside events.
+
+Token-level data is stored as little-endian packed bytes, never as lists of Python numbers:
+token ids int32, logprobs float32 (SGLang returns float32 values, so this is lossless) and
+masks uint8. On the wire each array is one msgpack ext value (see ``codec.py``), so a
+64k-token trajectory costs one memcpy, not 64k msgpack integers.
+
+The classes are immutable; ``tolist()``, ``numpy()`` (a read-only zero-copy view) and
+``torch()`` give the usual views. Pydantic fields typed with them accept an instance,
+a list / tuple of numbers, a numpy array or raw bytes of the right width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import numpy as np
+from pydantic import GetCoreSchemaHandler
+from pydantic_core import core_schema
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PackedArray:
+    """An immutable 1-d array of one fixed dtype, stored as little-endian bytes."""
+
+    __slots__ = ("_data",)
+    dtype: ClassVar[np.dtype[Any]]
+    ext_code: ClassVar[int]
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) % self.dtype.itemsize:
+            raise ValueError(
+                f"{type(self).__name__}: {len(data)} bytes is not a multiple of "
+                f"{self.dtype.itemsize} ({self.dtype.name})"
+            )
+        self._data = bytes(data)
+
+    @classmethod
+    def from_values(cls, values: Iterable[float] | Iterable[int] | np.ndarray[Any, Any]) -> Self:
+        arr = values if isinstance(values, np.ndarray) else np.asarray(list(values))
+        if arr.ndim != 1:
+            raise ValueError(f"{cls.__name__} needs a 1-d sequence, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "biuf":
+            raise ValueError(f"{cls.__name__} needs numbers, got dtype {arr.dtype}")
+        if arr.size and cls.dtype.kind in "iu":
+            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+                raise ValueError(f"{cls.__name__} needs integers, got non-integral values")
+            info = np.iinfo(cls.dtype)
+            lo, hi = arr.min(), arr.max()
+            if lo < info.min or hi > info.max:
+                raise ValueError(
+                    f"{cls.__name__} values must lie in [{info.min}, {info.max}], "
+                    f"got [{lo}, {hi}]"
+                )
+        return cls(np.ascontiguousarray(arr, dtype=cls.dtype).tobytes())
+
+    @classmethod
+    def empty(cls) -> Self:
+        return cls(b"")
+
+    @property
+    def data(self) -> bytes:
+        return self._data
+
+    def __len__(self) -> int:
+        return len(self._data) // self.dtype.itemsize
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """A read-only zero-copy view."""
+        return np.frombuffer(self._data, dtype=self.dtype)
+
+    def tolist(self) -> list[Any]:
+        out: list[Any] = self.numpy().tolist()
+        return out
+
+    def torch(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.numpy().copy())
+
+    def __iter__(self) -> Any:
+        return iter(self.tolist())
+
+    def __getitem__(self, index: int) -> Any:
+        return self.numpy()[index].item()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedArray):
+            return type(self) is type(other) and self._data == other._data
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._data))
+
+    def __repr__(self) -> str:
+        values = self.tolist()
+        shown = values if len(values) <= 8 else [*values[:4], "...", *values[-2:]]
+        return f"{type(self).__name__}(n={len(values)}, {shown})"
+
+    @classmethod
+    def _coerce(cls, value: Any) -> Self:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, PackedArray):
+            raise ValueError(f"expected {cls.__name__}, got {type(value).__name__}")
+        if isinstance(value, bytes | bytearray | memoryview):
+            return cls(bytes(value))
+        if isinstance(value, np.ndarray | list | tuple):
+            return cls.from_values(value)
+        raise ValueError(f"expected {cls.__name__}, a list of numbers or bytes, got {type(value)}")
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            cls._coerce,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                _serialize, info_arg=True
+            ),
+        )
+
+
+def _serialize(value: PackedArray, info: core_schema.SerializationInfo) -> Any:
+    # Python dumps keep the packed object (the codec turns it into a msgpack ext);
+    # JSON dumps (summaries, tail output) get a plain list.
+    return value if info.mode == "python" else value.tolist()
+
+
+class TokenIds(PackedArray):
+    """int32 token ids."""
+
+    __slots__ = ()
+    dtype = np.dtype("<i4")
+    ext_code = 1
+
+
+class LogProbs(PackedArray):
+    """float32 log-probabilities."""
+
+    __slots__ = ()
+    dtype = np.dtype("<f4")
+    ext_code = 2
+
+
+class Mask(PackedArray):
+    """uint8 0/1 mask (loss masks, action masks)."""
+
+    __slots__ = ()
+    dtype = np.dtype("u1")
+    ext_code = 3
+
+
+EXT_TYPES: dict[int, type[PackedArray]] = {c.ext_code: c for c in (TokenIds, LogProbs, Mask)}
+
+
+def concat(parts: Sequence[PackedArray]) -> PackedArray:
+    """Concatenate arrays of one class."""
+    if not parts:
+        raise ValueError("concat needs at least one array")
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts):
+        raise ValueError("concat needs arrays of one class")
+    return kind(b"".join(p.data for p in parts))

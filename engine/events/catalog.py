@@ -1,0 +1,347 @@
+"""The event catalog: one frozen class per event type.
+
+Which stream each event goes to is in DESIGN.md ("Streams"). Field conventions:
+``rollout_id`` / ``sample_id`` / ``attempt`` identify work; a sample attempt is
+``(sample_id, attempt)`` and folds ignore duplicates and stale attempts. Token-level arrays
+are packed (``TokenIds``, ``LogProbs``, ``Mask``). Free-form JSON values (prompts, labels,
+metrics) are plain msgpack-able Python values.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.events.arrays import LogProbs, Mask, TokenIds
+from engine.events.base import Event
+
+JSON = Any
+
+__all__ = [
+    "AbortClass",
+    "BatchAdmitted",
+    "BatchSealed",
+    "CaptureRequested",
+    "DataCursorAdvanced",
+    "DeadLetter",
+    "FilterSpec",
+    "GpuShare",
+    "NodeDecl",
+    "PolicyVersionPublished",
+    "PoolDeclared",
+    "QuiesceCompleted",
+    "QuiesceRequested",
+    "Record",
+    "RolloutFailed",
+    "RolloutKind",
+    "RolloutReady",
+    "RolloutRequested",
+    "SampleAborted",
+    "SampleCompleted",
+    "SampleStarted",
+    "TaskFetched",
+    "TeacherScored",
+    "TokenAcquired",
+    "TokenGrant",
+    "TokenReleased",
+    "TurnCompleted",
+]
+
+
+class Record(BaseModel):
+    """Frozen value object nested inside events."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RolloutKind(StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class AbortClass(StrEnum):
+    """How a failed sample is bucketed (seeds: classify_abort)."""
+
+    AGENT_TIMEOUT = "agent_timeout"
+    INFRA_CONN = "infra_conn"
+    INFRA_SANDBOX = "infra_sandbox"
+    INFRA_OTHER = "infra_other"
+
+
+# ---------------------------------------------------------------- control stream
+
+
+class FilterSpec(Record):
+    """Survivorship filters the finalizer applies (rejection first, finish-only second)."""
+
+    reject_equal_rewards: bool = False
+    finish_only: bool = False
+
+
+class RolloutRequested(Event):
+    """A trainer asks for one iteration's trajectories."""
+
+    type: Literal["RolloutRequested"] = "RolloutRequested"
+    rollout_id: str
+    iteration: int = 0
+    kind: RolloutKind = RolloutKind.TRAIN
+    n_prompts: int = Field(ge=1)
+    n_samples_per_prompt: int | None = Field(default=None, ge=1)
+    policy_version: int = 0
+    seed: int = 0
+    datasets: list[str] | None = None
+    algorithm: str = "grpo"
+    knobs: dict[str, JSON] = Field(default_factory=dict)
+    sampling_params: dict[str, JSON] = Field(default_factory=dict)
+    stopping: dict[str, JSON] = Field(default_factory=dict)
+    filters: FilterSpec = FilterSpec()
+    teacher_capture: bool = False
+
+
+class RolloutReady(Event):
+    """Every sample of the rollout is terminal and shaped; the trainer may load it."""
+
+    type: Literal["RolloutReady"] = "RolloutReady"
+    rollout_id: str
+    iteration: int = 0
+    kind: RolloutKind = RolloutKind.TRAIN
+    policy_version: int = 0
+    sample_ids: list[str]
+    dropped_sample_ids: list[str] = Field(default_factory=list)
+    dummy: bool = False
+    n_completed: int = 0
+    n_aborted: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class RolloutFailed(Event):
+    type: Literal["RolloutFailed"] = "RolloutFailed"
+    rollout_id: str
+    reason: str
+
+
+class PolicyVersionPublished(Event):
+    type: Literal["PolicyVersionPublished"] = "PolicyVersionPublished"
+    version: int
+    weights_uri: str = ""
+
+
+class QuiesceRequested(Event):
+    type: Literal["QuiesceRequested"] = "QuiesceRequested"
+    reason: str = ""
+
+
+class QuiesceCompleted(Event):
+    type: Literal["QuiesceCompleted"] = "QuiesceCompleted"
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- pool stream
+
+
+class NodeDecl(Record):
+    node: str
+    gpus: list[int] = Field(default_factory=list)
+    cpu: float = 0.0
+    memory_gb: float = 0.0
+
+
+class GpuShare(Record):
+    gpu: int
+    fraction: float
+
+
+class TokenGrant(Record):
+    """One placement token: what one running sample may hold on one node."""
+
+    token_id: str
+    node: str
+    gpus: list[GpuShare] = Field(default_factory=list)
+    cpu: float = 0.0
+    memory_gb: float = 0.0
+
+
+class PoolDeclared(Event):
+    """The cluster layout; a later declaration replaces the earlier one."""
+
+    type: Literal["PoolDeclared"] = "PoolDeclared"
+    nodes: list[NodeDecl]
+
+
+class TokenAcquired(Event):
+    """All-or-nothing placement of a whole batch (appended by compare-and-append)."""
+
+    type: Literal["TokenAcquired"] = "TokenAcquired"
+    rollout_id: str
+    batch_id: str
+    evaluator_id: str
+    tokens: list[TokenGrant]
+
+
+class TokenReleased(Event):
+    """Tokens given back; ``token_ids`` None releases every token the batch still holds."""
+
+    type: Literal["TokenReleased"] = "TokenReleased"
+    rollout_id: str
+    batch_id: str
+    token_ids: list[str] | None = None
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- work / capture
+
+
+class BatchAdmitted(Event):
+    """A batch has its tokens and may run; sent to ``rl:work:{evaluator_id}``."""
+
+    type: Literal["BatchAdmitted"] = "BatchAdmitted"
+    rollout_id: str
+    batch_id: str
+    evaluator_id: str
+    sample_ids: list[str]
+    token_ids: list[str] = Field(default_factory=list)
+    nodes: dict[str, str] = Field(default_factory=dict)
+
+
+class CaptureRequested(Event):
+    type: Literal["CaptureRequested"] = "CaptureRequested"
+    rollout_id: str
+    sample_ids: list[str]
+    top_k: int = 20
+
+
+# ---------------------------------------------------------------- rollout stream
+
+
+class TaskFetched(Event):
+    """One sample's task: prompt, label, dataset entry, task type, group."""
+
+    type: Literal["TaskFetched"] = "TaskFetched"
+    rollout_id: str
+    sample_id: str
+    index: int
+    group_index: int
+    prompt: JSON
+    label: JSON = None
+    dataset: str
+    task_type: str
+    dataset_cfg: dict[str, JSON] = Field(default_factory=dict)
+    metadata: dict[str, JSON] = Field(default_factory=dict)
+    knobs: dict[str, JSON] = Field(default_factory=dict)
+    stopping: dict[str, JSON] = Field(default_factory=dict)
+    sampling_params: dict[str, JSON] = Field(default_factory=dict)
+
+
+class BatchSealed(Event):
+    """The batching strategy's output: which samples run together, in what order."""
+
+    type: Literal["BatchSealed"] = "BatchSealed"
+    rollout_id: str
+    batch_id: str
+    seq: int
+    evaluator_id: str
+    sample_ids: list[str]
+
+
+class SampleStarted(Event):
+    type: Literal["SampleStarted"] = "SampleStarted"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    batch_id: str = ""
+    worker: str = ""
+    node: str = ""
+
+
+class TurnCompleted(Event):
+    type: Literal["TurnCompleted"] = "TurnCompleted"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    turn: int
+    node: str = ""
+    gpu: int | None = None
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    tool_calls: list[str] = Field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+class SampleCompleted(Event):
+    """A finished episode with its token-level trajectory and reward."""
+
+    type: Literal["SampleCompleted"] = "SampleCompleted"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: LogProbs
+    loss_mask: Mask
+    reward: float = 0.0
+    reward_detail: dict[str, JSON] = Field(default_factory=dict)
+    status: str = "completed"
+    termination_reason: str = ""
+    response_text: str = ""
+    n_turns: int = 0
+    elapsed_s: float = 0.0
+    policy_version: int = 0
+    metrics: dict[str, JSON] = Field(default_factory=dict)
+
+
+class SampleAborted(Event):
+    """A classified failure; the sample becomes a masked dummy."""
+
+    type: Literal["SampleAborted"] = "SampleAborted"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    abort_class: AbortClass
+    error: str = ""
+    agent_reason: str | None = None
+    phase: str = ""
+    elapsed_s: float = 0.0
+    window_s: float | None = None
+    node: str = ""
+    turns: int = 0
+
+
+class TeacherScored(Event):
+    """Teacher force-decode of a kept trajectory (per response token)."""
+
+    type: Literal["TeacherScored"] = "TeacherScored"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    teacher_logprobs: LogProbs
+    top_k: int = 0
+    topk_ids: TokenIds = Field(default_factory=TokenIds.empty)
+    topk_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
+    action_mask: Mask = Field(default_factory=Mask.empty)
+
+
+# ---------------------------------------------------------------- data / dead
+
+
+class DataCursorAdvanced(Event):
+    """The data source's position after a rollout's fetch, for exact resume."""
+
+    type: Literal["DataCursorAdvanced"] = "DataCursorAdvanced"
+    rollout_id: str
+    kind: RolloutKind = RolloutKind.TRAIN
+    cursor: dict[str, JSON]
+    previous: dict[str, JSON] = Field(default_factory=dict)
+
+
+class DeadLetter(Event):
+    """An entry no reader could use, kept with its raw bytes and the reason."""
+
+    type: Literal["DeadLetter"] = "DeadLetter"
+    source_stream: str
+    source_id: str
+    raw: bytes = b""
+    error: str
+    group: str | None = None
+    deliveries: int = 0

@@ -1,0 +1,477 @@
+"""The event log: typed events on Redis Streams (redis-py asyncio).
+
+Contract
+--------
+* Each stream entry has one field ``e`` holding the msgpack event (``codec.py``). The
+  Redis stream id is the event's position and identity.
+* ``append`` / ``append_many`` write events (``append_many`` in one round trip);
+  ``append_if_last`` is the compare-and-append used by single-writer invariants: it appends
+  only if the stream's last id is the one the writer folded to, atomically (a Lua script),
+  else raises :class:`AppendConflict` carrying the current last id.
+* Every read decodes and validates. An entry that does not decode or validate is written
+  to the dead-letter stream with its source stream, id, raw bytes and the reason, acked
+  when it came through a group, counted in ``dead_lettered``, and skipped: a reader never
+  crashes on a bad entry.
+* Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
+  consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
+  time of entries still being worked on, so a live worker's batches are not stolen) and
+  ``claim_idle`` (XAUTOCLAIM of entries idle past a window; an entry delivered more than
+  ``max_deliveries`` times is dead-lettered and acked instead, and handed back to the
+  caller so it can abort the work it stood for).
+* redis exceptions are translated to :class:`LogUnavailable` / :class:`LogError` here.
+
+redis-py pitfall (DESIGN.md): a blocking read longer than ``socket_timeout`` times out at
+the socket and is retried by the client forever. :func:`connect` therefore derives the
+socket timeout from the longest block time and disables blind retries, so a non-idempotent
+XADD is never silently sent twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.errors import AppendConflict, DecodeError, LogError, LogUnavailable
+from engine.events.base import Envelope, Event
+from engine.events.catalog import DeadLetter
+from engine.events.codec import decode, encode
+from engine.events.names import StreamNames
+
+FIELD = b"e"
+EMPTY_ID = "0-0"
+
+# KEYS[1] guarded stream, KEYS[2..] streams of the follow-up appends; ARGV[1] expected last
+# id, ARGV[2] n guarded events, ARGV[3..] encoded guarded events then follow-up events (one
+# per extra key, in order).
+_CAS_SCRIPT = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local cur = '0-0'
+if #last > 0 then cur = last[1][1] end
+if cur ~= ARGV[1] then return {0, cur} end
+local n = tonumber(ARGV[2])
+local out = {1}
+for i = 1, n do
+  out[#out + 1] = redis.call('XADD', KEYS[1], '*', 'e', ARGV[2 + i])
+end
+for k = 2, #KEYS do
+  out[#out + 1] = redis.call('XADD', KEYS[k], '*', 'e', ARGV[1 + n + k])
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """Connection settings; ``socket_timeout`` always exceeds the longest blocking read."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    block_ms: int = 2000
+    connect_timeout_s: float = 5.0
+    socket_margin_s: float = 5.0
+    max_connections: int = 64
+
+    @property
+    def socket_timeout_s(self) -> float:
+        return self.block_ms / 1000.0 + self.socket_margin_s
+
+
+def connect(settings: RedisSettings) -> aioredis.Redis:
+    """A client whose socket timeout outlives every BLOCK and that never retries blindly."""
+    return aioredis.Redis.from_url(
+        settings.url,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        decode_responses=False,
+        max_connections=settings.max_connections,
+        health_check_interval=30,
+    )
+
+
+@contextmanager
+def _translate(what: str) -> Iterator[None]:
+    try:
+        yield
+    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+        raise LogUnavailable(f"redis unavailable during {what}: {exc}") from exc
+    except rexc.ResponseError as exc:
+        raise LogError(f"redis refused {what}: {exc}") from exc
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEntry:
+    """An entry that was dead-lettered instead of delivered."""
+
+    stream: str
+    id: str
+    error: str
+    deliveries: int
+    event: Event | None
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    entries: list[Envelope] = field(default_factory=list)
+    deliveries: dict[str, int] = field(default_factory=dict)
+    dead: list[DeadEntry] = field(default_factory=list)
+
+
+class EventLog:
+    """Typed append / read / subscribe / compare-and-append over Redis Streams."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        names: StreamNames | None = None,
+        producer: str = "",
+        max_deliveries: int = 5,
+        block_ms: int = 2000,
+    ) -> None:
+        self.redis = redis
+        # redis-py's stubs for stream replies are inexact (unions of bytes/str/None per
+        # field); replies are checked where they are decoded, so calls go through Any.
+        self._r: Any = redis
+        self.names = names or StreamNames()
+        self.producer = producer
+        self.max_deliveries = max_deliveries
+        self.block_ms = block_ms
+        self.dead_lettered = 0
+        self._cas = self._r.register_script(_CAS_SCRIPT)
+
+    # ------------------------------------------------------------------ writing
+
+    def _encode(self, event: Event, causation: Envelope | str | None) -> bytes:
+        if causation is not None or (self.producer and not event.producer):
+            update: dict[str, Any] = {}
+            if self.producer and not event.producer:
+                update["producer"] = self.producer
+            if causation is not None:
+                ref = causation.ref if isinstance(causation, Envelope) else causation
+                update["causation"] = ref
+            event = event.model_copy(update=update)
+        return encode(event)
+
+    async def append(
+        self, stream: str, event: Event, *, causation: Envelope | str | None = None
+    ) -> str:
+        data = self._encode(event, causation)
+        with _translate(f"XADD {stream}"):
+            entry_id = await self._r.xadd(stream, {FIELD: data})
+        return _s(entry_id)
+
+    async def append_many(
+        self,
+        items: Sequence[tuple[str, Event]],
+        *,
+        causation: Envelope | str | None = None,
+    ) -> list[str]:
+        """Append many events (to one or several streams) in one round trip, in order."""
+        if not items:
+            return []
+        encoded = [(stream, self._encode(ev, causation)) for stream, ev in items]
+        with _translate(f"pipelined XADD of {len(items)} events"):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for stream, data in encoded:
+                    pipe.xadd(stream, {FIELD: data})
+                ids = await pipe.execute()
+        return [_s(i) for i in ids]
+
+    async def append_if_last(
+        self,
+        stream: str,
+        events: Event | Sequence[Event],
+        expected_last: str,
+        *,
+        also: Sequence[tuple[str, Event]] = (),
+        causation: Envelope | str | None = None,
+    ) -> list[str]:
+        """Append atomically iff the stream's last id is ``expected_last`` (``0-0``: empty).
+
+        ``also`` lists follow-up appends to other streams made in the same atomic step
+        (e.g. ``TokenAcquired`` on the pool and ``BatchAdmitted`` on a work stream), so a
+        crash can never leave one without the other. Returns the ids of the guarded events
+        followed by those of ``also``. In a Redis Cluster all keys must share a slot.
+        """
+        batch = [events] if isinstance(events, Event) else list(events)
+        if not batch:
+            raise ValueError("append_if_last needs at least one event")
+        args: list[bytes | str | int] = [expected_last, len(batch)]
+        args.extend(self._encode(ev, causation) for ev in batch)
+        args.extend(self._encode(ev, causation) for _, ev in also)
+        keys = [stream, *(s for s, _ in also)]
+        with _translate(f"compare-and-append on {stream}"):
+            result = await self._cas(keys=keys, args=args)
+        if int(result[0]) != 1:
+            raise AppendConflict(stream, expected_last, _s(result[1]))
+        return [_s(i) for i in result[1:]]
+
+    async def last_id(self, stream: str) -> str:
+        with _translate(f"XREVRANGE {stream}"):
+            rows = await self._r.xrevrange(stream, "+", "-", count=1)
+        return _s(rows[0][0]) if rows else EMPTY_ID
+
+    # ------------------------------------------------------------------ reading
+
+    async def _decode_rows(
+        self,
+        stream: str,
+        rows: Sequence[tuple[Any, Any]],
+        group: str | None = None,
+    ) -> list[Envelope]:
+        out: list[Envelope] = []
+        bad: list[tuple[str, bytes, str]] = []
+        gone: list[str] = []
+        for raw_id, fields in rows:
+            entry_id = _s(raw_id)
+            if fields is None:  # deleted while pending
+                gone.append(entry_id)
+                continue
+            raw = fields.get(FIELD)
+            if raw is None:
+                bad.append((entry_id, b"", f"entry has no {FIELD.decode()!r} field"))
+                continue
+            try:
+                out.append(Envelope(stream, entry_id, decode(raw)))
+            except DecodeError as exc:
+                bad.append((entry_id, raw, str(exc)))
+        if bad:
+            await self._dead_letter(stream, bad, group=group)
+        if gone and group is not None:
+            await self.ack(stream, group, *gone)
+        return out
+
+    async def _dead_letter(
+        self,
+        stream: str,
+        bad: Sequence[tuple[str, bytes, str]],
+        *,
+        group: str | None,
+        deliveries: Mapping[str, int] | None = None,
+    ) -> None:
+        letters = [
+            (
+                self.names.dead,
+                DeadLetter(
+                    source_stream=stream,
+                    source_id=entry_id,
+                    raw=raw,
+                    error=error,
+                    group=group,
+                    deliveries=(deliveries or {}).get(entry_id, 0),
+                ),
+            )
+            for entry_id, raw, error in bad
+        ]
+        await self.append_many(letters)
+        if group is not None:
+            await self.ack(stream, group, *(entry_id for entry_id, _, _ in bad))
+        self.dead_lettered += len(bad)
+
+    async def read(
+        self, stream: str, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[Envelope]:
+        """Entries with ``start <= id <= end`` (use ``(id`` for an exclusive start)."""
+        with _translate(f"XRANGE {stream}"):
+            rows = await self._r.xrange(stream, start, end, count=count)
+        return await self._decode_rows(stream, rows)
+
+    async def read_all(
+        self, stream: str, *, after: str | None = None, page: int = 2000
+    ) -> list[Envelope]:
+        """Every entry after ``after`` (exclusive; None = from the start), paging through."""
+        out: list[Envelope] = []
+        cursor = after
+        while True:
+            start = "-" if cursor is None else f"({cursor}"
+            with _translate(f"XRANGE {stream}"):
+                rows = await self._r.xrange(stream, start, "+", count=page)
+            if not rows:
+                return out
+            out.extend(await self._decode_rows(stream, rows))
+            cursor = _s(rows[-1][0])
+            if len(rows) < page:
+                return out
+
+    async def tail(
+        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+    ) -> list[Envelope]:
+        """Blocking read of entries after each stream's position (``$``: only new ones)."""
+        block = self.block_ms if block_ms is None else block_ms
+        with _translate("XREAD"):
+            result = await self._r.xread(dict(positions), count=count, block=block)
+        out: list[Envelope] = []
+        for raw_stream, rows in result or []:
+            out.extend(await self._decode_rows(_s(raw_stream), rows))
+        return out
+
+    async def subscribe(
+        self, stream: str, *, after: str = "$", block_ms: int | None = None
+    ) -> AsyncIterator[Envelope]:
+        """Yield every event appended after ``after``, forever (cancel to stop).
+
+        Positions advance over raw ids, so a dead-lettered entry is not read twice.
+        """
+        position = after
+        if position == "$":
+            position = await self.last_id(stream)
+        block = self.block_ms if block_ms is None else block_ms
+        while True:
+            with _translate(f"XREAD {stream}"):
+                result = await self._r.xread({stream: position}, count=500, block=block)
+            for _raw_stream, rows in result or []:
+                if rows:
+                    position = _s(rows[-1][0])
+                for env in await self._decode_rows(stream, rows):
+                    yield env
+
+    # ------------------------------------------------------------------ groups
+
+    async def ensure_group(self, stream: str, group: str, *, start: str = "0") -> None:
+        """Create the group (and the stream) if missing; an existing group is kept."""
+        try:
+            with _translate(f"XGROUP CREATE {stream} {group}"):
+                await self._r.xgroup_create(stream, group, id=start, mkstream=True)
+        except LogError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_group(
+        self,
+        group: str,
+        consumer: str,
+        streams: Sequence[str],
+        *,
+        count: int = 100,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[Envelope]:
+        """New entries for this consumer, or (``pending=True``) its own unacked ones."""
+        block = None if pending else (self.block_ms if block_ms is None else block_ms)
+        ids = {s: ("0" if pending else ">") for s in streams}
+        with _translate(f"XREADGROUP {group}"):
+            result = await self._r.xreadgroup(group, consumer, ids, count=count, block=block)
+        out: list[Envelope] = []
+        if isinstance(result, dict):  # RESP3 shape
+            items: list[tuple[Any, Any]] = [(k, v[0] if v else []) for k, v in result.items()]
+        else:
+            items = [(k, v) for k, v in (result or [])]
+        for raw_stream, rows in items:
+            out.extend(await self._decode_rows(_s(raw_stream), rows, group=group))
+        return out
+
+    async def ack(self, stream: str, group: str, *ids: str) -> int:
+        if not ids:
+            return 0
+        with _translate(f"XACK {stream} {group}"):
+            n = await self._r.xack(stream, group, *ids)
+        return int(n)
+
+    async def keep_alive(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this consumer is still working on."""
+        if not ids:
+            return
+        with _translate(f"XCLAIM (keep-alive) {stream} {group}"):
+            await self._r.xclaim(stream, group, consumer, 0, list(ids), justid=True)
+
+    async def claim_idle(
+        self, stream: str, group: str, consumer: str, *, min_idle_ms: int, count: int = 100
+    ) -> ClaimResult:
+        """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
+        result = ClaimResult()
+        start = "0-0"
+        rows: list[tuple[Any, Any]] = []
+        while len(rows) < count:
+            with _translate(f"XAUTOCLAIM {stream} {group}"):
+                reply = await self._r.xautoclaim(
+                    stream, group, consumer, min_idle_ms, start_id=start, count=count - len(rows)
+                )
+            next_start, claimed = _s(reply[0]), reply[1]
+            rows.extend(claimed)
+            if len(reply) > 2 and reply[2]:
+                # Entries deleted from the stream while pending: nothing to run.
+                await self.ack(stream, group, *(_s(i) for i in reply[2]))
+            if next_start == EMPTY_ID:
+                break
+            start = next_start
+        if not rows:
+            return result
+        with _translate(f"XPENDING {stream} {group}"):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for raw_id, _fields in rows:
+                    pipe.xpending_range(stream, group, min=raw_id, max=raw_id, count=1)
+                pend = await pipe.execute()
+        over: list[tuple[Any, Any]] = []
+        keep: list[tuple[Any, Any]] = []
+        for (raw_id, fields), info in zip(rows, pend, strict=True):
+            times = int(info[0]["times_delivered"]) if info else 1
+            result.deliveries[_s(raw_id)] = times
+            (over if times > self.max_deliveries else keep).append((raw_id, fields))
+        if over:
+            bad: list[tuple[str, bytes, str]] = []
+            for raw_id, fields in over:
+                entry_id = _s(raw_id)
+                raw = (fields or {}).get(FIELD, b"")
+                times = result.deliveries[entry_id]
+                error = f"delivered {times} times (limit {self.max_deliveries}) without an ack"
+                try:
+                    event: Event | None = decode(raw)
+                except DecodeError:
+                    event = None
+                bad.append((entry_id, raw, error))
+                result.dead.append(DeadEntry(stream, entry_id, error, times, event))
+            await self._dead_letter(stream, bad, group=group, deliveries=result.deliveries)
+        result.entries = await self._decode_rows(stream, keep, group=group)
+        return result
+
+    async def pending_count(self, stream: str, group: str) -> int:
+        with _translate(f"XPENDING {stream} {group}"):
+            info = await self._r.xpending(stream, group)
+        return int(info["pending"])
+
+    async def trim_acked(self, stream: str) -> int:
+        """Trim entries every group has acked (never below a pending or undelivered entry)."""
+        with _translate(f"XINFO GROUPS {stream}"):
+            groups = await self._r.xinfo_groups(stream)
+        if not groups:
+            return 0
+        floor: tuple[int, int] | None = None
+        for g in groups:
+            name = _s(g["name"])
+            candidates = [_next_id(_s(g["last-delivered-id"]))]
+            with _translate(f"XPENDING {stream} {name}"):
+                summary = await self._r.xpending(stream, name)
+            if summary["pending"]:
+                candidates.append(_split(_s(summary["min"])))
+            low = min(candidates)
+            floor = low if floor is None else min(floor, low)
+        assert floor is not None
+        with _translate(f"XTRIM {stream}"):
+            n = await self._r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+        return int(n)
+
+    async def stream_length(self, stream: str) -> int:
+        with _translate(f"XLEN {stream}"):
+            return int(await self._r.xlen(stream))
+
+
+def _split(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(stream_id: str) -> tuple[int, int]:
+    ms, seq = _split(stream_id)
+    return ms, seq + 1

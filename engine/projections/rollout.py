@@ -1,0 +1,156 @@
+"""The rollout projection: everything known about one rollout, folded from its stream.
+
+``rl:{rollout:<id>}`` starts with a copy of the ``RolloutRequested`` (so an archived stream is
+self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch, the samples'
+lifecycle events, optional ``TeacherScored`` and finally ``RolloutReady``.
+
+Idempotence rules (at-least-once delivery, crashed workers):
+* a duplicate ``TaskFetched`` / ``BatchSealed`` (same id) is ignored;
+* ``SampleStarted`` raises the sample's current attempt, never lowers it;
+* the first terminal event (``SampleCompleted`` or ``SampleAborted``) of a sample wins; any
+  later terminal, whatever its attempt, is a duplicate and ignored;
+* ``TeacherScored`` counts only for the attempt that produced the terminal trajectory;
+* the first ``RolloutReady`` wins.
+
+Performance note: folding a 100k-sample rollout must stay linear, so the state is an
+accumulator that ``evolve`` updates in place and returns. The fold owns it: take
+``copy()`` before keeping a state that a later fold would extend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from engine.events.base import Envelope
+from engine.events.catalog import (
+    BatchSealed,
+    RolloutFailed,
+    RolloutReady,
+    RolloutRequested,
+    SampleAborted,
+    SampleCompleted,
+    SampleStarted,
+    TaskFetched,
+    TeacherScored,
+    TurnCompleted,
+)
+
+Terminal = SampleCompleted | SampleAborted
+
+
+@dataclass(frozen=True, slots=True)
+class SampleState:
+    task: TaskFetched
+    attempt: int = -1
+    started: SampleStarted | None = None
+    turns: tuple[TurnCompleted, ...] = ()
+    terminal: Terminal | None = None
+    teacher: TeacherScored | None = None
+
+    @property
+    def sample_id(self) -> str:
+        return self.task.sample_id
+
+    @property
+    def done(self) -> bool:
+        return self.terminal is not None
+
+    @property
+    def completed(self) -> SampleCompleted | None:
+        return self.terminal if isinstance(self.terminal, SampleCompleted) else None
+
+    @property
+    def aborted(self) -> SampleAborted | None:
+        return self.terminal if isinstance(self.terminal, SampleAborted) else None
+
+
+@dataclass(slots=True)
+class RolloutState:
+    rollout_id: str | None = None
+    request: RolloutRequested | None = None
+    samples: dict[str, SampleState] = field(default_factory=dict)
+    batches: dict[str, BatchSealed] = field(default_factory=dict)
+    ready: RolloutReady | None = None
+    failed: RolloutFailed | None = None
+    event_count: int = 0
+
+    def copy(self) -> RolloutState:
+        return replace(self, samples=dict(self.samples), batches=dict(self.batches))
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def n_done(self) -> int:
+        return sum(1 for s in self.samples.values() if s.done)
+
+    def pending(self, sample_ids: Iterable[str] | None = None) -> list[str]:
+        """Sample ids (of those given, or all) that have no terminal event yet."""
+        ids = self.samples.keys() if sample_ids is None else sample_ids
+        return [i for i in ids if i in self.samples and not self.samples[i].done]
+
+    def all_terminal(self) -> bool:
+        return bool(self.samples) and all(s.done for s in self.samples.values())
+
+    def ordered(self) -> list[SampleState]:
+        """Samples in task order (index), the order the trainer sees."""
+        return sorted(self.samples.values(), key=lambda s: s.task.index)
+
+
+class RolloutProjection:
+    """Folds one rollout stream into a :class:`RolloutState`."""
+
+    name = "rollout"
+
+    def initial(self) -> RolloutState:
+        return RolloutState()
+
+    def evolve(self, state: RolloutState, env: Envelope) -> RolloutState:
+        ev = env.event
+        state.event_count += 1
+        if isinstance(ev, TaskFetched):
+            if ev.sample_id not in state.samples:
+                state.samples[ev.sample_id] = SampleState(task=ev)
+                state.rollout_id = state.rollout_id or ev.rollout_id
+        elif isinstance(ev, SampleStarted):
+            s = state.samples.get(ev.sample_id)
+            if s is not None and not s.done and ev.attempt >= s.attempt:
+                turns = s.turns if ev.attempt == s.attempt else ()  # a re-run starts afresh
+                state.samples[ev.sample_id] = replace(
+                    s, attempt=ev.attempt, started=ev, turns=turns
+                )
+        elif isinstance(ev, TurnCompleted):
+            s = state.samples.get(ev.sample_id)
+            if s is not None and not s.done and ev.attempt == s.attempt:
+                state.samples[ev.sample_id] = replace(s, turns=(*s.turns, ev))
+        elif isinstance(ev, SampleCompleted | SampleAborted):
+            s = state.samples.get(ev.sample_id)
+            if s is not None and not s.done:
+                turns = s.turns if ev.attempt == s.attempt else ()
+                state.samples[ev.sample_id] = replace(
+                    s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
+                )
+        elif isinstance(ev, TeacherScored):
+            s = state.samples.get(ev.sample_id)
+            if (
+                s is not None
+                and s.completed is not None
+                and s.completed.attempt == ev.attempt
+                and s.teacher is None
+            ):
+                state.samples[ev.sample_id] = replace(s, teacher=ev)
+        elif isinstance(ev, BatchSealed):
+            state.batches.setdefault(ev.batch_id, ev)
+        elif isinstance(ev, RolloutRequested):
+            if state.request is None:
+                state.request = ev
+                state.rollout_id = ev.rollout_id
+        elif isinstance(ev, RolloutReady):
+            if state.ready is None:
+                state.ready = ev
+        elif isinstance(ev, RolloutFailed):
+            if state.failed is None:
+                state.failed = ev
+        return state

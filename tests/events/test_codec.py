@@ -1,0 +1,146 @@
+"""Codec: round trips, packed arrays, upcasting, refusals."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import DecodeError, SchemaVersionError, UnknownEventType
+from engine.events import (
+    Event,
+    LogProbs,
+    Mask,
+    SampleCompleted,
+    TokenIds,
+    decode,
+    encode,
+    registered_types,
+    upcaster,
+)
+from tests.events.examples import example_events
+
+
+def test_examples_cover_every_registered_type() -> None:
+    covered = {type(e).__name__ for e in example_events()}
+    production = {n for n, c in registered_types().items() if c.__module__.startswith("engine.")}
+    assert production <= covered
+
+
+@pytest.mark.parametrize("event", example_events(), ids=lambda e: e.type)
+def test_round_trip_every_event_type(event: Event) -> None:
+    back = decode(encode(event))
+    assert back == event
+    assert type(back) is type(event)
+
+
+def test_arrays_are_packed_binary_not_lists() -> None:
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[1, 2], response_ids=[3],
+                         logprobs=[-0.5], loss_mask=[1])
+    raw = msgpack.unpackb(encode(ev), raw=False, ext_hook=lambda c, d: (c, d))
+    assert raw["prompt_ids"] == (1, np.array([1, 2], "<i4").tobytes())
+    assert raw["logprobs"] == (2, np.array([-0.5], "<f4").tobytes())
+    assert raw["loss_mask"] == (3, b"\x01")
+
+
+def test_views_list_numpy_torch() -> None:
+    ids = TokenIds.from_values([5, -1, 2**31 - 1])
+    assert ids.tolist() == [5, -1, 2**31 - 1]
+    assert ids.numpy().dtype == np.dtype("<i4")
+    assert torch.equal(ids.torch(), torch.tensor([5, -1, 2**31 - 1], dtype=torch.int32))
+    lp = LogProbs.from_values(np.array([-0.1, -2.5], dtype=np.float32))
+    assert lp.numpy().tolist() == np.array([-0.1, -2.5], dtype=np.float32).tolist()
+    assert len(Mask.from_values([1, 0, 1])) == 3
+
+
+def test_float32_logprobs_are_lossless() -> None:
+    values = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[], response_ids=[0] * 1000,
+                         logprobs=values, loss_mask=[1] * 1000)
+    back = decode(encode(ev))
+    assert isinstance(back, SampleCompleted)
+    assert np.array_equal(back.logprobs.numpy(), values)
+
+
+def test_bad_array_values_are_refused_at_the_boundary() -> None:
+    with pytest.raises(ValueError, match="must lie in"):
+        TokenIds.from_values([2**40])
+    with pytest.raises(ValueError, match="integers"):
+        TokenIds.from_values([1.5])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        TokenIds(b"\x00\x01\x02")
+
+
+def test_64k_token_payload_round_trip() -> None:
+    n = 65536
+    ids = np.arange(n, dtype=np.int32) % 151_000
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=ids[:1024],
+                         response_ids=ids, logprobs=np.full(n, -0.75, np.float32),
+                         loss_mask=np.ones(n, np.uint8))
+    data = encode(ev)
+    assert len(data) < n * 9 + 1024 * 4 + 4096  # packed: 4 + 4 + 1 bytes per token
+    back = decode(data)
+    assert isinstance(back, SampleCompleted)
+    assert np.array_equal(back.response_ids.numpy(), ids)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\xc1garbage", "not a msgpack event"),
+        (msgpack.packb([1, 2, 3]), "must be a msgpack map"),
+        (msgpack.packb({"v": 1}), "no string 'type'"),
+        (msgpack.packb({"type": "NoSuchEvent", "v": 1}), "unknown event type 'NoSuchEvent'"),
+        (msgpack.packb({"type": "RolloutFailed", "v": 1, "rollout_id": "r"}), "reason"),
+        (msgpack.packb({"type": "RolloutFailed", "v": 99, "rollout_id": "r", "reason": "x"}),
+         "newer than this engine"),
+        (msgpack.packb({"type": "RolloutFailed", "v": 1, "rollout_id": "r", "reason": "x",
+                        "surprise": 1}), "surprise"),
+    ],
+)
+def test_refusals_name_the_problem(raw: bytes, message: str) -> None:
+    with pytest.raises(DecodeError, match=message):
+        decode(raw)
+
+
+def test_error_classes() -> None:
+    with pytest.raises(UnknownEventType):
+        decode(msgpack.packb({"type": "Nope"}))
+    with pytest.raises(SchemaVersionError):
+        decode(msgpack.packb({"type": "RolloutFailed", "v": 2, "rollout_id": "r", "reason": "x"}))
+
+
+class _Renamed(Event):
+    """A test-only event whose v1 called ``tokens`` what v2 calls ``response_tokens``,
+    and whose v2 split ``elapsed_ms`` into seconds in v3."""
+
+    schema_version: ClassVar[int] = 3
+    type: Literal["TestRenamed"] = "TestRenamed"
+    response_tokens: int
+    elapsed_s: float
+
+
+@upcaster("TestRenamed", from_version=1)
+def upcast_v1_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    payload = dict(payload)
+    payload["response_tokens"] = payload.pop("tokens")
+    return payload
+
+
+@upcaster("TestRenamed", from_version=2)
+def upcast_v2_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    payload = dict(payload)
+    payload["elapsed_s"] = payload.pop("elapsed_ms") / 1000.0
+    return payload
+
+
+def test_upcast_chain_on_read() -> None:
+    v1 = msgpack.packb({"type": "TestRenamed", "v": 1, "tokens": 7, "elapsed_ms": 1500})
+    ev = decode(v1)
+    assert ev == _Renamed(response_tokens=7, elapsed_s=1.5)
+    v2 = msgpack.packb({"type": "TestRenamed", "v": 2, "response_tokens": 8, "elapsed_ms": 500})
+    assert decode(v2) == _Renamed(response_tokens=8, elapsed_s=0.5)
+    assert msgpack.unpackb(encode(ev))["v"] == 3

@@ -1,0 +1,282 @@
+"""EventLog contract: runs on fakeredis and on a real redis-server (see conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from engine.errors import AppendConflict
+from engine.events import (
+    DeadLetter,
+    EventLog,
+    RolloutFailed,
+    SampleCompleted,
+    encode,
+)
+from tests.conftest import ClientFactory
+from tests.events.examples import example_events
+
+S = "rl:test"
+
+
+def failed(i: int) -> RolloutFailed:
+    return RolloutFailed(rollout_id=f"r{i}", reason=str(i))
+
+
+async def test_append_read_preserves_order_and_ids(log: EventLog) -> None:
+    ids = [await log.append(S, failed(i)) for i in range(20)]
+    envs = await log.read(S)
+    assert [e.id for e in envs] == ids
+    assert [e.event for e in envs] == [failed(i).model_copy(update={"producer": "test"})
+                                       for i in range(20)]
+    assert await log.last_id(S) == ids[-1]
+
+
+async def test_append_many_across_streams_in_order(log: EventLog) -> None:
+    items = [(f"{S}:{i % 3}", failed(i)) for i in range(30)]
+    ids = await log.append_many(items)
+    assert len(ids) == 30
+    for k in range(3):
+        got = await log.read(f"{S}:{k}")
+        assert [e.event.rollout_id for e in got] == [f"r{i}" for i in range(k, 30, 3)]
+
+
+async def test_every_event_type_round_trips_through_redis(log: EventLog) -> None:
+    events = example_events()
+    await log.append_many([(S, e) for e in events])
+    got = [e.event for e in await log.read(S)]
+    assert got == [e.model_copy(update={"producer": "test"}) for e in events]
+
+
+async def test_causation_and_producer_recorded(log: EventLog) -> None:
+    await log.append(S, failed(0))
+    first = (await log.read(S))[0]
+    await log.append(S, failed(1), causation=first)
+    second = (await log.read(S))[1]
+    assert second.event.causation == f"{S}@{first.id}"
+    assert second.event.producer == "test"
+
+
+async def test_read_all_pages_and_resumes_after_position(log: EventLog) -> None:
+    ids = await log.append_many([(S, failed(i)) for i in range(25)])
+    assert len(await log.read_all(S, page=7)) == 25
+    tail = await log.read_all(S, after=ids[9], page=4)
+    assert [e.id for e in tail] == ids[10:]
+
+
+async def test_64k_token_payload(log: EventLog) -> None:
+    n = 65536
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=list(range(100)),
+                         response_ids=[i % 50000 for i in range(n)], logprobs=[-0.5] * n,
+                         loss_mask=[1] * n)
+    await log.append(S, ev)
+    (env,) = await log.read(S)
+    assert isinstance(env.event, SampleCompleted)
+    assert env.event.response_ids == ev.response_ids
+    assert len(env.event.logprobs) == n
+
+
+async def test_compare_and_append(log: EventLog) -> None:
+    first = await log.append_if_last(S, failed(0), "0-0")
+    with pytest.raises(AppendConflict) as info:
+        await log.append_if_last(S, failed(1), "0-0")
+    assert info.value.current == first[0]
+    ids = await log.append_if_last(S, [failed(1), failed(2)], first[0])
+    assert len(ids) == 2
+    assert await log.last_id(S) == ids[-1]
+    assert len(await log.read(S)) == 3
+
+
+async def test_compare_and_append_with_follow_ups_is_atomic(log: EventLog) -> None:
+    ids = await log.append_if_last(S, failed(0), "0-0", also=[(f"{S}:a", failed(1)),
+                                                             (f"{S}:b", failed(2))])
+    assert len(ids) == 3
+    assert [e.event.rollout_id for e in await log.read(f"{S}:a")] == ["r1"]  # type: ignore[attr-defined]
+    with pytest.raises(AppendConflict):
+        await log.append_if_last(S, failed(3), "0-0", also=[(f"{S}:a", failed(4))])
+    assert len(await log.read(f"{S}:a")) == 1  # the follow-up was not written either
+
+
+async def test_concurrent_writers_racing_cas_lose_nothing(redis_factory: ClientFactory) -> None:
+    writers, per_writer = 6, 15
+
+    async def writer(w: int) -> int:
+        log = EventLog(redis_factory(), producer=f"w{w}")
+        conflicts = 0
+        for k in range(per_writer):
+            while True:
+                last = await log.last_id(S)
+                await asyncio.sleep(0)  # give the others a chance to interleave
+                try:
+                    await log.append_if_last(S, RolloutFailed(rollout_id=f"w{w}", reason=str(k)),
+                                             last)
+                    break
+                except AppendConflict:
+                    conflicts += 1
+        return conflicts
+
+    conflicts = await asyncio.gather(*(writer(w) for w in range(writers)))
+    log = EventLog(redis_factory())
+    events = [e.event for e in await log.read(S)]
+    assert len(events) == writers * per_writer
+    seen = {(e.rollout_id, e.reason) for e in events if isinstance(e, RolloutFailed)}
+    assert len(seen) == writers * per_writer
+    for w in range(writers):  # each writer's own appends stay in its order
+        mine = [int(e.reason) for e in events if isinstance(e, RolloutFailed)
+                and e.rollout_id == f"w{w}"]
+        assert mine == list(range(per_writer))
+    assert sum(conflicts) > 0  # the race was real
+
+
+async def test_tail_and_subscribe_see_new_events(log: EventLog) -> None:
+    await log.append(S, failed(0))
+    got: list[str] = []
+
+    async def consume() -> None:
+        async for env in log.subscribe(S, block_ms=100):
+            got.append(env.event.rollout_id)  # type: ignore[attr-defined]
+            if len(got) == 3:
+                return
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    for i in (1, 2, 3):
+        await log.append(S, failed(i))
+    await asyncio.wait_for(task, 10)
+    assert got == ["r1", "r2", "r3"]
+    last = await log.last_id(S)
+    assert await log.tail({S: last}, block_ms=50) == []
+
+
+async def test_group_create_is_idempotent_and_delivers_once(log: EventLog) -> None:
+    await log.ensure_group(S, "g")
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, failed(i)) for i in range(5)])
+    a = await log.read_group("g", "c1", [S], count=3, block_ms=50)
+    b = await log.read_group("g", "c2", [S], count=10, block_ms=50)
+    assert len(a) == 3 and len(b) == 2
+    assert {e.id for e in a}.isdisjoint({e.id for e in b})
+    assert await log.read_group("g", "c1", [S], count=10, block_ms=50) == []
+
+
+async def test_restart_rereads_own_pending_then_ack(redis_factory: ClientFactory) -> None:
+    log = EventLog(redis_factory())
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, failed(i)) for i in range(3)])
+    got = await log.read_group("g", "worker-1", [S], block_ms=50)
+    await log.ack(S, "g", got[0].id)
+    restarted = EventLog(redis_factory())  # same consumer name, new process
+    pending = await restarted.read_group("g", "worker-1", [S], pending=True)
+    assert [e.id for e in pending] == [e.id for e in got[1:]]
+    await restarted.ack(S, "g", *(e.id for e in pending))
+    assert await restarted.read_group("g", "worker-1", [S], pending=True) == []
+    assert await restarted.pending_count(S, "g") == 0
+
+
+async def test_claim_after_consumer_dies(redis_factory: ClientFactory) -> None:
+    dead = EventLog(redis_factory())
+    await dead.ensure_group(S, "g")
+    await dead.append_many([(S, failed(i)) for i in range(4)])
+    taken = await dead.read_group("g", "dead", [S], block_ms=50)
+    assert len(taken) == 4
+    live = EventLog(redis_factory())
+    assert (await live.claim_idle(S, "g", "live", min_idle_ms=60_000)).entries == []
+    await asyncio.sleep(0.15)
+    claimed = await live.claim_idle(S, "g", "live", min_idle_ms=100)
+    assert [e.id for e in claimed.entries] == [e.id for e in taken]
+    assert all(n == 2 for n in claimed.deliveries.values())
+    await live.ack(S, "g", *(e.id for e in claimed.entries))
+    assert await live.pending_count(S, "g") == 0
+
+
+async def test_keep_alive_protects_live_work(redis_factory: ClientFactory) -> None:
+    worker = EventLog(redis_factory())
+    await worker.ensure_group(S, "g")
+    await worker.append(S, failed(0))
+    (env,) = await worker.read_group("g", "w", [S], block_ms=50)
+    await asyncio.sleep(0.15)
+    await worker.keep_alive(S, "g", "w", [env.id])
+    other = EventLog(redis_factory())
+    assert (await other.claim_idle(S, "g", "o", min_idle_ms=100)).entries == []
+
+
+async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFactory) -> None:
+    log = EventLog(redis_factory(), max_deliveries=2)
+    await log.ensure_group(S, "g")
+    await log.append(S, failed(7))
+    await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
+    await asyncio.sleep(0.03)
+    first = await log.claim_idle(S, "g", "b", min_idle_ms=20)  # delivery 2
+    assert len(first.entries) == 1 and not first.dead
+    await asyncio.sleep(0.03)
+    second = await log.claim_idle(S, "g", "c", min_idle_ms=20)  # delivery 3 > limit
+    assert second.entries == []
+    assert len(second.dead) == 1
+    assert second.dead[0].event == failed(7)
+    assert await log.pending_count(S, "g") == 0
+    (letter,) = await log.read(log.names.dead)
+    assert isinstance(letter.event, DeadLetter)
+    assert letter.event.source_id == second.dead[0].id
+    assert letter.event.deliveries == 3
+    assert "delivered 3 times" in letter.event.error
+    assert log.dead_lettered == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({b"e": b"\xc1\x00garbage"}, "not a msgpack event"),
+        ({b"e": msgpack.packb({"type": "Martian", "v": 1})}, "unknown event type"),
+        ({b"e": msgpack.packb({"type": "RolloutFailed", "v": 1, "rollout_id": "x"})},
+         "reason"),
+        ({b"e": msgpack.packb({"type": "RolloutFailed", "v": 9, "rollout_id": "x",
+                               "reason": "y"})}, "newer than this engine"),
+        ({b"other": b"1"}, "no 'e' field"),
+    ],
+    ids=["garbage", "unknown-type", "missing-field", "newer-version", "no-field"],
+)
+async def test_poison_entries_are_dead_lettered_and_reader_carries_on(
+    log: EventLog, fields: dict[bytes, bytes], reason: str
+) -> None:
+    await log.ensure_group(S, "g")
+    await log.append(S, failed(1))
+    bad_id = (await log.redis.xadd(S, fields)).decode()
+    await log.append(S, failed(2))
+    got = await log.read_group("g", "c", [S], block_ms=50)
+    assert [e.event.rollout_id for e in got] == ["r1", "r2"]  # type: ignore[attr-defined]
+    assert log.dead_lettered == 1
+    (letter,) = await log.read(log.names.dead)
+    assert isinstance(letter.event, DeadLetter)
+    assert letter.event.source_stream == S and letter.event.source_id == bad_id
+    assert letter.event.raw == fields.get(b"e", b"")
+    assert reason in letter.event.error
+    assert letter.event.group == "g"
+    # acked: nothing of the poison entry is left pending
+    assert [e.id for e in await log.read_group("g", "c", [S], pending=True)] == \
+        [e.id for e in got]
+
+
+async def test_plain_reads_dead_letter_too(log: EventLog) -> None:
+    await log.redis.xadd(S, {b"e": b"junk"})
+    await log.append(S, failed(3))
+    assert len(await log.read(S)) == 1
+    assert log.dead_lettered == 1
+
+
+async def test_trim_keeps_unacked_entries(log: EventLog) -> None:
+    await log.ensure_group(S, "g")
+    ids = await log.append_many([(S, failed(i)) for i in range(6)])
+    got = await log.read_group("g", "c", [S], count=4, block_ms=50)
+    await log.ack(S, "g", got[0].id, got[1].id, got[3].id)  # got[2] still pending
+    await log.trim_acked(S)
+    remaining = [e.id for e in await log.read(S)]
+    assert remaining == ids[2:]
+
+
+async def test_encoded_bytes_are_what_is_stored(log: EventLog) -> None:
+    ev = failed(5).model_copy(update={"producer": "test"})
+    entry = await log.append(S, failed(5))
+    rows = await log.redis.xrange(S, entry, entry)
+    assert rows[0][1][b"e"] == encode(ev)
