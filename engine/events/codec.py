@@ -1,19 +1,22 @@
 """msgpack wire format for events. Never pickle.
 
-An event is encoded as one msgpack map ``{"type": ..., "v": schema_version, **fields}``;
-packed arrays become msgpack ext values (code 1 int32 ids, 2 float32 logprobs, 3 uint8
-masks) holding the raw little-endian bytes. Decoding checks the map shape, looks the type
-up in the registry, upcasts older schema versions and validates with pydantic, so what a
+An event is encoded as one msgpack map ``{"type": ..., "v": schema_version, **fields}``.
+A field declared as a packed array (``TokenIds`` int32, ``LogProbs`` float32, ``Mask``
+uint8) is stored as msgpack bin holding its raw little-endian bytes: one memcpy, and the
+event class says how to read it back. A packed array anywhere else (inside a free-form
+value) becomes a self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
+Decoding checks the map shape, looks the type up in the registry, upcasts older schema versions and validates with pydantic, so what a
 reader gets is always a valid current event; anything else raises a :class:`DecodeError`
 naming the problem (the log turns it into a dead letter).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
 from engine.events.arrays import EXT_TYPES, PackedArray
@@ -25,9 +28,23 @@ _RESERVED = ("type", "v")
 def _default(obj: Any) -> Any:
     if isinstance(obj, PackedArray):
         return msgpack.ExtType(obj.ext_code, obj.data)
+    if isinstance(obj, BaseModel):  # nested records: their validated field values
+        return obj.__dict__
     if isinstance(obj, tuple | set | frozenset):
         return list(obj)
     raise TypeError(f"cannot encode {type(obj).__name__} in an event")
+
+
+_LOCAL = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    # A Packer per thread: reusing one saves its set-up on every event.
+    packer: msgpack.Packer | None = getattr(_LOCAL, "packer", None)
+    if packer is None:
+        packer = msgpack.Packer(default=_default, use_bin_type=True, autoreset=True)
+        _LOCAL.packer = packer
+    return packer
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -37,12 +54,40 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return cls(data)
 
 
-def encode(event: Event) -> bytes:
-    """Encode a validated event to bytes."""
-    payload = event.model_dump(mode="python", exclude_defaults=False)
+_ARRAY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _array_fields(cls: type[Event]) -> tuple[str, ...]:
+    names = _ARRAY_FIELDS.get(cls)
+    if names is None:
+        names = tuple(
+            name
+            for name, info in cls.model_fields.items()
+            if isinstance(info.annotation, type) and issubclass(info.annotation, PackedArray)
+        )
+        _ARRAY_FIELDS[cls] = names
+    return names
+
+
+def encode(event: Event, *, producer: str | None = None, causation: str | None = None) -> bytes:
+    """Encode a validated event to bytes (``producer`` / ``causation`` override its own).
+
+    The event's validated field values are packed directly (no ``model_dump``): frozen
+    models hold only msgpack-able values, packed arrays and nested records, which
+    ``_default`` handles; this keeps encoding well under the cost of the XADD itself.
+    """
+    payload = dict(event.__dict__)
+    for name in _array_fields(type(event)):
+        # A field typed as a packed array travels as plain msgpack bin (its class says
+        # how to read it); arrays anywhere else become self-describing ext values.
+        payload[name] = payload[name].data
+    if producer is not None:
+        payload["producer"] = producer
+    if causation is not None:
+        payload["causation"] = causation
     payload["v"] = type(event).schema_version
     try:
-        out: bytes = msgpack.packb(payload, default=_default, use_bin_type=True)
+        out: bytes = _packer().pack(payload)
     except (TypeError, ValueError, OverflowError) as exc:
         raise EventError(f"cannot encode {event.type}: {exc}") from exc
     return out

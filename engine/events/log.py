@@ -154,15 +154,9 @@ class EventLog:
     # ------------------------------------------------------------------ writing
 
     def _encode(self, event: Event, causation: Envelope | str | None) -> bytes:
-        if causation is not None or (self.producer and not event.producer):
-            update: dict[str, Any] = {}
-            if self.producer and not event.producer:
-                update["producer"] = self.producer
-            if causation is not None:
-                ref = causation.ref if isinstance(causation, Envelope) else causation
-                update["causation"] = ref
-            event = event.model_copy(update=update)
-        return encode(event)
+        producer = self.producer if self.producer and not event.producer else None
+        ref = causation.ref if isinstance(causation, Envelope) else causation
+        return encode(event, producer=producer, causation=ref)
 
     async def append(
         self, stream: str, event: Event, *, causation: Envelope | str | None = None

@@ -40,10 +40,21 @@ def test_round_trip_every_event_type(event: Event) -> None:
 def test_arrays_are_packed_binary_not_lists() -> None:
     ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[1, 2], response_ids=[3],
                          logprobs=[-0.5], loss_mask=[1])
+    raw = msgpack.unpackb(encode(ev), raw=False)
+    assert raw["prompt_ids"] == np.array([1, 2], "<i4").tobytes()
+    assert raw["logprobs"] == np.array([-0.5], "<f4").tobytes()
+    assert raw["loss_mask"] == b"\x01"
+
+
+def test_arrays_inside_free_form_values_are_self_describing() -> None:
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[], response_ids=[],
+                         logprobs=[], loss_mask=[],
+                         metrics={"topk": TokenIds.from_values([7, 8])})
     raw = msgpack.unpackb(encode(ev), raw=False, ext_hook=lambda c, d: (c, d))
-    assert raw["prompt_ids"] == (1, np.array([1, 2], "<i4").tobytes())
-    assert raw["logprobs"] == (2, np.array([-0.5], "<f4").tobytes())
-    assert raw["loss_mask"] == (3, b"\x01")
+    assert raw["metrics"]["topk"] == (1, np.array([7, 8], "<i4").tobytes())
+    back = decode(encode(ev))
+    assert isinstance(back, SampleCompleted)
+    assert back.metrics["topk"] == TokenIds.from_values([7, 8])
 
 
 def test_views_list_numpy_torch() -> None:
