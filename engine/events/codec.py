@@ -5,9 +5,10 @@ A field declared as a packed array (``TokenIds`` int32, ``LogProbs`` float32, ``
 uint8) is stored as msgpack bin holding its raw little-endian bytes: one memcpy, and the
 event class says how to read it back. A packed array anywhere else (inside a free-form
 value) becomes a self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
-Decoding checks the map shape, looks the type up in the registry, upcasts older schema versions and validates with pydantic, so what a
-reader gets is always a valid current event; anything else raises a :class:`DecodeError`
-naming the problem (the log turns it into a dead letter).
+Decoding checks the map shape, looks the type up in the registry, upcasts older schema
+versions and validates with pydantic, so what a reader gets is always a valid current
+event; anything else raises a :class:`DecodeError` naming the problem (the log turns it
+into a dead letter).
 """
 
 from __future__ import annotations
