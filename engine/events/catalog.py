@@ -36,6 +36,7 @@ __all__ = [
     "Record",
     "RolloutFailed",
     "RolloutKind",
+    "RolloutPlanned",
     "RolloutReady",
     "RolloutRequested",
     "SampleAborted",
@@ -243,6 +244,17 @@ class BatchSealed(Event):
     seq: int
     evaluator_id: str
     sample_ids: list[str]
+
+
+class RolloutPlanned(Event):
+    """Written after every ``TaskFetched`` and ``BatchSealed`` of the rollout: the plan is
+    complete, and the rollout is finished when ``n_samples`` samples are terminal."""
+
+    type: Literal["RolloutPlanned"] = "RolloutPlanned"
+    rollout_id: str
+    n_samples: int
+    n_batches: int
+    batch_ids: list[str] = Field(default_factory=list)
 
 
 class SampleStarted(Event):

@@ -1,8 +1,8 @@
 """The rollout projection: everything known about one rollout, folded from its stream.
 
 ``rl:{rollout:<id>}`` starts with a copy of the ``RolloutRequested`` (so an archived stream is
-self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch, the samples'
-lifecycle events, optional ``TeacherScored`` and finally ``RolloutReady``.
+self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch and one
+``RolloutPlanned`` (the plan is complete), the samples' lifecycle events, optional ``TeacherScored`` and finally ``RolloutReady``.
 
 Idempotence rules (at-least-once delivery, crashed workers):
 * a duplicate ``TaskFetched`` / ``BatchSealed`` (same id) is ignored;
@@ -26,6 +26,7 @@ from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
     RolloutFailed,
+    RolloutPlanned,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
@@ -71,6 +72,7 @@ class RolloutState:
     request: RolloutRequested | None = None
     samples: dict[str, SampleState] = field(default_factory=dict)
     batches: dict[str, BatchSealed] = field(default_factory=dict)
+    planned: RolloutPlanned | None = None
     ready: RolloutReady | None = None
     failed: RolloutFailed | None = None
     event_count: int = 0
@@ -92,7 +94,10 @@ class RolloutState:
         return [i for i in ids if i in self.samples and not self.samples[i].done]
 
     def all_terminal(self) -> bool:
-        return bool(self.samples) and all(s.done for s in self.samples.values())
+        """The plan is complete and every planned sample has a terminal event."""
+        if self.planned is None or len(self.samples) < self.planned.n_samples:
+            return False
+        return all(s.done for s in self.samples.values())
 
     def ordered(self) -> list[SampleState]:
         """Samples in task order (index), the order the trainer sees."""
@@ -143,6 +148,9 @@ class RolloutProjection:
                 state.samples[ev.sample_id] = replace(s, teacher=ev)
         elif isinstance(ev, BatchSealed):
             state.batches.setdefault(ev.batch_id, ev)
+        elif isinstance(ev, RolloutPlanned):
+            if state.planned is None:
+                state.planned = ev
         elif isinstance(ev, RolloutRequested):
             if state.request is None:
                 state.request = ev

@@ -6,6 +6,7 @@ from engine.events import (
     AbortClass,
     Envelope,
     Event,
+    RolloutPlanned,
     RolloutReady,
     SampleAborted,
     SampleCompleted,
@@ -38,6 +39,7 @@ def test_duplicates_and_stale_attempts_are_ignored() -> None:
     p = RolloutProjection()
     events = envs(
         task(0), task(1), task(0),  # duplicate TaskFetched
+        RolloutPlanned(rollout_id="r", n_samples=2, n_batches=1),
         SampleStarted(rollout_id="r", sample_id="s0", attempt=0),
         TurnCompleted(rollout_id="r", sample_id="s0", attempt=0, turn=0),
         SampleStarted(rollout_id="r", sample_id="s0", attempt=1),  # re-run after a crash
@@ -68,6 +70,17 @@ def test_redelivered_prefix_gives_the_same_state() -> None:
     once = fold(p, start(p), events).state
     again = fold(p, fold(p, start(p), events[:3]), events).state
     assert once.samples == again.samples and once.pending() == again.pending() == []
+
+
+def test_all_terminal_needs_the_complete_plan() -> None:
+    p = RolloutProjection()
+    state = fold(p, start(p), envs(task(0), done(0))).state
+    assert not state.all_terminal()  # more tasks may still be coming
+    planned = RolloutPlanned(rollout_id="r", n_samples=2, n_batches=1)
+    state = fold(p, start(p), envs(task(0), done(0), planned)).state
+    assert not state.all_terminal()  # a planned sample is missing
+    state = fold(p, start(p), envs(task(0), task(1), planned, done(0), done(1))).state
+    assert state.all_terminal()
 
 
 def test_pending_lists_samples_without_terminal() -> None:
