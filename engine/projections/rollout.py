@@ -2,7 +2,8 @@
 
 ``rl:{rollout:<id>}`` starts with a copy of the ``RolloutRequested`` (so an archived stream is
 self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch and one
-``RolloutPlanned`` (the plan is complete), the samples' lifecycle events, optional ``TeacherScored`` and finally ``RolloutReady``.
+``RolloutPlanned`` (the plan is complete), the samples' lifecycle events, optional
+``TeacherScored`` and finally ``RolloutReady``.
 
 Idempotence rules (at-least-once delivery, crashed workers):
 * a duplicate ``TaskFetched`` / ``BatchSealed`` (same id) is ignored;
