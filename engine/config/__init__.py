@@ -1,0 +1,11 @@
+"""Loaders of the engine's configuration inputs; each refuses bad input with a ``ConfigError``
+naming the file (or variable), the entry and the key.
+
+- ``engine.config.rollout``: the rollout YAML (training and eval datasets);
+- ``engine.config.evaluators``: the Python file exposing ``build_evaluators(args)``;
+- ``engine.config.layout``: the cluster layout (inline JSON or a file);
+- ``engine.config.messages``: shared phrasing of validation errors.
+
+Environment variables are declared in ``engine.settings``. The package does not re-export its
+modules so that ``engine.settings`` can use ``messages`` without an import cycle.
+"""

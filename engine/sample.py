@@ -1,0 +1,171 @@
+"""``Sample``: one trajectory as the trainer sees it.
+
+Field names follow slime's ``Sample`` (``tokens``, ``response_length``, ``loss_mask``,
+``rollout_log_probs``, ``reward``, ``status``, ``remove_sample``, ...) so trainer code written
+against slime reads ours unchanged. Unlike slime's, the record is frozen: later stages derive a
+new one with ``model_copy(update=...)`` instead of editing it in place.
+
+Invariants, checked at construction: ``tokens`` is the prompt's tokens followed by the
+response's, so ``response_length <= len(tokens)``; ``loss_mask`` has one 0/1 entry per response
+token; ``rollout_log_probs`` and ``teacher_log_probs``, when present, too.
+
+Two constructors cover the evaluator's outcomes: ``from_agent_result`` for a finished episode
+(an inconsistent result is an ``AgentError`` naming the task) and ``masked_dummy`` for an
+aborted one: two zero tokens, fully masked, ``remove_sample=True``, so it carries no gradient
+while keeping the trainer's batch shape intact.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, JsonValue, Strict, model_validator
+
+from engine.agents.base import AgentResult, check_response_arrays
+from engine.domain import (
+    FrozenModel,
+    NonNegInt,
+    Prompt,
+    SampleStatus,
+    Task,
+    TerminationReason,
+)
+from engine.errors import AgentError
+
+__all__ = ["DUMMY_TOKENS", "Sample"]
+
+DUMMY_TOKENS: tuple[int, int] = (0, 0)
+
+_Score = Annotated[float, Strict()]
+
+
+class Sample(FrozenModel):
+    """A trajectory with its reward, ready to collate; see the module docstring."""
+
+    index: NonNegInt
+    group_index: NonNegInt
+    sample_id: str = ""
+    prompt: Prompt = ""
+    response: str = ""
+    label: JsonValue = None
+    tokens: tuple[int, ...]
+    response_length: NonNegInt
+    loss_mask: tuple[int, ...]
+    rollout_log_probs: tuple[float, ...] | None = None
+    teacher_log_probs: tuple[float, ...] | None = None
+    reward: _Score | dict[str, _Score] = 0.0
+    status: SampleStatus = SampleStatus.PENDING
+    termination_reason: TerminationReason | None = None
+    remove_sample: bool = False
+    policy_version: NonNegInt | None = None
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _arrays_line_up(self) -> Sample:
+        if self.response_length > len(self.tokens):
+            raise ValueError(
+                f"response_length {self.response_length} exceeds the {len(self.tokens)} tokens"
+            )
+        check_response_arrays(self.response_length, self.loss_mask, self.rollout_log_probs)
+        if (
+            self.teacher_log_probs is not None
+            and len(self.teacher_log_probs) != self.response_length
+        ):
+            raise ValueError(
+                f"teacher_log_probs has {len(self.teacher_log_probs)} entries for "
+                f"{self.response_length} response tokens"
+            )
+        return self
+
+    @classmethod
+    def from_agent_result(
+        cls,
+        task: Task,
+        result: AgentResult,
+        reward: float | dict[str, float],
+        *,
+        policy_version: int | None = None,
+        require_tokens: bool = True,
+    ) -> Sample:
+        """The trainer's view of a finished episode.
+
+        With ``require_tokens`` (training) the result must carry at least one response token
+        and a logprob for each; without it (eval of a black-box scaffold) missing logprobs
+        become ``rollout_log_probs=None``. Raises ``AgentError`` naming the task when the
+        token arrays do not line up.
+        """
+        where = f"task {task.task_id} (dataset {task.dataset_name!r})"
+        # tokens = prompt + response by construction; the response arrays are checked below.
+        tokens = result.prompt_token_ids + result.response_token_ids
+        response_length = len(result.response_token_ids)
+        logprobs: tuple[float, ...] | None = result.response_logprobs
+        if require_tokens:
+            if response_length == 0:
+                raise AgentError(f"{where}: the agent returned no response tokens to train on")
+        elif not result.response_logprobs:
+            logprobs = None
+        try:
+            check_response_arrays(response_length, result.loss_mask, logprobs)
+        except ValueError as exc:
+            raise AgentError(
+                f"{where}: inconsistent agent result: {exc} (a trainable sample needs one "
+                f"logprob and one loss-mask entry per response token)"
+            ) from None
+        reason = result.termination_reason
+        return cls(
+            index=task.index,
+            group_index=task.group_index,
+            sample_id=task.task_id,
+            prompt=task.prompt,
+            response=result.text,
+            label=task.label,
+            tokens=tokens,
+            response_length=response_length,
+            loss_mask=result.loss_mask,
+            rollout_log_probs=logprobs,
+            reward=reward,
+            status=reason.status,
+            termination_reason=reason,
+            policy_version=policy_version,
+            metadata=_task_metadata(task),
+        )
+
+    @classmethod
+    def masked_dummy(
+        cls,
+        task: Task | None = None,
+        *,
+        reason: TerminationReason | None = None,
+        agent_reason: str | None = None,
+        policy_version: int | None = None,
+    ) -> Sample:
+        """A zero-gradient stand-in: ``[0, 0]`` tokens, all masked, ``remove_sample=True``.
+
+        ``reason`` is the abort class; ``agent_reason`` keeps the agent's own termination
+        reason for diagnostics when it had one. Without a task (a filter emptied the rollout)
+        the dummy has index and group 0 and an empty prompt.
+        """
+        metadata = _task_metadata(task) if task is not None else {}
+        if agent_reason is not None:
+            metadata["termination_reason_agent"] = agent_reason
+        return cls(
+            index=task.index if task is not None else 0,
+            group_index=task.group_index if task is not None else 0,
+            sample_id=task.task_id if task is not None else "",
+            prompt=task.prompt if task is not None else "",
+            label=task.label if task is not None else None,
+            tokens=DUMMY_TOKENS,
+            response_length=len(DUMMY_TOKENS),
+            loss_mask=(0,) * len(DUMMY_TOKENS),
+            rollout_log_probs=(0.0,) * len(DUMMY_TOKENS),
+            reward=0.0,
+            status=SampleStatus.ABORTED,
+            termination_reason=reason,
+            remove_sample=True,
+            policy_version=policy_version,
+            metadata=metadata,
+        )
+
+
+def _task_metadata(task: Task) -> dict[str, JsonValue]:
+    return {**task.metadata, "task_type": task.task_type, "dataset": task.dataset_name}
