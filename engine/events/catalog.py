@@ -204,6 +204,8 @@ class BatchAdmitted(Event):
     sample_ids: list[str]
     token_ids: list[str] = Field(default_factory=list)
     nodes: dict[str, str] = Field(default_factory=dict)
+    # token id -> the GPU ids its grant holds a share of (for the per-turn placement log)
+    gpus: dict[str, list[int]] = Field(default_factory=dict)
 
 
 class CaptureRequested(Event):

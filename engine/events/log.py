@@ -311,6 +311,26 @@ class EventLog:
             out.extend(await self._decode_rows(_s(raw_stream), rows))
         return out
 
+    async def read_after(
+        self, stream: str, after: str, *, block_ms: int | None = None, count: int = 500
+    ) -> tuple[list[Envelope], str]:
+        """Blocking read of one stream past ``after``: the decoded envelopes and the raw id
+        to continue from, which moves past dead-lettered entries too (so a bad last entry
+        is not read again). ``block_ms=0`` does not block."""
+        block = self.block_ms if block_ms is None else block_ms
+        with _translate(f"XREAD {stream}"):
+            if block > 0:
+                result = await self._r.xread({stream: after}, count=count, block=block)
+            else:
+                result = await self._r.xread({stream: after}, count=count)
+        position = after
+        out: list[Envelope] = []
+        for _raw_stream, rows in result or []:
+            if rows:
+                position = _s(rows[-1][0])
+                out.extend(await self._decode_rows(stream, rows))
+        return out, position
+
     async def subscribe(
         self, stream: str, *, after: str = "$", block_ms: int | None = None
     ) -> AsyncIterator[Envelope]:
