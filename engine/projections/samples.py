@@ -1,0 +1,205 @@
+"""From events to the domain: a ``TaskFetched`` back to its ``Task``, and a finished rollout's
+state to the trainer's ``Sample`` list.
+
+``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
+client's ``load`` and ``rollout replay`` both call it, so they agree by construction.
+
+* The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
+* A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
+  reward. When the rollout's algorithm captured teacher logprobs (``TeacherScored``), the
+  sample carries ``teacher_log_probs`` and its ``loss_mask`` becomes the action mask
+  (inference-backend §3 role B: the loss sees exactly the student-emitted tokens).
+* An aborted sample becomes ``Sample.masked_dummy`` (two zero tokens, zero loss mask,
+  ``remove_sample``, reward 0) keeping its index, group, prompt and the agent's own reason.
+* ``RolloutReady.dummy`` (filters emptied the rollout) gives exactly one masked dummy.
+
+A reward given as a dict of named scores keeps the dict on the sample; its scalar (for
+``SampleCompleted.reward`` and collation) is the ``"score"`` entry (:func:`scalar_reward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from engine.domain import (
+    DatasetConfig,
+    SamplingParams,
+    StoppingCriteria,
+    Task,
+    TerminationReason,
+)
+from engine.errors import ConfigError, RolloutError
+from engine.events.catalog import TaskFetched
+from engine.projections.rollout import RolloutState, SampleState
+from engine.sample import Sample
+
+__all__ = [
+    "DatasetCache",
+    "sample_of",
+    "sampling_of",
+    "scalar_reward",
+    "stopping_of",
+    "task_of",
+    "trainer_samples",
+]
+
+_DATASET: TypeAdapter[DatasetConfig] = TypeAdapter(DatasetConfig)
+
+DatasetCache = dict[tuple[str, str], DatasetConfig]
+
+
+def scalar_reward(reward: float | Mapping[str, float]) -> float:
+    """The number a reward stands for: itself, or a dict's ``"score"`` entry (0 if absent)."""
+    if isinstance(reward, Mapping):
+        return float(reward.get("score", 0.0))
+    return float(reward)
+
+
+def _dataset_of(ev: TaskFetched, cache: DatasetCache | None) -> DatasetConfig:
+    key = (ev.dataset, ev.task_type)
+    if cache is not None and key in cache:
+        return cache[key]
+    raw: dict[str, Any] = dict(ev.dataset_cfg)
+    raw.setdefault("name", ev.dataset)
+    raw.setdefault("task_type", ev.task_type)
+    raw.setdefault("path", "")
+    raw.setdefault("kind", "train")
+    try:
+        dataset = _DATASET.validate_python(raw)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"TaskFetched {ev.sample_id}: dataset_cfg of dataset {ev.dataset!r} does not "
+            f"validate: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+        ) from None
+    if cache is not None:
+        cache[key] = dataset
+    return dataset
+
+
+def task_of(ev: TaskFetched, *, datasets: DatasetCache | None = None) -> Task:
+    """The ``Task`` a ``TaskFetched`` stands for (``datasets`` caches parsed dataset configs
+    per rollout; the dataset config is the same for every sample of a dataset)."""
+    dataset = _dataset_of(ev, datasets)
+    line = ev.metadata.get("_source_line", ev.metadata.get("source_line", 1))
+    try:
+        return Task(
+            task_id=ev.sample_id,
+            rollout_id=ev.rollout_id,
+            index=ev.index,
+            group_index=ev.group_index,
+            prompt=ev.prompt,
+            label=ev.label,
+            dataset=dataset,
+            source_line=line if isinstance(line, int) and line >= 1 else 1,
+            metadata=ev.metadata,
+        )
+    except ValidationError as exc:
+        raise ConfigError(
+            f"TaskFetched {ev.sample_id}: not a valid task: "
+            f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+        ) from None
+
+
+def stopping_of(ev: TaskFetched) -> StoppingCriteria:
+    """The sample's stopping criteria as the scheduler resolved them."""
+    try:
+        return StoppingCriteria.model_validate(ev.stopping)
+    except ValidationError as exc:
+        raise ConfigError(f"TaskFetched {ev.sample_id}: bad stopping criteria: {exc}") from None
+
+
+def sampling_of(ev: TaskFetched) -> SamplingParams:
+    """The sample's sampling params as the scheduler resolved them."""
+    try:
+        return SamplingParams.model_validate(ev.sampling_params)
+    except ValidationError as exc:
+        raise ConfigError(f"TaskFetched {ev.sample_id}: bad sampling params: {exc}") from None
+
+
+def _reason(value: str | None) -> TerminationReason | None:
+    try:
+        return TerminationReason(value) if value else None
+    except ValueError:
+        return None
+
+
+def _metadata(ev: TaskFetched) -> dict[str, Any]:
+    return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
+
+
+def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
+    """The trainer's view of one terminal sample (see the module docstring)."""
+    task = s.task
+    done = s.completed
+    if done is None:
+        aborted = s.aborted
+        dummy = Sample.masked_dummy(
+            reason=_reason(aborted.abort_class.value) if aborted is not None else None,
+            agent_reason=aborted.agent_reason if aborted is not None else None,
+            policy_version=policy_version,
+        )
+        return dummy.model_copy(
+            update={
+                "index": task.index,
+                "group_index": task.group_index,
+                "sample_id": task.sample_id,
+                "prompt": task.prompt,
+                "label": task.label,
+                "metadata": {**_metadata(task), **dummy.metadata},
+            }
+        )
+    prompt_ids = done.prompt_ids.tolist()
+    response_ids = done.response_ids.tolist()
+    loss_mask = tuple(done.loss_mask.tolist())
+    logprobs = tuple(done.logprobs.tolist()) if len(done.logprobs) else None
+    teacher: tuple[float, ...] | None = None
+    if s.teacher is not None:
+        teacher = tuple(s.teacher.teacher_logprobs.tolist())
+        if len(s.teacher.action_mask):
+            loss_mask = tuple(s.teacher.action_mask.tolist())
+    reward: float | dict[str, float] = float(done.reward)
+    if done.reward_detail:
+        reward = {str(k): float(v) for k, v in done.reward_detail.items()}
+    metadata = _metadata(task)
+    metadata["attempt"] = done.attempt
+    metadata["n_turns"] = done.n_turns
+    return Sample(
+        index=task.index,
+        group_index=task.group_index,
+        sample_id=task.sample_id,
+        prompt=task.prompt,
+        response=done.response_text,
+        label=task.label,
+        tokens=(*prompt_ids, *response_ids),
+        response_length=len(response_ids),
+        loss_mask=loss_mask,
+        rollout_log_probs=logprobs,
+        teacher_log_probs=teacher,
+        reward=reward,
+        status=done.status,
+        termination_reason=_reason(done.termination_reason),
+        policy_version=done.policy_version if policy_version is None else policy_version,
+        metadata=metadata,
+    )
+
+
+def trainer_samples(state: RolloutState) -> list[Sample]:
+    """The samples ``RolloutReady`` names, in its order; raises if the rollout is not ready."""
+    ready = state.ready
+    if ready is None:
+        raise RolloutError(f"rollout {state.rollout_id} has no RolloutReady yet")
+    if ready.dummy:
+        return [Sample.masked_dummy(policy_version=ready.policy_version)]
+    out: list[Sample] = []
+    for sample_id in ready.sample_ids:
+        s = state.samples.get(sample_id)
+        if s is None or not s.done:
+            raise RolloutError(
+                f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
+                f"terminal event in the stream"
+            )
+        out.append(sample_of(s))
+    return out

@@ -1,0 +1,412 @@
+"""Summaries of a finished rollout: failure classes, eval metrics and the eval artifacts.
+
+Everything here is a pure function of a folded :class:`RolloutState` (no clock, no I/O
+except :func:`write_artifacts`), so the live finalizer and ``rollout replay`` produce the
+same bytes from the same events. Output bytes are deterministic: keys sorted, compact
+separators, floats rounded to 6 decimals (:func:`dumps`), rows in sample-index order.
+
+Failure classes (seeds: ``classify_termination(reward, reason)``). Every sample falls in
+exactly one of eight classes; the first matching rule wins:
+
+=====================  =====================================================================
+class                  rule
+=====================  =====================================================================
+``agent_timeout``      the sample was aborted as ``agent_timeout`` (episode window elapsed)
+``infra_conn``         aborted as ``infra_conn`` (model server unreachable / aborted)
+``infra_sandbox``      aborted as ``infra_sandbox`` (the sandbox failed)
+``infra_other``        aborted as ``infra_other`` (anything else, dead-lettered deliveries)
+``success``            not aborted and ``reward > 0``
+``truncated_turns``    ended by ``max_turns`` with ``reward <= 0``
+``truncated_context``  ended by ``max_context`` or ``length`` with ``reward <= 0``
+``wrong_answer``       any other ending with ``reward <= 0`` (a clean ``finish`` included)
+=====================  =====================================================================
+
+A sample counts as *correct* when its class is ``success``. Per dataset, ``accuracy`` is
+the fraction of correct samples and, for datasets whose prompts have more than one sample,
+``pass@k`` is the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts
+(``n`` samples of the prompt, ``c`` correct), for k = 1, 2, 4, ... up to the smallest ``n``.
+It is computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which never forms a large binomial.
+
+Artifacts (:func:`render_artifacts`): ``summary.json`` (per-dataset class counts and
+metrics, per-task list), ``eval_details.jsonl`` (one line per sample),
+``placement.jsonl`` (one line per turn: node and GPU) and ``samples.jsonl`` (the trainer's
+samples as :func:`engine.projections.samples.trainer_samples` builds them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from engine.events.catalog import AbortClass
+from engine.projections.rollout import RolloutState, SampleState
+
+__all__ = [
+    "ARTIFACT_FILES",
+    "FailureClass",
+    "SampleRow",
+    "build_summary",
+    "classify_termination",
+    "dumps",
+    "eval_details",
+    "eval_metrics",
+    "pass_at_k",
+    "placement_log",
+    "render_artifacts",
+    "sample_rows",
+    "write_artifacts",
+]
+
+
+class FailureClass(StrEnum):
+    """The eight outcome classes of the termination taxonomy (see the module docstring)."""
+
+    SUCCESS = "success"
+    WRONG_ANSWER = "wrong_answer"
+    TRUNCATED_TURNS = "truncated_turns"
+    TRUNCATED_CONTEXT = "truncated_context"
+    AGENT_TIMEOUT = "agent_timeout"
+    INFRA_CONN = "infra_conn"
+    INFRA_SANDBOX = "infra_sandbox"
+    INFRA_OTHER = "infra_other"
+
+
+_ABORTS = {c.value: FailureClass(c.value) for c in AbortClass}
+_TRUNCATED = {
+    "max_turns": FailureClass.TRUNCATED_TURNS,
+    "max_context": FailureClass.TRUNCATED_CONTEXT,
+    "length": FailureClass.TRUNCATED_CONTEXT,
+}
+
+
+def classify_termination(reward: float, reason: str | None) -> FailureClass:
+    """Fold an outcome into its failure class; aborts win over the reward."""
+    if reason is not None and reason in _ABORTS:
+        return _ABORTS[reason]
+    if reward > 0:
+        return FailureClass.SUCCESS
+    if reason is not None and reason in _TRUNCATED:
+        return _TRUNCATED[reason]
+    return FailureClass.WRONG_ANSWER
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for ``c`` correct out of ``n`` samples: ``1 - C(n-c,k)/C(n,k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+# ---------------------------------------------------------------- per-sample rows
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """One sample's outcome as the summaries see it."""
+
+    sample_id: str
+    index: int
+    group_index: int
+    dataset: str
+    task_type: str
+    reward: float
+    failure_class: FailureClass
+    status: str
+    termination_reason: str | None
+    agent_reason: str | None
+    abort_class: str | None
+    error: str
+    phase: str
+    attempt: int
+    turns: int
+    response_length: int
+    elapsed_s: float
+    window_s: float | None
+    node: str
+
+    @property
+    def correct(self) -> bool:
+        return self.failure_class is FailureClass.SUCCESS
+
+
+def _row(s: SampleState) -> SampleRow:
+    task = s.task
+    done, aborted = s.completed, s.aborted
+    if done is not None:
+        return SampleRow(
+            sample_id=task.sample_id,
+            index=task.index,
+            group_index=task.group_index,
+            dataset=task.dataset,
+            task_type=task.task_type,
+            reward=float(done.reward),
+            failure_class=classify_termination(done.reward, done.termination_reason or None),
+            status=done.status,
+            termination_reason=done.termination_reason or None,
+            agent_reason=None,
+            abort_class=None,
+            error="",
+            phase="",
+            attempt=done.attempt,
+            turns=done.n_turns or len(s.turns),
+            response_length=len(done.response_ids),
+            elapsed_s=done.elapsed_s,
+            window_s=None,
+            node=s.started.node if s.started is not None else "",
+        )
+    if aborted is not None:
+        return SampleRow(
+            sample_id=task.sample_id,
+            index=task.index,
+            group_index=task.group_index,
+            dataset=task.dataset,
+            task_type=task.task_type,
+            reward=0.0,
+            failure_class=classify_termination(0.0, aborted.abort_class.value),
+            status="aborted",
+            termination_reason=aborted.abort_class.value,
+            agent_reason=aborted.agent_reason,
+            abort_class=aborted.abort_class.value,
+            error=aborted.error,
+            phase=aborted.phase,
+            attempt=aborted.attempt,
+            turns=aborted.turns,
+            response_length=0,
+            elapsed_s=aborted.elapsed_s,
+            window_s=aborted.window_s,
+            node=aborted.node,
+        )
+    # Not terminal (a summary of a rollout still running): counted as infra_other so the
+    # per-dataset totals always add up.
+    return SampleRow(
+        sample_id=task.sample_id,
+        index=task.index,
+        group_index=task.group_index,
+        dataset=task.dataset,
+        task_type=task.task_type,
+        reward=0.0,
+        failure_class=FailureClass.INFRA_OTHER,
+        status="pending",
+        termination_reason=None,
+        agent_reason=None,
+        abort_class=None,
+        error="no terminal event",
+        phase="",
+        attempt=max(s.attempt, 0),
+        turns=len(s.turns),
+        response_length=0,
+        elapsed_s=0.0,
+        window_s=None,
+        node=s.started.node if s.started is not None else "",
+    )
+
+
+def sample_rows(state: RolloutState) -> list[SampleRow]:
+    """Every sample's row, in sample-index order."""
+    return [_row(s) for s in state.ordered()]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _power_of_two_ks(n_min: int) -> list[int]:
+    ks, k = [], 1
+    while k <= n_min:
+        ks.append(k)
+        k *= 2
+    if ks[-1] != n_min:
+        ks.append(n_min)
+    return ks
+
+
+def _dataset_metrics(rows: list[SampleRow]) -> dict[str, float]:
+    out = {"accuracy": sum(r.correct for r in rows) / len(rows)}
+    groups: dict[int, list[SampleRow]] = defaultdict(list)
+    for r in rows:
+        groups[r.group_index].append(r)
+    n_min = min(len(g) for g in groups.values())
+    if n_min > 1:
+        for k in _power_of_two_ks(n_min):
+            values = [pass_at_k(len(g), sum(r.correct for r in g), k) for g in groups.values()]
+            out[f"pass@{k}"] = math.fsum(values) / len(values)
+    return out
+
+
+def _by_dataset(rows: Iterable[SampleRow]) -> dict[str, list[SampleRow]]:
+    out: dict[str, list[SampleRow]] = defaultdict(list)
+    for r in rows:
+        out[r.dataset].append(r)
+    return dict(sorted(out.items()))
+
+
+def eval_metrics(state: RolloutState, *, prefix: str = "eval") -> dict[str, float]:
+    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1)."""
+    out: dict[str, float] = {}
+    for name, rows in _by_dataset(sample_rows(state)).items():
+        for key, value in _dataset_metrics(rows).items():
+            out[f"{prefix}/{name}/{key}"] = value
+    return out
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+def _num(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"cannot write non-finite number {value} to a summary")
+    rounded = round(float(value), 6)
+    return 0.0 if rounded == 0 else rounded  # no "-0.0"
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str | int):
+        return obj
+    if isinstance(obj, float):
+        return _num(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    raise TypeError(f"cannot write {type(obj).__name__} to a summary")
+
+
+def dumps(obj: Any) -> str:
+    """Deterministic JSON: sorted keys, compact, floats rounded to 6 decimals, UTF-8 text."""
+    return json.dumps(_clean(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def build_summary(state: RolloutState) -> dict[str, Any]:
+    """``summary.json``: per-dataset counts per class and metrics, and the per-task list."""
+    rows = sample_rows(state)
+    datasets: dict[str, Any] = {}
+    for name, ds_rows in _by_dataset(rows).items():
+        counts = {c.value: 0 for c in FailureClass}
+        for r in ds_rows:
+            counts[r.failure_class.value] += 1
+        datasets[name] = {
+            "n": len(ds_rows),
+            "counts": counts,
+            "metrics": _dataset_metrics(ds_rows),
+        }
+    totals = {c.value: 0 for c in FailureClass}
+    for r in rows:
+        totals[r.failure_class.value] += 1
+    request, ready = state.request, state.ready
+    return {
+        "rollout_id": state.rollout_id,
+        "iteration": request.iteration if request is not None else None,
+        "kind": request.kind.value if request is not None else None,
+        "policy_version": request.policy_version if request is not None else None,
+        "n_samples": len(rows),
+        "counts": totals,
+        "datasets": datasets,
+        "kept": len(ready.sample_ids) if ready is not None else None,
+        "dropped": len(ready.dropped_sample_ids) if ready is not None else None,
+        "dummy": ready.dummy if ready is not None else None,
+        "tasks": [
+            {
+                "sample_id": r.sample_id,
+                "dataset": r.dataset,
+                "group": r.group_index,
+                "reward": r.reward,
+                "class": r.failure_class.value,
+                "turns": r.turns,
+            }
+            for r in rows
+        ],
+    }
+
+
+def eval_details(state: RolloutState) -> list[dict[str, Any]]:
+    """One record per sample, in index order: outcome, class and diagnostics."""
+    return [
+        {
+            "sample_id": r.sample_id,
+            "index": r.index,
+            "group": r.group_index,
+            "dataset": r.dataset,
+            "task_type": r.task_type,
+            "reward": r.reward,
+            "class": r.failure_class.value,
+            "status": r.status,
+            "termination_reason": r.termination_reason,
+            "agent_reason": r.agent_reason,
+            "abort_class": r.abort_class,
+            "error": r.error,
+            "phase": r.phase,
+            "attempt": r.attempt,
+            "turns": r.turns,
+            "response_length": r.response_length,
+            "elapsed_s": r.elapsed_s,
+            "window_s": r.window_s,
+            "node": r.node,
+        }
+        for r in sample_rows(state)
+    ]
+
+
+def placement_log(state: RolloutState) -> list[dict[str, Any]]:
+    """One record per turn of the attempt that ended each sample: where it ran."""
+    out: list[dict[str, Any]] = []
+    for s in state.ordered():
+        for t in sorted(s.turns, key=lambda t: t.turn):
+            out.append(
+                {
+                    "sample_id": s.sample_id,
+                    "attempt": t.attempt,
+                    "turn": t.turn,
+                    "node": t.node,
+                    "gpu": t.gpu,
+                    "prompt_tokens": t.prompt_tokens,
+                    "response_tokens": t.response_tokens,
+                    "tool_calls": list(t.tool_calls),
+                    "elapsed_s": t.elapsed_s,
+                }
+            )
+    return out
+
+
+ARTIFACT_FILES = ("summary.json", "eval_details.jsonl", "placement.jsonl", "samples.jsonl")
+
+
+def _jsonl(records: Iterable[Any]) -> bytes:
+    return "".join(dumps(r) + "\n" for r in records).encode()
+
+
+def render_artifacts(state: RolloutState) -> dict[str, bytes]:
+    """The artifact files of a rollout, name -> bytes (see :data:`ARTIFACT_FILES`)."""
+    from engine.projections.samples import trainer_samples
+
+    samples = trainer_samples(state) if state.ready is not None else []
+    return {
+        "summary.json": (dumps(build_summary(state)) + "\n").encode(),
+        "eval_details.jsonl": _jsonl(eval_details(state)),
+        "placement.jsonl": _jsonl(placement_log(state)),
+        "samples.jsonl": _jsonl(s.model_dump(mode="json") for s in samples),
+    }
+
+
+def write_artifacts(state: RolloutState, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write :func:`render_artifacts` into ``out_dir`` atomically (tmp file + rename)."""
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    for name, data in render_artifacts(state).items():
+        path = directory / name
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        written[name] = path
+    return written
