@@ -1,0 +1,175 @@
+"""One consumer of a consumer group, with the at-least-once mechanics every actor needs.
+
+``GroupConsumer.fetch(count)`` hands out deliveries in this order:
+
+1. on the first call, the consumer's *own* pending entries (a restarted process with the
+   same consumer name resumes exactly what it held), marked ``redelivered``;
+2. when a claim is due (every half idle window), entries of *other* consumers idle past
+   ``claim_idle_ms`` (their owner died), marked ``redelivered``; entries delivered more than
+   the log's ``max_deliveries`` come back separately as dead entries (already dead-lettered
+   and acked by the log) so the caller can abort the work they stood for;
+3. otherwise new entries, with a blocking read (no sleep-polling).
+
+Every delivery handed out is *in flight* until ``ack`` (done) or ``release`` (left pending
+for someone else). A heartbeat task refreshes the idle time of in-flight entries every
+``heartbeat_ms``, so a live consumer's work is never claimed; it must be well below
+``claim_idle_ms``. An entry that a claim returns while it is already in flight here is
+skipped, so nothing runs twice in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.events.base import Envelope
+from engine.events.log import DeadEntry, EventLog
+
+__all__ = ["Delivery", "GroupConsumer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """An entry handed to this consumer; ``redelivered`` when someone may have run it."""
+
+    env: Envelope
+    redelivered: bool = False
+    deliveries: int = 1
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.env.stream, self.env.id)
+
+
+class GroupConsumer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        group: str,
+        consumer: str,
+        streams: Sequence[str],
+        heartbeat_ms: int,
+        claim_idle_ms: int,
+        block_ms: int | None = None,
+    ) -> None:
+        if heartbeat_ms >= claim_idle_ms:
+            raise ValueError(
+                f"heartbeat ({heartbeat_ms} ms) must be below the claim idle window "
+                f"({claim_idle_ms} ms), or live consumers lose their entries"
+            )
+        self.log = log
+        self.group = group
+        self.consumer = consumer
+        self.streams = list(streams)
+        self.heartbeat_ms = heartbeat_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.block_ms = log.block_ms if block_ms is None else block_ms
+        self._in_flight: dict[tuple[str, str], Delivery] = {}
+        self._backlog: list[Delivery] = []
+        self._dead: list[DeadEntry] = []
+        self._own_pending_read = False
+        self._next_claim = 0.0
+        self._claim_every_s = max(claim_idle_ms / 2000.0, 0.05)
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def start(self) -> None:
+        for stream in self.streams:
+            await self.log.ensure_group(stream, self.group)
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.get_running_loop().create_task(
+                self._beat(), name=f"heartbeat-{self.group}"
+            )
+
+    async def aclose(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+
+    async def fetch(self, count: int) -> tuple[list[Delivery], list[DeadEntry]]:
+        """Up to ``count`` deliveries (and any dead entries found); blocks when idle."""
+        if count < 1:
+            return [], []
+        if not self._own_pending_read:
+            self._own_pending_read = True
+            for env in await self.log.read_group(
+                self.group, self.consumer, self.streams, count=100_000, pending=True
+            ):
+                self._backlog.append(Delivery(env, redelivered=True, deliveries=2))
+        if time.monotonic() >= self._next_claim:
+            self._next_claim = time.monotonic() + self._claim_every_s
+            await self._claim(count)
+        if not self._backlog and not self._dead:
+            for env in await self.log.read_group(
+                self.group, self.consumer, self.streams, count=count, block_ms=self.block_ms
+            ):
+                self._backlog.append(Delivery(env))
+        out: list[Delivery] = []
+        while self._backlog and len(out) < count:
+            d = self._backlog.pop(0)
+            if d.key in self._in_flight:
+                continue
+            self._in_flight[d.key] = d
+            out.append(d)
+        dead, self._dead = self._dead, []
+        return out, dead
+
+    async def _claim(self, count: int) -> None:
+        for stream in self.streams:
+            result = await self.log.claim_idle(
+                stream, self.group, self.consumer, min_idle_ms=self.claim_idle_ms, count=count
+            )
+            for env in result.entries:
+                if (env.stream, env.id) in self._in_flight:
+                    continue
+                times = result.deliveries.get(env.id, 2)
+                self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
+            self._dead.extend(result.dead)
+            if result.entries or result.dead:
+                logger.info(
+                    "%s claimed %d idle entries of %s (%d dead-lettered)",
+                    self.consumer,
+                    len(result.entries),
+                    stream,
+                    len(result.dead),
+                )
+
+    async def ack(self, delivery: Delivery) -> None:
+        """The delivery's effects are recorded: acknowledge it and stop its heartbeat."""
+        self._in_flight.pop(delivery.key, None)
+        await self.log.ack(delivery.env.stream, self.group, delivery.env.id)
+
+    def release(self, delivery: Delivery) -> None:
+        """Stop keeping the delivery alive; it stays pending and another consumer claims it
+        after the idle window."""
+        self._in_flight.pop(delivery.key, None)
+
+    def unreleased(self) -> list[Delivery]:
+        """Deliveries fetched but neither acked nor released."""
+        return list(self._in_flight.values())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_ms / 1000.0)
+            by_stream: dict[str, list[str]] = {}
+            for stream, entry_id in list(self._in_flight):
+                by_stream.setdefault(stream, []).append(entry_id)
+            for stream, ids in by_stream.items():
+                try:
+                    await self.log.keep_alive(stream, self.group, self.consumer, ids)
+                except Exception as exc:  # a missed beat is retried on the next one
+                    logger.warning("heartbeat on %s failed: %s", stream, exc)
