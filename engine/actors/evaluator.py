@@ -1,0 +1,612 @@
+"""The Evaluator: runs one admitted batch's episodes and records them as events.
+
+One ``Evaluator`` is built per batch delivery (seeds: task-scheduler §4), drains the batch and
+is discarded. It holds no domain logic: the spec's ``BaseAgent`` owns each episode.
+
+Per sample, in this order (rollout-engine §3):
+
+1. the batch's ``asyncio.Semaphore`` (``spec.resource.concurrency``) is taken and spans
+   ``init -> run -> eval -> cleanup``;
+2. ``init`` runs before any placement token is held;
+3. one *local placement token* -- one of the batch's ``token_ids``, handed out one per
+   running sample -- is taken (a sample waits for a free one) and held through ``run``,
+   ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted once it is held;
+4. ``cleanup`` always runs once ``init`` was entered, even after a failure;
+5. the outcome is emitted: one ``TurnCompleted`` per ``AgentResult.turns`` entry, then
+   ``SampleCompleted`` -- or ``SampleAborted`` when anything raised;
+6. the token goes back to the batch; tokens no remaining sample can use (more tokens held
+   than ``min(unfinished samples, concurrency)``) are released at once with
+   ``TokenReleased`` on the pool, and the rest when the batch ends.
+
+Failure semantics: any exception, in any phase, aborts the sample (``SampleAborted``:
+``classify_abort`` class, the agent's own termination reason when it had one, phase,
+elapsed time vs the episode window, node, turns); the trainer then sees a masked dummy. The
+episode window is ``StoppingCriteria.timeout_s`` of the sample's ``TaskFetched`` and covers
+init, run and eval (not the wait for a token); when it elapses the phase is cancelled and
+the sample is aborted as ``agent_timeout``. An agent that *returns* an abort reason
+(``infra_*``, ``agent_timeout``) is aborted the same way. A training rollout needs response
+tokens with logprobs; a result without them is aborted as ``infra_other``.
+
+Cancellation (shutdown past the grace period) is not a failure: a cancelled sample emits
+nothing, keeps its token with the batch, and is re-run by the worker that claims the batch.
+
+Events go through an ``EventSink`` (the worker's group-commit appender): emitting never
+waits for Redis, order is preserved, and the worker flushes before it acks the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from engine.actors.aborts import classify_abort, describe_exception
+from engine.agents.base import AgentResult, EpisodeContext, Reward
+from engine.domain import EvaluatorSpec, Task, TerminationReason, overlay
+from engine.errors import AgentError, EpisodeTimeout
+from engine.events.arrays import LogProbs, Mask, TokenIds
+from engine.events.base import Event
+from engine.events.catalog import (
+    AbortClass,
+    BatchAdmitted,
+    RolloutKind,
+    RolloutRequested,
+    SampleAborted,
+    SampleCompleted,
+    SampleStarted,
+    TaskFetched,
+    TokenReleased,
+    TurnCompleted,
+)
+from engine.events.names import StreamNames
+from engine.projections.samples import (
+    DatasetCache,
+    sampling_of,
+    scalar_reward,
+    stopping_of,
+    task_of,
+)
+
+__all__ = [
+    "BatchPlan",
+    "EpisodeSettings",
+    "Evaluator",
+    "EventSink",
+    "LabelledProvider",
+    "OnTaskDone",
+    "SampleOutcome",
+    "sandbox_labels",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EventSink(Protocol):
+    """Where an actor's events go: ``emit`` queues (in order), ``flush`` waits for Redis."""
+
+    def emit(self, items: Sequence[tuple[str, Event]]) -> None: ...
+
+    async def flush(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeSettings:
+    """Worker-level settings every episode of the worker shares."""
+
+    worker_id: str
+    sglang_url: str = ""
+    tmp_root: Path | None = None
+    cleanup_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutcome:
+    """What the progress callback hears when a sample reaches its terminal event."""
+
+    rollout_id: str
+    batch_id: str
+    sample_id: str
+    attempt: int
+    completed: bool
+    reward: float
+    reason: str  # the termination reason, or the abort class
+    phase: str
+    elapsed_s: float
+
+
+OnTaskDone = Callable[[SampleOutcome], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """One run of one batch: which samples to run, with which attempt and tokens."""
+
+    admitted: BatchAdmitted
+    request: RolloutRequested | None
+    tasks: Mapping[str, TaskFetched]
+    run_ids: tuple[str, ...]
+    attempts: Mapping[str, int]
+    tokens: tuple[str, ...]
+    causation: str | None = None
+    datasets: DatasetCache = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """Mutable diagnostics of one running attempt (local to one coroutine)."""
+
+    phase: str = "init"
+    node: str = ""
+    gpu: int | None = None
+    turns: int = 0
+    used_s: float = 0.0
+    window_s: float | None = None
+    agent_reason: str | None = None
+
+
+class Evaluator:
+    """Runs one ``BatchPlan`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: EvaluatorSpec,
+        plan: BatchPlan,
+        *,
+        sink: EventSink,
+        names: StreamNames,
+        settings: EpisodeSettings,
+        sandbox_factory: Any = None,
+        on_task_done: OnTaskDone | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec
+        self.plan = plan
+        self._sink = sink
+        self._names = names
+        self._settings = settings
+        self._sandbox_factory = sandbox_factory
+        self._on_task_done = on_task_done
+        self._clock = clock
+        self._sem = asyncio.Semaphore(spec.resource.concurrency)
+        self._gated = bool(plan.tokens)
+        self._held: set[str] = set(plan.tokens)
+        self._free: asyncio.Queue[str] = asyncio.Queue()
+        for token in plan.tokens:
+            self._free.put_nowait(token)
+        self._unfinished = len(plan.run_ids)
+        self._rollout_stream = names.rollout(plan.admitted.rollout_id)
+        self._batch_tmp: Path | None = None
+        request = plan.request
+        self._train = request is None or request.kind is RolloutKind.TRAIN
+        self._policy_version = request.policy_version if request is not None else 0
+        self._seed = request.seed if request is not None else 0
+        self._knobs: Mapping[str, Any] = request.knobs if request is not None else {}
+        self.completed = 0
+        self.aborted = 0
+
+    # ------------------------------------------------------------------ batch
+
+    async def run(self) -> None:
+        """Run every planned sample; release the batch's tokens by the end."""
+        self._release_surplus("surplus")
+        try:
+            if self.plan.run_ids:
+                await asyncio.gather(*(self._sample(sid) for sid in self.plan.run_ids))
+            if self._held:
+                self._release(sorted(self._held), "batch_done")
+        finally:
+            if self._batch_tmp is not None:
+                shutil.rmtree(self._batch_tmp, ignore_errors=True)
+
+    def _emit(self, events: Sequence[Event], stream: str | None = None) -> None:
+        target = stream or self._rollout_stream
+        self._sink.emit([(target, ev) for ev in events])
+
+    def _release(self, token_ids: list[str], reason: str) -> None:
+        for token in token_ids:
+            self._held.discard(token)
+        ad = self.plan.admitted
+        self._emit(
+            [
+                TokenReleased(
+                    rollout_id=ad.rollout_id,
+                    batch_id=ad.batch_id,
+                    token_ids=token_ids,
+                    reason=reason,
+                    causation=self.plan.causation,
+                )
+            ],
+            self._names.pool,
+        )
+
+    def _release_surplus(self, reason: str) -> None:
+        """Give back free tokens beyond what the unfinished samples can still use."""
+        needed = min(self._unfinished, self.spec.resource.concurrency)
+        surplus: list[str] = []
+        while len(self._held) > needed and not self._free.empty():
+            token = self._free.get_nowait()
+            self._held.discard(token)
+            surplus.append(token)
+        if surplus:
+            self._release(surplus, reason)
+
+    async def _take_token(self) -> str | None:
+        if not self._gated:
+            return None
+        return await self._free.get()
+
+    def _return_token(self, token: str | None) -> None:
+        self._unfinished -= 1
+        if token is not None:
+            self._free.put_nowait(token)
+        if self._gated:
+            self._release_surplus("sample_done")
+
+    # ------------------------------------------------------------------ sample
+
+    async def _sample(self, sample_id: str) -> None:
+        attempt = self.plan.attempts.get(sample_id, 1)
+        rec = _Attempt()
+        token: str | None = None
+        outcome: list[Event]
+        try:
+            outcome, token = await self._episode(sample_id, attempt, rec)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failure outside any phase (bad task data)
+            outcome = [self._aborted(sample_id, attempt, rec, exc)]
+        self._emit(outcome)
+        self._return_token(token)
+        self._report(sample_id, attempt, rec, outcome[-1])
+
+    async def _episode(
+        self, sample_id: str, attempt: int, rec: _Attempt
+    ) -> tuple[list[Event], str | None]:
+        ev = self.plan.tasks.get(sample_id)
+        if ev is None:
+            raise AgentError(
+                f"sample {sample_id} of batch {self.plan.admitted.batch_id} has no TaskFetched "
+                f"in rollout {self.plan.admitted.rollout_id}"
+            )
+        task = task_of(ev, datasets=self.plan.datasets)
+        stopping = overlay(self.spec.default_stopping, stopping_of(ev))
+        sampling = overlay(self.spec.default_sampling_params, sampling_of(ev))
+        rec.window_s = stopping.timeout_s
+        handler = self.spec.handler
+        token: str | None = None
+        result: AgentResult | None = None
+        reward: Reward | None = None
+        failure: BaseException | None = None
+        failed_phase = ""
+        async with self._sem:
+            tmp = self._tmp_dir(sample_id, attempt)
+            ctx = EpisodeContext(
+                rollout_id=ev.rollout_id,
+                sample_id=sample_id,
+                attempt=attempt,
+                sglang_url=self._settings.sglang_url,
+                stopping=stopping,
+                sampling_params=sampling,
+                sandbox_factory=self._labelled_factory(sample_id, attempt),
+                tmp_dir=tmp,
+                policy_version=self._policy_version,
+                seed=self._seed,
+                dagger_beta=_float_knob(self._knobs, ev.knobs, "dagger_beta"),
+                t_max=_int_knob(self._knobs, ev.knobs, "t_max"),
+            )
+            try:
+                rec.phase = "init"
+                await self._timed(handler.init(task, ctx), rec)
+                token = await self._take_token()
+                if token is not None:
+                    rec.node = self.plan.admitted.nodes.get(token, "")
+                    gpus = self.plan.admitted.gpus.get(token)
+                    rec.gpu = gpus[0] if gpus else None
+                ctx = replace(ctx, node=rec.node or None)
+                self._emit([self._started(sample_id, attempt, rec.node)])
+                rec.phase = "run"
+                result = await self._timed(handler.run(task, ctx), rec)
+                rec.turns = len(result.turns)
+                rec.agent_reason = result.termination_reason.value
+                self._check_result(task, result)
+                rec.phase = "eval"
+                reward = await self._timed(handler.eval(task, ctx, result), rec)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failure, failed_phase = exc, rec.phase
+            finally:
+                rec.phase = "cleanup"
+                try:
+                    await asyncio.wait_for(
+                        handler.cleanup(task, ctx), self._settings.cleanup_timeout_s
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if failure is None:
+                        failure, failed_phase = exc, "cleanup"
+                    else:
+                        logger.warning("cleanup of %s failed after an abort: %s", sample_id, exc)
+                finally:
+                    _remove_dir(tmp)
+        if failure is None and result is not None:
+            try:
+                return self._finished(task, attempt, rec, result, reward), token
+            except Exception as exc:
+                failure, failed_phase = exc, "eval"
+        assert failure is not None
+        rec.phase = failed_phase
+        return [self._aborted(sample_id, attempt, rec, failure)], token
+
+    async def _timed(self, step: Coroutine[Any, Any, T], rec: _Attempt) -> T:
+        """Await one phase within what is left of the episode window."""
+        window = rec.window_s
+        if window is None:
+            start = self._clock()
+            try:
+                return await step
+            finally:
+                rec.used_s += self._clock() - start
+        remaining = window - rec.used_s
+        if remaining <= 0:
+            step.close()
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
+        start = self._clock()
+        cm = asyncio.timeout(remaining)
+        try:
+            async with cm:
+                return await step
+        except TimeoutError:
+            if cm.expired():
+                raise EpisodeTimeout(
+                    f"episode window of {window:g} s elapsed during {rec.phase}"
+                ) from None
+            raise
+        finally:
+            rec.used_s += self._clock() - start
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _started(self, sample_id: str, attempt: int, node: str) -> SampleStarted:
+        return SampleStarted(
+            rollout_id=self.plan.admitted.rollout_id,
+            sample_id=sample_id,
+            attempt=attempt,
+            batch_id=self.plan.admitted.batch_id,
+            worker=self._settings.worker_id,
+            node=node,
+            causation=self.plan.causation,
+        )
+
+    def _check_result(self, task: Task, result: AgentResult) -> None:
+        """Refuse what ``run`` returned when it cannot become a sample (phase ``run``)."""
+        if result.termination_reason.is_abort:
+            raise _ReportedAbort(result.termination_reason)
+        if self._train and not result.has_logprobs:
+            raise AgentError(
+                f"task {task.task_id} (dataset {task.dataset_name!r}): a training sample needs "
+                f"response tokens with one logprob each, got {len(result.response_token_ids)} "
+                f"tokens and {len(result.response_logprobs)} logprobs"
+            )
+
+    def _finished(
+        self,
+        task: Task,
+        attempt: int,
+        rec: _Attempt,
+        result: AgentResult,
+        reward: Reward | None,
+    ) -> list[Event]:
+        reason = result.termination_reason
+        detail: dict[str, Any] = {}
+        if isinstance(reward, Mapping):
+            detail = {str(k): float(v) for k, v in reward.items()}
+            score = scalar_reward(detail)
+        elif isinstance(reward, int | float) and not isinstance(reward, bool):
+            score = float(reward)
+        else:
+            raise AgentError(
+                f"task {task.task_id}: eval must return a float or a dict of floats, "
+                f"got {type(reward).__name__}"
+            )
+        ad = self.plan.admitted
+        turns = [
+            TurnCompleted(
+                rollout_id=ad.rollout_id,
+                sample_id=task.task_id,
+                attempt=attempt,
+                turn=t.index,
+                node=rec.node,
+                gpu=rec.gpu,
+                prompt_tokens=t.prompt_tokens,
+                response_tokens=t.response_tokens,
+                tool_calls=list(t.tool_calls),
+                elapsed_s=t.elapsed_s,
+                causation=self.plan.causation,
+            )
+            for t in result.turns
+        ]
+        done = SampleCompleted(
+            rollout_id=ad.rollout_id,
+            sample_id=task.task_id,
+            attempt=attempt,
+            prompt_ids=TokenIds.from_values(result.prompt_token_ids),
+            response_ids=TokenIds.from_values(result.response_token_ids),
+            logprobs=LogProbs.from_values(result.response_logprobs),
+            loss_mask=Mask.from_values(result.loss_mask),
+            reward=score,
+            reward_detail=detail,
+            status=reason.status.value,
+            termination_reason=reason.value,
+            response_text=result.text,
+            n_turns=len(result.turns),
+            elapsed_s=rec.used_s,
+            policy_version=self._policy_version,
+            metrics=dict(result.metrics),
+            causation=self.plan.causation,
+        )
+        self.completed += 1
+        return [*turns, done]
+
+    def _aborted(
+        self, sample_id: str, attempt: int, rec: _Attempt, exc: BaseException
+    ) -> SampleAborted:
+        if isinstance(exc, _ReportedAbort):
+            abort_class = AbortClass(exc.reason.value)
+            error = f"the agent ended the episode with {exc.reason.value}"
+        else:
+            abort_class = classify_abort(exc)
+            error = describe_exception(exc)
+        agent_reason = rec.agent_reason or _agent_reason_of(exc)
+        self.aborted += 1
+        return SampleAborted(
+            rollout_id=self.plan.admitted.rollout_id,
+            sample_id=sample_id,
+            attempt=attempt,
+            abort_class=abort_class,
+            error=error,
+            agent_reason=agent_reason,
+            phase=rec.phase,
+            elapsed_s=rec.used_s,
+            window_s=rec.window_s,
+            node=rec.node,
+            turns=rec.turns,
+            causation=self.plan.causation,
+        )
+
+    def _report(self, sample_id: str, attempt: int, rec: _Attempt, terminal: Event) -> None:
+        if self._on_task_done is None:
+            return
+        if isinstance(terminal, SampleCompleted):
+            outcome = SampleOutcome(
+                rollout_id=terminal.rollout_id,
+                batch_id=self.plan.admitted.batch_id,
+                sample_id=sample_id,
+                attempt=attempt,
+                completed=True,
+                reward=terminal.reward,
+                reason=terminal.termination_reason,
+                phase="",
+                elapsed_s=terminal.elapsed_s,
+            )
+        else:
+            assert isinstance(terminal, SampleAborted)
+            outcome = SampleOutcome(
+                rollout_id=terminal.rollout_id,
+                batch_id=self.plan.admitted.batch_id,
+                sample_id=sample_id,
+                attempt=attempt,
+                completed=False,
+                reward=0.0,
+                reason=terminal.abort_class.value,
+                phase=terminal.phase,
+                elapsed_s=terminal.elapsed_s,
+            )
+        try:
+            self._on_task_done(outcome)
+        except Exception:  # a progress printer must never fail a sample
+            logger.exception("on_task_done callback failed")
+
+    # ------------------------------------------------------------------ resources
+
+    def _tmp_dir(self, sample_id: str, attempt: int) -> Path:
+        if self._batch_tmp is None:
+            root = self._settings.tmp_root
+            if root is not None:
+                root.mkdir(parents=True, exist_ok=True)
+            self._batch_tmp = Path(
+                tempfile.mkdtemp(prefix="rollout-batch-", dir=str(root) if root else None)
+            )
+        path = self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def _labelled_factory(self, sample_id: str, attempt: int) -> Any:
+        if self._sandbox_factory is None:
+            return None
+        return LabelledProvider(
+            self._sandbox_factory,
+            sandbox_labels(
+                worker=self._settings.worker_id,
+                rollout_id=self.plan.admitted.rollout_id,
+                batch_id=self.plan.admitted.batch_id,
+                sample_id=sample_id,
+                attempt=attempt,
+            ),
+        )
+
+
+class _ReportedAbort(Exception):
+    """The agent returned an abort reason instead of raising."""
+
+    def __init__(self, reason: TerminationReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+def sandbox_labels(
+    *, worker: str, rollout_id: str, batch_id: str, sample_id: str = "", attempt: int = 0
+) -> dict[str, str]:
+    """Labels stamped on every sandbox an episode opens; reaping selects on them."""
+    labels = {"rollout.worker": worker, "rollout.rollout": rollout_id, "rollout.batch": batch_id}
+    if sample_id:
+        labels["rollout.sample"] = sample_id
+        labels["rollout.attempt"] = str(attempt)
+    return labels
+
+
+class LabelledProvider:
+    """A sandbox provider that stamps the episode's labels on every sandbox it creates, so
+    the worker that claims a dead worker's batch can reap what that worker left running."""
+
+    def __init__(self, inner: Any, labels: Mapping[str, str]) -> None:
+        self._inner = inner
+        self._labels = dict(labels)
+
+    def create(self, *, labels: Mapping[str, str], limits: Any = None) -> Any:
+        return self._inner.create(labels={**labels, **self._labels}, limits=limits)
+
+    async def reap(self, label_selector: Mapping[str, str]) -> int:
+        result: Awaitable[int] = self._inner.reap(label_selector)
+        return await result
+
+
+def _agent_reason_of(exc: BaseException) -> str | None:
+    reason = getattr(exc, "termination_reason", None)
+    if isinstance(reason, TerminationReason):
+        return reason.value
+    return reason if isinstance(reason, str) else None
+
+
+def _float_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) -> float | None:
+    value = task.get(name, request.get(name))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _int_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) -> int | None:
+    value = task.get(name, request.get(name))
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _remove_dir(path: Path) -> None:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
