@@ -1,0 +1,257 @@
+"""The capture worker: force-decodes kept trajectories on the teacher (inference-backend §3 B).
+
+Contract
+--------
+* Input: ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture``
+  (written by the finalizer once every sample of a per-token-loss rollout is terminal).
+* For each named sample that is completed and not yet scored, the teacher force-decodes
+  ``prompt_ids + response_ids`` (:class:`TeacherScorer`) and the worker appends
+  ``TeacherScored`` to the rollout stream: the teacher's logprob of every response token,
+  its top-K ids and logprobs (flattened row-major, K per position) and the action mask (the
+  sample's loss mask: the tokens the student emitted), for the attempt that produced the
+  trajectory. Samples are scored concurrently, up to ``concurrency`` at once.
+* A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
+  failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
+  to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.
+* The entry is acked only after its events are in Redis; a redelivered request skips the
+  samples already scored, so a crash costs at most the scoring in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.actors._appender import GroupAppender
+from engine.actors._consumer import Delivery, GroupConsumer
+from engine.errors import LogError
+from engine.events.arrays import LogProbs, TokenIds
+from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
+from engine.events.log import EventLog
+from engine.projections.base import rebuild
+from engine.projections.rollout import RolloutProjection, SampleState
+
+__all__ = [
+    "BackendScorer",
+    "CaptureConfig",
+    "CaptureWorker",
+    "TeacherScorer",
+    "TeacherScores",
+]
+
+logger = logging.getLogger(__name__)
+
+GROUP = "capture"
+
+TeacherScores = tuple[Sequence[float], Sequence[Sequence[int]], Sequence[Sequence[float]]]
+"""``(logprobs, topk_ids, topk_logprobs)``: one entry per response token; rows of K."""
+
+
+class TeacherScorer(Protocol):
+    """Force-decodes one trajectory on the teacher."""
+
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int
+    ) -> TeacherScores: ...
+
+
+class _ForceDecoder(Protocol):
+    async def score_response(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        *,
+        top_logprobs_num: int | None = None,
+    ) -> Any: ...
+
+
+class BackendScorer:
+    """Adapts ``engine.backends.teacher.TeacherBackend`` (``score_response``) to
+    :class:`TeacherScorer`."""
+
+    def __init__(self, backend: _ForceDecoder) -> None:
+        self.backend = backend
+
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int
+    ) -> TeacherScores:
+        result = await self.backend.score_response(
+            prompt_ids, response_ids, top_logprobs_num=top_k
+        )
+        return result.logprobs, result.top_token_ids, result.top_logprobs
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig:
+    consumer: str
+    concurrency: int = 8
+    max_tries: int = 3
+    retry_pause_s: float = 0.5
+    heartbeat_ms: int = 10_000
+    claim_idle_ms: int = 60_000
+    block_ms: int | None = None
+    group: str = GROUP
+
+
+class _TeacherFailed(Exception):
+    pass
+
+
+class CaptureWorker:
+    """See the module docstring."""
+
+    def __init__(self, log: EventLog, scorer: TeacherScorer, config: CaptureConfig) -> None:
+        self.log = log
+        self.names = log.names
+        self.scorer = scorer
+        self.config = config
+        self.sink = GroupAppender(log)
+        self.consumer = GroupConsumer(
+            log,
+            group=config.group,
+            consumer=config.consumer,
+            streams=[self.names.capture],
+            heartbeat_ms=config.heartbeat_ms,
+            claim_idle_ms=config.claim_idle_ms,
+            block_ms=config.block_ms,
+        )
+        self._sem = asyncio.Semaphore(config.concurrency)
+        self.scored = 0
+        self.failed_rollouts = 0
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Serve capture requests one at a time until ``stop``."""
+        stop = stop or asyncio.Event()
+        await self.consumer.start()
+        stop_wait = asyncio.get_running_loop().create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(1))
+                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                if not fetch.done():
+                    fetch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, LogError):
+                        await fetch
+                    break
+                deliveries, _dead = fetch.result()
+                for d in deliveries:
+                    work = asyncio.get_running_loop().create_task(self._handle(d))
+                    await asyncio.wait([work, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                    if not work.done():  # stopping: leave the request pending
+                        work.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await work
+                        self.consumer.release(d)
+                        break
+                    if work.exception() is not None:
+                        logger.error("capture of %s failed: %r", d.env.id, work.exception())
+                        self.consumer.release(d)
+        finally:
+            stop_wait.cancel()
+            await self.sink.aclose()
+            await self.consumer.aclose()
+
+    async def _handle(self, d: Delivery) -> None:
+        ev = d.env.event
+        if isinstance(ev, CaptureRequested):
+            await self.capture(ev, causation=d.env.ref)
+        await self.consumer.ack(d)
+
+    async def capture(self, request: CaptureRequested, *, causation: str | None = None) -> int:
+        """Score the request's samples; returns how many were scored now."""
+        stream = self.names.rollout(request.rollout_id)
+        state = (await rebuild(self.log, stream, RolloutProjection())).state
+        todo = [
+            s
+            for sid in request.sample_ids
+            if (s := state.samples.get(sid)) is not None
+            and s.completed is not None
+            and s.teacher is None
+        ]
+        results = await asyncio.gather(
+            *(self._score_one(s, request.top_k, causation) for s in todo),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for r in failures:
+            if not isinstance(r, _TeacherFailed):
+                raise r
+        scored = [r for r in results if isinstance(r, TeacherScored)]
+        self.sink.emit([(stream, ev) for ev in scored])
+        if failures:
+            reason = str(failures[0])
+            failed = RolloutFailed(
+                rollout_id=request.rollout_id, reason=reason, causation=causation
+            )
+            self.sink.emit([(stream, failed), (self.names.control, failed)])
+            self.failed_rollouts += 1
+            logger.error("rollout %s failed: %s", request.rollout_id, reason)
+        await self.sink.flush()
+        self.scored += len(scored)
+        return len(scored)
+
+    async def _score_one(self, s: SampleState, top_k: int, causation: str | None) -> TeacherScored:
+        done = s.completed
+        assert done is not None
+        prompt = done.prompt_ids.tolist()
+        response = done.response_ids.tolist()
+        last: Exception | None = None
+        async with self._sem:
+            for attempt in range(1, self.config.max_tries + 1):
+                try:
+                    logprobs, top_ids, top_lps = await self.scorer.score(prompt, response, top_k)
+                    return _scored(s, top_k, logprobs, top_ids, top_lps, causation)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    last = exc
+                    logger.warning(
+                        "teacher scoring of %s failed (try %d of %d): %s",
+                        s.sample_id,
+                        attempt,
+                        self.config.max_tries,
+                        exc,
+                    )
+                    if attempt < self.config.max_tries:
+                        await asyncio.sleep(self.config.retry_pause_s * attempt)
+        raise _TeacherFailed(
+            f"teacher scoring of sample {s.sample_id} failed after {self.config.max_tries} "
+            f"tries: {type(last).__name__}: {last}"
+        )
+
+
+def _scored(
+    s: SampleState,
+    top_k: int,
+    logprobs: Sequence[float],
+    top_ids: Sequence[Sequence[int]],
+    top_lps: Sequence[Sequence[float]],
+    causation: str | None,
+) -> TeacherScored:
+    done = s.completed
+    assert done is not None
+    n = len(done.response_ids)
+    if len(logprobs) != n:
+        raise ValueError(f"teacher returned {len(logprobs)} logprobs for {n} response tokens")
+    # K as returned (a small vocabulary can give fewer than asked); ragged rows are dropped.
+    widths = {len(r) for r in top_ids} if len(top_ids) == n else set()
+    k = widths.pop() if len(widths) == 1 and len(top_lps) == n else 0
+    ids = np.asarray(top_ids, dtype=np.int32).reshape(-1) if k else np.zeros(0, np.int32)
+    lps = np.asarray(top_lps, dtype=np.float32).reshape(-1) if k else np.zeros(0, np.float32)
+    return TeacherScored(
+        rollout_id=done.rollout_id,
+        sample_id=done.sample_id,
+        attempt=done.attempt,
+        teacher_logprobs=LogProbs.from_values(np.asarray(logprobs, dtype=np.float32)),
+        top_k=k,
+        topk_ids=TokenIds.from_values(ids),
+        topk_logprobs=LogProbs.from_values(lps),
+        action_mask=done.loss_mask,
+        causation=causation,
+    )

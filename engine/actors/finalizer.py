@@ -1,0 +1,384 @@
+"""The finalizer: decides when a rollout is ready and appends ``RolloutReady``.
+
+Contract
+--------
+* Input: ``RolloutRequested`` on ``rl:control`` through the consumer group ``finalizers``
+  (several finalizers may run; each request is followed by one of them, and a crashed
+  finalizer's requests are claimed by another after the idle window). The control entry is
+  acked once the rollout has a ``RolloutReady`` or ``RolloutFailed``.
+* Per rollout it folds ``rl:{rollout:<id>}`` with ``RolloutProjection`` using blocking reads
+  (no sleep-polling) until every planned sample is terminal, then:
+
+  1. applies the request's filters (rollout-engine §5): reward-based rejection first (drop
+     every group whose samples' rewards are all equal -- an aborted sample counts as 0),
+     then finish-only (keep samples whose episode ended with a clean ``finish``);
+  2. when the request needs teacher logprobs (``teacher_capture``), asks for them once
+     (``CaptureRequested`` for the kept completed samples, on ``rl:capture`` and, as the
+     guard, on the rollout stream) and waits for their ``TeacherScored``;
+  3. appends ``RolloutReady`` -- kept sample ids in training (index) order, dropped ids,
+     counts and metrics; an empty result gives ``dummy=True`` (the trainer loads one masked
+     dummy) -- to the rollout stream *with compare-and-append* and, in the same atomic
+     step, to ``rl:control``. A conflict means someone appended meanwhile: refold and decide
+     again. So there is only ever one ``RolloutReady``, with two finalizers or a restart.
+
+* The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
+  and tested directly; the shell only reads, appends and acks.
+* With ``out_dir`` set, the rollout's artifacts (``summary.json``, eval details, placement
+  log, samples) are written to ``out_dir/<rollout id>/`` by
+  :func:`engine.projections.summary.write_artifacts` from the state folded up to and
+  including the ``RolloutReady`` -- the same function and the same events ``rollout replay``
+  uses, so the bytes are identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.actors._consumer import Delivery, GroupConsumer
+from engine.domain import TerminationReason
+from engine.errors import AppendConflict, LogError
+from engine.events.base import Envelope
+from engine.events.catalog import (
+    CaptureRequested,
+    FilterSpec,
+    RolloutFailed,
+    RolloutKind,
+    RolloutReady,
+    RolloutRequested,
+    SampleAborted,
+    SampleCompleted,
+    TeacherScored,
+)
+from engine.events.log import EMPTY_ID, EventLog
+from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
+from engine.projections.summary import FailureClass, eval_metrics, sample_rows, write_artifacts
+
+__all__ = [
+    "Finalizer",
+    "FinalizerConfig",
+    "apply_filters",
+    "decide_capture",
+    "decide_ready",
+    "ready_metrics",
+]
+
+logger = logging.getLogger(__name__)
+
+GROUP = "finalizers"
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+def _reward(s: SampleState) -> float:
+    done = s.completed
+    return float(done.reward) if done is not None else 0.0
+
+
+def apply_filters(state: RolloutState) -> tuple[list[str], list[str]]:
+    """``(kept, dropped)`` sample ids in index order: rejection first, then finish-only."""
+    filters = state.request.filters if state.request is not None else FilterSpec()
+    ordered = state.ordered()
+    kept = ordered
+    if filters.reject_equal_rewards:
+        rewards: dict[int, set[float]] = defaultdict(set)
+        for s in ordered:
+            rewards[s.task.group_index].add(_reward(s))
+        kept = [s for s in kept if len(rewards[s.task.group_index]) > 1]
+    if filters.finish_only:
+        kept = [s for s in kept if s.completed is not None and _finished(s.completed)]
+    kept_ids = {s.sample_id for s in kept}
+    dropped = [s.sample_id for s in ordered if s.sample_id not in kept_ids]
+    return [s.sample_id for s in kept], dropped
+
+
+def _finished(done: SampleCompleted) -> bool:
+    """A clean finish: the episode ended on the agent's own terms."""
+    return done.termination_reason == TerminationReason.FINISH.value
+
+
+def _needs_teacher(state: RolloutState) -> bool:
+    return state.request is not None and state.request.teacher_capture
+
+
+def _unscored(state: RolloutState, kept: list[str]) -> list[str]:
+    """Kept completed samples still waiting for their teacher logprobs."""
+    return [
+        sid
+        for sid in kept
+        if (s := state.samples[sid]).completed is not None and s.teacher is None
+    ]
+
+
+def decide_capture(state: RolloutState, *, top_k: int = 20) -> CaptureRequested | None:
+    """The teacher capture to ask for, once every sample is terminal (None: nothing to ask)."""
+    if state.ready is not None or state.failed is not None or not _needs_teacher(state):
+        return None
+    if not state.all_terminal():
+        return None
+    kept, _ = apply_filters(state)
+    missing = _unscored(state, kept)
+    if not missing:
+        return None
+    assert state.rollout_id is not None
+    return CaptureRequested(rollout_id=state.rollout_id, sample_ids=missing, top_k=top_k)
+
+
+def ready_metrics(state: RolloutState, kept: list[str], dropped: list[str]) -> dict[str, float]:
+    """Counts, reward statistics, failure-class counts and per-dataset eval metrics."""
+    rows = sample_rows(state)
+    n = len(rows)
+    completed = [s.completed for s in state.samples.values() if s.completed is not None]
+    out: dict[str, float] = {
+        "n_samples": float(n),
+        "n_kept": float(len(kept)),
+        "n_dropped": float(len(dropped)),
+        "n_completed": float(len(completed)),
+        "n_aborted": float(n - len(completed)),
+        "reward_mean": sum(r.reward for r in rows) / n if n else 0.0,
+        "abort_rate": (n - len(completed)) / n if n else 0.0,
+        "response_length_mean": (
+            sum(len(c.response_ids) for c in completed) / len(completed) if completed else 0.0
+        ),
+    }
+    for cls in FailureClass:
+        out[f"class/{cls.value}"] = float(sum(1 for r in rows if r.failure_class is cls))
+    kind = state.request.kind if state.request is not None else RolloutKind.TRAIN
+    out.update(eval_metrics(state, prefix="eval" if kind is RolloutKind.EVAL else "rollout"))
+    return out
+
+
+def decide_ready(state: RolloutState) -> RolloutReady | None:
+    """The rollout's ``RolloutReady``, or None while it is not ready (or already decided).
+
+    Ready means: the plan is complete, every sample is terminal, and -- when the request
+    needs teacher logprobs -- every kept completed sample has its ``TeacherScored``.
+    """
+    if state.ready is not None or state.failed is not None or not state.all_terminal():
+        return None
+    kept, dropped = apply_filters(state)
+    if _needs_teacher(state) and _unscored(state, kept):
+        return None
+    n_completed = sum(1 for s in state.samples.values() if s.completed is not None)
+    request = state.request
+    assert state.rollout_id is not None
+    return RolloutReady(
+        rollout_id=state.rollout_id,
+        iteration=request.iteration if request is not None else 0,
+        kind=request.kind if request is not None else RolloutKind.TRAIN,
+        policy_version=request.policy_version if request is not None else 0,
+        sample_ids=kept,
+        dropped_sample_ids=dropped,
+        dummy=not kept,
+        n_completed=n_completed,
+        n_aborted=len(state.samples) - n_completed,
+        metrics=ready_metrics(state, kept, dropped),
+    )
+
+
+# ---------------------------------------------------------------- the shell
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinalizerConfig:
+    consumer: str
+    out_dir: Path | None = None
+    top_k: int = 20
+    heartbeat_ms: int = 10_000
+    claim_idle_ms: int = 60_000
+    block_ms: int | None = None
+    group: str = GROUP
+
+
+Outcome = RolloutReady | RolloutFailed
+
+
+class _Follower:
+    """Folds one rollout stream and keeps the counters that make the checks cheap."""
+
+    def __init__(self, rollout_id: str) -> None:
+        self.rollout_id = rollout_id
+        self.projection = RolloutProjection()
+        self.state = self.projection.initial()
+        self.position = EMPTY_ID
+        self.terminals = 0
+        self.capture_asked = False
+        self.kept: list[str] | None = None  # fixed once every sample is terminal
+        self.unscored = 0
+
+    def apply(self, env: Envelope) -> bool:
+        """Fold one entry; True once the rollout is decided (stop folding there)."""
+        ev = env.event
+        self.state = self.projection.evolve(self.state, env)
+        if isinstance(ev, SampleCompleted | SampleAborted):
+            self.terminals += 1
+        elif isinstance(ev, CaptureRequested):
+            self.capture_asked = True
+        elif isinstance(ev, TeacherScored) and self.unscored:
+            self.unscored -= 1
+        return self.state.ready is not None or self.state.failed is not None
+
+    def worth_deciding(self) -> bool:
+        planned = self.state.planned
+        if planned is None or self.terminals < planned.n_samples:
+            return False
+        if not self.state.all_terminal():
+            return False
+        if self.kept is None:
+            self.kept, _ = apply_filters(self.state)
+        return True
+
+
+class Finalizer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        config: FinalizerConfig,
+        *,
+        on_ready: Callable[[RolloutReady], None] | None = None,
+    ) -> None:
+        self.log = log
+        self.names = log.names
+        self.config = config
+        self._on_ready = on_ready
+        self.consumer = GroupConsumer(
+            log,
+            group=config.group,
+            consumer=config.consumer,
+            streams=[self.names.control],
+            heartbeat_ms=config.heartbeat_ms,
+            claim_idle_ms=config.claim_idle_ms,
+            block_ms=config.block_ms,
+        )
+        self._following: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Follow requested rollouts until ``stop``; unfinished ones stay pending."""
+        stop = stop or asyncio.Event()
+        await self.consumer.start()
+        stop_wait = asyncio.get_running_loop().create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(256))
+                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                if not fetch.done():
+                    fetch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, LogError):
+                        await fetch
+                    break
+                try:
+                    deliveries, _dead = fetch.result()
+                except LogError as exc:
+                    logger.error("finalizer: reading %s failed: %s", self.names.control, exc)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
+                    continue
+                for d in deliveries:
+                    await self._dispatch(d)
+        finally:
+            stop_wait.cancel()
+            tasks = list(self._following.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.consumer.aclose()
+
+    async def _dispatch(self, d: Delivery) -> None:
+        ev = d.env.event
+        if not isinstance(ev, RolloutRequested):
+            await self.consumer.ack(d)  # ready/failed/policy events are not ours to act on
+            return
+        if ev.rollout_id in self._following:
+            await self.consumer.ack(d)  # a duplicate request: one follower is enough
+            return
+        task = asyncio.get_running_loop().create_task(self._follow_and_ack(ev.rollout_id, d))
+        self._following[ev.rollout_id] = task
+
+    async def _follow_and_ack(self, rollout_id: str, d: Delivery) -> None:
+        try:
+            await self.follow(rollout_id)
+        except asyncio.CancelledError:
+            self.consumer.release(d)
+            raise
+        except Exception:
+            logger.exception("finalizer: following rollout %s failed; left pending", rollout_id)
+            self.consumer.release(d)
+            return
+        finally:
+            self._following.pop(rollout_id, None)
+        await self.consumer.ack(d)
+
+    async def follow(self, rollout_id: str) -> Outcome:
+        """Fold the rollout until it is decided, deciding it when it is ready."""
+        stream = self.names.rollout(rollout_id)
+        f = _Follower(rollout_id)
+        decided_at: str | None = None
+        while decided_at is None:
+            envs, position = await self.log.read_after(stream, f.position)
+            for env in envs:
+                if f.apply(env):
+                    decided_at = env.id
+                    break
+            f.position = position if decided_at is None else decided_at
+            if decided_at is None and f.worth_deciding():
+                await self._decide(f, stream)
+        return self._finish(f)
+
+    async def _decide(self, f: _Follower, stream: str) -> None:
+        if _needs_teacher(f.state):
+            if f.capture_asked and f.unscored > 0:
+                return  # still waiting for TeacherScored; counted down as they arrive
+            assert f.kept is not None
+            f.unscored = len(_unscored(f.state, f.kept))
+            if f.unscored:
+                if not f.capture_asked:
+                    request = decide_capture(f.state, top_k=self.config.top_k)
+                    if request is not None:
+                        await self._append(
+                            stream, request, f.position, (self.names.capture, request)
+                        )
+                return
+        ready = decide_ready(f.state)
+        if ready is not None:
+            await self._append(stream, ready, f.position, (self.names.control, ready))
+
+    async def _append(
+        self,
+        stream: str,
+        event: CaptureRequested | RolloutReady,
+        position: str,
+        also: tuple[str, CaptureRequested | RolloutReady],
+    ) -> None:
+        try:
+            await self.log.append_if_last(stream, event, position, also=[also])
+        except AppendConflict:
+            # Someone appended meanwhile (a late event, another finalizer): the next read
+            # picks it up and the decision is taken again on the newer state.
+            logger.debug("finalizer: %s on %s lost a race; refolding", event.type, stream)
+
+    def _finish(self, f: _Follower) -> Outcome:
+        state = f.state
+        if state.ready is not None:
+            if self.config.out_dir is not None:
+                write_artifacts(state, self.config.out_dir / f.rollout_id)
+            logger.info(
+                "rollout %s ready: %d kept, %d dropped%s",
+                f.rollout_id,
+                len(state.ready.sample_ids),
+                len(state.ready.dropped_sample_ids),
+                " (dummy)" if state.ready.dummy else "",
+            )
+            if self._on_ready is not None:
+                self._on_ready(state.ready)
+            return state.ready
+        assert state.failed is not None
+        logger.warning("rollout %s failed: %s", f.rollout_id, state.failed.reason)
+        return state.failed

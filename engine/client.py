@@ -1,0 +1,248 @@
+"""The trainer's client: request a rollout, wait for it, load and collate its samples.
+
+Contract
+--------
+* ``request(...)`` appends one ``RolloutRequested`` to ``rl:control`` and returns the rollout
+  id (given, or ``it<iteration>-<random hex>``). Per-iteration knobs (DAgger beta, t_max)
+  travel in ``knobs``; nothing is read from the environment.
+* ``wait_ready(rollout_id)`` returns the rollout's ``RolloutReady`` (or raises
+  ``engine.errors.RolloutFailed`` with the reason); it reads ``rl:control`` from the request's
+  position with blocking reads, so a rollout that became ready before the call is found too.
+  ``subscribe_ready()`` yields every ``RolloutReady`` appended after it starts.
+* ``load(rollout_id)`` rebuilds the samples from the rollout stream
+  (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
+  its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
+* ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
+  (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
+  prompt), ``teacher_log_probs`` (only when every sample has them), ``rewards`` (the scalar
+  reward), ``response_lengths``, ``prompt_lengths`` and ``remove_sample``.
+* ``SyncRolloutClient`` offers the same calls for synchronous trainer loops; it runs the
+  async client on a private event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from engine.errors import RolloutFailed
+from engine.events.catalog import (
+    FilterSpec,
+    RolloutKind,
+    RolloutReady,
+    RolloutRequested,
+)
+from engine.events.catalog import (
+    RolloutFailed as RolloutFailedEvent,
+)
+from engine.events.log import EMPTY_ID, EventLog, RedisSettings, connect
+from engine.events.names import StreamNames
+from engine.projections.base import rebuild
+from engine.projections.rollout import RolloutProjection
+from engine.projections.samples import scalar_reward, trainer_samples
+from engine.sample import Sample
+
+__all__ = ["TEACHER_ALGORITHMS", "RolloutClient", "SyncRolloutClient", "collate"]
+
+TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
+"""Algorithms whose loss needs teacher logprobs (the per-token lanes of rollout-engine §5)."""
+
+
+class RolloutClient:
+    """Async client; see the module docstring."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.names = log.names
+        self._requested_at: dict[str, str] = {}
+
+    @classmethod
+    def connect(
+        cls, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+    ) -> RolloutClient:
+        redis = connect(RedisSettings(url=url, block_ms=block_ms))
+        return cls(EventLog(redis, names=StreamNames(prefix), producer=producer, block_ms=block_ms))
+
+    async def aclose(self) -> None:
+        await self.log.redis.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def request(
+        self,
+        *,
+        iteration: int,
+        n_prompts: int,
+        n_samples_per_prompt: int | None = None,
+        policy_version: int = 0,
+        knobs: Mapping[str, Any] | None = None,
+        kind: RolloutKind | str = RolloutKind.TRAIN,
+        filters: FilterSpec | None = None,
+        seed: int = 0,
+        datasets: Sequence[str] | None = None,
+        algorithm: str = "grpo",
+        teacher_capture: bool | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        stopping: Mapping[str, Any] | None = None,
+        rollout_id: str | None = None,
+    ) -> str:
+        """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm."""
+        rid = rollout_id or f"it{iteration}-{secrets.token_hex(4)}"
+        event = RolloutRequested(
+            rollout_id=rid,
+            iteration=iteration,
+            kind=RolloutKind(kind),
+            n_prompts=n_prompts,
+            n_samples_per_prompt=n_samples_per_prompt,
+            policy_version=policy_version,
+            seed=seed,
+            datasets=list(datasets) if datasets is not None else None,
+            algorithm=algorithm,
+            knobs=dict(knobs or {}),
+            sampling_params=dict(sampling_params or {}),
+            stopping=dict(stopping or {}),
+            filters=filters or FilterSpec(),
+            teacher_capture=(
+                algorithm in TEACHER_ALGORITHMS if teacher_capture is None else teacher_capture
+            ),
+        )
+        self.names.rollout(rid)  # refuses an id that cannot be a stream key
+        entry = await self.log.append(self.names.control, event)
+        self._requested_at[rid] = entry
+        return rid
+
+    async def wait_ready(self, rollout_id: str, timeout: float | None = None) -> RolloutReady:
+        """The rollout's ``RolloutReady``; ``RolloutFailed`` raises; ``TimeoutError`` after
+        ``timeout`` seconds."""
+        start = self._requested_at.get(rollout_id)
+        position = _before(start) if start is not None else EMPTY_ID
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            block = self.log.block_ms
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rollout {rollout_id} not ready after {timeout} s")
+                block = max(1, min(block, int(left * 1000)))
+            envs, position = await self.log.read_after(
+                self.names.control, position, block_ms=block
+            )
+            for env in envs:
+                ev = env.event
+                if isinstance(ev, RolloutReady) and ev.rollout_id == rollout_id:
+                    return ev
+                if isinstance(ev, RolloutFailedEvent) and ev.rollout_id == rollout_id:
+                    raise RolloutFailed(rollout_id, ev.reason)
+
+    async def subscribe_ready(self, *, after: str = "$") -> AsyncIterator[RolloutReady]:
+        """Every ``RolloutReady`` appended after ``after`` (default: from now on), forever;
+        a ``RolloutFailed`` raises."""
+        async for env in self.log.subscribe(self.names.control, after=after):
+            ev = env.event
+            if isinstance(ev, RolloutReady):
+                yield ev
+            elif isinstance(ev, RolloutFailedEvent):
+                raise RolloutFailed(ev.rollout_id, ev.reason)
+
+    async def load(self, rollout_id: str) -> list[Sample]:
+        """The rollout's samples, rebuilt from its stream (see the module docstring)."""
+        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
+        return trainer_samples(folded.state)
+
+
+def _before(entry_id: str) -> str:
+    """The position just before ``entry_id`` (so a read after it includes the entry)."""
+    ms, _, seq = entry_id.partition("-")
+    n = int(seq or 0)
+    return f"{ms}-{n - 1}" if n > 0 else f"{max(int(ms) - 1, 0)}-{2**64 - 1 if int(ms) else 0}"
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad samples into a batch of tensors (see the module docstring)."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    batch = len(samples)
+    width = max(len(s.tokens) for s in samples)
+    tokens = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width), dtype=torch.float32)
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    with_teacher = all(s.teacher_log_probs is not None for s in samples)
+    teacher = torch.zeros((batch, width), dtype=torch.float32) if with_teacher else None
+    for row, s in enumerate(samples):
+        n = len(s.tokens)
+        start = n - s.response_length
+        tokens[row, :n] = torch.tensor(s.tokens, dtype=torch.long)
+        attention[row, :n] = 1
+        if s.response_length:
+            loss_mask[row, start:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            if s.rollout_log_probs is not None:
+                logprobs[row, start:n] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+            if teacher is not None and s.teacher_log_probs is not None:
+                teacher[row, start:n] = torch.tensor(s.teacher_log_probs, dtype=torch.float32)
+    out = {
+        "tokens": tokens,
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
+        "rollout_log_probs": logprobs,
+        "rewards": torch.tensor([scalar_reward(s.reward) for s in samples], dtype=torch.float32),
+        "response_lengths": torch.tensor([s.response_length for s in samples], dtype=torch.long),
+        "prompt_lengths": torch.tensor(
+            [len(s.tokens) - s.response_length for s in samples], dtype=torch.long
+        ),
+        "remove_sample": torch.tensor([s.remove_sample for s in samples], dtype=torch.bool),
+    }
+    if teacher is not None:
+        out["teacher_log_probs"] = teacher
+    return out
+
+
+class SyncRolloutClient:
+    """The same calls for synchronous code, on a private event loop (not thread-safe)."""
+
+    def __init__(
+        self, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+    ) -> None:
+        self._runner = asyncio.Runner()
+        self._client = self._runner.run(
+            _make(url, prefix=prefix, block_ms=block_ms, producer=producer)
+        )
+
+    def request(self, **kwargs: Any) -> str:
+        """See :meth:`RolloutClient.request`."""
+        return self._runner.run(self._client.request(**kwargs))
+
+    def wait_ready(self, rollout_id: str, timeout: float | None = None) -> RolloutReady:
+        return self._runner.run(self._client.wait_ready(rollout_id, timeout))
+
+    def load(self, rollout_id: str) -> list[Sample]:
+        return self._runner.run(self._client.load(rollout_id))
+
+    def close(self) -> None:
+        self._runner.run(self._client.aclose())
+        self._runner.close()
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make(url: str, *, prefix: str, block_ms: int, producer: str) -> RolloutClient:
+    return RolloutClient.connect(url, prefix=prefix, block_ms=block_ms, producer=producer)
