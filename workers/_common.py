@@ -1,0 +1,104 @@
+"""What every worker process shares: settings-backed flags, the log, signals, logging.
+
+Flags default to ``engine.settings.Settings`` (the ``ROLLOUT_*`` environment), so a compose
+file can configure a worker by environment alone and a command line can override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+from engine.errors import ConfigError
+from engine.events.log import EventLog, RedisSettings, connect
+from engine.events.names import StreamNames
+from engine.settings import Settings
+
+__all__ = [
+    "add_common_flags",
+    "default_consumer",
+    "install_stop",
+    "load_settings",
+    "make_log",
+    "setup_logging",
+]
+
+
+def load_settings() -> Settings | None:
+    """The environment's settings, or None after printing why they are invalid."""
+    try:
+        return Settings.from_env()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
+def default_consumer(settings: Settings, role: str) -> str:
+    """``ROLLOUT_WORKER_ID`` or ``<role>-<host>-<pid>``: unique per process."""
+    if settings.worker_id:
+        return settings.worker_id
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def add_common_flags(parser: argparse.ArgumentParser, settings: Settings, role: str) -> None:
+    parser.add_argument("--redis-url", default=settings.redis_url, help="Redis holding the streams")
+    parser.add_argument("--prefix", default=settings.stream_prefix, help="stream name prefix")
+    parser.add_argument(
+        "--worker-id",
+        default=default_consumer(settings, role),
+        help="consumer name in the group (a restarted process with the same id resumes "
+        "its own pending entries)",
+    )
+    parser.add_argument("--heartbeat-ms", type=int, default=settings.heartbeat_ms)
+    parser.add_argument("--claim-idle-ms", type=int, default=settings.claim_idle_ms)
+    parser.add_argument("--block-ms", type=int, default=settings.block_ms)
+    parser.add_argument("--max-deliveries", type=int, default=settings.max_deliveries)
+    parser.add_argument("--log-level", default=settings.log_level)
+
+
+def check_timings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.heartbeat_ms >= args.claim_idle_ms:
+        parser.error(
+            f"--heartbeat-ms ({args.heartbeat_ms}) must be below --claim-idle-ms "
+            f"({args.claim_idle_ms}), or live workers lose their entries to claims"
+        )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def make_log(args: argparse.Namespace, producer: str) -> EventLog:
+    settings = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
+    return EventLog(
+        connect(settings),
+        names=StreamNames(args.prefix),
+        producer=producer,
+        max_deliveries=args.max_deliveries,
+        block_ms=args.block_ms,
+    )
+
+
+def install_stop() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (a second signal exits at once)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)
+        logging.getLogger("workers").info("signal %d: stopping", signum)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stop

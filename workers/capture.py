@@ -1,0 +1,92 @@
+"""The capture process: teacher force-decode of kept trajectories (``engine.actors.capture``).
+
+    python -m workers.capture --redis-url redis://127.0.0.1:6379/0 \\
+        --teacher-url http://teacher:30000 [--teacher-tokenizer DIR] [--concurrency 8]
+
+Consumes ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture`` and
+appends ``TeacherScored`` per sample; a persistent teacher failure fails the rollout
+(``RolloutFailed``). The teacher is ``engine.backends.teacher.TeacherBackend``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine.actors.capture import BackendScorer, CaptureConfig, CaptureWorker
+from engine.errors import LogError
+from engine.settings import Settings
+from workers._common import (
+    add_common_flags,
+    check_timings,
+    install_stop,
+    load_settings,
+    make_log,
+    setup_logging,
+)
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("workers.capture")
+
+
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.capture",
+        description="Force-decode kept trajectories on the teacher and record TeacherScored.",
+    )
+    add_common_flags(parser, settings, "capture")
+    parser.add_argument("--teacher-url", required=True, help="the teacher's SGLang server")
+    parser.add_argument("--teacher-tokenizer", default=None, help="teacher tokenizer folder")
+    parser.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
+    parser.add_argument("--max-tries", type=int, default=3, help="tries per sample")
+    return parser
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from engine.backends.teacher import TeacherBackend, TeacherConfig
+
+    log = make_log(args, producer=args.worker_id)
+    teacher = TeacherBackend(
+        config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
+    )
+    worker = CaptureWorker(
+        log,
+        BackendScorer(teacher),
+        CaptureConfig(
+            consumer=args.worker_id,
+            concurrency=args.concurrency,
+            max_tries=args.max_tries,
+            heartbeat_ms=args.heartbeat_ms,
+            claim_idle_ms=args.claim_idle_ms,
+            block_ms=args.block_ms,
+        ),
+    )
+    stop = install_stop()
+    try:
+        await worker.run(stop)
+    except LogError as exc:
+        logger.error("capture %s: %s", args.worker_id, exc)
+        return 1
+    finally:
+        await teacher.aclose()
+        await log.redis.aclose()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
+    parser = build_parser(settings)
+    args = parser.parse_args(argv)
+    check_timings(parser, args)
+    setup_logging(args.log_level)
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

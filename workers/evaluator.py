@@ -1,0 +1,182 @@
+"""The evaluator worker process: run admitted batches (``engine.actors.evaluator_worker``).
+
+    python -m workers.evaluator --redis-url redis://127.0.0.1:6379/0 \\
+        --evaluator-config evaluators.py [--evaluators swe,math] [--max-batches 4]
+
+Reads ``rl:work:{evaluator_id}`` for every evaluator the config defines (or those listed in
+``--evaluators``) through the consumer group ``evaluators``. Prints a progress line per
+finished batch on stdout. SIGTERM or SIGINT: no new batches; running ones get
+``--grace-s`` to finish, the rest stay pending for another worker. Exit status 2: bad
+settings or evaluator config; 1: Redis failed while serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.actors.evaluator import SampleOutcome
+from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
+from engine.config.evaluators import load_evaluators
+from engine.domain import EvaluatorSpec
+from engine.errors import ConfigError, LogError
+from engine.settings import Settings
+from workers._common import (
+    add_common_flags,
+    check_timings,
+    install_stop,
+    load_settings,
+    make_log,
+    setup_logging,
+)
+
+__all__ = ["Progress", "build_parser", "main"]
+
+logger = logging.getLogger("workers.evaluator")
+
+
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.evaluator",
+        description="Run admitted batches' episodes and record them as events.",
+    )
+    add_common_flags(parser, settings, "evaluator")
+    add = parser.add_argument
+    add(
+        "--evaluator-config",
+        default=settings.evaluator_config,
+        help="Python file exposing build_evaluators(args) -> list[EvaluatorSpec].",
+    )
+    add(
+        "--evaluators",
+        default=None,
+        help="comma-separated evaluator ids to serve (default: every spec of the config)",
+    )
+    add("--max-batches", type=int, default=4, help="batches run at once by this process")
+    add("--grace-s", type=float, default=30.0, help="time running batches get on SIGTERM")
+    add("--sglang-url", default=settings.sglang_url or "", help="student SGLang server/router")
+    add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
+    add(
+        "--sandbox",
+        choices=("local", "none"),
+        default="local",
+        help="sandbox provider handed to agents (and used to reap a dead worker's sandboxes)",
+    )
+    add("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+class Progress:
+    """The live progress printer: counts samples as they end, prints a line per batch."""
+
+    def __init__(self, worker_id: str, *, out: Any = sys.stdout, quiet: bool = False) -> None:
+        self.worker_id = worker_id
+        self.out = out
+        self.quiet = quiet
+        self.completed = 0
+        self.aborted = 0
+        self.by_reason: dict[str, int] = {}
+
+    def on_task_done(self, outcome: SampleOutcome) -> None:
+        if outcome.completed:
+            self.completed += 1
+        else:
+            self.aborted += 1
+        self.by_reason[outcome.reason] = self.by_reason.get(outcome.reason, 0) + 1
+
+    def on_batch_done(self, report: BatchReport) -> None:
+        if self.quiet:
+            return
+        again = " (recovered)" if report.redelivered else ""
+        print(
+            f"[{self.worker_id}] batch {report.batch_id}{again}: {report.completed} completed, "
+            f"{report.aborted} aborted | total {self.completed} completed, "
+            f"{self.aborted} aborted",
+            file=self.out,
+            flush=True,
+        )
+
+
+def _select(specs: Mapping[str, EvaluatorSpec], wanted: str | None) -> tuple[str, ...]:
+    if not wanted:
+        return tuple(specs)
+    ids = tuple(e.strip() for e in wanted.split(",") if e.strip())
+    unknown = [e for e in ids if e not in specs]
+    if unknown:
+        raise ConfigError(f"--evaluators names {unknown}, not in the config ({sorted(specs)})")
+    return ids
+
+
+def _sandbox_provider(kind: str) -> Any:
+    if kind == "none":
+        return None
+    from engine.sandbox import LocalSandboxProvider
+
+    return LocalSandboxProvider()
+
+
+async def _serve(
+    args: argparse.Namespace, specs: Mapping[str, EvaluatorSpec], ids: tuple[str, ...]
+) -> int:
+    log = make_log(args, producer=args.worker_id)
+    progress = Progress(args.worker_id, quiet=args.quiet)
+    provider = _sandbox_provider(args.sandbox)
+    worker = EvaluatorWorker(
+        log,
+        specs,
+        WorkerConfig(
+            worker_id=args.worker_id,
+            evaluator_ids=ids,
+            max_batches=args.max_batches,
+            heartbeat_ms=args.heartbeat_ms,
+            claim_idle_ms=args.claim_idle_ms,
+            block_ms=args.block_ms,
+            grace_s=args.grace_s,
+            sglang_url=args.sglang_url or "",
+            tmp_root=args.tmp_dir,
+        ),
+        sandbox_factory=provider,
+        on_task_done=progress.on_task_done,
+        on_batch_done=progress.on_batch_done,
+    )
+    stop = install_stop()
+    logger.info("worker %s serving %s", args.worker_id, ", ".join(ids))
+    try:
+        await worker.run(stop)
+    except LogError as exc:
+        logger.error("worker %s: %s", args.worker_id, exc)
+        return 1
+    finally:
+        await log.redis.aclose()
+        close = getattr(provider, "close", None)
+        if callable(close):
+            close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
+    parser = build_parser(settings)
+    args = parser.parse_args(argv)
+    check_timings(parser, args)
+    setup_logging(args.log_level)
+    if args.evaluator_config is None:
+        parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
+    try:
+        specs = load_evaluators(args.evaluator_config, args)
+        ids = _select(specs, args.evaluators)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, specs, ids))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

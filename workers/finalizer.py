@@ -1,0 +1,97 @@
+"""The finalizer process: append ``RolloutReady`` when rollouts are done.
+
+Runs ``engine.actors.finalizer``:
+
+    python -m workers.finalizer --redis-url redis://127.0.0.1:6379/0 [--out-dir runs/]
+
+Follows every ``RolloutRequested`` on ``rl:control`` through the consumer group
+``finalizers``; several finalizers may run (only one ``RolloutReady`` is ever appended per
+rollout). With ``--out-dir`` each ready rollout's summary, eval details, placement log and
+samples are written to ``OUT_DIR/<rollout id>/``. Prints one line per ready rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.actors.finalizer import Finalizer, FinalizerConfig
+from engine.errors import LogError
+from engine.events.catalog import RolloutReady
+from engine.settings import Settings
+from workers._common import (
+    add_common_flags,
+    check_timings,
+    install_stop,
+    load_settings,
+    make_log,
+    setup_logging,
+)
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("workers.finalizer")
+
+
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.finalizer",
+        description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
+    )
+    add_common_flags(parser, settings, "finalizer")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
+    parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
+    return parser
+
+
+def _print_ready(ready: RolloutReady) -> None:
+    print(
+        f"rollout {ready.rollout_id} ready: {len(ready.sample_ids)} kept, "
+        f"{len(ready.dropped_sample_ids)} dropped, {ready.n_completed} completed, "
+        f"{ready.n_aborted} aborted{' (dummy)' if ready.dummy else ''}",
+        flush=True,
+    )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    log = make_log(args, producer=args.worker_id)
+    finalizer = Finalizer(
+        log,
+        FinalizerConfig(
+            consumer=args.worker_id,
+            out_dir=args.out_dir,
+            top_k=args.top_k,
+            heartbeat_ms=args.heartbeat_ms,
+            claim_idle_ms=args.claim_idle_ms,
+            block_ms=args.block_ms,
+        ),
+        on_ready=_print_ready,
+    )
+    stop = install_stop()
+    try:
+        await finalizer.run(stop)
+    except LogError as exc:
+        logger.error("finalizer %s: %s", args.worker_id, exc)
+        return 1
+    finally:
+        await log.redis.aclose()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
+    parser = build_parser(settings)
+    args = parser.parse_args(argv)
+    check_timings(parser, args)
+    setup_logging(args.log_level)
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
