@@ -1,0 +1,223 @@
+"""The ``rollout`` command.
+
+Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.settings``):
+
+* ``rollout replay ID [--from FILE] [--out DIR]`` -- rebuild a rollout's samples, summary,
+  eval details and placement log from the log (or an archive file), byte-identical to the
+  files the live finalizer wrote;
+* ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
+* ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
+* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch.
+
+Processes (each delegates to its own ``main(argv)``, which owns the flags):
+``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
+(``workers.scheduler``), ``tinylm`` (``engine.tinylm.cli``) and ``demo`` (``engine.demo``).
+Exit status: 0 ok, 1 the operation failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from engine.errors import EngineError
+from engine.events.log import EventLog, RedisSettings, connect
+from engine.events.names import StreamNames
+
+__all__ = ["main"]
+
+# command -> (module, function, what it runs)
+_DELEGATES: dict[str, tuple[str, str, str]] = {
+    "worker": ("workers.evaluator", "main", "an evaluator worker process"),
+    "finalizer": ("workers.finalizer", "main", "a finalizer process"),
+    "capture": ("workers.capture", "main", "a teacher capture process"),
+    "scheduler": ("workers.scheduler", "main", "a scheduler process"),
+    "tinylm": ("engine.tinylm.cli", "main", "the tiny SGLang-compatible model (init/serve)"),
+    "demo": ("engine.demo", "main", "a whole rollout on embedded defaults"),
+}
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    module_name, function, what = _DELEGATES[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            print(
+                f"error: 'rollout {command}' runs {what} from {module_name}, which is not "
+                f"installed in this version of the engine",
+                file=sys.stderr,
+            )
+            return 1
+        raise
+    entry: Callable[[list[str]], int] = getattr(module, function)
+    return int(entry(argv) or 0)
+
+
+def _settings_defaults() -> tuple[str, str]:
+    from engine.settings import Settings
+
+    try:
+        settings = Settings.from_env()
+    except EngineError as exc:
+        print(f"warning: {exc}; using built-in defaults", file=sys.stderr)
+        settings = Settings()
+    return settings.redis_url, settings.stream_prefix
+
+
+def build_parser() -> argparse.ArgumentParser:
+    redis_url, prefix = _settings_defaults()
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--redis-url", default=redis_url, help="Redis holding the streams")
+    common.add_argument("--prefix", default=prefix, help="stream name prefix")
+    parser = argparse.ArgumentParser(
+        prog="rollout", description="Event-sourced rollout engine for agentic RL."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("replay", parents=[common], help="rebuild a rollout's outputs")
+    p.add_argument("rollout_id", metavar="ID")
+    p.add_argument("--from", dest="source", type=Path, help="an archive file instead of Redis")
+    p.add_argument("--out", type=Path, help="output directory (default ./replay-ID)")
+    p = sub.add_parser("archive", parents=[common], help="write a rollout's events to a file")
+    p.add_argument("rollout_id", metavar="ID")
+    p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("tail", parents=[common], help="print live events")
+    p.add_argument("--rollout", help="only this rollout's events (and its stream)")
+    p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
+    p.add_argument("--from-start", action="store_true", help="print existing events first")
+    p.add_argument("--count", type=int, help="exit after this many lines")
+    p = sub.add_parser("status", parents=[common], help="a rollout's progress")
+    p.add_argument("rollout_id", metavar="ID")
+    for name, (_module, _fn, what) in _DELEGATES.items():
+        sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
+    return parser
+
+
+def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
+    redis = connect(RedisSettings(url=args.redis_url, block_ms=block_ms))
+    return EventLog(redis, names=StreamNames(args.prefix), producer="cli", block_ms=block_ms)
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    from engine.replay import (
+        decode_entries,
+        raw_entries,
+        read_archive,
+        replay_state,
+        replay_to_dir,
+    )
+
+    if args.source is not None:
+        archive = read_archive(args.source)
+        if archive.rollout_id != args.rollout_id:
+            print(
+                f"error: {args.source} archives rollout {archive.rollout_id}, "
+                f"not {args.rollout_id}",
+                file=sys.stderr,
+            )
+            return 2
+        stream, entries = archive.stream, archive.entries
+    else:
+        log = _log(args)
+        try:
+            stream = log.names.rollout(args.rollout_id)
+            entries = await raw_entries(log, stream)
+        finally:
+            await log.redis.aclose()
+        if not entries:
+            print(f"error: no events for rollout {args.rollout_id} in {stream}", file=sys.stderr)
+            return 1
+    envelopes, bad = decode_entries(stream, entries)
+    state = replay_state(envelopes)
+    out = args.out or Path(f"replay-{args.rollout_id}")
+    written = replay_to_dir(state, out)
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    skipped = f", {bad} undecodable skipped" if bad else ""
+    print(f"replayed {len(envelopes)} events of rollout {args.rollout_id}{skipped}")
+    return 0
+
+
+async def _archive(args: argparse.Namespace) -> int:
+    from engine.replay import archive_rollout
+
+    log = _log(args)
+    try:
+        n = await archive_rollout(log, args.rollout_id, args.out)
+    finally:
+        await log.redis.aclose()
+    print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
+    return 0
+
+
+async def _tail(args: argparse.Namespace) -> int:
+    from engine.inspection import tail
+
+    log = _log(args, block_ms=1000)
+    names = log.names
+    streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
+    if not args.stream:
+        r = log.redis
+        async for key in r.scan_iter(match=f"{names.prefix}:work:*", _type="stream"):
+            streams.append(key.decode() if isinstance(key, bytes) else str(key))
+    if args.rollout:
+        streams.append(names.rollout(args.rollout))
+    try:
+        await tail(
+            log,
+            sorted(set(streams)),
+            emit=lambda line: print(line, flush=True),
+            rollout_id=args.rollout,
+            from_start=args.from_start,
+            count=args.count,
+        )
+    finally:
+        await log.redis.aclose()
+    return 0
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from engine.inspection import status_lines
+    from engine.projections.base import rebuild
+    from engine.projections.rollout import RolloutProjection
+
+    log = _log(args)
+    try:
+        folded = await rebuild(log, log.names.rollout(args.rollout_id), RolloutProjection())
+    finally:
+        await log.redis.aclose()
+    if folded.state.event_count == 0:
+        print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
+        return 1
+    for line in status_lines(folded.state):
+        print(line)
+    return 0
+
+
+_COMMANDS = {"replay": _replay, "archive": _archive, "tail": _tail, "status": _status}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in _DELEGATES:
+        return _delegate(args_list[0], args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return asyncio.run(_COMMANDS[args.command](args))
+    except KeyboardInterrupt:
+        return 0
+    except (EngineError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
