@@ -16,7 +16,7 @@ Contract
   and the sandbox provider (when one is configured) reaps whatever the previous workers
   left running for the batch (selected by the labels of :func:`sandbox_labels`).
 * An entry dead-lettered for too many deliveries aborts its non-terminal samples as
-  ``infra_other`` (phase ``delivery``) and releases every token the batch still holds.
+  ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds.
 * A batch is acked only after every sample of it has a terminal event *in Redis* (the
   group-commit appender is flushed first), so an acked batch never needs running again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
@@ -428,18 +428,21 @@ class EvaluatorWorker:
             )
             for sid in run_ids
         ]
-        items.append(
-            (
-                self.names.pool,
-                TokenReleased(
-                    rollout_id=ev.rollout_id,
-                    batch_id=ev.batch_id,
-                    token_ids=None,
-                    reason="dead_letter",
-                    causation=causation,
-                ),
+        released, all_released = await self._released_tokens(entry.id, ev)
+        held = [] if all_released else [t for t in ev.token_ids if t not in released]
+        if held:
+            items.append(
+                (
+                    self.names.pool,
+                    TokenReleased(
+                        rollout_id=ev.rollout_id,
+                        batch_id=ev.batch_id,
+                        token_ids=held,
+                        reason="dead_letter",
+                        causation=causation,
+                    ),
+                )
             )
-        )
         self.sink.emit(items)
         await self.sink.flush()
         logger.warning(
