@@ -1,0 +1,155 @@
+"""Fixtures of the rollout tests: evaluator specs, in-process engine pieces, rollout starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
+from engine.actors.finalizer import Finalizer, FinalizerConfig
+from engine.config.evaluators import load_evaluators
+from engine.domain import EvaluatorSpec
+from engine.events import Event, EventLog, FilterSpec, RolloutKind, RolloutRequested
+from engine.projections.rollout import RolloutProjection, RolloutState
+from tests.conftest import ClientFactory
+from tests.rollout.play import play_scheduler
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EVALUATOR_CONFIG = FIXTURES / "evaluators.py"
+
+# Short timings: claims and heartbeats happen within a test's lifetime.
+HEARTBEAT_MS = 50
+CLAIM_IDLE_MS = 400
+BLOCK_MS = 100
+
+
+@pytest.fixture(scope="session")
+def specs() -> Mapping[str, EvaluatorSpec]:
+    return load_evaluators(EVALUATOR_CONFIG, None)
+
+
+@dataclass
+class Engine:
+    """Workers and finalizers running as tasks of the test's event loop."""
+
+    make_log: Callable[[], EventLog]
+    specs: Mapping[str, EvaluatorSpec]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def worker(self, worker_id: str = "w1", **overrides: Any) -> EvaluatorWorker:
+        config: dict[str, Any] = {
+            "worker_id": worker_id,
+            "evaluator_ids": ("scripted",),
+            "heartbeat_ms": HEARTBEAT_MS,
+            "claim_idle_ms": CLAIM_IDLE_MS,
+            "block_ms": BLOCK_MS,
+            "grace_s": 5.0,
+        }
+        extra = {k: overrides.pop(k) for k in list(overrides) if k in ("sandbox_factory",)}
+        config.update(overrides)
+        return EvaluatorWorker(self.make_log(), self.specs, WorkerConfig(**config), **extra)
+
+    def start_worker(
+        self, worker_id: str = "w1", stop: asyncio.Event | None = None, **overrides: Any
+    ) -> EvaluatorWorker:
+        worker = self.worker(worker_id, **overrides)
+        self.tasks.append(asyncio.create_task(worker.run(stop or self.stop)))
+        return worker
+
+    def finalizer(self, consumer: str = "f1", out_dir: Path | None = None) -> Finalizer:
+        return Finalizer(
+            self.make_log(),
+            FinalizerConfig(
+                consumer=consumer,
+                out_dir=out_dir,
+                heartbeat_ms=HEARTBEAT_MS,
+                claim_idle_ms=CLAIM_IDLE_MS,
+                block_ms=BLOCK_MS,
+            ),
+        )
+
+    def start_finalizer(self, consumer: str = "f1", out_dir: Path | None = None) -> Finalizer:
+        finalizer = self.finalizer(consumer, out_dir)
+        self.tasks.append(asyncio.create_task(finalizer.run(self.stop)))
+        return finalizer
+
+    async def close(self) -> None:
+        self.stop.set()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def engine(
+    redis_factory: ClientFactory, specs: Mapping[str, EvaluatorSpec]
+) -> AsyncIterator[Engine]:
+    def make_log() -> EventLog:
+        return EventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)
+
+    eng = Engine(make_log, specs)
+    yield eng
+    await eng.close()
+
+
+async def start_rollout(
+    log: EventLog,
+    rollout_id: str,
+    *,
+    n_prompts: int,
+    per_prompt: int = 1,
+    kind: RolloutKind = RolloutKind.TRAIN,
+    filters: FilterSpec | None = None,
+    teacher_capture: bool = False,
+    **play: Any,
+) -> RolloutRequested:
+    """Append a request to rl:control (as the client does) and play the scheduler for it."""
+    request = RolloutRequested(
+        rollout_id=rollout_id,
+        iteration=1,
+        kind=kind,
+        n_prompts=n_prompts,
+        n_samples_per_prompt=per_prompt,
+        policy_version=3,
+        filters=filters or FilterSpec(),
+        teacher_capture=teacher_capture,
+    )
+    await log.append(log.names.control, request)
+    await play_scheduler(log, request, **play)
+    return request
+
+
+async def wait_state(
+    log: EventLog,
+    rollout_id: str,
+    predicate: Callable[[RolloutState], bool],
+    *,
+    timeout: float = 30.0,
+) -> RolloutState:
+    """Fold the rollout stream with blocking reads until ``predicate(state)`` holds."""
+    projection = RolloutProjection()
+    state = projection.initial()
+    position = "0-0"
+    stream = log.names.rollout(rollout_id)
+
+    async def follow() -> RolloutState:
+        nonlocal state, position
+        while True:
+            envs, position = await log.read_after(stream, position, block_ms=BLOCK_MS)
+            for env in envs:
+                state = projection.evolve(state, env)
+            if predicate(state):
+                return state
+
+    return await asyncio.wait_for(follow(), timeout)
+
+
+async def events_of(log: EventLog, stream: str, kind: type[Event]) -> list[Any]:
+    return [env.event for env in await log.read_all(stream) if isinstance(env.event, kind)]

@@ -1,0 +1,250 @@
+"""Evaluator workers in-process: outcomes, abort classes, tokens, recovery, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from engine.client import RolloutClient
+from engine.events import (
+    AbortClass,
+    EventLog,
+    SampleAborted,
+    SampleCompleted,
+    SampleStarted,
+    TokenAcquired,
+    TokenReleased,
+    TurnCompleted,
+)
+from engine.projections.rollout import RolloutState
+from engine.sample import DUMMY_TOKENS
+from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state
+from tests.rollout.fixtures.agents import PEAK, logprobs, prompt_ids, response_ids
+
+
+def _all_done(state: RolloutState) -> bool:
+    return state.all_terminal()
+
+
+async def token_ledger(log: EventLog, rollout_id: str) -> dict[str, tuple[set[str], list[str]]]:
+    """Per batch: the tokens acquired and every token id released (with repeats)."""
+    ledger: dict[str, tuple[set[str], list[str]]] = {}
+    for env in await log.read_all(log.names.pool):
+        ev = env.event
+        if isinstance(ev, TokenAcquired) and ev.rollout_id == rollout_id:
+            ledger[ev.batch_id] = ({t.token_id for t in ev.tokens}, [])
+        elif isinstance(ev, TokenReleased) and ev.rollout_id == rollout_id:
+            acquired, released = ledger[ev.batch_id]
+            released.extend(sorted(acquired) if ev.token_ids is None else ev.token_ids)
+    return ledger
+
+
+def assert_tokens_released_once(ledger: Mapping[str, tuple[set[str], list[str]]]) -> None:
+    for batch, (acquired, released) in ledger.items():
+        assert sorted(released) == sorted(acquired), batch
+
+
+async def test_a_rollout_completes_with_trajectories_turns_and_tokens(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r1", n_prompts=3, per_prompt=2, script=lambda i: {"turns": 2, "reward": i % 2}
+    )
+    client = RolloutClient(log)
+    ready = await asyncio.wait_for(client.wait_ready("r1"), 30)
+    assert ready.sample_ids == [f"r1:s{i}" for i in range(6)]
+    assert (ready.n_completed, ready.n_aborted, ready.policy_version) == (6, 0, 3)
+
+    samples = await client.load("r1")
+    s3 = samples[3]
+    assert s3.tokens == (*prompt_ids(3), *response_ids(3, 8))
+    assert s3.response_length == 8 and s3.loss_mask == (1,) * 8
+    assert s3.rollout_log_probs == logprobs(8)
+    assert s3.reward == 1.0 and s3.status == "completed" and not s3.remove_sample
+    assert s3.metadata["dataset"] == "ds" and s3.policy_version == 3
+
+    stream = log.names.rollout("r1")
+    turns = await events_of(log, stream, TurnCompleted)
+    assert len(turns) == 12
+    assert {(t.node, t.gpu) for t in turns} <= {("node-a", 0), ("node-b", 1)}
+    started = await events_of(log, stream, SampleStarted)
+    assert sorted(s.sample_id for s in started) == sorted(ready.sample_ids)
+    assert {s.attempt for s in started} == {1} and {s.worker for s in started} == {"w1"}
+    assert_tokens_released_once(await token_ledger(log, "r1"))
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+
+async def test_each_failure_becomes_a_classified_masked_dummy(
+    engine: Engine, log: EventLog
+) -> None:
+    scripts: dict[int, dict[str, Any]] = {
+        1: {"fail": {"phase": "run", "error": "conn"}},
+        2: {"fail": {"phase": "init", "error": "sandbox"}},
+        3: {"fail": {"phase": "eval", "error": "other"}},
+        4: {"sleep_s": 60},  # past the 0.5 s episode window
+        5: {"fail": {"phase": "cleanup", "error": "msg:connection reset by peer"}},
+        6: {"reason": "infra_sandbox"},  # the agent reports an abort without raising
+        7: {"no_logprobs": True},  # untrainable in a training rollout
+        8: {"fail": {"phase": "run", "error": "timeout"}},
+    }
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r2", n_prompts=9, script=lambda i: scripts.get(i, {}), stopping={"timeout_s": 0.5}
+    )
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r2"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (1, 8)
+
+    aborted = {a.sample_id: a for a in await events_of(log, log.names.rollout("r2"), SampleAborted)}
+    expected = {
+        1: (AbortClass.INFRA_CONN, "run", None),
+        2: (AbortClass.INFRA_SANDBOX, "init", None),
+        3: (AbortClass.INFRA_OTHER, "eval", "finish"),
+        4: (AbortClass.AGENT_TIMEOUT, "run", None),
+        5: (AbortClass.INFRA_CONN, "cleanup", "finish"),
+        6: (AbortClass.INFRA_SANDBOX, "run", "infra_sandbox"),
+        7: (AbortClass.INFRA_OTHER, "run", "finish"),
+        8: (AbortClass.AGENT_TIMEOUT, "run", None),
+    }
+    for i, (cls, phase, agent_reason) in expected.items():
+        a = aborted[f"r2:s{i}"]
+        assert (a.abort_class, a.phase, a.agent_reason) == (cls, phase, agent_reason), i
+        assert a.window_s == 0.5 and a.attempt == 1
+    assert aborted["r2:s4"].elapsed_s >= 0.5  # the window elapsed during run
+    assert aborted["r2:s1"].node in ("node-a", "node-b") and aborted["r2:s2"].node == ""
+    assert "refused the connection" in aborted["r2:s1"].error
+
+    samples = {s.sample_id: s for s in await RolloutClient(log).load("r2")}
+    dummy = samples["r2:s3"]
+    assert dummy.tokens == DUMMY_TOKENS and dummy.loss_mask == (0, 0)
+    assert dummy.remove_sample and dummy.reward == 0.0 and dummy.status == "aborted"
+    assert dummy.termination_reason == "infra_other" and dummy.index == 3
+    assert dummy.metadata["termination_reason_agent"] == "finish"
+    assert samples["r2:s0"].status == "completed"
+    assert_tokens_released_once(await token_ledger(log, "r2"))
+
+
+async def test_local_tokens_bound_running_samples_and_free_early(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r3", n_prompts=8, batch_size=8, tokens_per_batch=2,
+        script=lambda i: {"sleep_s": 0.02},
+    )
+    await asyncio.wait_for(RolloutClient(log).wait_ready("r3"), 30)
+    assert PEAK["r3"] == 2  # two tokens, although the evaluator allows four at once
+    releases = [
+        ev for ev in await events_of(log, log.names.pool, TokenReleased) if ev.rollout_id == "r3"
+    ]
+    reasons = [(ev.reason, len(ev.token_ids or [])) for ev in releases]
+    assert reasons == [("sample_done", 1), ("sample_done", 1)]  # the last sample frees the last
+    assert_tokens_released_once(await token_ledger(log, "r3"))
+
+
+async def test_surplus_tokens_are_released_before_running(engine: Engine, log: EventLog) -> None:
+    # The scripted evaluator runs 4 samples at once; a batch of 4 holding 4 tokens with
+    # only 2 samples left to run (recovery) must not sit on the other 2.
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(log, "r3b", n_prompts=6, batch_size=6, tokens_per_batch=6)
+    await asyncio.wait_for(RolloutClient(log).wait_ready("r3b"), 30)
+    releases = [
+        ev for ev in await events_of(log, log.names.pool, TokenReleased) if ev.rollout_id == "r3b"
+    ]
+    assert releases[0].reason == "surplus" and len(releases[0].token_ids or []) == 2
+    assert_tokens_released_once(await token_ledger(log, "r3b"))
+
+
+class RecordingProvider:
+    """A sandbox provider that only records reaps (the scripted agent opens none)."""
+
+    def __init__(self) -> None:
+        self.reaped: list[dict[str, str]] = []
+
+    def create(self, *, labels: Mapping[str, str], limits: Any = None) -> Any:
+        raise AssertionError("not used")
+
+    async def reap(self, label_selector: Mapping[str, str]) -> int:
+        self.reaped.append(dict(label_selector))
+        return 0
+
+
+async def test_a_handed_back_batch_is_finished_by_another_worker(
+    engine: Engine, log: EventLog
+) -> None:
+    # Worker A hangs on sample 1; stopped with no grace it leaves the batch pending.
+    # Worker B claims it after the idle window, reaps A's sandboxes for the batch, re-runs
+    # only sample 1 (attempt 2) with the batch's tokens, and releases every token once.
+    stop_a = asyncio.Event()
+    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r4", n_prompts=4, script=lambda i: {"hang_attempts": [1]} if i == 1 else {}
+    )
+
+    def only_hung_left(state: RolloutState) -> bool:
+        hung = state.samples.get("r4:s1")
+        return state.n_done == 3 and hung is not None and hung.started is not None
+
+    await wait_state(log, "r4", only_hung_left)
+    stop_a.set()
+    provider = RecordingProvider()
+    engine.start_worker("wB", sandbox_factory=provider)
+    await asyncio.wait_for(RolloutClient(log).wait_ready("r4"), 30)
+
+    stream = log.names.rollout("r4")
+    terminals = defaultdict(list)
+    for ev in await events_of(log, stream, SampleCompleted):
+        terminals[ev.sample_id].append(ev.attempt)
+    assert dict(terminals) == {"r4:s0": [1], "r4:s1": [2], "r4:s2": [1], "r4:s3": [1]}
+    assert provider.reaped == [
+        {"rollout.worker": "wA", "rollout.rollout": "r4", "rollout.batch": "r4:b0"}
+    ]
+    started_b = [s for s in await events_of(log, stream, SampleStarted) if s.worker == "wB"]
+    assert [(s.sample_id, s.attempt) for s in started_b] == [("r4:s1", 2)]
+    assert_tokens_released_once(await token_ledger(log, "r4"))
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+
+async def test_a_dead_lettered_batch_aborts_its_open_samples(
+    engine: Engine, log: EventLog
+) -> None:
+    stop_a = asyncio.Event()
+    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r5", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {}
+    )
+    await wait_state(log, "r5", lambda s: s.n_done == 2)
+    stop_a.set()
+    # B's log allows a single delivery: the claim finds the entry delivered twice.
+    worker_b = engine.worker("wB")
+    worker_b.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(worker_b.run(engine.stop)))
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r5"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (2, 1)
+    (aborted,) = await events_of(log, log.names.rollout("r5"), SampleAborted)
+    assert aborted.sample_id == "r5:s0" and aborted.abort_class is AbortClass.INFRA_OTHER
+    assert aborted.phase == "delivery" and "dead-lettered" in aborted.error
+    assert_tokens_released_once(await token_ledger(log, "r5"))
+    dead = await log.read_all(log.names.dead)
+    assert len(dead) == 1
+
+
+async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: EventLog) -> None:
+    stop = asyncio.Event()
+    worker = engine.start_worker("wA", stop=stop, grace_s=30.0)
+    await start_rollout(log, "r6", n_prompts=4, script=lambda i: {"sleep_s": 0.2})
+    await wait_state(log, "r6", lambda s: any(x.started for x in s.samples.values()))
+    stop.set()
+    await asyncio.wait_for(engine.tasks[-1], 30)
+    state = await wait_state(log, "r6", _all_done, timeout=1)
+    assert state.n_done == 4
+    assert worker.batches_done == 1 and worker.batches_handed_back == 0
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0

@@ -1,0 +1,169 @@
+"""The finalizer's shell and the capture lane, in-process on both Redis backends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from engine.actors.capture import CaptureConfig, CaptureWorker, TeacherScores
+from engine.client import RolloutClient
+from engine.errors import BackendUnavailable, RolloutFailed
+from engine.events import (
+    CaptureRequested,
+    EventLog,
+    FilterSpec,
+    RolloutReady,
+    TeacherScored,
+)
+from engine.events import (
+    RolloutFailed as RolloutFailedEvent,
+)
+from engine.projections.summary import ARTIFACT_FILES
+from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state
+
+
+async def test_two_finalizers_append_one_rollout_ready(engine: Engine, log: EventLog) -> None:
+    # Two finalizers follow the same rollout (as after a claim, or a restart) and race to
+    # decide it the moment the last sample ends: compare-and-append lets one win.
+    engine.start_worker()
+    f1, f2 = engine.finalizer("f1"), engine.finalizer("f2")
+    follows = [asyncio.create_task(f.follow("r1")) for f in (f1, f2)]
+    await start_rollout(log, "r1", n_prompts=6, per_prompt=2, script=lambda i: {"reward": i % 3})
+    first, second = await asyncio.wait_for(asyncio.gather(*follows), 30)
+    assert first == second
+    assert len(await events_of(log, log.names.rollout("r1"), RolloutReady)) == 1
+    assert len(await events_of(log, log.names.control, RolloutReady)) == 1
+    # A finalizer (re)started after the decision finds it and appends nothing.
+    again = await asyncio.wait_for(engine.finalizer("f3").follow("r1"), 10)
+    assert again == first
+    assert len(await events_of(log, log.names.rollout("r1"), RolloutReady)) == 1
+
+
+async def test_finalizers_in_one_group_share_the_requests(engine: Engine, log: EventLog) -> None:
+    engine.start_worker()
+    engine.start_finalizer("f1")
+    engine.start_finalizer("f2")
+    for rid in ("a", "b", "c"):
+        await start_rollout(log, rid, n_prompts=2)
+    client = RolloutClient(log)
+    for rid in ("a", "b", "c"):
+        await asyncio.wait_for(client.wait_ready(rid), 30)
+    ready = await events_of(log, log.names.control, RolloutReady)
+    assert sorted(r.rollout_id for r in ready) == ["a", "b", "c"]
+
+
+async def test_filters_reach_the_trainer(engine: Engine, log: EventLog) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    rewards = {0: 1, 1: 0, 2: 1, 3: 1, 4: 0, 5: 1}  # groups of 2: mixed, equal, mixed
+    await start_rollout(
+        log, "rf", n_prompts=3, per_prompt=2,
+        filters=FilterSpec(reject_equal_rewards=True, finish_only=True),
+        script=lambda i: {"reward": rewards[i], **({"reason": "max_turns"} if i == 5 else {})},
+    )
+    client = RolloutClient(log)
+    ready = await asyncio.wait_for(client.wait_ready("rf"), 30)
+    assert ready.sample_ids == ["rf:s0", "rf:s1", "rf:s4"]
+    assert ready.dropped_sample_ids == ["rf:s2", "rf:s3", "rf:s5"]
+    assert [s.sample_id for s in await client.load("rf")] == ready.sample_ids
+
+
+async def test_an_emptied_rollout_loads_as_one_masked_dummy(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(
+        log, "rd", n_prompts=2, per_prompt=2, filters=FilterSpec(reject_equal_rewards=True)
+    )
+    client = RolloutClient(log)
+    ready = await asyncio.wait_for(client.wait_ready("rd"), 30)
+    assert ready.dummy and ready.sample_ids == []
+    (dummy,) = await client.load("rd")
+    assert dummy.remove_sample and dummy.tokens == (0, 0) and dummy.loss_mask == (0, 0)
+
+
+async def test_artifacts_written_when_ready(
+    engine: Engine, log: EventLog, tmp_path: Path
+) -> None:
+    engine.start_worker()
+    follow = asyncio.create_task(engine.finalizer(out_dir=tmp_path).follow("ra"))
+    await start_rollout(log, "ra", n_prompts=2, per_prompt=2)
+    ready = await asyncio.wait_for(follow, 30)  # returns once the files are written
+    assert isinstance(ready, RolloutReady)
+    assert sorted(p.name for p in (tmp_path / "ra").iterdir()) == sorted(ARTIFACT_FILES)
+
+
+class FakeTeacher:
+    """Deterministic force-decode: logprob -(token % 5)/4, top-2 ids token and token+1."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls = 0
+
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int
+    ) -> TeacherScores:
+        self.calls += 1
+        if self.fail:
+            raise BackendUnavailable("http://teacher:30000 refused the connection")
+        lps = [-(t % 5) / 4 for t in response_ids]
+        return lps, [[t, t + 1] for t in response_ids], [[lp, lp - 1] for lp in lps]
+
+
+async def test_teacher_capture_lane(engine: Engine, log: EventLog) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    teacher = FakeTeacher()
+    capture = CaptureWorker(
+        engine.make_log(), teacher,
+        CaptureConfig(consumer="c1", heartbeat_ms=50, claim_idle_ms=400, block_ms=100),
+    )
+    engine.tasks.append(asyncio.create_task(capture.run(engine.stop)))
+    await start_rollout(
+        log, "rt", n_prompts=3, teacher_capture=True,
+        script=lambda i: {"fail": {"phase": "run", "error": "conn"}} if i == 2 else {},
+    )
+    client = RolloutClient(log)
+    ready = await asyncio.wait_for(client.wait_ready("rt"), 30)
+    assert ready.sample_ids == ["rt:s0", "rt:s1", "rt:s2"]
+    stream = log.names.rollout("rt")
+    (request,) = await events_of(log, stream, CaptureRequested)
+    assert request.sample_ids == ["rt:s0", "rt:s1"]  # the aborted sample has nothing to score
+    scored = {t.sample_id: t for t in await events_of(log, stream, TeacherScored)}
+    assert sorted(scored) == ["rt:s0", "rt:s1"] and teacher.calls == 2
+    t0 = scored["rt:s0"]
+    assert t0.top_k == 2 and len(t0.topk_ids) == 2 * len(t0.teacher_logprobs)
+    samples = await client.load("rt")
+    s0 = samples[0]
+    assert s0.teacher_log_probs == tuple(
+        -(t % 5) / 4 for t in s0.tokens[len(s0.tokens) - s0.response_length :]
+    )
+    assert s0.loss_mask == tuple(t0.action_mask.tolist())
+    assert samples[2].remove_sample and samples[2].teacher_log_probs is None
+
+
+async def test_a_persistent_teacher_failure_fails_the_rollout(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    teacher = FakeTeacher(fail=True)
+    capture = CaptureWorker(
+        engine.make_log(), teacher,
+        CaptureConfig(consumer="c1", heartbeat_ms=50, claim_idle_ms=400, block_ms=100,
+                      max_tries=2, retry_pause_s=0.01),
+    )
+    engine.tasks.append(asyncio.create_task(capture.run(engine.stop)))
+    await start_rollout(log, "rx", n_prompts=1, teacher_capture=True)
+    client = RolloutClient(log)
+    with pytest.raises(RolloutFailed, match="refused the connection"):
+        await asyncio.wait_for(client.wait_ready("rx"), 30)
+    assert teacher.calls == 2
+    state = await wait_state(log, "rx", lambda s: s.failed is not None, timeout=5)
+    assert state.ready is None
+    (failed,) = await events_of(log, log.names.control, RolloutFailedEvent)
+    assert "after 2 tries" in failed.reason

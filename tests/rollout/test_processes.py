@@ -1,0 +1,151 @@
+"""Real worker processes on a real redis-server: SIGKILL mid-rollout, SIGTERM hand-back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.client import RolloutClient, collate
+from engine.events import EventLog, RedisSettings, SampleAborted, SampleCompleted, SampleStarted
+from engine.events import connect as redis_connect
+from engine.projections.rollout import RolloutState
+from tests.redis_server import RedisServer
+from tests.rollout.conftest import EVALUATOR_CONFIG, events_of, start_rollout, wait_state
+from tests.rollout.test_evaluator import assert_tokens_released_once, token_ledger
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
+
+
+@pytest.fixture
+async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
+    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
+    await redis.flushall()
+    yield EventLog(redis, producer="test", block_ms=200)
+    await redis.aclose()
+
+
+class Procs:
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url = url
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {k: v for k, v in env.items() if not k.startswith("ROLLOUT_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
+            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
+        )
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+        return self.spawn(
+            worker_id, "workers.evaluator", "--worker-id", worker_id,
+            "--evaluator-config", str(EVALUATOR_CONFIG), "--evaluators", "scripted",
+            "--sandbox", "none", *extra,
+        )
+
+    def finalizer(self) -> subprocess.Popen[bytes]:
+        return self.spawn("fin", "workers.finalizer", "--worker-id", "fin")
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(redis_server.url, tmp_path)
+    yield p
+    p.stop_all()
+
+
+def _hung_started(hung: set[str], n_done: int) -> Callable[[RolloutState], bool]:
+    def check(state: RolloutState) -> bool:
+        return state.n_done == n_done and all(
+            (s := state.samples.get(sid)) is not None and s.started is not None for sid in hung
+        )
+
+    return check
+
+
+async def _exit_code(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
+
+
+async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs) -> None:
+    log = real_log
+    procs.finalizer()
+    worker_a = procs.worker("wA", "--max-batches", "4")
+    hung = {1, 6, 9}  # one hangs in each of the three batches; the others finish
+    await start_rollout(
+        log, "rk", n_prompts=12,
+        script=lambda i: {"hang_attempts": [1], "turns": 2} if i in hung else {"turns": 2},
+    )
+    hung_ids = {f"rk:s{i}" for i in hung}
+    await wait_state(log, "rk", _hung_started(hung_ids, 9), timeout=60)
+    worker_a.send_signal(signal.SIGKILL)
+    assert await _exit_code(worker_a) == -signal.SIGKILL
+    procs.worker("wB")
+
+    client = RolloutClient(log)
+    ready = await client.wait_ready("rk", timeout=60)
+    assert (ready.n_completed, ready.n_aborted) == (12, 0)
+
+    stream = log.names.rollout("rk")
+    completed = await events_of(log, stream, SampleCompleted)
+    aborted = await events_of(log, stream, SampleAborted)
+    terminals = Counter(ev.sample_id for ev in [*completed, *aborted])
+    assert terminals == Counter({f"rk:s{i}": 1 for i in range(12)})  # none lost, none twice
+    for ev in completed:
+        assert ev.attempt == (2 if ev.sample_id in hung_ids else 1)
+    started_by_b = {s.sample_id for s in await events_of(log, stream, SampleStarted)
+                    if s.worker == "wB"}
+    assert started_by_b == hung_ids
+    assert_tokens_released_once(await token_ledger(log, "rk"))
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+    batch = collate(await client.load("rk"))
+    assert batch["tokens"].shape == (12, 4 + 8)
+    assert "(recovered)" in procs.output("wB")
+
+
+async def test_sigterm_hands_running_work_back(real_log: EventLog, procs: Procs) -> None:
+    log = real_log
+    procs.finalizer()
+    worker_a = procs.worker("wA", "--grace-s", "0.5")
+    await start_rollout(
+        log, "rt", n_prompts=4, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
+    )
+    await wait_state(log, "rt", _hung_started({"rt:s0"}, 3), timeout=60)
+    worker_a.send_signal(signal.SIGTERM)
+    assert await _exit_code(worker_a) == 0  # a clean exit, the batch left pending
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 1
+    procs.worker("wB")
+    ready = await RolloutClient(log).wait_ready("rt", timeout=60)
+    assert ready.n_completed == 4
+    assert_tokens_released_once(await token_ledger(log, "rt"))
+    for name in ("wB", "fin"):
+        procs.procs[name].send_signal(signal.SIGTERM)
+        assert await _exit_code(procs.procs[name]) == 0
