@@ -1,0 +1,48 @@
+"""Sandboxes: where agents' commands run (see ``base`` for the contract).
+
+``LocalSandboxProvider`` (processes on this machine; the embedded default) and
+``DockerSandboxProvider`` (one container per sandbox; the docker SDK is imported on first use)
+implement ``SandboxProvider``.
+"""
+
+from engine.sandbox.base import (
+    MANAGED_LABEL,
+    SANDBOX_ID_LABEL,
+    ExecOutcome,
+    ExecResult,
+    KillReason,
+    Sandbox,
+    SandboxLimits,
+    SandboxProvider,
+    classify,
+    raise_for_outcome,
+    sandbox_session,
+)
+from engine.sandbox.docker import DockerSandbox, DockerSandboxConfig, DockerSandboxProvider
+from engine.sandbox.local import (
+    Containment,
+    LocalSandbox,
+    LocalSandboxConfig,
+    LocalSandboxProvider,
+)
+
+__all__ = [
+    "MANAGED_LABEL",
+    "SANDBOX_ID_LABEL",
+    "Containment",
+    "DockerSandbox",
+    "DockerSandboxConfig",
+    "DockerSandboxProvider",
+    "ExecOutcome",
+    "ExecResult",
+    "KillReason",
+    "LocalSandbox",
+    "LocalSandboxConfig",
+    "LocalSandboxProvider",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxProvider",
+    "classify",
+    "raise_for_outcome",
+    "sandbox_session",
+]

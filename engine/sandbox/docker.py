@@ -1,0 +1,631 @@
+"""Docker sandbox: one container per sandbox, driven through the docker SDK.
+
+A sandbox is a container that idles (``keepalive``, default ``sleep infinity``, under Docker's
+init so orphans are collected) with the sandbox's labels plus ``rollout.sandbox=1``, no network
+unless configured, ``no-new-privileges``, and these limits:
+
+* ``max_procs`` -> ``pids_limit``; ``memory_mb`` -> ``mem_limit`` (and no swap);
+  ``cpu_time_s`` -> the container's ``RLIMIT_CPU`` ulimit; ``cpus`` (config) -> ``nano_cpus``;
+  ``disk_mb`` -> the working directory is a tmpfs of that size (lost when the container goes).
+
+Commands are ``docker exec`` s. Each carries an environment marker
+(``ROLLOUT_SANDBOX_EXEC=<id>/<n>``); on timeout a second exec kills every process in the
+container carrying it (it needs ``/bin/sh``, ``tr`` and ``grep`` in the image, which busybox and
+coreutils images have). When even that cannot run -- a fork bomb holding every pid -- the
+container is killed and the sandbox is marked failed: later calls raise ``SandboxError`` saying
+so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a file in ``scratch_dir`` that
+the command's shell opens and unlinks before the command starts.
+
+Classification: SIGXCPU (exit 152) is ``cpu``; an unrequested SIGKILL (exit 137) is ``memory``
+when the daemon reported an ``oom`` event for the container while the exec ran (concurrent
+execs in one sandbox can be confused), otherwise ``SIGKILL``; otherwise the error text decides,
+as in the local backend.
+
+Files move with ``get_archive``/``put_archive`` (see ``_docker_files``); a symlink leading out of
+the working directory raises ``SandboxEscape``, as in the local backend.
+
+Every docker call runs in a thread (``asyncio.to_thread``); every docker or connection error is
+translated to ``SandboxError`` at this adapter (``_docker_api``). ``docker`` is imported on
+first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from engine.errors import ConfigError, SandboxError
+from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_member, translate
+from engine.sandbox._docker_files import ArchiveFiles
+from engine.sandbox.base import (
+    MANAGED_LABEL,
+    SANDBOX_ID_LABEL,
+    ExecResult,
+    SandboxLimits,
+    attribute_end,
+    command_argv,
+    validate_labels,
+    validate_selector,
+)
+
+__all__ = ["DockerSandbox", "DockerSandboxConfig", "DockerSandboxProvider"]
+
+_EXEC_MARKER = "ROLLOUT_SANDBOX_EXEC"
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Kills every process whose environment holds the marker given as $1, until none is left.
+# The pipeline's own processes do not carry the marker (it is an argument here, not env).
+_KILLER = r"""
+m="$1"; round=0
+while [ "$round" -lt 100 ]; do
+  found=0
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = "$$" ] && continue
+    if tr '\000' '\n' < "$d/environ" 2>/dev/null | grep -qxF -- "$m"; then
+      kill -9 "$p" 2>/dev/null && found=1
+    fi
+  done
+  [ "$found" = 0 ] && exit 0
+  round=$((round + 1))
+done
+exit 1
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DockerSandboxConfig:
+    """Settings of the Docker backend.
+
+    ``image`` must have ``/bin/sh`` and the ``keepalive`` command; ``user`` is who commands run
+    as (image default when ``None``); ``cpus`` becomes ``nano_cpus`` (``None``: no cap);
+    ``base_url`` picks the daemon (``None``: the environment, as the docker CLI does).
+    """
+
+    image: str
+    workdir: str = "/workspace"
+    user: str | None = None
+    network_mode: str = "none"
+    cpus: float | None = 1.0
+    keepalive: tuple[str, ...] = ("sleep", "infinity")
+    init: bool = True
+    scratch_dir: str = "/tmp"
+    base_env: Mapping[str, str] = field(
+        default_factory=lambda: {"PATH": _DEFAULT_PATH, "LANG": "C.UTF-8"}
+    )
+    base_url: str | None = None
+    api_timeout_s: float = 60.0
+    kill_grace_s: float = 10.0
+    default_limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ConfigError("DockerSandboxConfig.image must name an image")
+        for name in ("workdir", "scratch_dir"):
+            value = getattr(self, name)
+            if not posixpath.isabs(value) or posixpath.normpath(value) in ("/", "//"):
+                raise ConfigError(
+                    f"DockerSandboxConfig.{name} must be an absolute path below /, got {value!r}"
+                )
+        if self.cpus is not None and self.cpus <= 0:
+            raise ConfigError(f"DockerSandboxConfig.cpus must be > 0, got {self.cpus}")
+        if not self.keepalive:
+            raise ConfigError("DockerSandboxConfig.keepalive needs a command")
+
+
+class _Output:
+    """Thread-safe capture of one exec's two streams, keeping the first ``limit`` bytes each."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = (bytearray(), bytearray())
+        self.truncated = [False, False]
+        self.lock = threading.Lock()
+
+    def add(self, index: int, chunk: bytes) -> None:
+        with self.lock:
+            buffer = self.data[index]
+            room = self.limit - len(buffer)
+            if room > 0:
+                buffer += chunk[:room]
+            if len(chunk) > room:
+                self.truncated[index] = True
+
+    def text(self, index: int) -> str:
+        with self.lock:
+            return self.data[index].decode("utf-8", "replace")
+
+
+class DockerSandbox:
+    """A sandbox made by :class:`DockerSandboxProvider` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        client: Callable[[], Any],
+        sandbox_id: str,
+        labels: Mapping[str, str],
+        limits: SandboxLimits,
+        config: DockerSandboxConfig,
+    ) -> None:
+        self._client_factory = client
+        self._client: Any = None
+        self._id = sandbox_id
+        self._labels = MappingProxyType(dict(labels))
+        self._limits = limits
+        self._config = config
+        self._workdir = posixpath.normpath(config.workdir)
+        self._container: Any = None
+        self._files: ArchiveFiles | None = None
+        self._state: Literal["new", "running", "failed", "stopped"] = "new"
+        self._failure = ""
+        self._owner = (0, 0)
+        self._exec_count = 0
+        self._lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"DockerSandbox(id={self._id!r}, state={self._state}, image={self._config.image!r})"
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self._labels
+
+    @property
+    def limits(self) -> SandboxLimits:
+        return self._limits
+
+    @property
+    def workdir(self) -> str:
+        return self._workdir
+
+    @property
+    def container_id(self) -> str | None:
+        return None if self._container is None else str(self._container.id)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._state == "running":
+                return
+            if self._state != "new":
+                raise SandboxError(f"sandbox {self._id} is {self._state} and cannot start again")
+            try:
+                self._client = await asyncio.to_thread(self._client_factory)
+                await self._create_container()
+                await self._prepare_workdir()
+                self._files = ArchiveFiles(
+                    client=self._client,
+                    container=self._container,
+                    workdir=self._workdir,
+                    owner=self._owner,
+                    sandbox_id=self._id,
+                    max_file_bytes=self._limits.max_file_bytes,
+                )
+            except BaseException:
+                await self._remove_container()
+                self._state = "stopped"
+                raise
+            self._state = "running"
+
+    async def _create_container(self) -> None:
+        docker = docker_module()
+        limits, config = self._limits, self._config
+        memory = f"{limits.memory_mb}m"
+        options: dict[str, Any] = {
+            "command": list(config.keepalive),
+            "detach": True,
+            "name": f"rollout-{self._id}",
+            "labels": dict(self._labels),
+            "working_dir": self._workdir,
+            "network_mode": config.network_mode,
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "pids_limit": limits.max_procs,
+            "ulimits": [
+                docker.types.Ulimit(
+                    name="cpu", soft=limits.cpu_seconds, hard=limits.cpu_seconds + 1
+                ),
+                docker.types.Ulimit(name="core", soft=0, hard=0),
+            ],
+            "init": config.init,
+            "security_opt": ["no-new-privileges:true"],
+        }
+        if config.cpus is not None:
+            options["nano_cpus"] = int(config.cpus * 1e9)
+        if config.user is not None:
+            options["user"] = config.user
+        if limits.disk_mb is not None:
+            options["tmpfs"] = {
+                self._workdir: f"rw,exec,nosuid,nodev,size={limits.disk_mb}m,mode=1777"
+            }
+        self._container = await call(
+            f"starting sandbox {self._id} from image {config.image!r}",
+            self._client.containers.run,
+            config.image,
+            **options,
+        )
+
+    async def _prepare_workdir(self) -> None:
+        """Learn the exec user's uid/gid (file ownership) and give it the working directory.
+
+        The directory is handed over with ``put_archive`` (the daemon extracts as root):
+        under ``no-new-privileges`` a root exec in a container whose user is not root has no
+        capabilities, so ``chown`` from inside would be refused.
+        """
+        if self._config.user is None:
+            return
+        ids = await self._quick_exec(["/bin/sh", "-c", "id -u; id -g"], user=self._config.user)
+        try:
+            uid, gid = (int(line) for line in ids.split())
+        except ValueError as exc:
+            raise SandboxError(
+                f"sandbox {self._id}: could not learn uid/gid of user {self._config.user!r} "
+                f"in image {self._config.image!r} (got {ids!r})"
+            ) from exc
+        self._owner = (uid, gid)
+        mode = 0o1777 if self._limits.disk_mb is not None else 0o755
+        name = posixpath.basename(self._workdir)
+        archive = tar_member(name, data=None, mode=mode, owner=self._owner)
+        await call(
+            f"sandbox {self._id}: handing {self._workdir} to uid {uid}",
+            self._container.put_archive,
+            posixpath.dirname(self._workdir),
+            archive,
+        )
+
+    async def _quick_exec(self, argv: list[str], *, user: str) -> str:
+        """A short helper command; raises SandboxError when it fails."""
+        container = self._container
+
+        def run() -> tuple[int, bytes]:
+            result = container.exec_run(argv, user=user)
+            return int(result.exit_code), bytes(result.output)
+
+        code, output = await call(f"sandbox {self._id}: running {argv[0]}", run)
+        if code != 0:
+            raise SandboxError(
+                f"sandbox {self._id}: {' '.join(argv)!r} exited {code}: "
+                f"{output.decode('utf-8', 'replace')[:500]}"
+            )
+        return output.decode("utf-8", "replace")
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if self._state == "stopped":
+                return
+            self._state = "stopped"
+            await self._remove_container()
+
+    async def _remove_container(self) -> None:
+        container = self._container
+        if container is None:
+            return
+        try:
+            await asyncio.to_thread(container.remove, force=True, v=True)
+        except Exception as exc:
+            if is_not_found(exc):
+                return  # reaped already
+            raise translate(f"removing sandbox {self._id}", exc) from exc
+
+    async def __aenter__(self) -> DockerSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def _require_running(self, what: str) -> Any:
+        if self._state == "failed":
+            raise SandboxError(f"cannot {what}: sandbox {self._id} failed: {self._failure}")
+        if self._state != "running":
+            raise SandboxError(f"cannot {what}: sandbox {self._id} is {self._state}")
+        return self._container
+
+    async def _fail(self, reason: str) -> None:
+        """Kill the whole container: the last resort when a command cannot be stopped."""
+        self._state = "failed"
+        self._failure = reason
+        try:
+            await asyncio.to_thread(self._container.kill)
+        except Exception:
+            pass  # already gone is as good as killed
+
+    # -- commands ------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+    ) -> ExecResult:
+        container = self._require_running(f"exec {cmd!r}")
+        argv = command_argv(cmd)
+        timeout = self._limits.effective_timeout(timeout_s)
+        self._exec_count += 1
+        number = self._exec_count
+        marker = f"{self._id}/{number}"
+        environment = dict(self._config.base_env)
+        environment["HOME"] = self._workdir
+        for key, value in (env or {}).items():
+            if not key or "=" in key or "\0" in key or "\0" in value or key == _EXEC_MARKER:
+                raise SandboxError(f"exec in sandbox {self._id}: environment name {key!r} invalid")
+            environment[key] = value
+        environment[_EXEC_MARKER] = marker
+        if stdin is not None:
+            argv = await self._stage_stdin(argv, stdin, number)
+        api = self._client.api
+        created = await call(
+            f"sandbox {self._id}: creating exec {number}",
+            api.exec_create,
+            container.id,
+            argv,
+            stdout=True,
+            stderr=True,
+            stdin=False,
+            tty=False,
+            environment=environment,
+            workdir=self._workdir,
+            user=self._config.user or "",
+        )
+        exec_id = created["Id"]
+        output = _Output(self._limits.max_output_bytes)
+
+        def pump() -> None:
+            for out, err in api.exec_start(exec_id, stream=True, demux=True):
+                if out:
+                    output.add(0, out)
+                if err:
+                    output.add(1, err)
+
+        started, wall_start = time.monotonic(), time.time()
+        task = asyncio.ensure_future(call(f"sandbox {self._id}: exec {number}", pump))
+        # A pump abandoned after a timeout may still fail later; its error is not news then.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        timed_out = False
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                timed_out = True
+                if not await self._kill_exec(marker):
+                    await self._fail(f"exec {number} ({argv[0]!r}) could not be killed")
+                done, _ = await asyncio.wait({task}, timeout=self._config.kill_grace_s)
+                if not done and self._state != "failed":
+                    await self._fail(f"exec {number} ({argv[0]!r}) kept its output open")
+        except BaseException:
+            task.cancel()
+            await asyncio.shield(self._kill_exec(marker))
+            raise
+        elapsed = time.monotonic() - started
+        if task.done() and not task.cancelled() and not timed_out:
+            error = task.exception()
+            if error is not None:
+                raise error
+        exit_code = await self._exit_code(exec_id, timed_out)
+        return await self._result(
+            exit_code, output, timed_out=timed_out, elapsed=elapsed, since=wall_start
+        )
+
+    async def _stage_stdin(self, argv: list[str], stdin: bytes | str, number: int) -> list[str]:
+        """Put stdin in a file the command's shell opens and unlinks before exec'ing it."""
+        data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        name = f".rollout-stdin-{self._id}-{number}"
+        archive = tar_member(name, data=data, mode=0o600, owner=self._owner)
+        await call(
+            f"sandbox {self._id}: staging stdin",
+            self._container.put_archive,
+            self._config.scratch_dir,
+            archive,
+        )
+        path = posixpath.join(self._config.scratch_dir, name)
+        script = 'exec <"$0" || exit 125; rm -f -- "$0" 2>/dev/null; exec "$@"'
+        return ["/bin/sh", "-c", script, path, *argv]
+
+    async def _kill_exec(self, marker: str) -> bool:
+        """Kill every process of one exec from inside the container; False if that failed."""
+        container = self._container
+
+        def run() -> int:
+            result = container.exec_run(
+                ["/bin/sh", "-c", _KILLER, "rollout-kill", f"{_EXEC_MARKER}={marker}"],
+                user=self._config.user or "",
+            )
+            return int(result.exit_code)
+
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(run), self._config.kill_grace_s)
+        except Exception:
+            return False
+        return code == 0
+
+    async def _exit_code(self, exec_id: str, timed_out: bool) -> int:
+        api = self._client.api
+        for _ in range(100):
+            try:
+                info = await asyncio.to_thread(api.exec_inspect, exec_id)
+            except Exception as exc:
+                if self._state == "failed":
+                    return 128 + signal.SIGKILL
+                raise translate(f"sandbox {self._id}: inspecting an exec", exc) from exc
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            if timed_out or self._state == "failed":
+                return 128 + signal.SIGKILL
+            await asyncio.sleep(0.02)
+        return 128 + signal.SIGKILL
+
+    async def _oom_killed_between(self, since: float, until: float) -> bool | None:
+        """Whether the daemon reported an OOM kill in the container in ``[since, until]``
+        (Docker's ``oom`` event covers every process of the container's memory cgroup);
+        ``None`` when the events cannot be read."""
+        client, container_id = self._client, self._container.id
+
+        def run() -> list[Any]:
+            return list(
+                client.api.events(
+                    since=since,
+                    until=until,
+                    filters={"container": container_id, "event": "oom"},
+                    decode=True,
+                )
+            )
+
+        try:
+            events = await asyncio.to_thread(run)
+        except Exception:
+            return None
+        return bool(events)
+
+    async def _result(
+        self, exit_code: int, output: _Output, *, timed_out: bool, elapsed: float, since: float
+    ) -> ExecResult:
+        stderr = output.text(1)
+        diagnostics: dict[str, str] = {}
+        oom_killed = False
+        if exit_code == 128 + signal.SIGKILL and not timed_out:
+            oom = await self._oom_killed_between(since, time.time())
+            if oom is not None:
+                diagnostics["docker_oom_event"] = str(oom).lower()
+                oom_killed = oom
+        killed_by = attribute_end(
+            exit_code, timed_out=timed_out, stderr=stderr, oom_killed=oom_killed
+        )
+        if self._state == "failed":
+            diagnostics["sandbox_failed"] = self._failure
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=output.text(0),
+            stderr=stderr,
+            stdout_truncated=output.truncated[0],
+            stderr_truncated=output.truncated[1],
+            timed_out=timed_out,
+            killed_by=killed_by,
+            elapsed_s=elapsed,
+            diagnostics=diagnostics,
+        )
+
+    # -- files ---------------------------------------------------------------------------
+
+    async def read_file(self, path: str) -> bytes:
+        self._require_running(f"read {path!r}")
+        assert self._files is not None
+        return await self._files.read(path)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._require_running(f"write {path!r}")
+        assert self._files is not None
+        if not 0 <= mode <= 0o7777:
+            raise SandboxError(f"file mode for {path!r} must be within 0o0..0o7777, got {mode!r}")
+        payload = data.encode() if isinstance(data, str) else bytes(data)
+        if len(payload) > self._limits.max_file_bytes:
+            raise SandboxError(
+                f"sandbox {self._id}: {len(payload)} bytes for {path!r} exceed the "
+                f"{self._limits.max_file_bytes}-byte file limit"
+            )
+        await self._files.write(path, payload, mode)
+
+
+class DockerSandboxProvider:
+    """Creates :class:`DockerSandbox` es on one daemon and reaps them by label."""
+
+    def __init__(self, config: DockerSandboxConfig, *, client: Any = None) -> None:
+        self.config = config
+        self._client = client
+        self._client_lock = threading.Lock()
+
+    def _get_client(self) -> Any:
+        """The SDK client, made on first use (it talks to the daemon: call it in a thread)."""
+        with self._client_lock:
+            return self._connect()
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            docker = docker_module()
+            try:
+                if self.config.base_url is None:
+                    self._client = docker.from_env(timeout=int(self.config.api_timeout_s))
+                else:
+                    self._client = docker.DockerClient(
+                        base_url=self.config.base_url, timeout=int(self.config.api_timeout_s)
+                    )
+            except (docker.errors.DockerException, OSError) as exc:
+                raise translate("connecting to the docker daemon", exc) from exc
+        return self._client
+
+    async def ping(self) -> None:
+        """Raise SandboxError unless the daemon answers and has the configured image."""
+        client = await asyncio.to_thread(self._get_client)
+        await call("pinging the docker daemon", client.ping)
+        await call(
+            f"looking up sandbox image {self.config.image!r}",
+            client.images.get,
+            self.config.image,
+        )
+
+    def create(
+        self, *, labels: Mapping[str, str], limits: SandboxLimits | None = None
+    ) -> DockerSandbox:
+        checked = validate_labels(labels)
+        sandbox_id = f"sb-{secrets.token_hex(6)}"
+        checked[MANAGED_LABEL] = "1"
+        checked[SANDBOX_ID_LABEL] = sandbox_id
+        return DockerSandbox(
+            client=self._get_client,
+            sandbox_id=sandbox_id,
+            labels=checked,
+            limits=limits or self.config.default_limits,
+            config=self.config,
+        )
+
+    async def find(self, label_selector: Mapping[str, str]) -> list[str]:
+        """Ids of the sandboxes (running or not) that carry all of ``label_selector``."""
+        selector = validate_selector(label_selector)
+        containers = await self._containers(selector)
+        return [
+            str(container.labels.get(SANDBOX_ID_LABEL, container.id)) for container in containers
+        ]
+
+    async def _containers(self, selector: Mapping[str, str]) -> list[Any]:
+        client = await asyncio.to_thread(self._get_client)
+        filters = {"label": [f"{MANAGED_LABEL}=1", *(f"{k}={v}" for k, v in selector.items())]}
+        found: list[Any] = await call(
+            f"listing sandboxes with labels {dict(selector)}",
+            client.containers.list,
+            all=True,
+            filters=filters,
+        )
+        return found
+
+    async def reap(self, label_selector: Mapping[str, str]) -> int:
+        selector = validate_selector(label_selector)
+        removed = 0
+        for container in await self._containers(selector):
+            try:
+                await asyncio.to_thread(container.remove, force=True, v=True)
+                removed += 1
+            except Exception as exc:
+                if is_not_found(exc):
+                    continue  # removed concurrently by its owner or another reaper
+                raise translate(f"reaping container {container.id}", exc) from exc
+        return removed
+
+    def close(self) -> None:
+        """Close the SDK client (sandboxes keep running; a later call reconnects)."""
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
