@@ -2,7 +2,7 @@
 
 The Docker backend runs when a daemon answers and a static busybox is at hand to build the test
 image (see ``docker_image.py``); otherwise its tests are skipped with the reason, or fail when
-``ROLLOUT_TEST_DOCKER=require`` (set it in CI once CI starts a dockerd).
+``TEST_REQUIRE_DOCKER=require`` (set it in CI once CI starts a dockerd).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine.sandbox.base import Sandbox, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from tests.sandbox.docker_image import ensure_image, find_static_busybox
 
-DOCKER_REQUIRED_ENV = "ROLLOUT_TEST_DOCKER"
+DOCKER_REQUIRED_ENV = "TEST_REQUIRE_DOCKER"
 
 TEST_LIMITS = SandboxLimits(
     cpu_time_s=20,

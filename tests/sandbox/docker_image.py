@@ -12,7 +12,7 @@ CI::
     dockerd > /tmp/dockerd.log 2>&1 &
     until docker info > /dev/null 2>&1; do sleep 1; done
     python -m tests.sandbox.docker_image        # optional: the fixture builds it on demand
-    ROLLOUT_TEST_DOCKER=require pytest tests/sandbox
+    TEST_REQUIRE_DOCKER=require pytest tests/sandbox
 """
 
 from __future__ import annotations
