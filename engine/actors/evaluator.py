@@ -11,7 +11,9 @@ Per sample, in this order (rollout-engine §3):
 3. one *local placement token* -- one of the batch's ``token_ids``, handed out one per
    running sample -- is taken (a sample waits for a free one) and held through ``run``,
    ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted once it is held;
-4. ``cleanup`` always runs once ``init`` was entered, even after a failure;
+4. ``cleanup`` always runs once ``init`` was entered, even after a failure; afterwards the
+   attempt's ``tmp_dir`` (a path reserved inside a per-batch directory, which the agent
+   creates if it needs one) is removed;
 5. the outcome is emitted: one ``TurnCompleted`` per ``AgentResult.turns`` entry, then
    ``SampleCompleted`` -- or ``SampleAborted`` when anything raised;
 6. the token goes back to the batch; tokens no remaining sample can use (more tokens held
@@ -47,9 +49,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, EpisodeContext, Reward
-from engine.domain import EvaluatorSpec, Task, TerminationReason, overlay
+from engine.domain import (
+    EvaluatorSpec,
+    SamplingParams,
+    StoppingCriteria,
+    Task,
+    TerminationReason,
+    overlay,
+)
 from engine.errors import AgentError, EpisodeTimeout
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
@@ -183,8 +194,14 @@ class Evaluator:
         for token in plan.tokens:
             self._free.put_nowait(token)
         self._unfinished = len(plan.run_ids)
+        self._releasing: list[str] = []
+        self._release_scheduled = False
         self._rollout_stream = names.rollout(plan.admitted.rollout_id)
         self._batch_tmp: Path | None = None
+        self._resolved: dict[
+            tuple[str, str],
+            tuple[Mapping[str, Any], Mapping[str, Any], StoppingCriteria, SamplingParams],
+        ] = {}
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
@@ -201,6 +218,7 @@ class Evaluator:
         try:
             if self.plan.run_ids:
                 await asyncio.gather(*(self._sample(sid) for sid in self.plan.run_ids))
+            self._release_now("sample_done")
             if self._held:
                 self._release(sorted(self._held), "batch_done")
         finally:
@@ -229,15 +247,26 @@ class Evaluator:
         )
 
     def _release_surplus(self, reason: str) -> None:
-        """Give back free tokens beyond what the unfinished samples can still use."""
+        """Give back free tokens beyond what the unfinished samples can still use.
+
+        Tokens freed by samples that end in the same event-loop tick leave in one
+        ``TokenReleased``, emitted at the end of the tick: after those samples' terminal
+        events (emission order is log order), and with one entry instead of one per sample.
+        """
         needed = min(self._unfinished, self.spec.resource.concurrency)
-        surplus: list[str] = []
         while len(self._held) > needed and not self._free.empty():
             token = self._free.get_nowait()
             self._held.discard(token)
-            surplus.append(token)
-        if surplus:
-            self._release(surplus, reason)
+            self._releasing.append(token)
+        if self._releasing and not self._release_scheduled:
+            self._release_scheduled = True
+            asyncio.get_running_loop().call_soon(self._release_now, reason)
+
+    def _release_now(self, reason: str) -> None:
+        self._release_scheduled = False
+        tokens, self._releasing = self._releasing, []
+        if tokens:
+            self._release(tokens, reason)
 
     async def _take_token(self) -> str | None:
         if not self._gated:
@@ -278,8 +307,7 @@ class Evaluator:
                 f"in rollout {self.plan.admitted.rollout_id}"
             )
         task = task_of(ev, datasets=self.plan.datasets)
-        stopping = overlay(self.spec.default_stopping, stopping_of(ev))
-        sampling = overlay(self.spec.default_sampling_params, sampling_of(ev))
+        stopping, sampling = self._generation(ev)
         rec.window_s = stopping.timeout_s
         handler = self.spec.handler
         token: str | None = None
@@ -327,9 +355,8 @@ class Evaluator:
             finally:
                 rec.phase = "cleanup"
                 try:
-                    await asyncio.wait_for(
-                        handler.cleanup(task, ctx), self._settings.cleanup_timeout_s
-                    )
+                    async with asyncio.timeout(self._settings.cleanup_timeout_s):
+                        await handler.cleanup(task, ctx)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -347,6 +374,18 @@ class Evaluator:
         assert failure is not None
         rec.phase = failed_phase
         return [self._aborted(sample_id, attempt, rec, failure)], token
+
+    def _generation(self, ev: TaskFetched) -> tuple[StoppingCriteria, SamplingParams]:
+        """The sample's stopping criteria and sampling params (the spec's defaults under the
+        scheduler's resolution), parsed once per dataset while they stay the same."""
+        key = (ev.dataset, ev.task_type)
+        hit = self._resolved.get(key)
+        if hit is not None and hit[0] == ev.stopping and hit[1] == ev.sampling_params:
+            return hit[2], hit[3]
+        stopping = overlay(self.spec.default_stopping, stopping_of(ev))
+        sampling = overlay(self.spec.default_sampling_params, sampling_of(ev))
+        self._resolved[key] = (ev.stopping, ev.sampling_params, stopping, sampling)
+        return stopping, sampling
 
     async def _timed(self, step: Coroutine[Any, Any, T], rec: _Attempt) -> T:
         """Await one phase within what is left of the episode window."""
@@ -440,10 +479,10 @@ class Evaluator:
             rollout_id=ad.rollout_id,
             sample_id=task.task_id,
             attempt=attempt,
-            prompt_ids=TokenIds.from_values(result.prompt_token_ids),
-            response_ids=TokenIds.from_values(result.response_token_ids),
-            logprobs=LogProbs.from_values(result.response_logprobs),
-            loss_mask=Mask.from_values(result.loss_mask),
+            prompt_ids=_packed(TokenIds, result.prompt_token_ids),
+            response_ids=_packed(TokenIds, result.response_token_ids),
+            logprobs=_packed(LogProbs, result.response_logprobs),
+            loss_mask=_packed(Mask, result.loss_mask),
             reward=score,
             reward_detail=detail,
             status=reason.status.value,
@@ -520,6 +559,9 @@ class Evaluator:
     # ------------------------------------------------------------------ resources
 
     def _tmp_dir(self, sample_id: str, attempt: int) -> Path:
+        """The attempt's private directory: reserved inside a per-batch directory, created
+        by the agent when it needs one (most episodes do not; creating one per sample costs
+        more than a zero-latency episode), and removed after cleanup."""
         if self._batch_tmp is None:
             root = self._settings.tmp_root
             if root is not None:
@@ -527,9 +569,7 @@ class Evaluator:
             self._batch_tmp = Path(
                 tempfile.mkdtemp(prefix="rollout-batch-", dir=str(root) if root else None)
             )
-        path = self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
-        path.mkdir(exist_ok=True)
-        return path
+        return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
 
     def _labelled_factory(self, sample_id: str, attempt: int) -> Any:
         if self._sandbox_factory is None:
@@ -598,15 +638,20 @@ def _int_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) ->
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+P = TypeVar("P", TokenIds, LogProbs, Mask)
+
+
+def _packed(cls: type[P], values: Sequence[int] | Sequence[float]) -> P:
+    """Pack values ``AgentResult`` already validated (ids >= 0, mask 0/1); numpy refuses an
+    id beyond int32 with ``OverflowError``, which aborts the sample like any error."""
+    return cls(np.array(values, dtype=cls.dtype).tobytes())
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def _remove_dir(path: Path) -> None:
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
+    if os.path.lexists(path):
         shutil.rmtree(path, ignore_errors=True)
 

@@ -385,21 +385,24 @@ class EvaluatorWorker:
         else:
             self._tasks.move_to_end(rollout_id)
         async with cached.lock:
-            if any(sid not in cached.tasks for sid in needed):
-                stream = self.names.rollout(rollout_id)
-                while True:
-                    envs, position = await self.log.read_after(
-                        stream, cached.position, block_ms=0, count=2000
-                    )
-                    for env in envs:
-                        ev = env.event
-                        if isinstance(ev, TaskFetched):
-                            cached.tasks.setdefault(ev.sample_id, ev)
-                        elif isinstance(ev, RolloutRequested) and cached.request is None:
-                            cached.request = ev
-                    if position == cached.position:
-                        break
-                    cached.position = position
+            missing = {sid for sid in needed if sid not in cached.tasks}
+            stream = self.names.rollout(rollout_id)
+            # Read on only until the batch's tasks are known: a batch can start while the
+            # rest of a large plan is still unread (later batches read further).
+            while missing:
+                envs, position = await self.log.read_after(
+                    stream, cached.position, block_ms=0, count=1000
+                )
+                for env in envs:
+                    ev = env.event
+                    if isinstance(ev, TaskFetched):
+                        cached.tasks.setdefault(ev.sample_id, ev)
+                        missing.discard(ev.sample_id)
+                    elif isinstance(ev, RolloutRequested) and cached.request is None:
+                        cached.request = ev
+                if position == cached.position:
+                    break
+                cached.position = position
         return cached
 
     # ------------------------------------------------------------------ dead letters
