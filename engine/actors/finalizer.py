@@ -150,7 +150,8 @@ def ready_metrics(state: RolloutState, kept: list[str], dropped: list[str]) -> d
     for cls in FailureClass:
         out[f"class/{cls.value}"] = float(sum(1 for r in rows if r.failure_class is cls))
     kind = state.request.kind if state.request is not None else RolloutKind.TRAIN
-    out.update(eval_metrics(state, prefix="eval" if kind is RolloutKind.EVAL else "rollout"))
+    prefix = "eval" if kind is RolloutKind.EVAL else "rollout"
+    out.update(eval_metrics(state, prefix=prefix, rows=rows))
     return out
 
 

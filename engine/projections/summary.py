@@ -251,11 +251,16 @@ def _by_dataset(rows: Iterable[SampleRow]) -> dict[str, list[SampleRow]]:
     return dict(sorted(out.items()))
 
 
-def eval_metrics(state: RolloutState, *, prefix: str = "eval") -> dict[str, float]:
-    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1)."""
+def eval_metrics(
+    state: RolloutState, *, prefix: str = "eval", rows: list[SampleRow] | None = None
+) -> dict[str, float]:
+    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1).
+
+    ``rows`` saves recomputing :func:`sample_rows` when the caller has them."""
     out: dict[str, float] = {}
-    for name, rows in _by_dataset(sample_rows(state)).items():
-        for key, value in _dataset_metrics(rows).items():
+    all_rows = sample_rows(state) if rows is None else rows
+    for name, ds_rows in _by_dataset(all_rows).items():
+        for key, value in _dataset_metrics(ds_rows).items():
             out[f"{prefix}/{name}/{key}"] = value
     return out
 
