@@ -149,3 +149,40 @@ async def test_sigterm_hands_running_work_back(real_log: EventLog, procs: Procs)
     for name in ("wB", "fin"):
         procs.procs[name].send_signal(signal.SIGTERM)
         assert await _exit_code(procs.procs[name]) == 0
+
+
+async def test_through_the_real_scheduler(
+    real_log: EventLog, procs: Procs, tmp_path: Path
+) -> None:
+    """request -> scheduler -> workers -> finalizer -> RolloutReady -> load -> collate."""
+    pytest.importorskip("workers.scheduler")
+    data = tmp_path / "ds.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(8)))
+    config = tmp_path / "rollout.yaml"
+    config.write_text(
+        "rollout:\n  defaults: {task_type: scripted}\n"
+        f"  datasets:\n    ds: {{path: {data}, n_samples_per_prompt: 2}}\n"
+    )
+    layout = '{"node-a": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
+    procs.spawn(
+        "sched", "workers.scheduler", "--rollout-config", str(config),
+        "--evaluator-config", str(EVALUATOR_CONFIG), "--cluster-layout", layout,
+        "--scheduler-id", "s1",
+    )
+    procs.worker("w1")
+    procs.worker("w2")
+    procs.finalizer()
+    client = RolloutClient(real_log)
+    rid = await client.request(iteration=2, n_prompts=6, n_samples_per_prompt=2, seed=5)
+    ready = await client.wait_ready(rid, timeout=60)
+    assert (ready.n_completed, ready.n_aborted, len(ready.sample_ids)) == (12, 0, 12)
+    samples = await client.load(rid)
+    assert [s.index for s in samples] == list(range(12))
+    assert {s.group_index for s in samples} == set(range(6))
+    assert all(s.prompt == samples[2 * s.group_index].prompt for s in samples)
+    batch = collate(samples)
+    assert batch["tokens"].shape == (12, 8) and batch["loss_mask"].sum().item() == 12 * 4
+    stream = real_log.names.rollout(rid)
+    terminals = Counter(ev.sample_id for ev in await events_of(real_log, stream, SampleCompleted))
+    assert set(terminals.values()) == {1} and len(terminals) == 12
+    assert_tokens_released_once(await token_ledger(real_log, rid))
