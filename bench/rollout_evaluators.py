@@ -1,0 +1,45 @@
+"""Evaluator config of ``bench/rollout.py``: one zero-latency agent, so the bench measures the
+engine (events, Redis, scheduling, finalizing) and nothing else.
+
+``fast``: one turn, 16 response tokens with logprobs, reward 1. Batches of 256 samples; a
+batch may run all of its samples at once.
+"""
+
+from __future__ import annotations
+
+from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.domain import EvaluatorSpec, Resource, Task, TerminationReason
+
+BATCH_SIZE = 256
+RESPONSE_TOKENS = 16
+
+
+class ZeroLatencyAgent(BaseAgent):
+    """Answers at once with a fixed-size trajectory derived from the task index."""
+
+    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        base = task.index % 1000
+        return AgentResult(
+            prompt_token_ids=(1, 2, 3, 4, 5, 6, 7, base),
+            response_token_ids=tuple(base + i for i in range(RESPONSE_TOKENS)),
+            response_logprobs=(-0.5,) * RESPONSE_TOKENS,
+            loss_mask=(1,) * RESPONSE_TOKENS,
+            turns=(TurnRecord(index=0, prompt_tokens=8, response_tokens=RESPONSE_TOKENS),),
+            termination_reason=TerminationReason.FINISH,
+        )
+
+    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
+        return 1.0
+
+
+def build_evaluators(args: object) -> list[EvaluatorSpec]:
+    return [
+        EvaluatorSpec(
+            evaluator_id="fast",
+            handler=ZeroLatencyAgent(),
+            resource=Resource(concurrency=BATCH_SIZE, cpu=float(BATCH_SIZE)),
+            run_resource=Resource(cpu=1.0),
+            eval_resource=Resource(cpu=1.0),
+            batch_size=BATCH_SIZE,
+        )
+    ]
