@@ -93,7 +93,8 @@ class EngineArm:
     def start(self) -> None:
         n_prompts = self.args.samples // PER_PROMPT
         data = self.tmp / "prompts.jsonl"
-        data.write_text("".join(f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(n_prompts)))
+        rows = (f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(n_prompts))
+        data.write_text("".join(rows))
         (self.tmp / "rollout.yaml").write_text(
             "rollout:\n  datasets:\n"
             f"    bench: {{path: {data}, task_type: fast, n_samples_per_prompt: {PER_PROMPT}}}\n"
@@ -101,7 +102,8 @@ class EngineArm:
         layout = '{"node-a": {"gpus": [0, 1, 2, 3], "cpu": 100000, "memory_gb": 100000}}'
         if self.real_scheduler:
             self.spawn(
-                "scheduler", "workers.scheduler", "--rollout-config", str(self.tmp / "rollout.yaml"),
+                "scheduler", "workers.scheduler",
+                "--rollout-config", str(self.tmp / "rollout.yaml"),
                 "--evaluator-config", str(CONFIG), "--cluster-layout", layout,
                 "--scheduler-id", "bench", "--log-level", "WARNING",
             )
