@@ -93,6 +93,7 @@ __all__ = [
     "LabelledProvider",
     "OnTaskDone",
     "SampleOutcome",
+    "sample_seed",
     "sandbox_labels",
 ]
 
@@ -327,7 +328,7 @@ class Evaluator:
                 sandbox_factory=self._labelled_factory(sample_id, attempt),
                 tmp_dir=tmp,
                 policy_version=self._policy_version,
-                seed=self._seed,
+                seed=sample_seed(self._seed, ev.index),
                 dagger_beta=_float_knob(self._knobs, ev.knobs, "dagger_beta"),
                 t_max=_int_knob(self._knobs, ev.knobs, "t_max"),
             )
@@ -619,6 +620,13 @@ class LabelledProvider:
     async def reap(self, label_selector: Mapping[str, str]) -> int:
         result: Awaitable[int] = self._inner.reap(label_selector)
         return await result
+
+
+def sample_seed(request_seed: int, index: int) -> int:
+    """A sample's sampling seed: distinct per sample of a group (so the group's samples
+    differ), the same for every attempt of the sample (so a re-run can reproduce it), and a
+    function of the request's seed only -- never of global random state."""
+    return (request_seed * 1_000_003 + index) % 2**31
 
 
 def _agent_reason_of(exc: BaseException) -> str | None:

@@ -108,6 +108,8 @@ async def start_rollout(
     kind: RolloutKind = RolloutKind.TRAIN,
     filters: FilterSpec | None = None,
     teacher_capture: bool = False,
+    knobs: dict[str, Any] | None = None,
+    seed: int = 0,
     **play: Any,
 ) -> RolloutRequested:
     """Append a request to rl:control (as the client does) and play the scheduler for it."""
@@ -120,6 +122,8 @@ async def start_rollout(
         policy_version=3,
         filters=filters or FilterSpec(),
         teacher_capture=teacher_capture,
+        knobs=knobs or {},
+        seed=seed,
     )
     await log.append(log.names.control, request)
     await play_scheduler(log, request, **play)

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from engine.actors.evaluator import sample_seed
 from engine.client import RolloutClient
 from engine.events import (
     AbortClass,
@@ -76,6 +77,24 @@ async def test_a_rollout_completes_with_trajectories_turns_and_tokens(
     assert {s.attempt for s in started} == {1} and {s.worker for s in started} == {"w1"}
     assert_tokens_released_once(await token_ledger(log, "r1"))
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+
+async def test_episodes_get_knobs_stopping_and_a_seed_per_sample(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    await start_rollout(
+        log, "rk", n_prompts=1, per_prompt=3, knobs={"dagger_beta": 0.25}, seed=9,
+        stopping={"max_turns": 7},
+    )
+    await asyncio.wait_for(RolloutClient(log).wait_ready("rk"), 30)
+    done = await events_of(log, log.names.rollout("rk"), SampleCompleted)
+    metrics = {d.sample_id: d.metrics for d in done}
+    assert {m["dagger_beta"] for m in metrics.values()} == {0.25}
+    assert {m["max_turns"] for m in metrics.values()} == {7.0}
+    seeds = [metrics[f"rk:s{i}"]["seed"] for i in range(3)]
+    assert seeds == [float(sample_seed(9, i)) for i in range(3)] and len(set(seeds)) == 3
 
 
 async def test_each_failure_becomes_a_classified_masked_dummy(
