@@ -1,0 +1,174 @@
+"""The HTTP edge shared by the model backends: one pooled client, JSON in and out, our errors.
+
+``JSONClient`` owns one ``httpx.AsyncClient`` (created lazily inside the running event loop, so
+constructing a backend needs no loop; closed by ``aclose``). Every httpx failure is translated
+here, naming the URL:
+
+- could not connect (``ConnectError``, ``ConnectTimeout``): retried ``connect_retries`` times
+  with exponential backoff, because the request never left this process; then
+  ``BackendUnavailable``;
+- anything after the request may have been sent (read timeout, reset, server gone) is **not**
+  retried (a ``/generate`` POST the server already ran would run twice) and raises
+  ``BackendUnavailable``;
+- a reply that is not valid HTTP, is cut short, or whose body is not JSON:
+  ``BackendProtocolError``;
+- a non-2xx status: ``BackendHTTPError`` (carries URL, status and the body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from engine.errors import (
+    BackendError,
+    BackendHTTPError,
+    BackendProtocolError,
+    BackendUnavailable,
+    ConfigError,
+)
+
+__all__ = ["HTTPSettings", "JSONClient", "check_base_url"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HTTPSettings:
+    """Timeouts, pool size and the connect-retry policy of one backend's client."""
+
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # a long generation is one long read
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 60.0
+    max_connections: int = 256
+    connect_retries: int = 3
+    retry_backoff_s: float = 0.2
+    trust_env: bool = False  # an HTTP_PROXY meant for the internet must not catch cluster traffic
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s", "pool_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"HTTPSettings.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ConfigError(
+                f"HTTPSettings.max_connections must be >= 1, got {self.max_connections}"
+            )
+        if self.connect_retries < 0 or self.retry_backoff_s < 0:
+            raise ConfigError("HTTPSettings.connect_retries and retry_backoff_s must be >= 0")
+
+    def timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(
+            connect=self.connect_timeout_s,
+            read=self.read_timeout_s,
+            write=self.write_timeout_s,
+            pool=self.pool_timeout_s,
+        )
+
+
+def check_base_url(url: str, *, what: str) -> str:
+    """``url`` without a trailing slash; ``ConfigError`` unless it is an http(s) URL with a host."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ConfigError(f"{what}: {url!r} is not a valid URL ({exc})") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigError(f"{what}: {url!r} must be an http:// or https:// URL with a host")
+    return url.rstrip("/")
+
+
+class JSONClient:
+    """JSON over one pooled ``httpx.AsyncClient`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        settings: HTTPSettings,
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self.settings = settings
+        self._transport = transport
+        self._headers = dict(headers or {})
+        self._client: httpx.AsyncClient | None = None
+
+    def _get_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            limits = httpx.Limits(
+                max_connections=self.settings.max_connections,
+                max_keepalive_connections=self.settings.max_connections,
+            )
+            self._client = httpx.AsyncClient(
+                timeout=self.settings.timeout(),
+                limits=limits,
+                transport=self._transport,
+                headers=self._headers,
+                trust_env=self.settings.trust_env,
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def post(self, path: str, payload: Any) -> Any:
+        """POST ``payload`` as JSON; the decoded JSON reply (None for an empty body)."""
+        return await self._request("POST", path, payload)
+
+    async def get(self, path: str) -> Any:
+        return await self._request("GET", path, None)
+
+    async def _request(self, method: str, path: str, payload: Any) -> Any:
+        url = self.base_url + path
+        client = self._get_client()
+        attempts = self.settings.connect_retries + 1
+        for attempt in range(attempts):
+            try:
+                if method == "POST":
+                    response = await client.post(url, json=payload)
+                else:
+                    response = await client.get(url)
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing was sent, so trying again cannot run the request twice.
+                if attempt + 1 == attempts:
+                    raise BackendUnavailable(
+                        f"{method} {url}: could not connect after {attempts} attempt(s): "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                await asyncio.sleep(self.settings.retry_backoff_s * (2**attempt))
+            except httpx.TimeoutException as exc:
+                raise BackendUnavailable(
+                    f"{method} {url}: {type(exc).__name__} (timeouts: read "
+                    f"{self.settings.read_timeout_s}s, write {self.settings.write_timeout_s}s, "
+                    f"pool {self.settings.pool_timeout_s}s); not retried because the server may "
+                    "already have run the request"
+                ) from exc
+            except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
+                raise BackendProtocolError(
+                    f"{method} {url}: the reply is not well-formed HTTP or was cut short: {exc}"
+                ) from exc
+            except httpx.TransportError as exc:
+                raise BackendUnavailable(
+                    f"{method} {url}: connection failed during the request: "
+                    f"{type(exc).__name__}: {exc}; not retried"
+                ) from exc
+            except httpx.HTTPError as exc:  # pragma: no cover - every transport error is above
+                raise BackendError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if not response.is_success:
+            raise BackendHTTPError(url, response.status_code, response.text)
+        if not response.content:
+            return None
+        try:
+            return json.loads(response.content)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BackendProtocolError(
+                f"{method} {url}: HTTP {response.status_code} reply is not JSON ({exc}): "
+                f"{response.text[:200]!r}"
+            ) from exc

@@ -1,0 +1,211 @@
+"""``OpenAIBackend``: any OpenAI-compatible ``/v1/chat/completions`` server, text in and out.
+
+For models reached through an API (or a scaffold's view of SGLang): ``messages`` and ``tools``
+go in; text, structured ``tool_calls`` and ``usage`` come back. There are no token ids, so
+``supports_token_ids`` is False and ``tokenize`` / ``decode`` / ``input_ids=`` raise
+``NotImplementedError``.
+
+``sampling_params`` uses the engine's (SGLang) names, translated here: ``max_new_tokens`` ->
+``max_tokens``, ``sampling_seed`` -> ``seed``; ``temperature``, ``top_p``, ``stop`` pass
+through. A parameter with no chat-API equivalent is refused by name unless it is at its neutral
+value, so the same ``sampling_params`` never silently means different things on two backends.
+
+Reply handling: ``choices[0].message.content`` (``null`` allowed), ``tool_calls`` (arguments
+kept as the JSON text the model wrote), ``finish_reason`` (``stop``, ``length``,
+``tool_calls``; SGLang's ``abort`` gives an empty aborted result; anything else
+``error:<reason>``) and ``usage``. A reply of another shape raises ``BackendProtocolError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from engine.backends._http import HTTPSettings, JSONClient, check_base_url
+from engine.backends.base import (
+    FinishReason,
+    GenerationResult,
+    ToolCall,
+    Usage,
+    error_finish_reason,
+)
+from engine.errors import BackendProtocolError
+
+__all__ = ["OpenAIBackend", "OpenAIConfig", "to_chat_params"]
+
+_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
+_PASSED = {
+    "temperature",
+    "top_p",
+    "stop",
+    "max_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+}
+_NEUTRAL: dict[str, Any] = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "no_stop_trim": False,
+    "skip_special_tokens": True,
+    "ignore_eos": False,
+    "n": 1,
+    "stop_token_ids": None,
+    "repetition_penalty": 1.0,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenAIConfig:
+    """``base_url`` ends before ``/chat/completions``, e.g. ``http://host:30000/v1``."""
+
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)
+    http: HTTPSettings = field(default_factory=HTTPSettings)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "base_url", check_base_url(self.base_url, what="OpenAIConfig.base_url")
+        )
+
+
+def to_chat_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine sampling params as chat fields; ``ValueError`` names an untranslatable one."""
+    out: dict[str, Any] = {}
+    for key, value in sampling_params.items():
+        name = _RENAMED.get(key, key)
+        if name in _PASSED:
+            if value is not None:
+                out[name] = value
+        elif key in _NEUTRAL:
+            if value not in (_NEUTRAL[key], None, []):
+                raise ValueError(
+                    f"sampling parameter {key}={value!r} has no chat-completions equivalent"
+                )
+        else:
+            raise ValueError(f"unknown sampling parameter {key!r}")
+    return out
+
+
+class OpenAIBackend:
+    """Chat-level ``ModelBackend`` (see the module docstring)."""
+
+    supports_token_ids: bool = False
+
+    def __init__(
+        self, *, config: OpenAIConfig, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+        self._http = JSONClient(
+            base_url=config.base_url, settings=config.http, transport=transport, headers=headers
+        )
+        self._url = config.base_url + "/chat/completions"
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError("OpenAIBackend works on text; it has no token ids")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        raise NotImplementedError("OpenAIBackend works on text; it has no token ids")
+
+    async def generate(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+    ) -> GenerationResult:
+        if input_ids is not None:
+            raise NotImplementedError("OpenAIBackend takes messages, not input_ids")
+        if not messages:
+            raise ValueError("OpenAIBackend.generate needs a non-empty messages list")
+        payload: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": [dict(m) for m in messages],
+            **to_chat_params(sampling_params),
+        }
+        if tools:
+            payload["tools"] = [dict(t) for t in tools]
+        return self._parse(await self._http.post("/chat/completions", payload))
+
+    def _fail(self, where: str, expected: str, found: Any) -> BackendProtocolError:
+        return BackendProtocolError(
+            f"{self._url}: reply field {where} should be {expected}, got {repr(found)[:120]}"
+        )
+
+    def _parse(self, body: Any) -> GenerationResult:
+        if not isinstance(body, dict):
+            raise self._fail("<body>", "a JSON object", body)
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._fail("choices", "a non-empty list of objects", choices)
+        choice = choices[0]
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise self._fail("choices[0].message", "an object", message)
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise self._fail("choices[0].message.content", "a string or null", content)
+        calls = self._tool_calls(message.get("tool_calls"))
+        usage = self._usage(body.get("usage"))
+        reason = choice.get("finish_reason")
+        if reason == FinishReason.ABORT:
+            return GenerationResult(text="", finish_reason=FinishReason.ABORT, usage=usage)
+        known = {
+            "stop": FinishReason.STOP,
+            "length": FinishReason.LENGTH,
+            "tool_calls": FinishReason.TOOL_CALLS,
+            "function_call": FinishReason.TOOL_CALLS,
+        }
+        finish = known.get(reason) if isinstance(reason, str) else None
+        return GenerationResult(
+            text=content or "",
+            tool_calls=calls,
+            finish_reason=finish or error_finish_reason(str(reason)),
+            usage=usage,
+        )
+
+    def _tool_calls(self, raw: Any) -> tuple[ToolCall, ...] | None:
+        if raw is None or raw == []:
+            return None
+        if not isinstance(raw, list):
+            raise self._fail("choices[0].message.tool_calls", "a list", raw)
+        calls = []
+        for i, call in enumerate(raw):
+            where = f"choices[0].message.tool_calls[{i}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise self._fail(where, "an object with function.name", call)
+            args = fn.get("arguments", "{}")
+            if isinstance(args, dict):  # some servers send the object itself
+                args = json.dumps(args, ensure_ascii=False)
+            if not isinstance(args, str):
+                raise self._fail(f"{where}.function.arguments", "a JSON string", args)
+            call_id = call.get("id")
+            calls.append(
+                ToolCall(
+                    name=fn["name"],
+                    arguments=args,
+                    id=call_id if isinstance(call_id, str) else f"call_{i}",
+                )
+            )
+        return tuple(calls)
+
+    def _usage(self, raw: Any) -> Usage | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise self._fail("usage", "an object", raw)
+        prompt, completion = raw.get("prompt_tokens"), raw.get("completion_tokens")
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            raise self._fail("usage", "integer prompt_tokens and completion_tokens", raw)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

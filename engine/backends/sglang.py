@@ -1,0 +1,265 @@
+"""``SGLangBackend``: the student policy's token-in / token-out path (inference-backend §2).
+
+``generate`` posts ``{"input_ids", "sampling_params", "return_logprob": true}`` to SGLang's
+native ``/generate`` and returns the exact sampled token ids with their logprobs, read from
+``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples; see
+``sglang_protocol.py``). No re-tokenisation and no chat-template round trip happen on the way
+back, so the tokens the model emitted are the tokens training sees.
+
+- ``messages`` are accepted too when a tokenizer is configured: they are rendered with its chat
+  template (``add_generation_prompt``) and tokenized here, then sent as ``input_ids``.
+- A reply whose ``finish_reason.type`` is ``abort`` becomes an empty result with
+  ``finish_reason="abort"`` (the sample is dropped upstream); other finish types map to
+  ``stop`` / ``length``, anything unknown to ``error:<type>``.
+- ``score`` force-decodes a fixed response (one greedy step over ``prompt + response`` with
+  ``logprob_start_len = len(prompt) - 1``, the teacher's Role-B payload of inference-backend §3)
+  and returns the logprob, and optionally the top-k, of every response token. An aborted
+  scoring request raises ``GenerationAborted``: a score must never silently come back empty.
+- ``abort(rid)`` posts ``/abort_request``; pass ``rid=`` to ``generate`` to be able to.
+
+The tokenizer, when given as a path, is loaded with ``AutoTokenizer.from_pretrained(path,
+local_files_only=True)``: backends never download anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.backends._http import HTTPSettings, JSONClient, check_base_url
+from engine.backends.base import FinishReason, GenerationResult, Usage, error_finish_reason
+from engine.backends.sglang_protocol import SGLangReply, parse_generate_reply
+from engine.errors import BackendProtocolError, ConfigError, GenerationAborted
+
+__all__ = ["ForceDecodeScore", "SGLangBackend", "SGLangConfig", "load_tokenizer"]
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangConfig:
+    """Where the SGLang server is and how to talk to it.
+
+    ``url`` is the server (or router) base URL, e.g. ``http://10.0.0.5:30000``.
+    ``tokenizer_path`` is a local Hugging Face folder; without it ``tokenize``, ``decode`` and
+    ``messages=`` are unavailable.
+    """
+
+    url: str
+    tokenizer_path: str | Path | None = None
+    http: HTTPSettings = field(default_factory=HTTPSettings)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", check_base_url(self.url, what="SGLangConfig.url"))
+
+
+@dataclass(frozen=True, slots=True)
+class ForceDecodeScore:
+    """Per-response-token logprobs from a force-decode; ``top_*`` are empty when K was 0."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_token_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """``AutoTokenizer`` from a local folder only; ``ConfigError`` naming the path otherwise."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {path} (local files only): {exc}") from exc
+
+
+class SGLangBackend:
+    """Token-level ``ModelBackend`` over SGLang's native API (see the module docstring)."""
+
+    supports_token_ids: bool = True
+
+    def __init__(
+        self,
+        *,
+        config: SGLangConfig,
+        tokenizer: Any | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        if tokenizer is None and config.tokenizer_path is not None:
+            tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = tokenizer
+        self._http = JSONClient(base_url=config.url, settings=config.http, transport=transport)
+        self._generate_url = config.url + "/generate"
+
+    # -- tokenizer ---------------------------------------------------------------------------
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ConfigError(
+                f"SGLangBackend({self.config.url}).{what} needs a tokenizer: set "
+                "SGLangConfig.tokenizer_path or pass tokenizer="
+            )
+        return self.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._need_tokenizer("tokenize")(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._need_tokenizer("decode").decode(list(token_ids), skip_special_tokens=True))
+
+    def render_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Prompt token ids for ``messages`` (chat template with the generation prompt)."""
+        tok = self._need_tokenizer("render_messages")
+        text = tok.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return self.tokenize(str(text))
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+        rid: str | None = None,
+    ) -> GenerationResult:
+        """Sample a continuation; ``tools`` only matter with ``messages`` (they are rendered)."""
+        if (input_ids is None) == (messages is None):
+            raise ValueError("SGLangBackend.generate needs exactly one of input_ids and messages")
+        ids = (
+            list(input_ids)
+            if input_ids is not None
+            else self.render_messages(messages or [], tools)
+        )
+        payload: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        reply = await self.generate_raw(payload)
+        usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+        if reply.finish_type == FinishReason.ABORT:
+            return GenerationResult(
+                text="", token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT, usage=usage
+            )
+        assert reply.output_logprobs is not None  # return_logprob was set
+        return GenerationResult(
+            text=reply.text,
+            token_ids=reply.output_ids,
+            logprobs=reply.output_logprobs,
+            finish_reason=_FINISH.get(reply.finish_type) or error_finish_reason(reply.finish_type),
+            usage=usage,
+        )
+
+    async def generate_raw(self, payload: Mapping[str, Any]) -> SGLangReply:
+        """POST one (non-batch) ``/generate`` payload and parse the reply strictly."""
+        body = await self._http.post("/generate", payload)
+        return parse_generate_reply(
+            body,
+            url=self._generate_url,
+            logprobs=bool(payload.get("return_logprob")),
+            top_logprobs=int(payload.get("top_logprobs_num") or 0) > 0,
+        )
+
+    async def score(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        *,
+        top_logprobs_num: int = 0,
+    ) -> ForceDecodeScore:
+        """Logprob (and top-K) of each ``response_ids`` token given everything before it."""
+        if not prompt_ids:
+            raise ValueError("score needs a non-empty prompt: the first token has no logprob")
+        if top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        if not response_ids:
+            return ForceDecodeScore((), (), (), ())
+        payload: dict[str, Any] = {
+            "input_ids": [*prompt_ids, *response_ids],
+            "sampling_params": {
+                "max_new_tokens": 1,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "no_stop_trim": True,
+            },
+            "return_logprob": True,
+            "logprob_start_len": len(prompt_ids) - 1,
+        }
+        if top_logprobs_num:
+            payload["top_logprobs_num"] = top_logprobs_num
+        reply = await self.generate_raw(payload)
+        if reply.finish_type == FinishReason.ABORT:
+            raise GenerationAborted(
+                f"{self._generate_url}: force-decode of {len(response_ids)} tokens was aborted: "
+                f"{reply.finish_reason.get('message', '')}"
+            )
+        return self._read_score(reply, list(response_ids), top_logprobs_num)
+
+    def _read_score(self, reply: SGLangReply, response: list[int], k: int) -> ForceDecodeScore:
+        entries = reply.input_token_logprobs or ()
+        # Entry 0 is the last prompt token (logprob_start_len = len(prompt) - 1); the rest are
+        # the response tokens, in order.
+        if len(entries) != len(response) + 1:
+            raise BackendProtocolError(
+                f"{self._generate_url}: force-decode of {len(response)} tokens returned "
+                f"{len(entries)} input_token_logprobs, expected {len(response) + 1}"
+            )
+        scored = [tid for _, tid in entries[1:]]
+        if scored != response:
+            at = next(i for i, (a, b) in enumerate(zip(scored, response, strict=True)) if a != b)
+            raise BackendProtocolError(
+                f"{self._generate_url}: force-decode scored token {scored[at]} at response "
+                f"position {at}, but {response[at]} was sent"
+            )
+        logprobs: list[float] = []
+        for i, (lp, _) in enumerate(entries[1:]):
+            if lp is None:
+                raise BackendProtocolError(
+                    f"{self._generate_url}: input_token_logprobs[{i + 1}] has no logprob"
+                )
+            logprobs.append(lp)
+        top_ids: list[tuple[int, ...]] = []
+        top_lps: list[tuple[float, ...]] = []
+        if k:
+            tops = reply.input_top_logprobs or ()
+            if len(tops) != len(entries):
+                raise BackendProtocolError(
+                    f"{self._generate_url}: {len(tops)} input_top_logprobs for "
+                    f"{len(entries)} scored positions"
+                )
+            for i, top in enumerate(tops[1:]):
+                if top is None:
+                    raise BackendProtocolError(
+                        f"{self._generate_url}: input_top_logprobs[{i + 1}] is null"
+                    )
+                top_ids.append(tuple(tid for _, tid in top))
+                top_lps.append(tuple(lp for lp, _ in top))
+        return ForceDecodeScore(tuple(response), tuple(logprobs), tuple(top_ids), tuple(top_lps))
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort request ``rid`` on the server, or every request when ``rid`` is None."""
+        await self._http.post(
+            "/abort_request", {"abort_all": True} if rid is None else {"rid": rid}
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

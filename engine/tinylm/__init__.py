@@ -1,0 +1,49 @@
+"""tinylm: a tiny Qwen2-style model and an SGLang-compatible CPU server for it.
+
+``init_model`` (``rollout tinylm init DIR``) writes a briefly trained model in Hugging Face
+format; ``start_server`` (in-process, for tests), ``spawn_server`` (a subprocess) and ``serve``
+(``rollout tinylm serve --model DIR --port P``) serve it with SGLang's ``/generate``, OpenAI's
+``/v1/chat/completions`` and ``/abort_request``. Demos and tests exercise real HTTP, real
+tokenizers and real logprobs with it, without a GPU.
+
+Importing this package is cheap; torch and transformers load when a model is built or served.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.tinylm.model import InitReport, init_model
+    from engine.tinylm.process import ServerProcess, spawn_server
+    from engine.tinylm.server import ServerConfig, TinyLMServer, serve, start_server
+
+__all__ = [
+    "InitReport",
+    "ServerConfig",
+    "ServerProcess",
+    "TinyLMServer",
+    "init_model",
+    "serve",
+    "spawn_server",
+    "start_server",
+]
+
+_HOMES = {
+    "InitReport": "engine.tinylm.model",
+    "init_model": "engine.tinylm.model",
+    "ServerProcess": "engine.tinylm.process",
+    "spawn_server": "engine.tinylm.process",
+    "ServerConfig": "engine.tinylm.server",
+    "TinyLMServer": "engine.tinylm.server",
+    "serve": "engine.tinylm.server",
+    "start_server": "engine.tinylm.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'engine.tinylm' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

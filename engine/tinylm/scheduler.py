@@ -1,0 +1,428 @@
+"""The tinylm scheduler: one thread that batches every active request into each forward.
+
+HTTP handler threads ``submit`` requests and block on the returned ``Pending``; the scheduler
+thread owns the ``TinyLMRuntime`` (and so the KV cache) and loops:
+
+1. take new requests and aborts from its inbox (blocking only when nothing is running);
+2. admit waiting requests while KV slots are free (a prompt is prefilled whole, and at most
+   ``max_prefill_tokens`` of new prompt tokens join one step, so long prompts cannot starve
+   running decodes indefinitely);
+3. run **one** forward for all running sequences: a prefill chunk for each new one, a one-token
+   decode chunk for each of the others;
+4. sample, record logprobs, apply stop conditions, and resolve finished requests.
+
+Output mirrors SGLang's ``/generate`` (``GenerateOutput.meta_info``): logprob entries are
+``[logprob, token_id, text_or_null]`` triples; ``input_token_logprobs`` covers prompt positions
+``logprob_start_len .. prompt_len - 1`` with ``null`` for position 0 (nothing predicts it);
+``finish_reason`` is ``{"type": "stop", "matched": id_or_str}``, ``{"type": "length",
+"length": n}`` or ``{"type": "abort", "message": ...}``. An aborted request (``abort``, or the
+scheduler closing) resolves with what it had generated so far and an abort finish reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.tinylm.runtime import Chunk, TinyLMRuntime
+from engine.tinylm.sampling import LogprobMode, SamplingParams, next_token
+
+__all__ = ["GenerateOutput", "GenerateRequest", "Pending", "Scheduler", "SchedulerClosed"]
+
+log = logging.getLogger(__name__)
+
+LogprobEntry = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler is shut down and takes no more requests."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One validated ``/generate`` request (a batch request is several of these)."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOutput:
+    """A finished request, shaped like one SGLang ``/generate`` reply."""
+
+    rid: str
+    text: str
+    output_ids: tuple[int, ...]
+    meta_info: dict[str, Any]
+
+    @property
+    def finish_type(self) -> str:
+        return str(self.meta_info["finish_reason"]["type"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info}
+
+
+class Pending:
+    """Handle on a submitted request; ``wait`` returns its ``GenerateOutput``."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._done = threading.Event()
+        self._output: GenerateOutput | None = None
+        self._error: str | None = None
+
+    def _resolve(self, output: GenerateOutput | None, error: str | None = None) -> None:
+        self._output, self._error = output, error
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> GenerateOutput:
+        """Block until finished; ``TimeoutError`` if ``timeout`` passes first."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} still running after {timeout}s")
+        if self._output is None:
+            raise RuntimeError(f"request {self.rid} failed: {self._error}")
+        return self._output
+
+    def wait_done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True once the request has finished."""
+        return self._done.wait(timeout)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """Scheduler-thread state of one request."""
+
+    req: GenerateRequest
+    pending: Pending
+    generator: torch.Generator
+    max_new: int
+    started: float
+    slot: int = -1
+    prefilled: bool = False
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    in_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    in_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    stop_text: str | None = None
+
+
+def _top(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = row.topk(min(k, row.shape[-1]))
+    return list(zip(values.tolist(), ids.tolist(), strict=True))
+
+
+class Scheduler:
+    """Continuous batching over a ``TinyLMRuntime`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: TinyLMRuntime,
+        tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int],
+        logprob_mode: LogprobMode = LogprobMode.ORIGINAL,
+        max_prefill_tokens: int = 4096,
+    ) -> None:
+        self._runtime = runtime
+        self._tok = tokenizer  # a ``tokenizers.Tokenizer``: its methods are safe across threads
+        self._eos = frozenset(eos_token_ids)
+        self._mode = logprob_mode
+        self._max_prefill = max_prefill_tokens
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._free_slots = list(range(runtime.max_slots))
+        # Guards ``_accepting`` and ``_live_rids``: once the thread has taken its last look at
+        # the inbox, nothing can be put there any more.
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._live_rids: set[str] = set()
+        self._ids = itertools.count()
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="tinylm-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_context(self) -> int:
+        return self._runtime.max_len
+
+    def running_rids(self) -> list[str]:
+        """Ids of requests submitted and not yet finished (a snapshot)."""
+        with self._lock:
+            return sorted(self._live_rids)
+
+    def new_rid(self) -> str:
+        return f"tinylm-{next(self._ids)}-{secrets.token_hex(4)}"
+
+    def submit(self, req: GenerateRequest) -> Pending:
+        """Queue ``req``; ``ValueError`` if it can never run (bad length, duplicate rid)."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("input_ids is empty")
+        if n >= self._runtime.max_len:
+            raise ValueError(
+                f"the input ({n} tokens) is longer than the model's context length "
+                f"({self._runtime.max_len} tokens)"
+            )
+        vocab = self._runtime.shape.vocab_size
+        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        if req.return_logprob and req.logprob_start_len >= n:
+            raise ValueError(
+                f"logprob_start_len ({req.logprob_start_len}) is higher than the number of "
+                f"input tokens ({n}); use a smaller logprob_start_len"
+            )
+        seed = req.sampling.sampling_seed
+        generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+        seq = _Seq(
+            req=req,
+            pending=Pending(req.rid),
+            generator=generator,
+            # As SGLang: leave room in the context for the whole output (and its stop token).
+            max_new=min(req.sampling.max_new_tokens, self._runtime.max_len - n - 1),
+            started=time.perf_counter(),
+        )
+        with self._lock:
+            if not self._accepting:
+                raise SchedulerClosed("tinylm scheduler is shut down")
+            if req.rid in self._live_rids:
+                raise ValueError(f"a request with rid {req.rid!r} is already running")
+            self._live_rids.add(req.rid)
+            self._inbox.put(("submit", seq))
+        return seq.pending
+
+    def abort(self, rid: str | None = None, *, message: str = "aborted by /abort_request") -> None:
+        """Abort request ``rid``, or every request when ``rid`` is None (unknown rids: no-op)."""
+        self._inbox.put(("abort", (rid, message)))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, resolve its waiters, and stop the thread."""
+        with self._lock:
+            if self._accepting:
+                self._accepting = False
+                self._inbox.put(("close", None))
+        self._thread.join(timeout)
+
+    # -- scheduler thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=not self._running and not self._waiting):
+                    break
+                self._admit()
+                if self._running:
+                    self._step()
+        except BaseException as exc:  # pragma: no cover - a bug; never leave waiters hanging
+            log.exception("tinylm scheduler crashed")
+            for seq in [*self._running, *self._waiting]:
+                self._fail(seq, f"scheduler crashed: {exc!r}")
+            raise
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._shutdown_drain()
+
+    def _drain(self, *, block: bool) -> bool:
+        """Apply inbox messages; False once ``close`` was received."""
+        try:
+            kind, payload = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if kind == "submit":
+                self._waiting.append(payload)
+            elif kind == "abort":
+                rid, message = payload
+                for seq in [*self._waiting, *self._running]:
+                    if rid is None or seq.req.rid == rid:
+                        seq.finish = {"type": "abort", "message": message}
+                        self._finish(seq)
+            elif kind == "close":
+                for seq in [*self._waiting, *self._running]:
+                    seq.finish = {"type": "abort", "message": "server is shutting down"}
+                    self._finish(seq)
+                return False
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _shutdown_drain(self) -> None:
+        """Resolve anything that raced ``close`` into the inbox."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                payload.finish = {"type": "abort", "message": "server is shutting down"}
+                self._finish(payload)
+
+    def _admit(self) -> None:
+        budget = self._max_prefill
+        while self._waiting and self._free_slots:
+            seq = self._waiting[0]
+            n = len(seq.req.input_ids)
+            if n > budget and budget != self._max_prefill:
+                break
+            self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._running.append(seq)
+            budget -= n
+
+    def _logits_from(self, seq: _Seq) -> int | None:
+        """First prompt position whose logits the prefill must return (None: the last only)."""
+        req = seq.req
+        if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
+            return max(req.logprob_start_len - 1, 0)  # position i is predicted by row i - 1
+        return None
+
+    def _step(self) -> None:
+        chunks: list[Chunk] = []
+        for seq in self._running:
+            prompt = seq.req.input_ids
+            if not seq.prefilled:
+                chunks.append(Chunk(seq.slot, 0, prompt, logits_from=self._logits_from(seq)))
+            else:
+                chunks.append(Chunk(seq.slot, len(prompt) + len(seq.out_ids) - 1, seq.out_ids[-1:]))
+        try:
+            logits = self._runtime.forward(chunks)
+        except Exception as exc:
+            log.exception("tinylm forward failed")
+            for seq in list(self._running):
+                self._fail(seq, f"forward failed: {exc!r}")
+            return
+        self.steps += 1
+        for seq, rows in zip(list(self._running), logits, strict=True):
+            self._advance(seq, rows)
+
+    def _advance(self, seq: _Seq, rows: torch.Tensor) -> None:
+        req = seq.req
+        if not seq.prefilled:
+            seq.prefilled = True
+            first = self._logits_from(seq)
+            if first is not None:
+                self._record_input_logprobs(seq, rows, first)
+            if seq.max_new <= 0:
+                seq.finish = {"type": "length", "length": 0}
+                self._finish(seq)
+                return
+        token, logprobs = next_token(rows[-1], req.sampling, seq.generator, mode=self._mode)
+        seq.out_ids.append(token)
+        if req.return_logprob:
+            seq.out_logprobs.append(float(logprobs[token]))
+            if req.top_logprobs_num > 0:
+                seq.out_top.append(_top(logprobs, req.top_logprobs_num))
+        params = req.sampling
+        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish = {"type": "stop", "matched": token}
+        elif params.stop and (matched := self._stop_string(seq)) is not None:
+            seq.finish = {"type": "stop", "matched": matched}
+        elif len(seq.out_ids) >= seq.max_new:
+            seq.finish = {"type": "length", "length": len(seq.out_ids)}
+        if seq.finish is not None:
+            self._finish(seq)
+
+    def _record_input_logprobs(self, seq: _Seq, rows: torch.Tensor, first: int) -> None:
+        """``rows[j]`` are the logits at prompt position ``first + j`` (predicting the next)."""
+        prompt, start = seq.req.input_ids, seq.req.logprob_start_len
+        lsm = torch.log_softmax(rows, dim=-1)
+        k = seq.req.top_logprobs_num
+        for i in range(start, len(prompt)):
+            if i == 0:  # nothing predicts the first token
+                seq.in_logprobs.append((None, prompt[0]))
+                seq.in_top.append(None)
+            else:
+                row = lsm[i - 1 - first]
+                seq.in_logprobs.append((float(row[prompt[i]]), prompt[i]))
+                seq.in_top.append(_top(row, k) if k > 0 else None)
+
+    def _stop_string(self, seq: _Seq) -> str | None:
+        text = self._tok.decode(
+            seq.out_ids, skip_special_tokens=seq.req.sampling.skip_special_tokens
+        )
+        for stop in seq.req.sampling.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.stop_text = text if seq.req.sampling.no_stop_trim else text[:at]
+                return stop
+        return None
+
+    def _release(self, seq: _Seq) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            self._free_slots.append(seq.slot)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        with self._lock:
+            self._live_rids.discard(seq.req.rid)
+
+    def _fail(self, seq: _Seq, error: str) -> None:
+        self._release(seq)
+        seq.pending._resolve(None, error)
+
+    def _finish(self, seq: _Seq) -> None:
+        self._release(seq)
+        try:
+            seq.pending._resolve(self._output(seq))
+        except Exception as exc:  # pragma: no cover - decoding a finished request failed
+            seq.pending._resolve(None, repr(exc))
+
+    def _output(self, seq: _Seq) -> GenerateOutput:
+        req, finish = seq.req, seq.finish
+        assert finish is not None
+        params = req.sampling
+        ids = seq.out_ids
+        if seq.stop_text is not None:
+            text = seq.stop_text
+        else:
+            # A matched stop token is not part of the text unless no_stop_trim asks for it.
+            kept = ids[:-1] if finish.get("type") == "stop" and not params.no_stop_trim else ids
+            text = self._tok.decode(kept, skip_special_tokens=params.skip_special_tokens)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - seq.started,
+        }
+        if req.return_logprob:
+            # An abort can land between sampling a token and recording its logprob.
+            meta["input_token_logprobs"] = self._triples(seq.in_logprobs, req)
+            meta["output_token_logprobs"] = self._triples(
+                list(zip(seq.out_logprobs, ids, strict=False)), req
+            )
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    None if top is None else self._triples(top, req) for top in seq.in_top
+                ]
+                meta["output_top_logprobs"] = [self._triples(top, req) for top in seq.out_top]
+        return GenerateOutput(rid=req.rid, text=text, output_ids=tuple(ids), meta_info=meta)
+
+    def _triples(
+        self, pairs: Sequence[tuple[float | None, int]], req: GenerateRequest
+    ) -> list[LogprobEntry]:
+        if not req.return_text_in_logprobs:
+            return [[lp, tid, None] for lp, tid in pairs]
+        return [[lp, tid, self._tok.decode([tid], skip_special_tokens=False)] for lp, tid in pairs]
