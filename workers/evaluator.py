@@ -67,6 +67,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         default="local",
         help="sandbox provider handed to agents (and used to reap a dead worker's sandboxes)",
     )
+    add(
+        "--sandbox-root",
+        type=Path,
+        default=None,
+        help="directory of the local sandboxes (workers that reap each other share it)",
+    )
     add("--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -112,12 +118,14 @@ def _select(specs: Mapping[str, EvaluatorSpec], wanted: str | None) -> tuple[str
     return ids
 
 
-def _sandbox_provider(kind: str) -> Any:
+def _sandbox_provider(kind: str, root: Path | None) -> Any:
     if kind == "none":
         return None
-    from engine.sandbox import LocalSandboxProvider
+    from engine.sandbox import LocalSandboxConfig, LocalSandboxProvider
 
-    return LocalSandboxProvider()
+    if root is None:
+        return LocalSandboxProvider()
+    return LocalSandboxProvider(LocalSandboxConfig(root=root.resolve()))
 
 
 async def _serve(
@@ -125,7 +133,7 @@ async def _serve(
 ) -> int:
     log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)
-    provider = _sandbox_provider(args.sandbox)
+    provider = _sandbox_provider(args.sandbox, args.sandbox_root)
     worker = EvaluatorWorker(
         log,
         specs,

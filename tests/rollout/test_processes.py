@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -186,3 +188,47 @@ async def test_through_the_real_scheduler(
     terminals = Counter(ev.sample_id for ev in await events_of(real_log, stream, SampleCompleted))
     assert set(terminals.values()) == {1} and len(terminals) == 12
     assert_tokens_released_once(await token_ledger(real_log, rid))
+
+
+def _running(marker: str) -> bool:
+    """Whether a process whose command line holds ``marker`` is alive."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and b"sleep" in cmdline:
+            return True
+    return False
+
+
+async def test_the_claiming_worker_reaps_the_dead_workers_sandbox(
+    real_log: EventLog, procs: Procs, request: pytest.FixtureRequest
+) -> None:
+    log = real_log
+    marker = f"reap-me-{os.getpid()}"
+    # A root under /tmp: sandboxes run as their own uid, which cannot enter pytest's tmp_path.
+    root = Path(tempfile.mkdtemp(prefix="sbx-"))
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    procs.finalizer()
+    worker_a = procs.worker("wA", "--sandbox", "local", "--sandbox-root", str(root))
+    await start_rollout(
+        log, "rs", n_prompts=2,
+        script=lambda i: {"sandbox_hang_attempts": [1], "marker": marker} if i == 0 else {},
+    )
+
+    async def sandbox_running() -> None:
+        while not _running(marker):
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(sandbox_running(), 30)
+    worker_a.send_signal(signal.SIGKILL)
+    assert await _exit_code(worker_a) == -signal.SIGKILL
+    assert _running(marker)  # the dead worker's sandbox outlives it
+    procs.worker("wB", "--sandbox", "local", "--sandbox-root", str(root))
+    ready = await RolloutClient(log).wait_ready("rs", timeout=60)
+    assert ready.n_completed == 2
+    assert not _running(marker)
+    assert "reaped 1 sandboxes wA left for batch rs:b0" in procs.output("wB")
