@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
-from engine.actors.capture import CaptureConfig, CaptureWorker, TeacherScores
+from engine.actors.capture import BackendScorer, CaptureConfig, CaptureWorker, TeacherScores
+from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.client import RolloutClient
 from engine.errors import BackendUnavailable, RolloutFailed
 from engine.events import (
@@ -167,3 +170,45 @@ async def test_a_persistent_teacher_failure_fails_the_rollout(
     assert state.ready is None
     (failed,) = await events_of(log, log.names.control, RolloutFailedEvent)
     assert "after 2 tries" in failed.reason
+
+
+async def test_capture_through_the_teacher_backend(engine: Engine, log: EventLog) -> None:
+    """CaptureWorker -> BackendScorer -> TeacherBackend over HTTP (an SGLang-shaped fake)."""
+    def sglang(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        ids, start = body["input_ids"], body["logprob_start_len"]
+        k = body.get("top_logprobs_num", 0)
+        scored = ids[start:]
+        entries = [[None if i == 0 else -t / 1000, t, None] for i, t in enumerate(scored)]
+        tops = [None] + [[[-t / 1000, t, None], [-1.0, 0, None]][:k] for t in scored[1:]]
+        return httpx.Response(200, json={
+            "text": "x",
+            "meta_info": {
+                "finish_reason": {"type": "length", "length": 1},
+                "prompt_tokens": len(ids), "completion_tokens": 1,
+                "input_token_logprobs": entries, "input_top_logprobs": tops,
+                "output_token_logprobs": [[-0.5, 7, None]], "output_top_logprobs": [None],
+            },
+        })
+
+    teacher = TeacherBackend(
+        config=TeacherConfig(url="http://teacher:30000", top_logprobs_num=2),
+        transport=httpx.MockTransport(sglang),
+    )
+    engine.start_worker()
+    engine.start_finalizer()
+    capture = CaptureWorker(
+        engine.make_log(), BackendScorer(teacher),
+        CaptureConfig(consumer="c1", heartbeat_ms=50, claim_idle_ms=400, block_ms=100),
+    )
+    engine.tasks.append(asyncio.create_task(capture.run(engine.stop)))
+    await start_rollout(log, "rh", n_prompts=2, teacher_capture=True)
+    client = RolloutClient(log)
+    await asyncio.wait_for(client.wait_ready("rh"), 30)
+    samples = await client.load("rh")
+    for s in samples:
+        response = s.tokens[len(s.tokens) - s.response_length :]
+        assert s.teacher_log_probs == pytest.approx([-t / 1000 for t in response], abs=1e-6)
+    scored = await events_of(log, log.names.rollout("rh"), TeacherScored)
+    assert {t.top_k for t in scored} == {2}
+    await teacher.aclose()
