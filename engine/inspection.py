@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from engine.errors import DecodeError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     BatchAdmitted,
@@ -32,7 +34,8 @@ from engine.events.catalog import (
     TokenReleased,
     TurnCompleted,
 )
-from engine.events.log import EventLog
+from engine.events.codec import decode
+from engine.events.log import FIELD, EventLog
 from engine.projections.rollout import RolloutState
 
 __all__ = ["BatchProgress", "describe", "progress", "status_lines", "tail"]
@@ -123,19 +126,41 @@ async def tail(
     block_ms: int | None = None,
 ) -> int:
     """Print events of ``streams`` as they arrive (only ``rollout_id``'s when given), with
-    blocking reads; returns after ``count`` lines (never when ``count`` is None)."""
+    blocking reads; returns after ``count`` lines (never when ``count`` is None).
+
+    A viewer only reads: an entry that does not decode is shown as such, not dead-lettered.
+    """
     positions = {s: "0-0" if from_start else await log.last_id(s) for s in streams}
+    block = log.block_ms if block_ms is None else block_ms
+    r: Any = log.redis
     printed = 0
     while count is None or printed < count:
-        for env in await log.tail(positions, block_ms=block_ms):
-            positions[env.stream] = env.id
-            if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
-                continue
-            emit(describe(env))
-            printed += 1
-            if count is not None and printed >= count:
-                break
+        reply = await r.xread(dict(positions), count=500, block=block)
+        for raw_stream, rows in _stream_rows(reply):
+            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
+            for raw_id, fields in rows:
+                entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+                positions[stream] = entry_id
+                try:
+                    env = Envelope(stream, entry_id, decode(fields.get(FIELD, b"")))
+                except DecodeError as exc:
+                    if rollout_id is None:
+                        emit(f"{_time(entry_id)}  {stream}  <undecodable {entry_id}: {exc}>")
+                        printed += 1
+                    continue
+                if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
+                    continue
+                emit(describe(env))
+                printed += 1
+                if count is not None and printed >= count:
+                    return printed
     return printed
+
+
+def _stream_rows(reply: Any) -> list[tuple[Any, Any]]:
+    if isinstance(reply, dict):  # RESP3
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
+    return list(reply or [])
 
 
 @dataclass(frozen=True, slots=True)
