@@ -182,18 +182,22 @@ async def _tail(args: argparse.Namespace) -> int:
 
 async def _status(args: argparse.Namespace) -> int:
     from engine.inspection import status_lines
-    from engine.projections.base import rebuild
+    from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
+    from engine.replay import decode_entries, raw_entries
 
     log = _log(args)
     try:
-        folded = await rebuild(log, log.names.rollout(args.rollout_id), RolloutProjection())
+        stream = log.names.rollout(args.rollout_id)
+        envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
     finally:
         await log.redis.aclose()
-    if folded.state.event_count == 0:
+    if not envelopes:
         print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
         return 1
-    for line in status_lines(folded.state):
+    projection = RolloutProjection()
+    state = fold(projection, start(projection), envelopes).state
+    for line in status_lines(state):
         print(line)
     return 0
 
