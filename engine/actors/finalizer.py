@@ -21,6 +21,8 @@ Contract
      step, to ``rl:control``. A conflict means someone appended meanwhile: refold and decide
      again. So there is only ever one ``RolloutReady``, with two finalizers or a restart.
 
+* At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
+  blocking read); further requests wait in the group.
 * The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
   and tested directly; the shell only reads, appends and acks.
 * With ``out_dir`` set, the rollout's artifacts (``summary.json``, eval details, placement
@@ -194,6 +196,9 @@ class FinalizerConfig:
     heartbeat_ms: int = 10_000
     claim_idle_ms: int = 60_000
     block_ms: int | None = None
+    # Each followed rollout holds one connection in a blocking read; stay well under the
+    # client's connection pool (RedisSettings.max_connections).
+    max_rollouts: int = 32
     group: str = GROUP
 
 
@@ -268,7 +273,14 @@ class Finalizer:
         stop_wait = asyncio.get_running_loop().create_task(stop.wait())
         try:
             while not stop.is_set():
-                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(256))
+                free = self.config.max_rollouts - len(self._following)
+                if free <= 0:
+                    await asyncio.wait(
+                        [*self._following.values(), stop_wait],
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    continue
+                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(free))
                 await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
                 if not fetch.done():
                     fetch.cancel()

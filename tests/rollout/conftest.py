@@ -63,7 +63,9 @@ class Engine:
         self.tasks.append(asyncio.create_task(worker.run(stop or self.stop)))
         return worker
 
-    def finalizer(self, consumer: str = "f1", out_dir: Path | None = None) -> Finalizer:
+    def finalizer(
+        self, consumer: str = "f1", out_dir: Path | None = None, max_rollouts: int = 32
+    ) -> Finalizer:
         return Finalizer(
             self.make_log(),
             FinalizerConfig(
@@ -72,11 +74,14 @@ class Engine:
                 heartbeat_ms=HEARTBEAT_MS,
                 claim_idle_ms=CLAIM_IDLE_MS,
                 block_ms=BLOCK_MS,
+                max_rollouts=max_rollouts,
             ),
         )
 
-    def start_finalizer(self, consumer: str = "f1", out_dir: Path | None = None) -> Finalizer:
-        finalizer = self.finalizer(consumer, out_dir)
+    def start_finalizer(
+        self, consumer: str = "f1", out_dir: Path | None = None, max_rollouts: int = 32
+    ) -> Finalizer:
+        finalizer = self.finalizer(consumer, out_dir, max_rollouts)
         self.tasks.append(asyncio.create_task(finalizer.run(self.stop)))
         return finalizer
 

@@ -58,6 +58,19 @@ async def test_finalizers_in_one_group_share_the_requests(engine: Engine, log: E
     assert sorted(r.rollout_id for r in ready) == ["a", "b", "c"]
 
 
+async def test_a_finalizer_follows_a_bounded_number_of_rollouts(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer("f1", max_rollouts=1)  # the others wait in the group
+    for rid in ("x", "y", "z"):
+        await start_rollout(log, rid, n_prompts=1)
+    client = RolloutClient(log)
+    for rid in ("x", "y", "z"):
+        await asyncio.wait_for(client.wait_ready(rid), 30)
+    assert await log.pending_count(log.names.control, "finalizers") == 0
+
+
 async def test_filters_reach_the_trainer(engine: Engine, log: EventLog) -> None:
     engine.start_worker()
     engine.start_finalizer()
