@@ -1,0 +1,186 @@
+"""Sandbox tools of the native tool agent: their schemas, their commands, their observations.
+
+A ``SandboxTool`` turns one model-written tool call into one sandbox command:
+
+- ``python`` (argument ``code``) runs ``<python> -c <code>`` as an argv, so no shell quoting is
+  involved and the program sees the sandbox's working directory as its cwd;
+- ``shell`` (argument ``cmd``) runs ``cmd`` under ``/bin/sh -c`` in the working directory.
+
+Their schemas are the OpenAI function format the chat template renders into the system turn
+(the wording is the one the tinylm corpus trains on, so the reference model sees familiar text).
+
+Everything the *model* can get wrong is a ``ToolCallError`` (unknown tool, arguments that are
+not a JSON object, a missing or empty argument, a NUL byte a command line cannot carry): the
+agent turns it into an error observation, never into an aborted sample. Failures of the
+sandbox itself stay ``SandboxError`` and propagate.
+
+``render_exec`` writes what a command did as the observation text: its stdout, its stderr, and
+one bracketed line for anything but a clean exit, named by ``engine.sandbox.classify`` (exit
+code, wall-clock timeout, CPU/memory/process/disk limit, signal, truncated output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from engine.backends.base import ToolCall
+from engine.sandbox import ExecOutcome, ExecResult, classify
+
+__all__ = [
+    "PythonTool",
+    "SandboxTool",
+    "ShellTool",
+    "ToolCallError",
+    "clip_text",
+    "render_exec",
+    "resolve_call",
+]
+
+
+class ToolCallError(ValueError):
+    """A tool call the model wrote cannot be run; the message is shown to the model."""
+
+
+@runtime_checkable
+class SandboxTool(Protocol):
+    """One tool the agent offers: a name, its schema, and the command a call becomes."""
+
+    @property
+    def name(self) -> str: ...
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function description the chat template renders."""
+        ...
+
+    def command(self, arguments: Mapping[str, Any]) -> str | list[str]:
+        """The sandbox command for a call; ``ToolCallError`` if the arguments do not fit."""
+        ...
+
+
+def _function_schema(name: str, description: str, argument: str, help_text: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {argument: {"type": "string", "description": help_text}},
+                "required": [argument],
+            },
+        },
+    }
+
+
+def _string_argument(tool: str, arguments: Mapping[str, Any], key: str) -> str:
+    value = arguments.get(key)
+    if not isinstance(value, str):
+        raise ToolCallError(
+            f"tool {tool!r} needs a string argument {key!r}, got "
+            f"{'nothing' if value is None else type(value).__name__}"
+        )
+    if not value.strip():
+        raise ToolCallError(f"tool {tool!r}: argument {key!r} is empty")
+    if "\0" in value:
+        raise ToolCallError(f"tool {tool!r}: argument {key!r} contains a NUL byte")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PythonTool:
+    """``python``: run a Python program with ``executable -c code`` in the sandbox."""
+
+    executable: str = "python3"
+    name: str = "python"
+
+    def schema(self) -> dict[str, Any]:
+        return _function_schema(
+            self.name,
+            "Run a Python program and return what it prints.",
+            "code",
+            "Python source to run.",
+        )
+
+    def command(self, arguments: Mapping[str, Any]) -> list[str]:
+        return [self.executable, "-c", _string_argument(self.name, arguments, "code")]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShellTool:
+    """``shell``: run a command line with ``/bin/sh -c`` in the sandbox's working directory."""
+
+    name: str = "shell"
+
+    def schema(self) -> dict[str, Any]:
+        return _function_schema(
+            self.name,
+            "Run a shell command in the task directory and return its output.",
+            "cmd",
+            "The command line to run.",
+        )
+
+    def command(self, arguments: Mapping[str, Any]) -> str:
+        return _string_argument(self.name, arguments, "cmd")
+
+
+def resolve_call(
+    call: ToolCall, tools: Sequence[SandboxTool]
+) -> tuple[SandboxTool, str | list[str]]:
+    """The tool a call names and the command it becomes; ``ToolCallError`` saying why not."""
+    tool = next((t for t in tools if t.name == call.name), None)
+    if tool is None:
+        offered = ", ".join(t.name for t in tools) or "none"
+        raise ToolCallError(f"unknown tool {call.name!r} (tools offered: {offered})")
+    try:
+        arguments = call.parsed_arguments()
+    except ValueError as exc:
+        raise ToolCallError(str(exc)) from None
+    return tool, tool.command(arguments)
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its head and its tail."""
+    if len(text) <= limit:
+        return text
+    head = (limit * 2) // 3
+    tail = limit - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n...[{cut} characters cut]...\n{text[len(text) - tail :]}"
+
+
+_LIMIT_WORDS = {
+    ExecOutcome.CPU_LIMIT: "CPU time limit",
+    ExecOutcome.MEMORY_LIMIT: "memory limit",
+    ExecOutcome.PIDS_LIMIT: "process limit",
+    ExecOutcome.DISK_LIMIT: "file size limit",
+}
+
+
+def render_exec(result: ExecResult, *, limit_chars: int) -> str:
+    """The observation text for one command (see the module docstring); the output is clipped
+    to about ``limit_chars`` characters, the status line after it never is."""
+    parts = [result.stdout.rstrip("\n")] if result.stdout.strip() else []
+    if result.stderr.strip():
+        parts.append(result.stderr.rstrip("\n"))
+    status: list[str] = []
+    outcome = classify(result)
+    if outcome is ExecOutcome.NONZERO_EXIT:
+        status.append(f"[exit code {result.exit_code}]")
+    elif outcome is ExecOutcome.TIMEOUT:
+        status.append(f"[timed out after {result.elapsed_s:.1f} s; the command was killed]")
+    elif outcome is ExecOutcome.SIGNALED:
+        status.append(f"[killed by {result.killed_by} (exit code {result.exit_code})]")
+    elif outcome in _LIMIT_WORDS:
+        status.append(
+            f"[killed: the sandbox's {_LIMIT_WORDS[outcome]} was hit "
+            f"(exit code {result.exit_code})]"
+        )
+    joined = "\n".join(parts)
+    output = clip_text(joined, limit_chars)
+    if result.truncated or output != joined:
+        status.append("[output truncated]")
+    if not output and not status:
+        return "(no output)"
+    return "\n".join([output, *status] if output else status)
