@@ -1,0 +1,547 @@
+"""``ToolAgent``: a native token-level multi-turn tool agent (rollout-engine §3).
+
+One episode, for one sample:
+
+- ``init`` opens the episode's sandbox through ``context.sandbox_factory`` with the labels
+  ``rollout.rollout`` / ``rollout.sample`` / ``rollout.attempt`` (the evaluator's labelled
+  provider adds the worker and batch labels), and starts it;
+- ``run`` renders the conversation (system prompt, tools, the task's prompt) with the
+  tokenizer's chat template into the prompt token ids, then loops: generate on the whole token
+  series so far; append the generated token ids *verbatim* with ``loss_mask`` 1 and the
+  server's logprobs; parse ``<tool_call>`` blocks out of the generated text; run each call in
+  the sandbox; append the observation increment (``chat_tokens.py`` says how it is computed
+  and where it may deviate from a full re-render) with ``loss_mask`` 0 and logprob ``0.0``;
+- ``eval`` hands the finished episode (result, the last generated turn's text, the sandbox) to
+  the configured ``Verifier``; the agent itself knows no task type. ``build_evaluators``
+  builds one agent per task type, each with its verifier (``engine.tasks``);
+- ``cleanup`` stops the sandbox, whatever happened before.
+
+Stop conditions, checked after each generation in this order (``TerminationReason``):
+
+1. the generated text holds a final answer (``answer_pattern``, ``<answer>...</answer>``):
+   ``finish``;
+2. the generation hit its token budget (``finish_reason == "length"``): ``max_context`` when
+   that budget was what was left of ``max_context_len``, else ``length``;
+3. no tool call and no malformed tool-call block: ``finish``;
+4. this was turn ``max_turns``: ``max_turns`` (the calls of the last turn are not run, since
+   nothing could read their output);
+5. the observation would leave no room for another generated token within
+   ``max_context_len``: ``max_context`` (the observation is not appended).
+
+Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``. Every turn,
+the terminating one included, gets a ``TurnRecord``. Limits missing from
+``context.stopping`` fall back to the config's ``default_*``; ``timeout_s`` is enforced by
+the evaluator, which cancels the episode (a cancelled sandbox command is killed).
+
+Sampling: ``context.sampling_params`` are sent as given plus the turn's ``max_new_tokens``.
+When they set ``sampling_seed``, each turn is sent a seed derived from it, the episode's
+``context.seed`` (the evaluator's per-sample seed), the sample id and the turn index: the
+samples of a group differ, turns differ, and a re-run attempt reproduces its episode exactly.
+Without ``sampling_seed`` no seed is sent (not every SGLang deployment accepts one).
+
+Failures: what the *model* gets wrong (unknown tool, bad arguments, malformed block, a command
+that fails or hits a sandbox limit) becomes an observation and is counted in the metrics;
+what the *infrastructure* gets wrong raises and aborts the sample: an aborted generation
+(``GenerationAborted``), a reply without token ids or with an unknown finish reason
+(``BackendProtocolError``), transport errors (``BackendError``), a failed sandbox
+(``SandboxError``), a chat template that cannot be extended token-exactly (``AgentError``).
+
+Metrics: ``n_turns``, ``n_tool_calls`` (calls run), ``n_tool_errors`` (calls that were
+invalid or did not end cleanly), ``response_tokens``, ``generated_tokens``,
+``observation_tokens``, and ``tool_<outcome>`` counts for each non-clean outcome
+(``tool_nonzero_exit``, ``tool_timeout``, ``tool_pids_limit``, ``tool_memory_limit``,
+``tool_cpu_limit``, ``tool_disk_limit``, ``tool_signaled``, ``tool_invalid_call``).
+
+State: the one thing an episode carries from ``init`` to ``cleanup`` is its sandbox; the agent
+keeps it in a map keyed by ``(rollout_id, sample_id, attempt)`` (the evaluator hands each phase
+a fresh ``EpisodeContext``), everything else lives in ``run``'s locals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import JsonValue
+
+from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.agents.chat_tokens import ChatTokens, Message
+from engine.agents.tools import (
+    PythonTool,
+    SandboxTool,
+    ToolCallError,
+    clip_text,
+    render_exec,
+    resolve_call,
+)
+from engine.backends.base import FinishReason, GenerationResult, ModelBackend, ToolCall
+from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
+from engine.backends.toolcalls import parse_tool_calls
+from engine.domain import Task, TerminationReason
+from engine.errors import (
+    AgentError,
+    BackendProtocolError,
+    ConfigError,
+    GenerationAborted,
+    SandboxError,
+)
+from engine.sandbox import ExecOutcome, Sandbox, SandboxLimits, classify
+
+__all__ = [
+    "BackendFactory",
+    "FinishedEpisode",
+    "ToolAgent",
+    "ToolAgentConfig",
+    "Verdict",
+    "Verifier",
+    "derive_turn_seed",
+    "episode_labels",
+    "last_generation",
+]
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[str], ModelBackend]
+"""Builds the episode's token-level backend from the SGLang URL (one per episode)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolAgentConfig:
+    """What a ``ToolAgent`` offers the model and how it talks to the server and the sandbox.
+
+    ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat template
+    (or pass ``tokenizer=`` to ``ToolAgent``). ``sglang_url`` overrides ``context.sglang_url``;
+    ``backend_factory`` replaces the default ``SGLangBackend`` (it must support token ids).
+    ``answer_pattern``: a regex whose match in a generation ends the episode as ``finish``.
+    ``sandbox_limits``: per-episode sandbox limits (``None``: the provider's defaults).
+    ``tool_timeout_s``: wall clock per tool call (capped by the sandbox's limits).
+    ``max_observation_chars``: each tool output is clipped to about this many characters.
+    ``max_tool_calls_per_turn``: calls beyond it get an error observation instead of running.
+    ``default_*``: limits used where ``context.stopping`` leaves one unset.
+    """
+
+    tools: tuple[SandboxTool, ...] = (PythonTool(),)
+    system_prompt: str | None = None
+    tokenizer_path: Path | None = None
+    sglang_url: str | None = None
+    backend_factory: BackendFactory | None = None
+    answer_pattern: str = r"<answer>(.*?)</answer>"
+    sandbox_limits: SandboxLimits | None = None
+    tool_timeout_s: float = 30.0
+    max_observation_chars: int = 2000
+    max_tool_calls_per_turn: int = 4
+    default_max_turns: int = 8
+    default_max_context_len: int = 4096
+    default_max_new_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        names = [tool.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"ToolAgentConfig.tools: tool names must be distinct, got {names}")
+        for tool in self.tools:
+            if not isinstance(tool, SandboxTool):
+                raise ConfigError(
+                    f"ToolAgentConfig.tools: {tool!r} is not a SandboxTool (name, schema, command)"
+                )
+        try:
+            re.compile(self.answer_pattern, re.DOTALL)
+        except re.error as exc:
+            raise ConfigError(
+                f"ToolAgentConfig.answer_pattern {self.answer_pattern!r} is not a regex: {exc}"
+            ) from None
+        if not self.tool_timeout_s > 0:
+            raise ConfigError(
+                f"ToolAgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}"
+            )
+        for name in (
+            "max_observation_chars",
+            "max_tool_calls_per_turn",
+            "default_max_turns",
+            "default_max_context_len",
+            "default_max_new_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"ToolAgentConfig.{name} must be a positive integer, got {value!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A verifier's judgement: the score and a JSON detail for diagnostics."""
+
+    score: float
+    detail: Mapping[str, JsonValue] = field(default_factory=dict)
+
+    def as_reward(self) -> dict[str, float]:
+        """``{"score": score}`` plus the numeric and boolean detail entries as floats (the
+        evaluator's reward dict holds floats only; text detail goes to the log)."""
+        reward = {"score": float(self.score)}
+        for key, value in self.detail.items():
+            if isinstance(value, bool | int | float) and key != "score":
+                reward[key] = float(value)
+        return reward
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedEpisode:
+    """What a verifier sees: the trajectory, the last generated turn's text, the sandbox."""
+
+    result: AgentResult
+    final_text: str
+    sandbox: Sandbox
+
+
+class Verifier(Protocol):
+    """Scores a finished episode of one task type."""
+
+    async def verify(self, task: Task, episode: FinishedEpisode) -> Verdict: ...
+
+
+def episode_labels(context: EpisodeContext) -> dict[str, str]:
+    """The labels an episode's sandbox carries, so a worker can reap a dead one's sandboxes."""
+    return {
+        "rollout.rollout": context.rollout_id,
+        "rollout.sample": context.sample_id,
+        "rollout.attempt": str(context.attempt),
+    }
+
+
+def derive_turn_seed(base: int, *, episode_seed: int, sample_id: str, turn: int) -> int:
+    """The sampling seed of one turn: a function of its arguments only, in 0..2**31-1."""
+    key = f"{base}\0{episode_seed}\0{sample_id}\0{turn}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def last_generation(result: AgentResult) -> tuple[int, ...]:
+    """The token ids of the last run of ``loss_mask`` 1 tokens: the last generated turn."""
+    end = len(result.loss_mask)
+    while end > 0 and result.loss_mask[end - 1] == 0:
+        end -= 1
+    start = end
+    while start > 0 and result.loss_mask[start - 1] == 1:
+        start -= 1
+    return result.response_token_ids[start:end]
+
+
+@dataclass
+class _Series:
+    """The episode's token series: prompt, then generated and observed tokens (run's local)."""
+
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    def ids(self) -> list[int]:
+        return [*self.prompt, *self.response]
+
+    def generated(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.mask.extend([1] * len(token_ids))
+
+    def observed(self, token_ids: Sequence[int]) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.mask.extend([0] * len(token_ids))
+
+
+@dataclass
+class _Counts:
+    tool_calls: int = 0
+    tool_errors: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def error(self, outcome: str) -> None:
+        self.tool_errors += 1
+        key = f"tool_{outcome}"
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+class ToolAgent(BaseAgent):
+    """The native tool agent (see the module docstring)."""
+
+    def __init__(
+        self, config: ToolAgentConfig, *, verifier: Verifier, tokenizer: Any | None = None
+    ) -> None:
+        self.config = config
+        self.verifier = verifier
+        if tokenizer is None:
+            if config.tokenizer_path is None:
+                raise ConfigError("ToolAgent needs ToolAgentConfig.tokenizer_path or tokenizer=")
+            tokenizer = load_tokenizer(config.tokenizer_path)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"ToolAgent: tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat "
+                "template"
+            )
+        self.tokenizer = tokenizer
+        self.chat = ChatTokens(tokenizer, [tool.schema() for tool in config.tools])
+        self._answer = re.compile(config.answer_pattern, re.DOTALL)
+        self._sandboxes: dict[tuple[str, str, int], Sandbox] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def init(self, task: Task, context: EpisodeContext) -> None:
+        key = _key(context)
+        if key in self._sandboxes:
+            raise AgentError(
+                f"sample {context.sample_id} attempt {context.attempt} of rollout "
+                f"{context.rollout_id} is already running in this agent"
+            )
+        factory = context.sandbox_factory
+        if factory is None:
+            raise SandboxError(
+                f"sample {context.sample_id}: the tool agent needs a sandbox provider, and the "
+                "worker has none (run it with a sandbox, e.g. --sandbox local)"
+            )
+        sandbox: Sandbox = factory.create(
+            labels=episode_labels(context), limits=self.config.sandbox_limits
+        )
+        # Registered before start, so cleanup stops a sandbox that failed half-way up.
+        self._sandboxes[key] = sandbox
+        await sandbox.start()
+
+    async def cleanup(self, task: Task, context: EpisodeContext) -> None:
+        sandbox = self._sandboxes.pop(_key(context), None)
+        if sandbox is not None:
+            await sandbox.stop()
+
+    def _sandbox(self, context: EpisodeContext, phase: str) -> Sandbox:
+        sandbox = self._sandboxes.get(_key(context))
+        if sandbox is None:
+            raise AgentError(
+                f"sample {context.sample_id} attempt {context.attempt}: {phase} before init "
+                "(no sandbox)"
+            )
+        return sandbox
+
+    # ------------------------------------------------------------------ run
+
+    def initial_messages(self, task: Task) -> list[Message]:
+        """The conversation the episode starts from: system prompt and the task's prompt."""
+        prompt = task.prompt
+        messages: list[Message] = (
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else [dict(m) for m in prompt]
+        )
+        if self.config.system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        return messages
+
+    def _backend(self, context: EpisodeContext) -> ModelBackend:
+        url = self.config.sglang_url or context.sglang_url
+        if self.config.backend_factory is not None:
+            backend = self.config.backend_factory(url)
+        else:
+            if not url:
+                raise ConfigError(
+                    f"sample {context.sample_id}: no SGLang URL (neither ToolAgentConfig."
+                    "sglang_url nor the worker's --sglang-url is set)"
+                )
+            backend = SGLangBackend(config=SGLangConfig(url=url), tokenizer=self.tokenizer)
+        if not backend.supports_token_ids:
+            raise ConfigError(
+                f"ToolAgent needs a token-level backend, got {type(backend).__name__}"
+            )
+        return backend
+
+    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        sandbox = self._sandbox(context, "run")
+        backend = self._backend(context)
+        try:
+            return await self._loop(task, context, sandbox, backend)
+        finally:
+            await backend.aclose()
+
+    async def _loop(
+        self, task: Task, context: EpisodeContext, sandbox: Sandbox, backend: ModelBackend
+    ) -> AgentResult:
+        cfg = self.config
+        stopping = context.stopping
+        max_turns = stopping.max_turns or cfg.default_max_turns
+        max_context = stopping.max_context_len or cfg.default_max_context_len
+        max_new = stopping.max_new_tokens or cfg.default_max_new_tokens
+        sampling = context.sampling_params.as_request()
+        base_seed = sampling.get("sampling_seed")
+
+        history = self.initial_messages(task)
+        series = _Series(prompt=self.chat.prompt_ids(history))
+        counts = _Counts()
+        turns: list[TurnRecord] = []
+        reason: TerminationReason | None = None
+        turn = 0
+        while reason is None:
+            room = max_context - len(series)
+            if room <= 0:
+                reason = TerminationReason.MAX_CONTEXT
+                break
+            budget = min(max_new, room)
+            params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
+            if isinstance(base_seed, int):
+                params["sampling_seed"] = derive_turn_seed(
+                    base_seed, episode_seed=context.seed, sample_id=context.sample_id, turn=turn
+                )
+            started = time.monotonic()
+            prompt_len = len(series)
+            gen = await backend.generate(input_ids=series.ids(), sampling_params=params)
+            ids, logprobs = self._checked(gen, context, turn)
+            series.generated(ids, logprobs)
+            text = self.chat.decode(ids, skip_special_tokens=True)
+            parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
+            names = tuple(call.name for call in parsed.tool_calls)
+
+            if self._answer.search(text):
+                reason = TerminationReason.FINISH
+            elif gen.finish_reason == FinishReason.LENGTH:
+                out_of_room = len(series) >= max_context
+                reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH
+            elif not parsed.tool_calls and not parsed.errors:
+                reason = TerminationReason.FINISH
+            elif turn + 1 >= max_turns:
+                reason = TerminationReason.MAX_TURNS
+            else:
+                tool_messages = await self._run_calls(
+                    parsed.tool_calls, parsed.errors, sandbox, counts
+                )
+                observation = self.chat.observation(history, ids, tool_messages)
+                if len(series) + len(observation.token_ids) >= max_context:
+                    reason = TerminationReason.MAX_CONTEXT
+                else:
+                    series.observed(observation.token_ids)
+                    raw = self.chat.decode(
+                        _without_trailing_special(ids, self.chat), skip_special_tokens=False
+                    )
+                    history = [*history, {"role": "assistant", "content": raw}, *tool_messages]
+            turns.append(
+                TurnRecord(
+                    index=turn,
+                    prompt_tokens=prompt_len,
+                    response_tokens=len(ids),
+                    tool_calls=names,
+                    elapsed_s=max(0.0, time.monotonic() - started),
+                    finish_reason=str(gen.finish_reason),
+                )
+            )
+            turn += 1
+
+        metrics: dict[str, float] = {
+            "n_turns": float(len(turns)),
+            "n_tool_calls": float(counts.tool_calls),
+            "n_tool_errors": float(counts.tool_errors),
+            "response_tokens": float(len(series.response)),
+            "generated_tokens": float(sum(series.mask)),
+            "observation_tokens": float(len(series.mask) - sum(series.mask)),
+        }
+        metrics.update({k: float(v) for k, v in counts.outcomes.items()})
+        return AgentResult(
+            prompt_token_ids=tuple(series.prompt),
+            response_token_ids=tuple(series.response),
+            response_logprobs=tuple(series.logprobs),
+            loss_mask=tuple(series.mask),
+            turns=tuple(turns),
+            termination_reason=reason,
+            metrics=metrics,
+            text=self.chat.decode(series.response, skip_special_tokens=False),
+        )
+
+    def _checked(
+        self, gen: GenerationResult, context: EpisodeContext, turn: int
+    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        where = f"sample {context.sample_id} turn {turn}"
+        if gen.aborted:
+            raise GenerationAborted(f"{where}: the model server aborted the generation")
+        if str(gen.finish_reason).startswith("error:"):
+            raise BackendProtocolError(
+                f"{where}: the model server ended the generation with {gen.finish_reason!r}"
+            )
+        if gen.token_ids is None or gen.logprobs is None:
+            raise BackendProtocolError(
+                f"{where}: the backend returned no token ids/logprobs; the tool agent needs a "
+                "token-level backend"
+            )
+        return gen.token_ids, gen.logprobs
+
+    async def _run_calls(
+        self,
+        calls: Sequence[ToolCall],
+        errors: Sequence[str],
+        sandbox: Sandbox,
+        counts: _Counts,
+    ) -> list[Message]:
+        """One tool message per call (in order), then one per malformed block."""
+        cfg = self.config
+        messages: list[Message] = []
+        for index, call in enumerate(calls):
+            if index >= cfg.max_tool_calls_per_turn:
+                counts.error("invalid_call")
+                messages.append(
+                    _tool_message(
+                        call.name,
+                        f"error: not run, at most {cfg.max_tool_calls_per_turn} tool calls are "
+                        "run per turn",
+                    )
+                )
+                continue
+            try:
+                _tool, command = resolve_call(call, cfg.tools)
+            except ToolCallError as exc:
+                counts.error("invalid_call")
+                messages.append(
+                    _tool_message(call.name, clip_text(f"error: {exc}", cfg.max_observation_chars))
+                )
+                continue
+            counts.tool_calls += 1
+            result = await sandbox.exec(command, timeout_s=cfg.tool_timeout_s)
+            outcome = classify(result)
+            if outcome is not ExecOutcome.OK:
+                counts.error(outcome.value)
+            messages.append(
+                _tool_message(call.name, render_exec(result, limit_chars=cfg.max_observation_chars))
+            )
+        for problem in errors:
+            counts.error("invalid_call")
+            messages.append(
+                _tool_message("invalid", clip_text(f"error: {problem}", cfg.max_observation_chars))
+            )
+        return messages
+
+    # ------------------------------------------------------------------ eval
+
+    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
+        sandbox = self._sandbox(context, "eval")
+        final_text = self.chat.decode(last_generation(result), skip_special_tokens=True)
+        verdict = await self.verifier.verify(
+            task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
+        )
+        logger.debug("sample %s verdict %s %s", task.task_id, verdict.score, dict(verdict.detail))
+        return verdict.as_reward()
+
+
+def _key(context: EpisodeContext) -> tuple[str, str, int]:
+    return (context.rollout_id, context.sample_id, context.attempt)
+
+
+def _tool_message(name: str, content: str) -> Message:
+    return {"role": "tool", "name": name, "content": content}
+
+
+def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
+    special = set(getattr(chat.tokenizer, "all_special_ids", []))
+    end = len(ids)
+    while end > 0 and ids[end - 1] in special:
+        end -= 1
+    return ids[:end]
