@@ -1,0 +1,22 @@
+"""The bundled tasks: arithmetic with a ``python`` tool and file tasks with a ``shell`` tool.
+
+- ``ROLLOUT_CONFIG``: the rollout YAML naming the bundled datasets (``data/*.jsonl``; rows
+  ``{"id", "prompt", "label"}``) and their task types ``math`` and ``shell``;
+- ``EVALUATOR_CONFIG``: the evaluator config file (``build_evaluators(args)``) that runs them
+  with the native ``ToolAgent`` (``engine.tasks.evaluators``);
+- ``engine.tasks.math`` / ``engine.tasks.shell``: their verifiers.
+
+Importing this package loads nothing heavy; the submodules are imported where used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["DATA_DIR", "EVALUATOR_CONFIG", "ROLLOUT_CONFIG"]
+
+_HERE = Path(__file__).resolve().parent
+
+DATA_DIR = _HERE / "data"
+ROLLOUT_CONFIG = _HERE / "rollout.yaml"
+EVALUATOR_CONFIG = _HERE / "evaluators.py"

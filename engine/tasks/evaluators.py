@@ -1,0 +1,146 @@
+"""Evaluator config of the bundled tasks: ``build_evaluators(args)`` for ``math`` and ``shell``.
+
+Pass this file as ``--evaluator-config`` (``ROLLOUT_EVALUATOR_CONFIG``); its path is
+``engine.tasks.EVALUATOR_CONFIG``. Each task type gets its own ``ToolAgent`` (one agent per
+spec, each with its verifier, rather than one agent dispatching on the task type: the spec
+already routes by task type, and each agent then offers only the tool its task needs):
+
+- ``math``: tool ``python``, ``MathVerifier`` (final answer against the label);
+- ``shell``: tool ``shell``, ``ShellVerifier`` (the label's check command, run in the episode's
+  sandbox after the agent is done).
+
+What it reads from ``args`` (attributes, or keys when ``args`` is a mapping):
+
+- ``tokenizer_path``, else ``model_dir`` (required): the policy's Hugging Face folder, e.g. one
+  written by ``rollout tinylm init DIR``; the tokenizer and its chat template load from it
+  once, shared by both agents;
+- ``sglang_url`` (optional): the SGLang server; without it each episode uses the worker's
+  ``--sglang-url`` (``EpisodeContext.sglang_url``).
+
+The sandbox provider is the worker's (``EpisodeContext.sandbox_factory``); per-sample sandbox
+limits are set here. Resources: no GPU (the model server is its own process), a quarter CPU and
+half a GiB per sample, batches of 8, at most 16 (math) / 8 (shell) samples at once per batch.
+Default stopping matches the bundled ``rollout.yaml``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.agents.tool_agent import ToolAgent, ToolAgentConfig
+from engine.agents.tools import PythonTool, ShellTool
+from engine.backends.sglang import load_tokenizer
+from engine.domain import EvaluatorSpec, Resource, StoppingCriteria
+from engine.errors import ConfigError
+from engine.sandbox import SandboxLimits
+from engine.tasks.math import MathVerifier
+from engine.tasks.shell import ShellVerifier
+
+__all__ = [
+    "MATH_SYSTEM_PROMPT",
+    "SHELL_SYSTEM_PROMPT",
+    "build_evaluators",
+    "math_agent_config",
+    "shell_agent_config",
+]
+
+MATH_SYSTEM_PROMPT = (
+    "Solve the problem. Use the python tool to compute, then give the final answer inside "
+    "<answer></answer>."
+)
+SHELL_SYSTEM_PROMPT = (
+    "You work in a sandbox. Use the shell tool to change files. When the task is done, reply "
+    "<answer>done</answer>."
+)
+
+DEFAULT_STOPPING = StoppingCriteria(
+    max_turns=4, max_context_len=1024, max_new_tokens=96, timeout_s=120.0
+)
+
+_SANDBOX_LIMITS = SandboxLimits(
+    cpu_time_s=10.0,
+    memory_mb=512,
+    max_procs=64,
+    wall_timeout_s=30.0,
+    max_output_bytes=16 * 1024,
+    disk_mb=64,
+)
+
+
+def math_agent_config(
+    tokenizer_path: Path | None = None, sglang_url: str | None = None
+) -> ToolAgentConfig:
+    """The ``math`` agent: a python tool and the math system prompt."""
+    return ToolAgentConfig(
+        tools=(PythonTool(),),
+        system_prompt=MATH_SYSTEM_PROMPT,
+        tokenizer_path=tokenizer_path,
+        sglang_url=sglang_url,
+        sandbox_limits=_SANDBOX_LIMITS,
+        tool_timeout_s=10.0,
+    )
+
+
+def shell_agent_config(
+    tokenizer_path: Path | None = None, sglang_url: str | None = None
+) -> ToolAgentConfig:
+    """The ``shell`` agent: a shell tool and the shell system prompt."""
+    return ToolAgentConfig(
+        tools=(ShellTool(),),
+        system_prompt=SHELL_SYSTEM_PROMPT,
+        tokenizer_path=tokenizer_path,
+        sglang_url=sglang_url,
+        sandbox_limits=_SANDBOX_LIMITS,
+        tool_timeout_s=10.0,
+    )
+
+
+def _arg(args: object, name: str) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
+def build_evaluators(args: object) -> list[EvaluatorSpec]:
+    """The ``math`` and ``shell`` specs (see the module docstring for what ``args`` holds)."""
+    raw_path = _arg(args, "tokenizer_path") or _arg(args, "model_dir")
+    if not raw_path:
+        raise ConfigError(
+            "the bundled task evaluators need the policy's tokenizer: set args.tokenizer_path "
+            "(or args.model_dir) to a Hugging Face folder, e.g. one made by "
+            "`rollout tinylm init DIR`"
+        )
+    tokenizer_path = Path(str(raw_path))
+    url = _arg(args, "sglang_url") or None
+    if url is not None and not isinstance(url, str):
+        raise ConfigError(f"args.sglang_url must be a URL string, got {url!r}")
+    tokenizer = load_tokenizer(tokenizer_path)
+    math_agent = ToolAgent(
+        math_agent_config(tokenizer_path, url), verifier=MathVerifier(), tokenizer=tokenizer
+    )
+    shell_agent = ToolAgent(
+        shell_agent_config(tokenizer_path, url), verifier=ShellVerifier(), tokenizer=tokenizer
+    )
+    per_sample = Resource(cpu=0.25, memory_gb=0.5)
+    return [
+        EvaluatorSpec(
+            evaluator_id="math",
+            handler=math_agent,
+            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
+            run_resource=per_sample,
+            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
+            batch_size=8,
+            default_stopping=DEFAULT_STOPPING,
+        ),
+        EvaluatorSpec(
+            evaluator_id="shell",
+            handler=shell_agent,
+            resource=Resource(cpu=2.0, memory_gb=4.0, concurrency=8),
+            run_resource=per_sample,
+            eval_resource=per_sample,
+            batch_size=8,
+            default_stopping=DEFAULT_STOPPING,
+        ),
+    ]

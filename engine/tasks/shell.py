@@ -1,0 +1,74 @@
+"""The ``shell`` task's verifier: run the task's check command in the episode's sandbox.
+
+A shell task's label is a POSIX ``sh`` command line that exits 0 when the task is done (e.g.
+``test "$(cat memo.txt)" = "lemon"``). ``ShellVerifier`` runs it, after the agent's ``run``, in
+the *same* sandbox the agent worked in, in its working directory, with ``check_timeout_s`` of
+wall clock: exit status 0 scores 1.0, anything else (non-zero exit, a limit, a timeout) 0.0.
+
+The verdict's detail holds the exit code, the outcome (``engine.sandbox.classify``) and the
+first ``excerpt_chars`` characters of the check's stderr and stdout. A sandbox that fails while
+checking raises ``SandboxError`` (the sample aborts as ``infra_sandbox``); a task without a
+check command is a ``ConfigError`` naming the task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import JsonValue
+
+from engine.agents.tool_agent import FinishedEpisode, Verdict
+from engine.domain import Task
+from engine.errors import ConfigError
+from engine.sandbox import ExecOutcome, Sandbox, classify
+
+__all__ = ["ShellVerifier", "check_command", "run_check"]
+
+
+def check_command(task: Task) -> str:
+    """The task's check command; ``ConfigError`` naming the task when it has none."""
+    label = task.label
+    if not isinstance(label, str) or not label.strip() or "\0" in label:
+        raise ConfigError(
+            f"shell task {task.task_id} (dataset {task.dataset_name!r}, line "
+            f"{task.source_line}): the label must be a non-empty sh command line, got {label!r}"
+        )
+    return label
+
+
+async def run_check(
+    sandbox: Sandbox, command: str, *, timeout_s: float, excerpt_chars: int = 500
+) -> Verdict:
+    """Run ``command`` in ``sandbox``; 1.0 if it exits 0 (see the module docstring)."""
+    result = await sandbox.exec(command, timeout_s=timeout_s)
+    outcome = classify(result)
+    detail: dict[str, JsonValue] = {
+        "exit_code": result.exit_code,
+        "outcome": outcome.value,
+        "passed": outcome is ExecOutcome.OK,
+        "stderr": result.stderr[:excerpt_chars],
+        "stdout": result.stdout[:excerpt_chars],
+    }
+    return Verdict(score=1.0 if outcome is ExecOutcome.OK else 0.0, detail=detail)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShellVerifier:
+    """``Verifier`` of the ``shell`` task type."""
+
+    check_timeout_s: float = 30.0
+    excerpt_chars: int = 500
+
+    def __post_init__(self) -> None:
+        if not self.check_timeout_s > 0:
+            raise ConfigError(
+                f"ShellVerifier.check_timeout_s must be > 0, got {self.check_timeout_s}"
+            )
+
+    async def verify(self, task: Task, episode: FinishedEpisode) -> Verdict:
+        return await run_check(
+            episode.sandbox,
+            check_command(task),
+            timeout_s=self.check_timeout_s,
+            excerpt_chars=self.excerpt_chars,
+        )
