@@ -1,0 +1,79 @@
+"""The bundled ``math`` and ``shell`` evaluator specs, built directly and as workers load them."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.agents.tool_agent import ToolAgent
+from engine.agents.tools import PythonTool, ShellTool
+from engine.config.evaluators import load_evaluators
+from engine.errors import ConfigError
+from engine.tasks import DATA_DIR, EVALUATOR_CONFIG, ROLLOUT_CONFIG
+from engine.tasks.evaluators import build_evaluators
+from engine.tasks.math import MathVerifier
+from engine.tasks.shell import ShellVerifier
+from engine.tinylm.corpus import PYTHON_TOOL, SHELL_TOOL
+
+
+def test_build_evaluators_returns_both_specs(model_dir: Path) -> None:
+    args = argparse.Namespace(model_dir=str(model_dir), sglang_url="http://127.0.0.1:30000")
+    specs = {spec.evaluator_id: spec for spec in build_evaluators(args)}
+    assert list(specs) == ["math", "shell"]
+    for evaluator_id, tool, verifier in (
+        ("math", PythonTool, MathVerifier),
+        ("shell", ShellTool, ShellVerifier),
+    ):
+        spec = specs[evaluator_id]
+        agent = spec.handler
+        assert isinstance(agent, ToolAgent)
+        assert [type(t) for t in agent.config.tools] == [tool]
+        assert isinstance(agent.verifier, verifier)
+        assert agent.config.sglang_url == "http://127.0.0.1:30000"
+        assert spec.sample_resource.gpu == 0 and spec.sample_resource.cpu > 0
+        assert spec.batch_size is not None and spec.resource.concurrency >= spec.batch_size
+        stop = spec.default_stopping
+        assert stop.max_turns and stop.max_context_len and stop.max_new_tokens and stop.timeout_s
+    # One tokenizer, loaded once, serves both agents.
+    assert specs["math"].handler.tokenizer is specs["shell"].handler.tokenizer  # type: ignore[attr-defined]
+
+
+def test_worker_loads_the_config_file(model_dir: Path) -> None:
+    specs = load_evaluators(EVALUATOR_CONFIG, argparse.Namespace(tokenizer_path=model_dir))
+    assert set(specs) == {"math", "shell"}
+    assert specs["math"].handler.config.sglang_url is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("args", [argparse.Namespace(), {"model_dir": None}, object()])
+def test_missing_tokenizer_is_a_config_error(args: Any) -> None:
+    with pytest.raises(ConfigError, match="tokenizer_path"):
+        build_evaluators(args)
+    with pytest.raises(ConfigError, match=str(EVALUATOR_CONFIG)):
+        load_evaluators(EVALUATOR_CONFIG, args)
+
+
+def test_unloadable_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=str(tmp_path)):
+        build_evaluators({"tokenizer_path": str(tmp_path)})
+
+
+def test_tool_schemas_are_the_ones_tinylm_learns() -> None:
+    assert PythonTool().schema() == PYTHON_TOOL
+    assert ShellTool().schema() == SHELL_TOOL
+
+
+def test_bundled_files_ship_with_the_package() -> None:
+    assert ROLLOUT_CONFIG.is_file()
+    assert sorted(p.name for p in DATA_DIR.glob("*.jsonl")) == [
+        "math_eval.jsonl",
+        "math_train.jsonl",
+        "shell_eval.jsonl",
+        "shell_train.jsonl",
+    ]
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]["engine"]
+    assert "tasks/data/*.jsonl" in data and "tasks/*.yaml" in data
