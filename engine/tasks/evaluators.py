@@ -68,6 +68,10 @@ _SANDBOX_LIMITS = SandboxLimits(
     disk_mb=64,
 )
 
+# Tool output beyond this is clipped (head and tail kept): with a 1024-token context, an
+# unfamiliar traceback (about a token per character for tinylm) must not fill the episode.
+_OBSERVATION_CHARS = 600
+
 
 def math_agent_config(
     tokenizer_path: Path | None = None, sglang_url: str | None = None
@@ -80,6 +84,7 @@ def math_agent_config(
         sglang_url=sglang_url,
         sandbox_limits=_SANDBOX_LIMITS,
         tool_timeout_s=10.0,
+        max_observation_chars=_OBSERVATION_CHARS,
     )
 
 
@@ -94,6 +99,7 @@ def shell_agent_config(
         sglang_url=sglang_url,
         sandbox_limits=_SANDBOX_LIMITS,
         tool_timeout_s=10.0,
+        max_observation_chars=_OBSERVATION_CHARS,
     )
 
 
