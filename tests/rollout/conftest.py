@@ -15,7 +15,15 @@ from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
 from engine.config.evaluators import load_evaluators
 from engine.domain import EvaluatorSpec
-from engine.events import Event, EventLog, FilterSpec, RolloutKind, RolloutRequested
+from engine.events import (
+    Event,
+    EventLog,
+    FilterSpec,
+    RolloutKind,
+    RolloutRequested,
+    TokenAcquired,
+    TokenReleased,
+)
 from engine.projections.rollout import RolloutProjection, RolloutState
 from tests.conftest import ClientFactory
 from tests.rollout.play import play_scheduler
@@ -162,3 +170,40 @@ async def wait_state(
 
 async def events_of(log: EventLog, stream: str, kind: type[Event]) -> list[Any]:
     return [env.event for env in await log.read_all(stream) if isinstance(env.event, kind)]
+
+
+Ledger = dict[str, tuple[set[str], list[str]]]
+
+
+async def token_ledger(log: EventLog, rollout_id: str) -> Ledger:
+    """Per batch: the tokens acquired and every token id released (with repeats)."""
+    ledger: Ledger = {}
+    for env in await log.read_all(log.names.pool):
+        ev = env.event
+        if isinstance(ev, TokenAcquired) and ev.rollout_id == rollout_id:
+            ledger[ev.batch_id] = ({t.token_id for t in ev.tokens}, [])
+        elif isinstance(ev, TokenReleased) and ev.rollout_id == rollout_id:
+            acquired, released = ledger[ev.batch_id]
+            released.extend(sorted(acquired) if ev.token_ids is None else ev.token_ids)
+    return ledger
+
+
+async def released_tokens(log: EventLog, rollout_id: str, *, timeout: float = 15.0) -> Ledger:
+    """The ledger once every acquired token has been released (a batch releases its last
+    tokens after its samples' terminal events, so just after RolloutReady some may still be
+    on their way); waits with blocking reads of the pool, fails after ``timeout``."""
+
+    async def settle() -> Ledger:
+        position = "0-0"
+        while True:
+            ledger = await token_ledger(log, rollout_id)
+            if all(acquired <= set(released) for acquired, released in ledger.values()):
+                return ledger
+            _, position = await log.read_after(log.names.pool, position, block_ms=BLOCK_MS)
+
+    return await asyncio.wait_for(settle(), timeout)
+
+
+def assert_tokens_released_once(ledger: Ledger) -> None:
+    for batch, (acquired, released) in ledger.items():
+        assert sorted(released) == sorted(acquired), batch

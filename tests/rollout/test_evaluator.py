@@ -15,36 +15,24 @@ from engine.events import (
     SampleAborted,
     SampleCompleted,
     SampleStarted,
-    TokenAcquired,
     TokenReleased,
     TurnCompleted,
 )
 from engine.projections.rollout import RolloutState
 from engine.sample import DUMMY_TOKENS
-from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state
+from tests.rollout.conftest import (
+    Engine,
+    assert_tokens_released_once,
+    events_of,
+    released_tokens,
+    start_rollout,
+    wait_state,
+)
 from tests.rollout.fixtures.agents import PEAK, logprobs, prompt_ids, response_ids
 
 
 def _all_done(state: RolloutState) -> bool:
     return state.all_terminal()
-
-
-async def token_ledger(log: EventLog, rollout_id: str) -> dict[str, tuple[set[str], list[str]]]:
-    """Per batch: the tokens acquired and every token id released (with repeats)."""
-    ledger: dict[str, tuple[set[str], list[str]]] = {}
-    for env in await log.read_all(log.names.pool):
-        ev = env.event
-        if isinstance(ev, TokenAcquired) and ev.rollout_id == rollout_id:
-            ledger[ev.batch_id] = ({t.token_id for t in ev.tokens}, [])
-        elif isinstance(ev, TokenReleased) and ev.rollout_id == rollout_id:
-            acquired, released = ledger[ev.batch_id]
-            released.extend(sorted(acquired) if ev.token_ids is None else ev.token_ids)
-    return ledger
-
-
-def assert_tokens_released_once(ledger: Mapping[str, tuple[set[str], list[str]]]) -> None:
-    for batch, (acquired, released) in ledger.items():
-        assert sorted(released) == sorted(acquired), batch
 
 
 async def test_a_rollout_completes_with_trajectories_turns_and_tokens(
@@ -75,7 +63,8 @@ async def test_a_rollout_completes_with_trajectories_turns_and_tokens(
     started = await events_of(log, stream, SampleStarted)
     assert sorted(s.sample_id for s in started) == sorted(ready.sample_ids)
     assert {s.attempt for s in started} == {1} and {s.worker for s in started} == {"w1"}
-    assert_tokens_released_once(await token_ledger(log, "r1"))
+    assert_tokens_released_once(await released_tokens(log, "r1"))
+    await engine.close()  # a stopping worker finishes (and acks) what it runs
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
@@ -144,7 +133,7 @@ async def test_each_failure_becomes_a_classified_masked_dummy(
     assert dummy.termination_reason == "infra_other" and dummy.index == 3
     assert dummy.metadata["termination_reason_agent"] == "finish"
     assert samples["r2:s0"].status == "completed"
-    assert_tokens_released_once(await token_ledger(log, "r2"))
+    assert_tokens_released_once(await released_tokens(log, "r2"))
 
 
 async def test_local_tokens_bound_running_samples_and_free_early(
@@ -158,11 +147,11 @@ async def test_local_tokens_bound_running_samples_and_free_early(
     )
     await asyncio.wait_for(RolloutClient(log).wait_ready("r3"), 30)
     assert PEAK["r3"] == 2  # two tokens, although the evaluator allows four at once
+    assert_tokens_released_once(await released_tokens(log, "r3"))
     releases = [
         ev for ev in await events_of(log, log.names.pool, TokenReleased) if ev.rollout_id == "r3"
     ]
     assert {ev.reason for ev in releases} == {"sample_done"}
-    assert_tokens_released_once(await token_ledger(log, "r3"))
 
 
 async def test_tokens_leave_as_soon_as_no_sample_needs_them(
@@ -195,11 +184,11 @@ async def test_surplus_tokens_are_released_before_running(engine: Engine, log: E
     engine.start_finalizer()
     await start_rollout(log, "r3b", n_prompts=6, batch_size=6, tokens_per_batch=6)
     await asyncio.wait_for(RolloutClient(log).wait_ready("r3b"), 30)
+    assert_tokens_released_once(await released_tokens(log, "r3b"))
     releases = [
         ev for ev in await events_of(log, log.names.pool, TokenReleased) if ev.rollout_id == "r3b"
     ]
     assert releases[0].reason == "surplus" and len(releases[0].token_ids or []) == 2
-    assert_tokens_released_once(await token_ledger(log, "r3b"))
 
 
 class RecordingProvider:
@@ -249,7 +238,8 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
     ]
     started_b = [s for s in await events_of(log, stream, SampleStarted) if s.worker == "wB"]
     assert [(s.sample_id, s.attempt) for s in started_b] == [("r4:s1", 2)]
-    assert_tokens_released_once(await token_ledger(log, "r4"))
+    assert_tokens_released_once(await released_tokens(log, "r4"))
+    await engine.close()
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
@@ -273,7 +263,7 @@ async def test_a_dead_lettered_batch_aborts_its_open_samples(
     (aborted,) = await events_of(log, log.names.rollout("r5"), SampleAborted)
     assert aborted.sample_id == "r5:s0" and aborted.abort_class is AbortClass.INFRA_OTHER
     assert aborted.phase == "delivery" and "dead-lettered" in aborted.error
-    assert_tokens_released_once(await token_ledger(log, "r5"))
+    assert_tokens_released_once(await released_tokens(log, "r5"))
     dead = await log.read_all(log.names.dead)
     assert len(dead) == 1
 

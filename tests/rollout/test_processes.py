@@ -20,8 +20,14 @@ from engine.events import EventLog, RedisSettings, SampleAborted, SampleComplete
 from engine.events import connect as redis_connect
 from engine.projections.rollout import RolloutState
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import EVALUATOR_CONFIG, events_of, start_rollout, wait_state
-from tests.rollout.test_evaluator import assert_tokens_released_once, token_ledger
+from tests.rollout.conftest import (
+    EVALUATOR_CONFIG,
+    assert_tokens_released_once,
+    events_of,
+    released_tokens,
+    start_rollout,
+    wait_state,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 
@@ -125,7 +131,9 @@ async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs
     started_by_b = {s.sample_id for s in await events_of(log, stream, SampleStarted)
                     if s.worker == "wB"}
     assert started_by_b == hung_ids
-    assert_tokens_released_once(await token_ledger(log, "rk"))
+    assert_tokens_released_once(await released_tokens(log, "rk"))
+    procs.procs["wB"].send_signal(signal.SIGTERM)  # finishes (and acks) what it runs
+    assert await _exit_code(procs.procs["wB"]) == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
     batch = collate(await client.load("rk"))
@@ -147,7 +155,7 @@ async def test_sigterm_hands_running_work_back(real_log: EventLog, procs: Procs)
     procs.worker("wB")
     ready = await RolloutClient(log).wait_ready("rt", timeout=60)
     assert ready.n_completed == 4
-    assert_tokens_released_once(await token_ledger(log, "rt"))
+    assert_tokens_released_once(await released_tokens(log, "rt"))
     for name in ("wB", "fin"):
         procs.procs[name].send_signal(signal.SIGTERM)
         assert await _exit_code(procs.procs[name]) == 0
@@ -187,7 +195,7 @@ async def test_through_the_real_scheduler(
     stream = real_log.names.rollout(rid)
     terminals = Counter(ev.sample_id for ev in await events_of(real_log, stream, SampleCompleted))
     assert set(terminals.values()) == {1} and len(terminals) == 12
-    assert_tokens_released_once(await token_ledger(real_log, rid))
+    assert_tokens_released_once(await released_tokens(real_log, rid))
 
 
 def _running(marker: str) -> bool:
