@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from redis.exceptions import RedisError
+
 from engine.errors import EngineError
 from engine.events.log import EventLog, RedisSettings, connect
 from engine.events.names import StreamNames
@@ -218,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_COMMANDS[args.command](args))
     except KeyboardInterrupt:
         return 0
-    except (EngineError, OSError) as exc:
+    except (EngineError, OSError, RedisError) as exc:
+        # RedisError: tail's discovery of work streams (SCAN) is a raw client call
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import DecodeError
+import redis.exceptions as rexc
+
+from engine.errors import DecodeError, LogError, LogUnavailable
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     BatchAdmitted,
@@ -135,7 +137,12 @@ async def tail(
     r: Any = log.redis
     printed = 0
     while count is None or printed < count:
-        reply = await r.xread(dict(positions), count=500, block=block)
+        try:
+            reply = await r.xread(dict(positions), count=500, block=block)
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            raise LogUnavailable(f"redis unavailable during XREAD: {exc}") from exc
+        except rexc.RedisError as exc:
+            raise LogError(f"redis refused XREAD: {exc}") from exc
         for raw_stream, rows in _stream_rows(reply):
             stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
             for raw_id, fields in rows:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+import redis.exceptions as rexc
 
-from engine.errors import DecodeError, RolloutError
+from engine.errors import DecodeError, LogError, LogUnavailable, RolloutError
 from engine.events.base import Envelope
 from engine.events.catalog import RolloutReady
 from engine.events.codec import decode
@@ -62,7 +63,12 @@ async def raw_entries(log: EventLog, stream: str, *, page: int = 2000) -> list[R
     start_id = "-"
     r: Any = log.redis
     while True:
-        rows = await r.xrange(stream, start_id, "+", count=page)
+        try:
+            rows = await r.xrange(stream, start_id, "+", count=page)
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            raise LogUnavailable(f"redis unavailable during XRANGE {stream}: {exc}") from exc
+        except rexc.RedisError as exc:
+            raise LogError(f"redis refused XRANGE {stream}: {exc}") from exc
         for raw_id, fields in rows:
             entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             out.append((entry_id, bytes(fields.get(FIELD, b""))))
