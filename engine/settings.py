@@ -67,6 +67,11 @@ class Settings(FrozenModel):
     sglang_url: str | None = Field(
         None, description="Base URL of the student SGLang server or router."
     )
+    model_dir: Path | None = Field(
+        None,
+        description="The policy's Hugging Face folder (tokenizer, chat template), handed to "
+        "build_evaluators(args) as args.model_dir.",
+    )
     tmp_dir: Path | None = Field(
         None, description="Parent of per-episode temporary directories (unset: system temp)."
     )

@@ -60,6 +60,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     add("--max-batches", type=int, default=4, help="batches run at once by this process")
     add("--grace-s", type=float, default=30.0, help="time running batches get on SIGTERM")
     add("--sglang-url", default=settings.sglang_url or "", help="student SGLang server/router")
+    add(
+        "--model-dir",
+        type=Path,
+        default=settings.model_dir,
+        help="policy model/tokenizer folder, passed to build_evaluators as args.model_dir",
+    )
     add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
     add(
         "--sandbox",
