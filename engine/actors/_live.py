@@ -1,0 +1,55 @@
+"""A projection kept current from the tail of one stream, for compare-and-append writers.
+
+``LiveFold.position`` is what a writer passes as ``expected_last``. After an
+``AppendConflict`` the writer calls ``refresh(at_least=conflict.current)``: everything up to
+that id has then been read, so the position moves there even when the last entries were
+dead-lettered (undecodable entries never reach the fold, and without this the writer would
+conflict on them forever).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+from engine.events.base import Envelope, parse_id
+from engine.events.log import EventLog
+from engine.projections.base import Folded, Projection, fold, start
+
+__all__ = ["LiveFold", "later_id"]
+
+S = TypeVar("S")
+
+
+def later_id(a: str, b: str) -> str:
+    return a if parse_id(a) >= parse_id(b) else b
+
+
+class LiveFold(Generic[S]):
+    def __init__(self, log: EventLog, stream: str, projection: Projection[S]) -> None:
+        self.log = log
+        self.stream = stream
+        self.projection = projection
+        self.folded: Folded[S] = start(projection)
+
+    @property
+    def state(self) -> S:
+        return self.folded.state
+
+    @property
+    def position(self) -> str:
+        return self.folded.position
+
+    def apply(self, envelopes: Iterable[Envelope], *, at_least: str | None = None) -> bool:
+        """Fold ``envelopes``; returns whether the position moved."""
+        before = self.folded.position
+        folded = fold(self.projection, self.folded, envelopes)
+        if at_least is not None:
+            folded = Folded(folded.state, later_id(folded.position, at_least))
+        self.folded = folded
+        return folded.position != before
+
+    async def refresh(self, *, at_least: str | None = None) -> bool:
+        """Fold the stream's tail past the position; returns whether the position moved."""
+        tail = await self.log.read_all(self.stream, after=self.position)
+        return self.apply(tail, at_least=at_least)

@@ -1,0 +1,287 @@
+"""Admission: the deadlock check, the pure admission decision, and the pool gate.
+
+Deadlock check (seed task-scheduler §3 "Deadlock prevention")
+-------------------------------------------------------------
+For every evaluator spec::
+
+    tokens_needed = min(budget_tokens(spec.resource, spec.sample_resource), max batch samples)
+    pool_capacity = max_tokens_for(pool, spec.sample_resource)
+
+and ``pool_capacity < tokens_needed`` raises ``DeadlockError`` naming the evaluator and both
+numbers: such a batch could never be admitted and the run would hang. At start-up the
+largest batch is the spec's ``batch_size``; a spec without one may put a whole rollout in
+one batch, so only its budget bounds the need. Once a rollout is planned its real batch
+sizes are checked the same way (``check_deadlock(..., batch_samples=plan.largest_batches())``).
+A budget that pays for no token at all is refused too (``needs 1 ... its budget pays for 0``).
+
+Admission decision (pure)
+-------------------------
+``decide_admission(pool, batch, spec)`` answers ``None`` (wait for capacity) or the two
+events of an admission: ``TokenAcquired`` for ``rl:pool`` and ``BatchAdmitted`` for
+``rl:work:{evaluator_id}`` carrying the sample ids, the token ids and each token's node.
+An ungated pool (no layout) admits at once with node-less tokens (see ``placement``).
+
+Pool gate (the imperative shell around the decision)
+----------------------------------------------------
+``PoolGate`` keeps one scheduler process's fold of ``rl:pool`` current and admits batches:
+``admit(batch, spec)`` decides on the fold and writes both events with one compare-and-append
+on ``rl:pool`` (the ``BatchAdmitted`` rides in ``also``), so tokens and admission are one
+atomic step and two schedulers can never over-allocate: the loser of a race gets
+``AppendConflict``, folds the new tail and decides again. A batch that the fold shows as
+already acquired (by this or another scheduler, before a crash or during a claim race) is
+never acquired again. When the batch does not fit, ``admit`` waits for the fold to change;
+``watch()`` feeds the fold from a blocking read of ``rl:pool`` (``TokenReleased`` from
+evaluator workers wakes it), never by sleep-polling. Ungated admissions go through the same
+compare-and-append: the pool stream is the record that makes admission exactly-once across
+restarts, gated or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from engine.actors._live import LiveFold
+from engine.domain import EvaluatorSpec
+from engine.errors import AppendConflict, DeadlockError
+from engine.events.base import Envelope
+from engine.events.catalog import BatchAdmitted, BatchSealed, PoolDeclared, TokenAcquired
+from engine.events.log import EventLog
+from engine.projections.placement import (
+    PoolProjection,
+    PoolState,
+    budget_tokens,
+    describe_resource,
+    max_tokens_for,
+    try_acquire_batch,
+)
+
+__all__ = [
+    "Admission",
+    "GateClosed",
+    "PoolGate",
+    "check_deadlock",
+    "decide_admission",
+    "tokens_needed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def tokens_needed(spec: EvaluatorSpec, batch_samples: int | None) -> int:
+    """Tokens a batch of ``batch_samples`` (None: unknown, any size) of ``spec`` needs."""
+    budget = budget_tokens(spec.resource, spec.sample_resource)
+    return budget if batch_samples is None else min(budget, batch_samples)
+
+
+def _pool_summary(pool: PoolState) -> str:
+    if not pool.gated:
+        return "ungated"
+    nodes = ", ".join(
+        f"{n.name}: {len(n.decl.gpus)} gpus, {n.decl.cpu:g} cpu, {n.decl.memory_gb:g} GB"
+        for n in pool.nodes.values()
+    )
+    return f"{len(pool.nodes)} nodes ({nodes})"
+
+
+def check_deadlock(
+    specs: Iterable[EvaluatorSpec],
+    pool: PoolState,
+    *,
+    batch_samples: Mapping[str, int] | None = None,
+) -> None:
+    """Raise ``DeadlockError`` if some spec needs more tokens than the pool can ever give.
+
+    ``batch_samples`` maps evaluator id to its largest batch; specs not in it use their
+    ``batch_size`` (None: bounded by the budget only). Specs absent from a given
+    ``batch_samples`` mapping are still checked, with their ``batch_size``.
+    """
+    for spec in specs:
+        per_sample = spec.sample_resource
+        budget = budget_tokens(spec.resource, per_sample)
+        if budget < 1:
+            raise DeadlockError(
+                f"Deadlock: EvaluatorSpec {spec.evaluator_id!r} needs 1 placement token of "
+                f"{describe_resource(per_sample)} per sample but its budget "
+                f"({describe_resource(spec.resource)}) pays for 0: raise its resource budget"
+            )
+        largest = (batch_samples or {}).get(spec.evaluator_id, spec.batch_size)
+        needed = budget if largest is None else min(budget, largest)
+        capacity = max_tokens_for(pool, per_sample)
+        if capacity < needed:
+            batch = "any size (batch_size=None)" if largest is None else f"{largest} samples"
+            raise DeadlockError(
+                f"Deadlock: EvaluatorSpec {spec.evaluator_id!r} needs {needed} placement "
+                f"tokens (budget pays for {budget}, largest batch {batch}) of "
+                f"{describe_resource(per_sample)} but the pool can only provide {capacity} "
+                f"({_pool_summary(pool)}); lower the evaluator's budget or batch_size, or "
+                f"give the cluster layout more capacity"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The two events of one admission: tokens on the pool, the batch on its work stream."""
+
+    acquired: TokenAcquired
+    admitted: BatchAdmitted
+
+
+def decide_admission(
+    pool: PoolState, batch: BatchSealed, spec: EvaluatorSpec
+) -> Admission | None:
+    """Admit ``batch`` now (the events to write) or ``None`` (it does not fit yet)."""
+    grants = try_acquire_batch(
+        pool,
+        spec.resource,
+        spec.sample_resource,
+        len(batch.sample_ids),
+        token_prefix=batch.batch_id,
+    )
+    if grants is None:
+        return None
+    acquired = TokenAcquired(
+        rollout_id=batch.rollout_id,
+        batch_id=batch.batch_id,
+        evaluator_id=batch.evaluator_id,
+        tokens=grants,
+    )
+    admitted = BatchAdmitted(
+        rollout_id=batch.rollout_id,
+        batch_id=batch.batch_id,
+        evaluator_id=batch.evaluator_id,
+        sample_ids=list(batch.sample_ids),
+        token_ids=[g.token_id for g in grants],
+        nodes={g.token_id: g.node for g in grants},
+    )
+    return Admission(acquired, admitted)
+
+
+class GateClosed(Exception):
+    """``PoolGate.close()`` was called while a batch waited for admission."""
+
+
+class PoolGate:
+    """One process's view of ``rl:pool`` and its compare-and-append admissions."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self._fold = LiveFold(log, log.names.pool, PoolProjection())
+        self._version = 0
+        self._changed = asyncio.Condition()
+        self._write = asyncio.Lock()
+        self._closed = False
+        self.conflicts = 0
+        self.admitted = 0
+
+    @property
+    def stream(self) -> str:
+        return self._fold.stream
+
+    @property
+    def state(self) -> PoolState:
+        return self._fold.state
+
+    @property
+    def position(self) -> str:
+        return self._fold.position
+
+    async def _changed_now(self) -> None:
+        async with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    async def _wait_change(self, seen: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._version != seen or self._closed)
+
+    async def refresh(self, *, at_least: str | None = None) -> None:
+        """Fold the tail of ``rl:pool`` past the current position."""
+        if await self._fold.refresh(at_least=at_least):
+            await self._changed_now()
+
+    async def _apply(self, env: Envelope) -> None:
+        if self._fold.apply([env]):
+            await self._changed_now()
+
+    async def watch(self) -> None:
+        """Fold new ``rl:pool`` entries as they are appended, until ``close()``.
+
+        A blocking read past the stream's last id wakes it; the tail is then folded. It
+        stops between reads rather than by cancellation: cancelling redis-py in the middle
+        of a blocking read can leave the task stuck in the socket read.
+        """
+        while not self._closed:
+            last = await self._log.last_id(self.stream)
+            # Everything up to ``last`` is read by this refresh (dead letters included).
+            await self.refresh(at_least=last)
+            if self._closed:
+                return
+            await self._log.tail({self.stream: last}, count=1)
+
+    async def close(self) -> None:
+        """Stop ``watch`` after its current read and make waiting ``admit`` calls raise
+        ``GateClosed`` (their batches stay unadmitted for whoever resumes the rollout)."""
+        self._closed = True
+        await self._changed_now()
+
+    async def declare(self, declaration: PoolDeclared, *, causation: str | None = None) -> bool:
+        """Append ``declaration`` unless the pool already has the same node set.
+
+        A pool with no declaration and an empty (ungated) declaration are the same. Returns
+        whether an event was appended.
+        """
+        async with self._write:
+            await self.refresh()
+            while True:
+                current = self.state.declared
+                current_nodes = [] if current is None else current.nodes
+                if current_nodes == declaration.nodes:
+                    return False
+                try:
+                    ids = await self._log.append_if_last(
+                        self.stream, declaration, self.position, causation=causation
+                    )
+                except AppendConflict as exc:
+                    self.conflicts += 1
+                    await self.refresh(at_least=exc.current)
+                    continue
+                await self._apply(Envelope(self.stream, ids[0], declaration))
+                return True
+
+    async def admit(
+        self, batch: BatchSealed, spec: EvaluatorSpec, *, causation: str | None = None
+    ) -> BatchAdmitted | None:
+        """Admit ``batch`` exactly once, waiting for capacity as long as it takes.
+
+        Returns the ``BatchAdmitted`` written, or ``None`` when the fold shows the batch was
+        already acquired (by an earlier run or another scheduler).
+        """
+        work = self._log.names.work(batch.evaluator_id)
+        while True:
+            if self._closed:
+                raise GateClosed(f"pool gate closed before batch {batch.batch_id!r} was admitted")
+            async with self._write:
+                if self.state.has_acquired(batch.rollout_id, batch.batch_id):
+                    return None
+                decision = decide_admission(self.state, batch, spec)
+                if decision is not None:
+                    try:
+                        ids = await self._log.append_if_last(
+                            self.stream,
+                            decision.acquired,
+                            self.position,
+                            also=[(work, decision.admitted)],
+                            causation=causation,
+                        )
+                    except AppendConflict as exc:
+                        self.conflicts += 1
+                        await self.refresh(at_least=exc.current)
+                        continue
+                    self.admitted += 1
+                    await self._apply(Envelope(self.stream, ids[0], decision.acquired))
+                    return decision.admitted
+                seen = self._version
+            await self._wait_change(seen)

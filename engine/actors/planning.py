@@ -1,0 +1,383 @@
+"""Planning a rollout: the scheduler's pure core, from a ``RolloutRequested`` to its plan.
+
+``Planner.plan(request, data)`` decides everything the scheduler writes before admission:
+
+* **fetch**: a training request takes ``n_prompts`` prompts from a ``MultiDataSource`` over
+  the configured training datasets (or the subset named in ``request.datasets``), starting at
+  the cursor folded from ``rl:data`` for that dataset set, or, for the first rollout over it,
+  at ``source.start(request.seed)``: the shuffle seed comes from the request, never from
+  global randomness, and later rollouts continue the recorded cursor exactly. An eval
+  request runs every prompt of the eval datasets (or those named; ``n_prompts`` is not used,
+  ``max_prompts`` per dataset is), interleaved round-robin across datasets, and never moves a
+  training cursor. ``request.n_samples_per_prompt`` overrides the datasets' group size
+  (``n_samples_per_prompt`` / ``n_samples_per_eval_prompt``).
+* **distribute / batch**: groups are expanded to samples with ids
+  ``engine.domain.task_id_for(rollout_id, index)`` and batched by the ``BatchingStrategy``
+  (default ``fifo_batching``); each batch's evaluator is ``resolve_spec(task_type)``.
+* **cascade**: stopping criteria and sampling params resolve field by field from the
+  request's ``stopping`` / ``sampling_params`` (the coarsest level, where the seed has CLI
+  flags: a dataset or evaluator default overrides them) through the evaluator spec's defaults
+  to the dataset's own values (finest, wins).
+
+The plan's events, in stream order, are the copy of the request, one ``TaskFetched`` per
+sample (index order), one ``BatchSealed`` per batch (``seq`` order) and ``RolloutPlanned``;
+``cursor`` is the ``DataCursorAdvanced`` for ``rl:data`` (``previous`` = the cursor the fetch
+started from). ``Planner.replan(request, advanced)`` recomputes the same plan from a recorded
+``DataCursorAdvanced``, which is how a plan whose write was interrupted is completed.
+
+Planning is deterministic: same request, same configuration, same cursor -> same events.
+A request the configuration cannot serve (unknown dataset, invalid sampling override, a
+batching strategy that loses or repeats samples) raises ``ConfigError`` naming the rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from engine.batching import (
+    BatchingStrategy,
+    fifo_batching,
+    resolve_sampling_params,
+    resolve_spec,
+    resolve_stopping,
+)
+from engine.config.messages import explain
+from engine.config.rollout import RolloutConfig
+from engine.data_source import (
+    DataCursor,
+    JsonlDataset,
+    MultiDataSource,
+    build_eval_tasks,
+    expand_groups,
+)
+from engine.domain import (
+    Batch,
+    DatasetConfig,
+    EvaluatorSpec,
+    SamplingParams,
+    StoppingCriteria,
+    Task,
+)
+from engine.errors import ConfigError
+from engine.events.base import Event
+from engine.events.catalog import (
+    BatchSealed,
+    DataCursorAdvanced,
+    RolloutKind,
+    RolloutPlanned,
+    RolloutRequested,
+    TaskFetched,
+)
+from engine.projections.data_cursor import DataState
+
+__all__ = ["Plan", "Planner"]
+
+_L = TypeVar("_L", StoppingCriteria, SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a rollout's plan writes, in the order it is written.
+
+    The ``TaskFetched`` events are built on demand, a range at a time
+    (``rollout_events(start, stop)``): a 100k-sample plan is written in chunks and never
+    holds all of its encoded-to-be events at once, which keeps planning linear.
+    """
+
+    request: RolloutRequested
+    cursor: DataCursorAdvanced
+    sample_ids: tuple[str, ...]
+    batches: tuple[BatchSealed, ...]
+    planned: RolloutPlanned
+    make_tasks: Callable[[int, int], list[TaskFetched]] = field(repr=False, compare=False)
+
+    @property
+    def rollout_id(self) -> str:
+        return self.request.rollout_id
+
+    @property
+    def n_events(self) -> int:
+        """Events of ``rl:{rollout:<id>}``: the request copy, tasks, batches, the marker."""
+        return len(self.sample_ids) + len(self.batches) + 2
+
+    def tasks(self, start: int = 0, stop: int | None = None) -> list[TaskFetched]:
+        """``TaskFetched`` of samples ``start`` to ``stop`` (index order)."""
+        n = len(self.sample_ids)
+        return self.make_tasks(min(start, n), n if stop is None else min(stop, n))
+
+    def rollout_events(self, start: int = 0, stop: int | None = None) -> list[Event]:
+        """Events ``start`` to ``stop`` of ``rl:{rollout:<id>}``, in stream order."""
+        n, m = len(self.sample_ids), len(self.batches)
+        stop = self.n_events if stop is None else min(stop, self.n_events)
+        out: list[Event] = []
+        if start <= 0 < stop:
+            out.append(self.request)
+        if start < n + 1 and stop > 1:
+            out.extend(self.tasks(max(start, 1) - 1, stop - 1))
+        if start < n + m + 1 and stop > n + 1:
+            out.extend(self.batches[max(start - n - 1, 0) : stop - n - 1])
+        if start <= n + m + 1 < stop:
+            out.append(self.planned)
+        return out
+
+    def largest_batches(self) -> dict[str, int]:
+        """Per evaluator id, the sample count of its biggest batch (for the deadlock check)."""
+        out: dict[str, int] = {}
+        for batch in self.batches:
+            out[batch.evaluator_id] = max(out.get(batch.evaluator_id, 0), len(batch.sample_ids))
+        return out
+
+
+class Planner:
+    """Turns requests into plans for one rollout configuration and set of evaluator specs.
+
+    Holds the datasets (read once, on first use) and nothing that depends on the log: the
+    cursor comes in with every call, so the same planner serves live planning and replays.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        specs: Mapping[str, EvaluatorSpec],
+        *,
+        batching: BatchingStrategy = fifo_batching,
+    ) -> None:
+        if not specs:
+            raise ConfigError("the scheduler needs at least one evaluator spec")
+        self._config = config
+        self._specs = dict(specs)
+        self._batching = batching
+        self._files: dict[str, JsonlDataset] = {}
+        for train in config.datasets:
+            self._files[train.name] = JsonlDataset(train)
+        for evaluation in config.eval_datasets:
+            self._files[evaluation.name] = JsonlDataset(evaluation)
+        self._sources: dict[tuple[str, ...], MultiDataSource] = {}
+        self._eval_copies: dict[tuple[str, int], JsonlDataset] = {}
+
+    @property
+    def specs(self) -> Mapping[str, EvaluatorSpec]:
+        return self._specs
+
+    def plan(self, request: RolloutRequested, data: DataState) -> Plan:
+        """The plan of ``request`` given the data cursors folded from ``rl:data``."""
+        if request.kind is RolloutKind.EVAL:
+            return self._plan_eval(request)
+        names = self._train_names(request)
+        source = self._source(names)
+        cursor = data.cursor_for(names) or source.start(request.seed)
+        return self._plan_train(request, source, cursor)
+
+    def replan(self, request: RolloutRequested, advanced: DataCursorAdvanced) -> Plan:
+        """The plan that was written with ``advanced`` (same events, same ids)."""
+        if request.kind is RolloutKind.EVAL:
+            return self._plan_eval(request)
+        names = self._train_names(request)
+        try:
+            cursor = DataCursor.model_validate(advanced.previous)
+        except ValidationError as exc:
+            raise ConfigError(
+                f"rollout {request.rollout_id!r}: its recorded DataCursorAdvanced has an "
+                f"invalid previous cursor: {exc.errors()[0]['msg']}"
+            ) from None
+        return self._plan_train(request, self._source(names), cursor)
+
+    # ------------------------------------------------------------ fetch
+
+    def _select(
+        self,
+        request: RolloutRequested,
+        configured: Sequence[DatasetConfig],
+        what: str,
+    ) -> list[DatasetConfig]:
+        where = f"rollout {request.rollout_id!r} ({request.kind.value})"
+        if not configured:
+            raise ConfigError(f"{where}: the rollout config defines no {what} datasets")
+        if request.datasets is None:
+            return list(configured)
+        known = {d.name: d for d in configured}
+        unknown = [name for name in request.datasets if name not in known]
+        if unknown:
+            raise ConfigError(
+                f"{where}: requested datasets {unknown} are not {what} datasets of the rollout "
+                f"config (known: {sorted(known)})"
+            )
+        if not request.datasets:
+            raise ConfigError(f"{where}: 'datasets' is an empty list")
+        wanted = set(request.datasets)
+        return [d for d in configured if d.name in wanted]
+
+    def _train_names(self, request: RolloutRequested) -> tuple[str, ...]:
+        chosen = self._select(request, self._config.datasets, "training")
+        return tuple(d.name for d in chosen)
+
+    def _source(self, names: tuple[str, ...]) -> MultiDataSource:
+        source = self._sources.get(names)
+        if source is None:
+            source = MultiDataSource([self._files[name] for name in names])
+            self._sources[names] = source
+        return source
+
+    def _plan_train(
+        self, request: RolloutRequested, source: MultiDataSource, cursor: DataCursor
+    ) -> Plan:
+        try:
+            records, after = source.fetch(cursor, request.n_prompts)
+        except ConfigError as exc:
+            raise ConfigError(f"rollout {request.rollout_id!r}: {exc}") from None
+        copies = request.n_samples_per_prompt
+        if copies is not None:
+            overridden: dict[str, DatasetConfig] = {}
+            for i, record in enumerate(records):
+                cfg = overridden.get(record.dataset.name)
+                if cfg is None:
+                    cfg = record.dataset.model_copy(update={"n_samples_per_prompt": copies})
+                    overridden[record.dataset.name] = cfg
+                records[i] = replace(record, dataset=cfg)
+        tasks = expand_groups(records, rollout_id=request.rollout_id)
+        advanced = DataCursorAdvanced(
+            rollout_id=request.rollout_id,
+            kind=RolloutKind.TRAIN,
+            cursor=after.model_dump(mode="json"),
+            previous=cursor.model_dump(mode="json"),
+        )
+        return self._assemble(request, tasks, advanced)
+
+    def _plan_eval(self, request: RolloutRequested) -> Plan:
+        chosen = self._select(request, self._config.eval_datasets, "eval")
+        copies = request.n_samples_per_prompt
+        datasets: list[JsonlDataset] = []
+        for cfg in chosen:
+            if copies is None or cfg.copies_per_prompt == copies:
+                datasets.append(self._files[cfg.name])
+                continue
+            key = (cfg.name, copies)
+            dataset = self._eval_copies.get(key)
+            if dataset is None:
+                dataset = JsonlDataset(cfg.model_copy(update={"n_samples_per_eval_prompt": copies}))
+                self._eval_copies[key] = dataset
+            datasets.append(dataset)
+        tasks = build_eval_tasks(datasets, rollout_id=request.rollout_id)
+        advanced = DataCursorAdvanced(
+            rollout_id=request.rollout_id, kind=RolloutKind.EVAL, cursor={}
+        )
+        return self._assemble(request, tasks, advanced)
+
+    # ------------------------------------------------------------ batch + cascade
+
+    def _assemble(
+        self, request: RolloutRequested, tasks: list[Task], advanced: DataCursorAdvanced
+    ) -> Plan:
+        rid = request.rollout_id
+        if not tasks:
+            raise ConfigError(f"rollout {rid!r}: the selected datasets yield no samples")
+        flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
+        flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
+        spec_of: dict[str, EvaluatorSpec] = {}
+        for task in tasks:
+            if task.task_type not in spec_of:
+                spec_of[task.task_type] = resolve_spec(task.task_type, self._specs)
+        # Per (task type, dataset config): dataset_cfg, stopping and sampling dicts, resolved
+        # once and shared by every TaskFetched of that pair.
+        resolved: dict[tuple[str, int], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+
+        def settings_of(task: Task) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            key = (task.task_type, id(task.dataset))
+            cached = resolved.get(key)
+            if cached is None:
+                spec = spec_of[task.task_type]
+                stopping = resolve_stopping(flags_stop, spec, task.dataset)
+                sampling = resolve_sampling_params(flags_sampling, spec, task.dataset)
+                cached = (
+                    task.dataset.model_dump(mode="json"),
+                    stopping.model_dump(mode="json", exclude_none=True),
+                    sampling.as_request(),
+                )
+                resolved[key] = cached
+            return cached
+
+        for task in tasks:  # resolve (and so validate) every setting before anything is written
+            settings_of(task)
+
+        def make_tasks(start: int, stop: int) -> list[TaskFetched]:
+            out: list[TaskFetched] = []
+            for task in tasks[start:stop]:
+                dataset_cfg, stopping_dict, sampling_dict = settings_of(task)
+                out.append(
+                    TaskFetched(
+                        rollout_id=rid,
+                        sample_id=task.task_id,
+                        index=task.index,
+                        group_index=task.group_index,
+                        prompt=task.prompt,
+                        label=task.label,
+                        dataset=task.dataset_name,
+                        task_type=task.task_type,
+                        dataset_cfg=dataset_cfg,
+                        metadata={**task.metadata, "_source_line": task.source_line},
+                        knobs=request.knobs,
+                        stopping=stopping_dict,
+                        sampling_params=sampling_dict,
+                    )
+                )
+            return out
+
+        sealed: list[BatchSealed] = []
+        for seq, batch in enumerate(self._batch(rid, tasks)):
+            sealed.append(
+                BatchSealed(
+                    rollout_id=rid,
+                    batch_id=batch.batch_id,
+                    seq=seq,
+                    evaluator_id=spec_of[batch.task_type].evaluator_id,
+                    sample_ids=[task.task_id for task in batch.tasks],
+                )
+            )
+        planned = RolloutPlanned(
+            rollout_id=rid,
+            n_samples=len(tasks),
+            n_batches=len(sealed),
+            batch_ids=[b.batch_id for b in sealed],
+        )
+        return Plan(
+            request=request,
+            cursor=advanced,
+            sample_ids=tuple(task.task_id for task in tasks),
+            batches=tuple(sealed),
+            planned=planned,
+            make_tasks=make_tasks,
+        )
+
+    def _batch(self, rollout_id: str, tasks: list[Task]) -> list[Batch]:
+        name = getattr(self._batching, "__name__", repr(self._batching))
+        where = f"rollout {rollout_id!r}: batching strategy {name}"
+        batches = self._batching(tasks, self._specs)
+        seen: set[str] = set()
+        batch_ids: set[str] = set()
+        for batch in batches:
+            if batch.batch_id in batch_ids:
+                raise ConfigError(f"{where} returned batch id {batch.batch_id!r} twice")
+            batch_ids.add(batch.batch_id)
+            for task in batch.tasks:
+                if task.task_id in seen:
+                    raise ConfigError(f"{where} placed sample {task.task_id!r} in two batches")
+                seen.add(task.task_id)
+        if len(seen) != len(tasks):
+            missing = [t.task_id for t in tasks if t.task_id not in seen][:5]
+            raise ConfigError(
+                f"{where} placed {len(seen)} of {len(tasks)} samples (missing e.g. {missing})"
+            )
+        return batches
+
+
+def _layer(model: type[_L], values: Mapping[str, Any], rollout_id: str, what: str) -> _L:
+    try:
+        return model.model_validate(dict(values))
+    except ValidationError as exc:
+        problems = "; ".join(f"{key or what}: {problem}" for key, problem in explain(exc))
+        raise ConfigError(f"rollout {rollout_id!r}: request {what}: {problems}") from None
+

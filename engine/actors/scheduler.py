@@ -1,0 +1,436 @@
+"""The scheduler actor: requests in, plans and admissions out, all through the log.
+
+Event flow (seeds task-scheduler §1-3; DESIGN.md "Streams")
+-----------------------------------------------------------
+1. Start-up: fold ``rl:pool``; append ``PoolDeclared`` (compare-and-append) when the log's
+   declaration differs from this scheduler's layout (no layout declares an empty node set:
+   ungated); run the deadlock check on the declared pool (``DeadlockError`` names the
+   evaluator and both numbers).
+2. ``RolloutRequested`` entries of ``rl:control`` are consumed through the consumer group
+   ``schedulers``: each is delivered to one scheduler; a restarted scheduler re-reads its own
+   pending entries; entries of a scheduler that died are claimed after ``claim_idle_ms``;
+   entries being worked on are kept alive every ``heartbeat_ms``. Other event types on
+   ``rl:control`` are acked and ignored.
+3. Plan (``Planner``, pure) and write it atomically and exclusively: one compare-and-append
+   on ``rl:data`` (expected = the last id folded) appends ``DataCursorAdvanced`` and, in the
+   same step (``also``), the first events of ``rl:{rollout:<id>}``: the copy of the request
+   (causation = the control entry), every ``TaskFetched``, every ``BatchSealed`` and
+   ``RolloutPlanned``. A plan longer than ``plan_chunk`` events continues with
+   compare-and-appends on the rollout stream, each expecting the previous chunk's last id,
+   so two writers (the planner and a scheduler resuming it) can never both append a chunk;
+   a plan interrupted between chunks is completed (never re-planned) from the recorded
+   ``DataCursorAdvanced.previous`` cursor, which reproduces the same events. On a
+   conflict the scheduler refolds ``rl:data``; a rollout that already has its
+   ``DataCursorAdvanced`` (or ``RolloutPlanned``) is never planned again.
+4. Admit batches in ``seq`` order as capacity frees (``PoolGate``): ``TokenAcquired`` on
+   ``rl:pool`` and ``BatchAdmitted`` on ``rl:work:{evaluator_id}`` in one compare-and-append;
+   a batch the pool fold shows as acquired is skipped, so a resumed rollout admits only the
+   rest. Waiting is a blocking read of ``rl:pool`` (evaluators' ``TokenReleased``). Without a
+   layout the pool is ungated: batches are admitted at once, with node-less tokens, but
+   still through the same compare-and-append on ``rl:pool``, which is the record that makes
+   admission exactly-once across restarts (a ``BatchAdmitted`` appended on its own could not
+   be told apart from one still to write after a crash).
+5. The ``RolloutRequested`` entry is acked once every batch is admitted. A request the
+   configuration cannot serve (unknown dataset, deadlock for its real batch sizes, ...) gets
+   ``RolloutFailed`` on ``rl:control`` and on its rollout stream, and is acked.
+
+Several rollouts run at once, each an asyncio task; planning steps serialize on ``rl:data``
+(the training cursor is a single sequence) and admissions on ``rl:pool``. Every step is one
+atomic append, so a scheduler killed at any point (SIGKILL) leaves a log from which the next
+one resumes: it folds the rollout stream and the pool and continues where the log stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.actors._live import LiveFold
+from engine.actors.admission import GateClosed, PoolGate, check_deadlock
+from engine.actors.planning import Plan, Planner
+from engine.config.layout import ClusterLayout
+from engine.domain import EvaluatorSpec
+from engine.errors import AppendConflict, ConfigError, PlacementError
+from engine.events.base import Envelope
+from engine.events.catalog import (
+    BatchSealed,
+    NodeDecl,
+    PoolDeclared,
+    RolloutFailed,
+    RolloutRequested,
+)
+from engine.events.log import DeadEntry, EventLog
+from engine.projections.data_cursor import DataCursorProjection
+from engine.projections.placement import pool_of
+from engine.projections.rollout import RolloutProjection, RolloutState
+
+__all__ = [
+    "SCHEDULER_GROUP",
+    "Scheduler",
+    "SchedulerConfig",
+    "check_layout",
+    "declaration_for",
+]
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_GROUP = "schedulers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """How one scheduler process takes part in the ``schedulers`` group.
+
+    ``heartbeat_ms`` must be below ``claim_idle_ms`` (a live scheduler's entries are never
+    claimed); ``plan_chunk`` bounds the events of one atomic append (Lua argument count).
+    """
+
+    scheduler_id: str
+    group: str = SCHEDULER_GROUP
+    block_ms: int = 2_000
+    heartbeat_ms: int = 10_000
+    claim_idle_ms: int = 60_000
+    plan_chunk: int = 4_096
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_ms >= self.claim_idle_ms:
+            raise ConfigError(
+                f"scheduler {self.scheduler_id!r}: heartbeat_ms ({self.heartbeat_ms}) must be "
+                f"below claim_idle_ms ({self.claim_idle_ms})"
+            )
+        if self.plan_chunk < 2:
+            raise ConfigError(f"plan_chunk must be at least 2, got {self.plan_chunk}")
+
+
+def declaration_for(layout: ClusterLayout | None) -> PoolDeclared:
+    """The ``PoolDeclared`` of a layout; no layout declares no nodes (ungated)."""
+    if layout is None:
+        return PoolDeclared(nodes=[])
+    return PoolDeclared(
+        nodes=[
+            NodeDecl(node=n.name, gpus=list(n.gpus), cpu=n.cpu, memory_gb=n.memory_gb)
+            for n in layout.nodes
+        ]
+    )
+
+
+@dataclass
+class _RolloutLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+def check_layout(specs: Mapping[str, EvaluatorSpec], layout: ClusterLayout | None) -> None:
+    """The start-up deadlock check of ``specs`` against ``layout`` alone (no I/O)."""
+    check_deadlock(specs.values(), pool_of(declaration_for(layout)))
+
+
+class Scheduler:
+    """Plans and admits the rollouts requested on ``rl:control`` (see module docstring)."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        *,
+        planner: Planner,
+        layout: ClusterLayout | None,
+        config: SchedulerConfig,
+    ) -> None:
+        self.log = log
+        self.planner = planner
+        self.config = config
+        self.declaration = declaration_for(layout)
+        self.gate = PoolGate(log)
+        self._data = LiveFold(log, log.names.data, DataCursorProjection())
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._rollout_locks: dict[str, _RolloutLock] = {}
+        self._started = False
+        self._stopping = asyncio.Event()
+        self.requests_handled = 0
+        self.claim_rounds = 0
+
+    @property
+    def control(self) -> str:
+        return self.log.names.control
+
+    # ------------------------------------------------------------ start-up
+
+    async def start(self) -> None:
+        """Declare the pool if the log's declaration differs, then run the deadlock check."""
+        check_deadlock(self.planner.specs.values(), pool_of(self.declaration))
+        await self.gate.declare(self.declaration)
+        check_deadlock(self.planner.specs.values(), self.gate.state)
+        await self.log.ensure_group(self.control, self.config.group, start="0")
+        self._started = True
+
+    # ------------------------------------------------------------ serving
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set; in-flight rollouts are left pending for a restart.
+
+        Stopping is cooperative: the loops finish their current blocking read (at most
+        ``block_ms``), rollouts waiting for capacity give up their wait, a plan being
+        written finishes its current append. Nothing is cancelled in the middle of a Redis
+        command, which redis-py does not survive reliably.
+        """
+        if not self._started:
+            await self.start()
+        self._stopping = asyncio.Event()
+        tasks = [
+            asyncio.create_task(self.gate.watch(), name="pool-watch"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._consume(), name="consume"),
+        ]
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        failure: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and not task.cancelled():
+                    failure = failure or task.exception()
+        finally:
+            stopper.cancel()
+            self._stopping.set()
+            await self.gate.close()
+            await asyncio.gather(stopper, *tasks, return_exceptions=True)
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        if failure is not None:
+            raise failure
+
+    async def _consume(self) -> None:
+        cfg = self.config
+        own = await self.log.read_group(
+            cfg.group, cfg.scheduler_id, [self.control], pending=True, count=10_000
+        )
+        for env in own:
+            self._dispatch(env)
+        claim_every = cfg.claim_idle_ms / 2000.0
+        next_claim = time.monotonic()
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_claim:
+                await self._claim()
+                next_claim = now + claim_every
+            wait_ms = max(1, min(cfg.block_ms, int((next_claim - now) * 1000)))
+            envs = await self.log.read_group(
+                cfg.group, cfg.scheduler_id, [self.control], count=100, block_ms=wait_ms
+            )
+            if self._stopping.is_set():
+                # Delivered but not started: left pending, this consumer resumes them.
+                return
+            for env in envs:
+                self._dispatch(env)
+
+    async def _claim(self) -> None:
+        cfg = self.config
+        self.claim_rounds += 1
+        claimed = await self.log.claim_idle(
+            self.control, cfg.group, cfg.scheduler_id, min_idle_ms=cfg.claim_idle_ms
+        )
+        for dead in claimed.dead:
+            await self._give_up(dead)
+        for env in claimed.entries:
+            self._dispatch(env)
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            try:
+                await asyncio.wait_for(self._stopping.wait(), cfg.heartbeat_ms / 1000.0)
+                return
+            except TimeoutError:
+                pass
+            ids = list(self._inflight)
+            if ids:
+                await self.log.keep_alive(self.control, cfg.group, cfg.scheduler_id, ids)
+
+    def _dispatch(self, env: Envelope) -> None:
+        if env.id in self._inflight:
+            return
+        task = asyncio.create_task(self._serve(env), name=f"request-{env.id}")
+        self._inflight[env.id] = task
+
+    async def _serve(self, env: Envelope) -> None:
+        try:
+            ev = env.event
+            if not isinstance(ev, RolloutRequested):
+                await self.log.ack(self.control, self.config.group, env.id)
+                return
+            await self.handle(env, ev)
+            await self.log.ack(self.control, self.config.group, env.id)
+        except GateClosed:
+            logger.info("stopping: request %s left pending", env.ref)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Left pending: the claim of idle entries retries it (here or elsewhere) and
+            # dead-letters it after max_deliveries.
+            logger.exception("request %s failed; left pending for a retry", env.ref)
+        finally:
+            self._inflight.pop(env.id, None)
+
+    async def _give_up(self, dead: DeadEntry) -> None:
+        ev = dead.event
+        if isinstance(ev, RolloutRequested):
+            await self._fail(ev, f"schedulers gave up on the request: {dead.error}", dead.id)
+
+    async def _fail(self, request: RolloutRequested, reason: str, entry_id: str) -> None:
+        logger.error("rollout %s failed: %s", request.rollout_id, reason)
+        failed = RolloutFailed(rollout_id=request.rollout_id, reason=reason)
+        targets = [self.control]
+        try:
+            targets.append(self.log.names.rollout(request.rollout_id))
+        except ConfigError:
+            pass  # a rollout id that cannot name a stream: the control stream alone says so
+        await self.log.append_many(
+            [(stream, failed) for stream in targets], causation=f"{self.control}@{entry_id}"
+        )
+
+    # ------------------------------------------------------------ one rollout
+
+    async def handle(self, env: Envelope, request: RolloutRequested) -> None:
+        """Plan (or resume) and admit one requested rollout; returns when all is admitted.
+
+        A request the configuration cannot serve is recorded as ``RolloutFailed`` instead.
+        """
+        # Two entries for one rollout (a client retry) run one after the other here; across
+        # processes the log's compare-and-appends keep them exclusive.
+        rid = request.rollout_id
+        entry = self._rollout_locks.setdefault(rid, _RolloutLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                try:
+                    batches = await self._ensure_planned(env, request)
+                    if batches is not None:
+                        await self._admit(env, batches)
+                except (ConfigError, PlacementError) as exc:
+                    await self._fail(request, str(exc), env.id)
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._rollout_locks[rid]
+        self.requests_handled += 1
+
+    async def _admit(self, env: Envelope, batches: list[BatchSealed]) -> None:
+        specs = self.planner.specs
+        unknown = sorted({b.evaluator_id for b in batches if b.evaluator_id not in specs})
+        if unknown:
+            # Checked before any admission: a resumed rollout planned under another evaluator
+            # config must not end half admitted.
+            raise ConfigError(
+                f"rollout {batches[0].rollout_id!r} was planned for evaluators {unknown}, which "
+                f"the evaluator config does not define (known: {sorted(specs)})"
+            )
+        for batch in batches:
+            await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
+
+    async def _ensure_planned(
+        self, env: Envelope, request: RolloutRequested
+    ) -> list[BatchSealed] | None:
+        """The rollout's batches in seq order, planning or completing the plan if needed;
+        ``None`` when the rollout already failed."""
+        rid = request.rollout_id
+        rollout = LiveFold(self.log, self.log.names.rollout(rid), RolloutProjection())
+        rollout_at: str | None = None
+        data_at: str | None = None
+        while True:
+            await rollout.refresh(at_least=rollout_at)
+            await self._data.refresh(at_least=data_at)
+            rollout_at = data_at = None
+            state = rollout.state
+            if state.failed is not None:
+                return None
+            if state.planned is not None:
+                return _planned_batches(state)
+            advanced = self._data.state.rollouts.get(rid)
+            try:
+                if advanced is not None:
+                    plan = self.planner.replan(request, advanced)
+                    await self._complete(plan, rollout, env)
+                else:
+                    plan = self.planner.plan(request, self._data.state)
+                    check_deadlock(
+                        [self.planner.specs[e] for e in plan.largest_batches()],
+                        self.gate.state,
+                        batch_samples=plan.largest_batches(),
+                    )
+                    await self._write(plan, env)
+            except AppendConflict as exc:
+                if exc.stream == self._data.stream:
+                    data_at = exc.current
+                else:
+                    rollout_at = exc.current
+                continue
+            return list(plan.batches)
+
+    async def _write(self, plan: Plan, env: Envelope) -> None:
+        """First chunk atomically with the cursor on ``rl:data``, the rest chained."""
+        stream = self.log.names.rollout(plan.rollout_id)
+        chunk = self.config.plan_chunk
+        ids = await self.log.append_if_last(
+            self._data.stream,
+            plan.cursor,
+            self._data.position,
+            also=[(stream, ev) for ev in plan.rollout_events(0, chunk)],
+            causation=env.ref,
+        )
+        self._data.apply([Envelope(self._data.stream, ids[0], plan.cursor)])
+        await self._append_chained(stream, plan, chunk, ids[-1], env)
+
+    async def _complete(self, plan: Plan, rollout: LiveFold[RolloutState], env: Envelope) -> None:
+        """Append the part of ``plan`` the rollout stream does not have yet."""
+        state = rollout.state
+        n_tasks = len(plan.sample_ids)
+        present = (
+            (1 if state.request is not None else 0)
+            + len(state.samples)
+            + len(state.batches)
+            + (1 if state.planned is not None else 0)
+        )
+        expected_samples = set(plan.sample_ids[: max(0, present - 1)])
+        expected_batches = {b.batch_id for b in plan.batches[: max(0, present - 1 - n_tasks)]}
+        if (
+            (present > 0 and state.request is None)
+            or set(state.samples) != expected_samples
+            or set(state.batches) != expected_batches
+        ):
+            raise ConfigError(
+                f"rollout {plan.rollout_id!r}: the partly written plan on the log differs from "
+                f"the plan recomputed from its DataCursorAdvanced (did the rollout config, the "
+                f"evaluator config or the batching strategy change?)"
+            )
+        logger.info(
+            "rollout %s: completing an interrupted plan (%d of %d events written)",
+            plan.rollout_id,
+            present,
+            plan.n_events,
+        )
+        await self._append_chained(rollout.stream, plan, present, rollout.position, env)
+
+    async def _append_chained(
+        self, stream: str, plan: Plan, start: int, expected: str, env: Envelope
+    ) -> None:
+        """Append events ``start..`` of ``plan`` in chunks, each expecting the last id of the
+        one before (so only the writer that holds the chain can continue it)."""
+        chunk = self.config.plan_chunk
+        for i in range(start, plan.n_events, chunk):
+            ids = await self.log.append_if_last(
+                stream, plan.rollout_events(i, i + chunk), expected, causation=env.ref
+            )
+            expected = ids[-1]
+
+
+def _planned_batches(state: RolloutState) -> list[BatchSealed]:
+    planned = state.planned
+    assert planned is not None
+    batches = sorted(state.batches.values(), key=lambda b: b.seq)
+    if len(batches) != planned.n_batches:
+        raise ConfigError(
+            f"rollout {planned.rollout_id!r}: RolloutPlanned lists {planned.n_batches} batches "
+            f"but the rollout stream has {len(batches)} BatchSealed"
+        )
+    return batches

@@ -1,0 +1,65 @@
+"""The data-cursor projection: where the training data source stands, folded from ``rl:data``.
+
+``rl:data`` holds one ``DataCursorAdvanced`` per planned rollout, written by the scheduler in
+the same atomic step as the rollout's plan (so a cursor never advances without its plan, nor a
+plan exist without its cursor). The fold keeps:
+
+* ``cursors``: the latest training cursor per dataset set (``DataCursor.datasets``), from
+  ``kind=train`` events only; eval rollouts record their event (for exclusivity) but never
+  move a training cursor;
+* ``rollouts``: the first ``DataCursorAdvanced`` of every rollout. A rollout present here has
+  been planned (or is being completed): no scheduler plans it again. Later events for the same
+  rollout are duplicates and ignored.
+
+A cursor mapping that does not validate as a ``DataCursor`` is skipped (the rollout still
+counts as planned), so a bad entry can never crash a scheduler's fold.
+
+Like the other accumulator projections, ``evolve`` updates the state in place and returns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from engine.data_source import DataCursor
+from engine.events.base import Envelope
+from engine.events.catalog import DataCursorAdvanced, RolloutKind
+
+__all__ = ["DataCursorProjection", "DataState"]
+
+
+@dataclass(slots=True)
+class DataState:
+    cursors: dict[tuple[str, ...], DataCursor] = field(default_factory=dict)
+    rollouts: dict[str, DataCursorAdvanced] = field(default_factory=dict)
+
+    def cursor_for(self, datasets: tuple[str, ...]) -> DataCursor | None:
+        """The training cursor over exactly these datasets, if any rollout advanced one."""
+        return self.cursors.get(datasets)
+
+    def copy(self) -> DataState:
+        return DataState(cursors=dict(self.cursors), rollouts=dict(self.rollouts))
+
+
+class DataCursorProjection:
+    """Folds ``rl:data`` into a :class:`DataState`."""
+
+    name = "data"
+
+    def initial(self) -> DataState:
+        return DataState()
+
+    def evolve(self, state: DataState, env: Envelope) -> DataState:
+        ev = env.event
+        if not isinstance(ev, DataCursorAdvanced) or ev.rollout_id in state.rollouts:
+            return state
+        state.rollouts[ev.rollout_id] = ev
+        if ev.kind is RolloutKind.TRAIN:
+            try:
+                cursor = DataCursor.model_validate(ev.cursor)
+            except ValidationError:
+                return state
+            state.cursors[cursor.datasets] = cursor
+        return state

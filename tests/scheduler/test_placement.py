@@ -1,0 +1,299 @@
+"""The placement pool as a pure projection, and its pure allocation functions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.domain import Resource
+from engine.errors import PlacementError
+from engine.events import (
+    Envelope,
+    Event,
+    NodeDecl,
+    PoolDeclared,
+    TokenAcquired,
+    TokenGrant,
+    TokenReleased,
+)
+from engine.projections.placement import (
+    UNBOUNDED,
+    PoolState,
+    budget_tokens,
+    fold_all,
+    max_tokens_for,
+    pool_of,
+    try_acquire_batch,
+)
+
+BIG = Resource(gpu=64, cpu=1024, memory_gb=4096, concurrency=64)
+
+
+def fold(*events: Event) -> PoolState:
+    return fold_all(Envelope("rl:pool", f"1-{i}", ev) for i, ev in enumerate(events))
+
+
+def declared(*nodes: NodeDecl) -> PoolDeclared:
+    return PoolDeclared(nodes=list(nodes))
+
+
+def node(name: str, gpus: int = 0, cpu: float = 64, memory_gb: float = 256) -> NodeDecl:
+    return NodeDecl(node=name, gpus=list(range(gpus)), cpu=cpu, memory_gb=memory_gb)
+
+
+def acquired(batch: str, grants: list[TokenGrant], rollout: str = "r") -> TokenAcquired:
+    return TokenAcquired(rollout_id=rollout, batch_id=batch, evaluator_id="e", tokens=grants)
+
+
+def take(state: PoolState, per: Resource, n: int, batch: str, budget: Resource = BIG) -> PoolState:
+    """Acquire and fold in place (the way the scheduler records a decision)."""
+    grants = try_acquire_batch(state, budget, per, n, token_prefix=batch)
+    assert grants is not None, f"{batch} did not fit"
+    return fold_all_onto(state, acquired(batch, grants))
+
+
+def fold_all_onto(state: PoolState, *events: Event) -> PoolState:
+    from engine.projections.placement import PoolProjection
+
+    projection = PoolProjection()
+    for i, ev in enumerate(events):
+        state = projection.evolve(state, Envelope("rl:pool", f"2-{i}", ev))
+    return state
+
+
+def shares(grants: list[TokenGrant]) -> list[tuple[str, list[tuple[int, float]]]]:
+    return [(g.node, [(s.gpu, s.fraction) for s in g.gpus]) for g in grants]
+
+
+# ---------------------------------------------------------------- fractional GPU
+
+
+def test_fractional_gpu_packs_floor_one_over_fraction_per_gpu() -> None:
+    state = pool_of(declared(node("a", gpus=2)))
+    per = Resource(gpu=0.33)
+    grants = try_acquire_batch(state, BIG, per, 6)
+    assert grants is not None
+    # Best fit fills one GPU before starting the next: three 0.33 shares per GPU.
+    assert [s[1][0][0] for s in shares(grants)] == [0, 0, 0, 1, 1, 1]
+    assert try_acquire_batch(state, BIG, per, 7) is None
+    assert max_tokens_for(state, per) == 6
+
+
+def test_best_fit_takes_the_gpu_with_the_least_room_that_still_fits() -> None:
+    state = pool_of(declared(node("a", gpus=3)))
+    # GPU 0 holds 0.75 (0.25 left), GPU 1 holds 0.5 (0.5 left), GPU 2 is free.
+    state = fold_all_onto(
+        state,
+        acquired("x", [TokenGrant(token_id="x:0", node="a", gpus=[{"gpu": 0, "fraction": 0.75}])]),
+        acquired("y", [TokenGrant(token_id="y:0", node="a", gpus=[{"gpu": 1, "fraction": 0.5}])]),
+    )
+    grants = try_acquire_batch(state, BIG, Resource(gpu=0.4), 1)
+    assert grants is not None and shares(grants) == [("a", [(1, 0.4)])]
+    grants = try_acquire_batch(state, BIG, Resource(gpu=0.25), 1)
+    assert grants is not None and shares(grants) == [("a", [(0, 0.25)])]
+    grants = try_acquire_batch(state, BIG, Resource(gpu=0.6), 1)
+    assert grants is not None and shares(grants) == [("a", [(2, 0.6)])]
+
+
+def test_whole_gpus_need_completely_free_gpus_on_one_node() -> None:
+    state = pool_of(declared(node("a", gpus=3), node("b", gpus=2)))
+    per = Resource(gpu=2)
+    assert max_tokens_for(state, per) == 2  # floor(3/2) + floor(2/2)
+    grants = try_acquire_batch(state, BIG, per, 2)
+    assert grants is not None
+    assert sorted(len(g.gpus) for g in grants) == [2, 2]
+    assert {g.node for g in grants} == {"a", "b"}
+    # Two 0.6 shares land on a (most free GPU), on GPUs 0 and 1 (0.6 does not fit beside
+    # 0.6): a keeps one free GPU, too few for a 2-GPU token.
+    state = take(state, Resource(gpu=0.6), 2, "frac")
+    assert shares(list(state.held_by("r", "frac").values())) == [
+        ("a", [(0, 0.6)]),
+        ("a", [(1, 0.6)]),
+    ]
+    assert try_acquire_batch(state, BIG, per, 2) is None
+    grants = try_acquire_batch(state, BIG, per, 1)
+    assert grants is not None and grants[0].node == "b"
+
+
+def test_gpu_zero_samples_gate_on_cpu_and_memory_only() -> None:
+    state = pool_of(declared(node("cpu-only", gpus=0, cpu=8, memory_gb=64)))
+    per = Resource(cpu=2, memory_gb=20)
+    assert max_tokens_for(state, per) == 3  # memory binds: floor(64 / 20)
+    grants = try_acquire_batch(state, BIG, per, 3)
+    assert grants is not None and all(g.gpus == [] for g in grants)
+    assert try_acquire_batch(state, BIG, per, 4) is None
+    # A GPU sample cannot use a node without GPUs.
+    assert try_acquire_batch(state, BIG, Resource(gpu=0.5), 1) is None
+    assert max_tokens_for(state, Resource(gpu=0.5)) == 0
+
+
+# ---------------------------------------------------------------- node choice, all-or-nothing
+
+
+def test_greedy_from_the_node_with_most_free_gpu_across_nodes() -> None:
+    state = pool_of(declared(node("a", gpus=2), node("b", gpus=4)))
+    grants = try_acquire_batch(state, BIG, Resource(gpu=1), 5)
+    assert grants is not None
+    # Free GPUs a=2, b=4 -> b (4) -> b (3) -> tie at 2, layout order -> a -> b (2 vs 1)
+    # -> tie at 1 -> a.
+    assert [g.node for g in grants] == ["b", "b", "a", "b", "a"]
+    assert [g.token_id for g in grants] == [f"batch:t{i}" for i in range(5)]
+    six = try_acquire_batch(state, BIG, Resource(gpu=1), 6)
+    assert six is not None and six == try_acquire_batch(state, BIG, Resource(gpu=1), 6)
+    assert try_acquire_batch(state, BIG, Resource(gpu=1), 7) is None
+
+
+def test_all_or_nothing_leaves_the_state_untouched() -> None:
+    state = pool_of(declared(node("a", gpus=2, cpu=4), node("b", gpus=1, cpu=4)))
+    state = take(state, Resource(gpu=0.5, cpu=1), 2, "first")
+    before = state.copy()
+    # Three more whole GPUs do not fit (only 2 completely free GPUs are left).
+    assert try_acquire_batch(state, BIG, Resource(gpu=1, cpu=1), 3) is None
+    assert state == before
+    assert state.tokens_held == 2
+
+
+def test_budget_caps_the_tokens_a_batch_takes() -> None:
+    per = Resource(gpu=0.5, cpu=2, memory_gb=4)
+    # gpu pays for 4, cpu for 3, memory for 10, concurrency for 8: three tokens.
+    budget = Resource(gpu=2, cpu=6, memory_gb=40, concurrency=8)
+    assert budget_tokens(budget, per) == 3
+    assert budget_tokens(budget.model_copy(update={"concurrency": 2}), per) == 2
+    state = pool_of(declared(node("a", gpus=8)))
+    grants = try_acquire_batch(state, budget, per, 10)
+    assert grants is not None and len(grants) == 3
+    grants = try_acquire_batch(state, budget, per, 2)  # a small batch needs only its samples
+    assert grants is not None and len(grants) == 2
+    with pytest.raises(PlacementError, match="pays for no token"):
+        try_acquire_batch(state, Resource(cpu=1), per, 1)
+
+
+def test_max_tokens_for_takes_the_binding_dimension_per_node() -> None:
+    state = pool_of(
+        declared(node("a", gpus=4, cpu=6, memory_gb=100), node("b", gpus=1, cpu=64, memory_gb=8))
+    )
+    per = Resource(gpu=0.25, cpu=1, memory_gb=2)
+    # a: gpu 16, cpu 6, memory 50 -> 6; b: gpu 4, cpu 64, memory 4 -> 4.
+    assert max_tokens_for(state, per) == 10
+    assert max_tokens_for(state, Resource()) == UNBOUNDED
+    assert max_tokens_for(PoolState(), per) == UNBOUNDED
+
+
+def test_random_batches_never_over_allocate_and_fill_to_capacity() -> None:
+    rng = random.Random(7)
+    state = pool_of(declared(node("a", gpus=4, cpu=32), node("b", gpus=2, cpu=16)))
+    for i in range(300):
+        per = Resource(
+            gpu=rng.choice([0, 0.25, 0.33, 0.5, 1, 2]), cpu=rng.choice([0.5, 1, 2]),
+            memory_gb=rng.choice([1, 4]),
+        )
+        grants = try_acquire_batch(state, BIG, per, rng.randint(1, 4), token_prefix=f"b{i}")
+        if grants is not None:
+            state = fold_all_onto(state, acquired(f"b{i}", grants))
+        elif state.held and rng.random() < 0.7:
+            rollout, batch = rng.choice(sorted(state.held))
+            state = fold_all_onto(state, TokenReleased(rollout_id=rollout, batch_id=batch))
+        assert state.over_allocation() == []
+    for rollout, batch in sorted(state.held):
+        state = fold_all_onto(state, TokenReleased(rollout_id=rollout, batch_id=batch))
+    assert state.is_full_capacity()
+
+
+# ---------------------------------------------------------------- the fold
+
+
+def test_release_is_idempotent_and_ignores_unknown_tokens_and_batches() -> None:
+    grants = [
+        TokenGrant(token_id=f"b:t{i}", node="a", gpus=[{"gpu": 0, "fraction": 0.25}], cpu=1)
+        for i in range(3)
+    ]
+    start = (declared(node("a", gpus=1, cpu=4)), acquired("b", grants))
+    state = fold(*start, TokenReleased(rollout_id="r", batch_id="b", token_ids=["b:t0"]))
+    assert set(state.held_by("r", "b")) == {"b:t1", "b:t2"}
+    assert state.nodes["a"].gpu_used[0] == pytest.approx(0.5)
+    again = fold(
+        *start,
+        TokenReleased(rollout_id="r", batch_id="b", token_ids=["b:t0"]),
+        TokenReleased(rollout_id="r", batch_id="b", token_ids=["b:t0", "nope"]),
+        TokenReleased(rollout_id="r", batch_id="other"),
+        TokenReleased(rollout_id="other", batch_id="b"),
+    )
+    assert again.held == state.held and again.nodes == state.nodes
+    # token_ids=None gives back whatever the batch still holds; repeating it changes nothing.
+    done = fold(
+        *start,
+        TokenReleased(rollout_id="r", batch_id="b", token_ids=["b:t0"]),
+        TokenReleased(rollout_id="r", batch_id="b"),
+        TokenReleased(rollout_id="r", batch_id="b"),
+    )
+    assert done.is_full_capacity()
+    assert done.has_acquired("r", "b")
+
+
+def test_a_batch_acquires_at_most_once() -> None:
+    grant = TokenGrant(token_id="b:t0", node="a", cpu=3)
+    state = fold(
+        declared(node("a", cpu=4)),
+        acquired("b", [grant]),
+        TokenReleased(rollout_id="r", batch_id="b"),
+        acquired("b", [grant]),  # a duplicate, even after the release
+    )
+    assert state.is_full_capacity()
+    assert state.has_acquired("r", "b")
+
+
+def test_the_fold_records_over_allocation_instead_of_hiding_it() -> None:
+    state = fold(
+        declared(node("a", gpus=1, cpu=2)),
+        acquired("x", [TokenGrant(token_id="x", node="a", gpus=[{"gpu": 0, "fraction": 0.75}])]),
+        acquired("y", [TokenGrant(token_id="y", node="a", gpus=[{"gpu": 0, "fraction": 0.5}],
+                                  cpu=3)]),
+    )
+    assert state.over_allocation() == [
+        "node 'a': cpu 3 used of 2",
+        "node 'a': gpu 0 1.25 used of 1",
+    ]
+
+
+def test_redeclaring_replaces_the_nodes_and_keeps_what_is_held() -> None:
+    grant = TokenGrant(token_id="x", node="a", gpus=[{"gpu": 0, "fraction": 1.0}], cpu=2)
+    state = fold(declared(node("a", gpus=2, cpu=8)), acquired("x", [grant]))
+    state = fold_all_onto(state, declared(node("a", gpus=1, cpu=4), node("c", gpus=4)))
+    assert list(state.nodes) == ["a", "c"]
+    assert state.nodes["a"].gpu_used == {0: 1.0} and state.nodes["a"].cpu_used == 2
+    assert try_acquire_batch(state, BIG, Resource(gpu=1), 5) is None
+    assert try_acquire_batch(state, BIG, Resource(gpu=1), 4) is not None
+    state = fold_all_onto(state, TokenReleased(rollout_id="r", batch_id="x"))
+    assert state.is_full_capacity()
+
+
+def test_fractions_return_to_exactly_full_after_many_cycles() -> None:
+    state = pool_of(declared(node("a", gpus=1)))
+    for i in range(50):
+        state = take(state, Resource(gpu=1 / 3), 3, f"b{i}")
+        state = fold_all_onto(state, TokenReleased(rollout_id="r", batch_id=f"b{i}"))
+    assert state.nodes["a"].gpu_used == {0: 0.0}
+    assert state.is_full_capacity()
+
+
+# ---------------------------------------------------------------- ungated
+
+
+def test_ungated_pool_admits_everything_with_node_less_tokens() -> None:
+    for state in (PoolState(), pool_of(PoolDeclared(nodes=[]))):
+        assert not state.gated
+        per = Resource(gpu=8, cpu=10_000)
+        budget = Resource(gpu=32, cpu=40_000, concurrency=4)
+        grants = try_acquire_batch(state, budget, per, 9, token_prefix="r:b0")
+        assert grants is not None
+        assert [g.token_id for g in grants] == [f"r:b0:t{i}" for i in range(4)]
+        assert all(g.node == "" and g.gpus == [] and g.cpu == 0 for g in grants)
+        state = fold_all_onto(state, acquired("r:b0", grants))
+        assert state.over_allocation() == [] and state.tokens_held == 4
+        assert max_tokens_for(state, per) == UNBOUNDED
+
+
+def test_max_tokens_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        try_acquire_batch(PoolState(), BIG, Resource(), 0)

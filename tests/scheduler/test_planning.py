@@ -1,0 +1,101 @@
+"""The planner, the scheduler's pure core: same request + same cursor -> same events."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from engine.actors.planning import Plan, Planner
+from engine.config.rollout import load_rollout_config
+from engine.domain import Batch, EvaluatorSpec, Task, batch_id_for
+from engine.errors import ConfigError
+from engine.events import BatchSealed, Envelope, RolloutPlanned, RolloutRequested, TaskFetched
+from engine.projections.data_cursor import DataCursorProjection, DataState
+from tests.scheduler.helpers import load_specs, request, write_config
+
+
+def planner(tmp_path: Path, **kwargs: object) -> Planner:
+    config = write_config(
+        tmp_path,
+        {"gsm": ("math", 7), "py": ("code", 5)},
+        {"aime": ("math", 2), "he": ("code", 3)},
+    )
+    return Planner(load_rollout_config(config), load_specs(), **kwargs)  # type: ignore[arg-type]
+
+
+def after(plan: Plan) -> DataState:
+    projection = DataCursorProjection()
+    return projection.evolve(projection.initial(), Envelope("rl:data", "1-0", plan.cursor))
+
+
+def test_every_range_of_rollout_events_is_a_slice_of_the_whole(tmp_path: Path) -> None:
+    plan = planner(tmp_path).plan(request("r", n_prompts=6, n_samples_per_prompt=2), DataState())
+    whole = plan.rollout_events()
+    assert len(whole) == plan.n_events == 1 + 12 + len(plan.batches) + 1
+    assert isinstance(whole[0], RolloutRequested) and isinstance(whole[-1], RolloutPlanned)
+    assert [type(e) for e in whole[1:13]] == [TaskFetched] * 12
+    assert all(isinstance(e, BatchSealed) for e in whole[13:-1])
+    for chunk in (1, 2, 3, 5, 7, 100):
+        pieces = [plan.rollout_events(i, i + chunk) for i in range(0, plan.n_events, chunk)]
+        assert [e for piece in pieces for e in piece] == whole
+    assert plan.tasks(3, 5) == whole[4:6]
+
+
+def test_planning_is_deterministic_and_replan_reproduces_the_plan(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    first = p.plan(request("r1", n_prompts=5, seed=3), DataState())
+    again = planner(tmp_path).plan(request("r1", n_prompts=5, seed=3), DataState())
+    assert first.rollout_events() == again.rollout_events()
+    second = p.plan(request("r2", n_prompts=4, seed=3), after(first))
+    assert second.cursor.previous == first.cursor.cursor
+    assert p.replan(second.request, second.cursor).rollout_events() == second.rollout_events()
+    other_seed = p.plan(request("r1", n_prompts=5, seed=4), DataState())
+    assert [t.metadata["row"] for t in other_seed.tasks()] != [
+        t.metadata["row"] for t in first.tasks()
+    ]
+
+
+def test_dataset_subsets_overrides_and_eval_selection(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    only_py = p.plan(request("r", n_prompts=3, datasets=["py"], n_samples_per_prompt=3),
+                     DataState())
+    assert {t.dataset for t in only_py.tasks()} == {"py"}
+    assert [t.group_index for t in only_py.tasks()] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert only_py.tasks()[0].dataset_cfg["n_samples_per_prompt"] == 3
+    assert only_py.cursor.cursor["datasets"] == ["py"]
+    ev = p.plan(request("e", kind="eval", datasets=["he"], n_samples_per_prompt=2), DataState())
+    assert [t.metadata["row"] for t in ev.tasks()] == [0, 0, 1, 1, 2, 2]
+    assert ev.tasks()[0].dataset_cfg["n_samples_per_eval_prompt"] == 2
+    with pytest.raises(ConfigError, match="'aime'.* not training datasets"):
+        p.plan(request("x", datasets=["aime"]), DataState())
+    with pytest.raises(ConfigError, match="stopping: max_turns: must be at least 1"):
+        p.plan(request("x", stopping={"max_turns": 0}), DataState())
+
+
+def test_a_batching_strategy_that_loses_or_repeats_samples_is_refused(tmp_path: Path) -> None:
+    def drop_last(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+        return [Batch(batch_id=batch_id_for(t.rollout_id, t.index), task_type=t.task_type,
+                      tasks=(t,)) for t in tasks[:-1]]
+
+    def twice(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+        one = [Batch(batch_id=f"b{i}", task_type=t.task_type, tasks=(t,))
+               for i, t in enumerate(tasks)]
+        return [*one, Batch(batch_id="again", task_type=tasks[0].task_type, tasks=(tasks[0],))]
+
+    with pytest.raises(ConfigError, match="drop_last placed 3 of 4 samples"):
+        planner(tmp_path, batching=drop_last).plan(request("r", n_prompts=4), DataState())
+    with pytest.raises(ConfigError, match="twice placed sample 'r:s0' in two batches"):
+        planner(tmp_path, batching=twice).plan(request("r", n_prompts=4), DataState())
+
+
+def test_one_sample_batches_with_a_custom_strategy_keep_seq_order(tmp_path: Path) -> None:
+    def singles(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+        return [Batch(batch_id=batch_id_for(t.rollout_id, t.index), task_type=t.task_type,
+                      tasks=(t,)) for t in reversed(tasks)]
+
+    plan = planner(tmp_path, batching=singles).plan(request("r", n_prompts=3), DataState())
+    assert [b.seq for b in plan.batches] == [0, 1, 2]
+    assert [b.sample_ids for b in plan.batches] == [["r:s2"], ["r:s1"], ["r:s0"]]
+    assert plan.largest_batches() == {"math": 1}

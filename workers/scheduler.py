@@ -1,0 +1,192 @@
+"""The scheduler process: parse settings, load the configs, run ``engine.actors.scheduler``.
+
+    python -m workers.scheduler --redis-url redis://127.0.0.1:6379/0 \\
+        --rollout-config rollout.yaml --evaluator-config evaluators.py \\
+        [--cluster-layout '{"node-a": [0, 1, 2, 3]}'] [--env-num-cpus 96] [--env-memory-gb 384]
+
+Every flag defaults to its ``ROLLOUT_*`` variable (``engine.settings``). Bad input (rollout
+YAML, evaluator config, cluster layout, a deadlock between a spec and the layout, settings)
+is reported on stderr at start-up, naming the file, node, evaluator and numbers at fault, and
+the process exits with status 2 before touching Redis. SIGTERM or SIGINT stops it cleanly:
+rollouts in flight stay pending in the ``schedulers`` group and are resumed from the log by
+the next scheduler (a restart with the same ``--scheduler-id`` resumes them at once; another
+scheduler claims them after ``--claim-idle-ms``). Exit status 1: Redis failed while serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.actors.planning import Planner
+from engine.actors.scheduler import Scheduler, SchedulerConfig, check_layout
+from engine.config.evaluators import load_evaluators
+from engine.config.layout import ClusterLayout, parse_cluster_layout
+from engine.config.rollout import load_rollout_config
+from engine.errors import ConfigError, DeadlockError, EngineError, LogError
+from engine.events.log import EventLog, RedisSettings, connect
+from engine.events.names import StreamNames
+from engine.settings import Settings
+
+__all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
+
+logger = logging.getLogger("workers.scheduler")
+
+
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Collect young objects every 10,000 allocations instead of Python's 700.
+
+    Planning and admitting allocate some twenty short-lived, acyclic objects per sample
+    (freed by reference counting). With the default threshold a 100k-sample plan triggers
+    thousands of young collections and a dozen full ones that re-traverse the growing plan,
+    making the per-sample cost grow with the rollout (bench/schedule.py measures both).
+    """
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.scheduler",
+        description="Plan requested rollouts and admit their batches through the event log.",
+    )
+    add = parser.add_argument
+    add("--redis-url", default=settings.redis_url, help="Redis holding the event streams.")
+    add("--prefix", default=settings.stream_prefix, help="Prefix of every stream name.")
+    add("--rollout-config", default=settings.config, help="The rollout YAML (datasets).")
+    add(
+        "--evaluator-config",
+        default=settings.evaluator_config,
+        help="Python file exposing build_evaluators(args) -> list[EvaluatorSpec].",
+    )
+    add(
+        "--cluster-layout",
+        default=settings.cluster_layout,
+        help="Cluster layout as inline JSON or a file path (unset: batches run ungated).",
+    )
+    add("--model-dir", default=settings.model_dir,
+        help="Policy model/tokenizer folder, passed to build_evaluators as args.model_dir.")
+    add("--env-num-cpus", type=float, default=settings.env_num_cpus,
+        help="CPUs of a layout node that does not state 'cpu'.")
+    add("--env-memory-gb", type=float, default=settings.env_memory_gb,
+        help="Memory (GB) of a layout node that does not state 'memory_gb'.")
+    add(
+        "--scheduler-id",
+        default=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        help="Consumer name in the 'schedulers' group; keep it across restarts to resume "
+        "this scheduler's pending requests at once.",
+    )
+    add("--block-ms", type=int, default=settings.block_ms, help="Blocking read time.")
+    add("--heartbeat-ms", type=int, default=settings.heartbeat_ms,
+        help="How often in-flight requests are kept alive.")
+    add("--claim-idle-ms", type=int, default=settings.claim_idle_ms,
+        help="Idle time after which a dead scheduler's requests are claimed.")
+    add("--plan-chunk", type=int, default=4096,
+        help="Rollout-stream events per atomic append when writing a plan.")
+    add("--log-level", default=settings.log_level, help="Logging level.")
+    return parser
+
+
+@dataclass(frozen=True)
+class _Components:
+    planner: Planner
+    layout: ClusterLayout | None
+    config: SchedulerConfig
+    redis: RedisSettings
+    names: StreamNames
+
+
+def _build(args: argparse.Namespace, settings: Settings) -> _Components:
+    """Load and validate every input; raises ConfigError / DeadlockError naming the fault."""
+    if not args.rollout_config:
+        raise ConfigError("--rollout-config (or ROLLOUT_CONFIG) is required")
+    if not args.evaluator_config:
+        raise ConfigError("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
+    rollout = load_rollout_config(args.rollout_config, root=settings.root)
+    specs = load_evaluators(args.evaluator_config, args)
+    layout = None
+    if args.cluster_layout:
+        layout = parse_cluster_layout(
+            args.cluster_layout,
+            default_cpu=args.env_num_cpus,
+            default_memory_gb=args.env_memory_gb,
+        )
+    config = SchedulerConfig(
+        scheduler_id=args.scheduler_id,
+        block_ms=args.block_ms,
+        heartbeat_ms=args.heartbeat_ms,
+        claim_idle_ms=args.claim_idle_ms,
+        plan_chunk=args.plan_chunk,
+    )
+    names = StreamNames(args.prefix)
+    redis = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
+    return _Components(Planner(rollout, specs), layout, config, redis, names)
+
+
+async def _serve(parts: _Components) -> int:
+    client = connect(parts.redis)
+    log = EventLog(
+        client,
+        names=parts.names,
+        producer=f"scheduler:{parts.config.scheduler_id}",
+        block_ms=parts.redis.block_ms,
+    )
+    scheduler = Scheduler(log, planner=parts.planner, layout=parts.layout, config=parts.config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await scheduler.start()
+        logger.info(
+            "scheduler %s serving %s (%s)",
+            parts.config.scheduler_id,
+            parts.names.control,
+            "gated" if parts.layout else "ungated",
+        )
+        await scheduler.run(stop)
+    except DeadlockError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
+    except LogError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await client.aclose()
+    logger.info("scheduler %s stopped", parts.config.scheduler_id)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser(settings).parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        parts = _build(args, settings)
+        check_layout(parts.planner.specs, parts.layout)
+    except EngineError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
+    tune_gc()
+    return asyncio.run(_serve(parts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
