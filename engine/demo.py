@@ -1,0 +1,300 @@
+"""``rollout demo``: a whole rollout through the event-sourced engine on one machine.
+
+Embedded defaults, nothing to set up beyond ``pip install``:
+
+* Redis: a ``redis-server`` on a free port when the binary exists, else fakeredis's TCP
+  server (``engine.embedded``);
+* the policy: tinylm, built once into ``<workdir>/tinylm`` (``rollout tinylm init``) and
+  served by its SGLang-compatible server on a free port;
+* the bundled tasks (``engine/tasks``): arithmetic with a python tool and shell/file tasks
+  checked by a script, run in the local sandbox;
+* processes: one scheduler, ``--workers`` evaluator workers and a finalizer, each a real
+  ``python -m workers.*`` process talking only through the streams.
+
+It requests a mixed-dataset training rollout and then an eval pass through the trainer
+client, shows live progress from the rollout stream, prints the summary table and where
+the archive, ``summary.json`` and eval details are, says how to replay, and stops every
+process it started (also on Ctrl-C or an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from engine.embedded import EmbeddedRedis, start_redis
+from engine.errors import EngineError, RolloutFailed
+from engine.events import (
+    EventLog,
+    RedisSettings,
+    RolloutKind,
+    RolloutPlanned,
+    SampleAborted,
+    SampleCompleted,
+    StreamNames,
+    connect,
+)
+
+TASKS = Path(__file__).resolve().parent / "tasks"
+ROLLOUT_YAML = TASKS / "rollout.yaml"
+EVALUATORS = TASKS / "evaluators.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rollout demo",
+        description="Run a training rollout and an eval pass end to end on embedded defaults.",
+    )
+    p.add_argument("--workdir", type=Path, default=Path("runs/demo"),
+                   help="where the model, logs, archives and outputs go (default runs/demo)")
+    p.add_argument("--prompts", type=int, default=24,
+                   help="prompts in the training rollout (16 math, then shell: FIFO)")
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="group size")
+    p.add_argument("--workers", type=int, default=2, help="evaluator worker processes")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="tinylm training steps when the model is first built (default: tinylm's)")
+    p.add_argument("--no-eval", action="store_true", help="skip the eval pass")
+    p.add_argument("--seed", type=int, default=0, help="the request's seed")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait per rollout")
+    return p
+
+
+@dataclass
+class Stack:
+    """Everything the demo started, so it can all be stopped."""
+
+    workdir: Path
+    redis: EmbeddedRedis | None = None
+    server: Any = None
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    logs: list[IO[bytes]] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: Sequence[str]) -> None:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        fh = open(log_path, "wb")  # closed in stop()
+        self.logs.append(fh)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+        proc = subprocess.Popen(
+            [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        self.procs.append((name, proc))
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                log = self.workdir / "logs" / f"{name}.log"
+                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+                raise EngineError(
+                    f"{name} exited with status {proc.returncode}; last lines of {log}:\n  "
+                    + "\n  ".join(tail)
+                )
+
+    def stop(self) -> None:
+        for _name, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _name, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+        for fh in self.logs:
+            fh.close()
+        self.logs.clear()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def ensure_model(model_dir: Path, train_steps: int | None) -> None:
+    if (model_dir / "config.json").is_file():
+        say(f"model     tinylm at {model_dir} (built earlier)")
+        return
+    from engine.tinylm.model import init_model
+
+    say(f"model     building tinylm into {model_dir} (once; later runs reuse it) ...")
+    t0 = time.monotonic()
+    init_model(model_dir, train_steps=train_steps)
+    say(f"model     built in {time.monotonic() - t0:.0f}s")
+
+
+def start_stack(args: argparse.Namespace) -> Stack:
+    workdir: Path = args.workdir.resolve()
+    for sub in ("logs", "out", "archives", "sandboxes"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    stack = Stack(workdir)
+    stack.redis = start_redis()
+    say(f"redis     {stack.redis.kind} at {stack.redis.url}")
+    model_dir = workdir / "tinylm"
+    ensure_model(model_dir, args.train_steps)
+    from engine.tinylm.process import spawn_server
+
+    stack.server = spawn_server(model_dir)
+    say(f"policy    tinylm server at {stack.server.url}")
+    common = ["--redis-url", stack.redis.url]
+    evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
+    stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
+                              "--rollout-config", str(ROLLOUT_YAML), *evaluator,
+                              "--scheduler-id", "demo-scheduler"])
+    for i in range(args.workers):
+        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
+                                    "--sglang-url", stack.server.url,
+                                    "--worker-id", f"demo-worker-{i}",
+                                    "--sandbox-root", str(workdir / "sandboxes")])
+    stack.spawn("finalizer", ["-m", "workers.finalizer", *common,
+                              "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
+    say(f"processes scheduler, {args.workers} evaluator workers, finalizer "
+        f"(logs in {workdir / 'logs'})")
+    return stack
+
+
+async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> None:
+    """Print live progress from the rollout stream until every sample is terminal."""
+    stream = log.names.rollout(rollout_id)
+    total: int | None = None
+    done: set[str] = set()
+    completed = aborted = 0
+    position = "0-0"
+    tty = sys.stdout.isatty()
+    last_print = 0.0
+    while total is None or completed + aborted < total:
+        stack.check_alive()
+        envs, position = await log.read_after(stream, position, block_ms=500)
+        for env in envs:
+            ev = env.event
+            if isinstance(ev, RolloutPlanned):
+                total = ev.n_samples
+            elif isinstance(ev, SampleCompleted | SampleAborted) and ev.sample_id not in done:
+                done.add(ev.sample_id)
+                if isinstance(ev, SampleCompleted):
+                    completed += 1
+                else:
+                    aborted += 1
+        now = time.monotonic()
+        if envs and (tty or now - last_print > 2 or completed + aborted == total):
+            last_print = now
+            line = (f"{label:<9} {completed + aborted:>4}/{total if total else '?':<4} samples "
+                    f"({completed} completed, {aborted} aborted)")
+            print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
+    if tty:
+        print()
+
+
+def table(summary: dict[str, Any]) -> list[str]:
+    classes = [c for c, n in summary["counts"].items() if n]
+    head = f"  {'dataset':<14}{'n':>4}{'mean reward':>13}  " + "".join(f"{c:>18}" for c in classes)
+    rows = [head, "  " + "-" * (len(head) - 2)]
+    for name, ds in sorted(summary["datasets"].items()):
+        rewards = [t["reward"] for t in summary["tasks"] if t["dataset"] == name]
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        rows.append(f"  {name:<14}{ds['n']:>4}{mean:>13.3f}  "
+                    + "".join(f"{ds['counts'][c]:>18}" for c in classes))
+        metrics = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ds.get("metrics", {}).items()))
+        if metrics:
+            rows.append(f"  {'':<14}    {metrics}")
+    return rows
+
+
+async def run_rollout(
+    stack: Stack, log: EventLog, args: argparse.Namespace, kind: RolloutKind, iteration: int
+) -> str:
+    import json
+
+    from engine.client import RolloutClient
+    from engine.replay import archive_rollout
+
+    client = RolloutClient(log)
+    if kind is RolloutKind.TRAIN:
+        rid = await client.request(iteration=iteration, n_prompts=args.prompts,
+                                   n_samples_per_prompt=args.samples_per_prompt,
+                                   seed=args.seed, kind=kind)
+    else:
+        rid = await client.request(iteration=iteration, n_prompts=1, seed=args.seed, kind=kind)
+    say(f"\n{kind.value} rollout {rid} requested")
+    t0 = time.monotonic()
+    await asyncio.wait_for(follow(log, stack, rid, kind.value), args.timeout)
+    try:
+        ready = await client.wait_ready(rid, timeout=args.timeout)
+    except RolloutFailed as exc:
+        raise EngineError(str(exc)) from exc
+    elapsed = time.monotonic() - t0
+    samples = await client.load(rid)
+    out_dir = stack.workdir / "out" / rid
+    summary_path = out_dir / "summary.json"
+    deadline = time.monotonic() + 30
+    while not summary_path.is_file():  # the finalizer writes it right after RolloutReady
+        stack.check_alive()
+        if time.monotonic() > deadline:
+            raise EngineError(f"the finalizer wrote no {summary_path}")
+        await asyncio.sleep(0.1)
+    summary = json.loads(summary_path.read_text())
+    archive = stack.workdir / "archives" / f"{rid}.rollout"
+    await archive_rollout(log, rid, archive)
+    n_tokens = sum(len(s.tokens) for s in samples)
+    kept = "kept for training" if kind is RolloutKind.TRAIN else "kept"
+    say(f"{kind.value} rollout {rid}: READY in {elapsed:.1f}s - {len(ready.sample_ids)} samples "
+        f"{kept}, {len(ready.dropped_sample_ids)} dropped, {n_tokens} tokens")
+    for line in table(summary):
+        say(line)
+    say(f"  {'summary':<18} {summary_path}")
+    for name in sorted(p.name for p in out_dir.iterdir() if p.name != "summary.json"):
+        say(f"  {name:<18} {out_dir / name}")
+    say(f"  {'archive':<18} {archive}")
+    say(f"  replay with: rollout replay {rid} --from {archive} --out {stack.workdir / 'replay'}")
+    return rid
+
+
+async def run(args: argparse.Namespace, stack: Stack) -> None:
+    assert stack.redis is not None
+    client = connect(RedisSettings(url=stack.redis.url, block_ms=500))
+    log = EventLog(client, names=StreamNames(), producer="demo", block_ms=500)
+    try:
+        await run_rollout(stack, log, args, RolloutKind.TRAIN, iteration=0)
+        if not args.no_eval:
+            await run_rollout(stack, log, args, RolloutKind.EVAL, iteration=0)
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    stack: Stack | None = None
+    try:
+        stack = start_stack(args)
+        asyncio.run(run(args, stack))
+    except KeyboardInterrupt:
+        say("\ninterrupted; stopping every process")
+        return 130
+    except (EngineError, TimeoutError, OSError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+    say(f"\ndemo finished in {time.monotonic() - t0:.0f}s; every process stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
