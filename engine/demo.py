@@ -140,7 +140,7 @@ def ensure_model(model_dir: Path, train_steps: int | None) -> None:
 
 def start_stack(args: argparse.Namespace) -> Stack:
     workdir: Path = args.workdir.resolve()
-    for sub in ("logs", "out", "archives", "sandboxes"):
+    for sub in ("logs", "out", "archives"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
     stack.redis = start_redis()
@@ -159,8 +159,7 @@ def start_stack(args: argparse.Namespace) -> Stack:
     for i in range(args.workers):
         stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
                                     "--sglang-url", stack.server.url,
-                                    "--worker-id", f"demo-worker-{i}",
-                                    "--sandbox-root", str(workdir / "sandboxes")])
+                                    "--worker-id", f"demo-worker-{i}"])
     stack.spawn("finalizer", ["-m", "workers.finalizer", *common,
                               "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
     say(f"processes scheduler, {args.workers} evaluator workers, finalizer "
@@ -168,13 +167,17 @@ def start_stack(args: argparse.Namespace) -> Stack:
     return stack
 
 
-async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> None:
-    """Print live progress from the rollout stream until every sample is terminal."""
+async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> str | None:
+    """Print live progress from the rollout stream until every sample is terminal.
+
+    Returns the first abort's class and error, if any sample aborted, so the demo can say
+    why instead of leaving the user to dig through the logs."""
     stream = log.names.rollout(rollout_id)
     total: int | None = None
     done: set[str] = set()
     completed = aborted = 0
     position = "0-0"
+    first_abort: str | None = None
     tty = sys.stdout.isatty()
     last_print = 0.0
     while total is None or completed + aborted < total:
@@ -190,6 +193,7 @@ async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> No
                     completed += 1
                 else:
                     aborted += 1
+                    first_abort = first_abort or f"{ev.abort_class.value}: {ev.error}"
         now = time.monotonic()
         if envs and (tty or now - last_print > 2 or completed + aborted == total):
             last_print = now
@@ -198,6 +202,7 @@ async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> No
             print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
     if tty:
         print()
+    return first_abort
 
 
 def table(summary: dict[str, Any]) -> list[str]:
@@ -232,7 +237,7 @@ async def run_rollout(
         rid = await client.request(iteration=iteration, n_prompts=1, seed=args.seed, kind=kind)
     say(f"\n{kind.value} rollout {rid} requested")
     t0 = time.monotonic()
-    await asyncio.wait_for(follow(log, stack, rid, kind.value), args.timeout)
+    first_abort = await asyncio.wait_for(follow(log, stack, rid, kind.value), args.timeout)
     try:
         ready = await client.wait_ready(rid, timeout=args.timeout)
     except RolloutFailed as exc:
@@ -256,6 +261,8 @@ async def run_rollout(
         f"{kept}, {len(ready.dropped_sample_ids)} dropped, {n_tokens} tokens")
     for line in table(summary):
         say(line)
+    if first_abort is not None:
+        say(f"  first abort  {first_abort[:300]}")
     say(f"  {'summary':<18} {summary_path}")
     for name in sorted(p.name for p in out_dir.iterdir() if p.name != "summary.json"):
         say(f"  {name:<18} {out_dir / name}")
