@@ -170,6 +170,16 @@ class GroupConsumer:
                 by_stream.setdefault(stream, []).append(entry_id)
             for stream, ids in by_stream.items():
                 try:
-                    await self.log.keep_alive(stream, self.group, self.consumer, ids)
+                    lost = await self.log.keep_alive(stream, self.group, self.consumer, ids)
                 except Exception as exc:  # a missed beat is retried on the next one
                     logger.warning("heartbeat on %s failed: %s", stream, exc)
+                    continue
+                for entry_id in lost:
+                    if (stream, entry_id) in self._in_flight:
+                        # Claimed by another consumer after this one stalled past the idle
+                        # window: it re-runs the non-terminal samples; our late results are
+                        # duplicates the folds ignore (first terminal wins).
+                        logger.warning(
+                            "%s: entry %s on %s was claimed by another consumer",
+                            self.consumer, entry_id, stream,
+                        )

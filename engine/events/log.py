@@ -67,6 +67,22 @@ return out
 """
 
 
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Refreshes (XCLAIM
+# JUSTID, which does not count a delivery) only the entries the consumer still owns.
+_KEEP_ALIVE_SCRIPT = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class RedisSettings:
     """Connection settings; ``socket_timeout`` always exceeds the longest blocking read."""
@@ -150,6 +166,7 @@ class EventLog:
         self.block_ms = block_ms
         self.dead_lettered = 0
         self._cas = self._r.register_script(_CAS_SCRIPT)
+        self._keep_alive = self._r.register_script(_KEEP_ALIVE_SCRIPT)
 
     # ------------------------------------------------------------------ writing
 
@@ -393,12 +410,21 @@ class EventLog:
             n = await self._r.xack(stream, group, *ids)
         return int(n)
 
-    async def keep_alive(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> None:
-        """Reset the idle time of entries this consumer is still working on."""
+    async def keep_alive(
+        self, stream: str, group: str, consumer: str, ids: Sequence[str]
+    ) -> list[str]:
+        """Reset the idle time of entries this consumer still owns; returns the ids it no
+        longer owns (acked, or claimed by another consumer after a stall).
+
+        The ownership check and the refresh are one atomic script: a plain XCLAIM would take
+        back an entry that another consumer had rightly claimed from a stalled one, and
+        both would then run the same work.
+        """
         if not ids:
-            return
-        with _translate(f"XCLAIM (keep-alive) {stream} {group}"):
-            await self._r.xclaim(stream, group, consumer, 0, list(ids), justid=True)
+            return []
+        with _translate(f"keep-alive on {stream} {group}"):
+            lost = await self._keep_alive(keys=[stream], args=[group, consumer, *ids])
+        return [_s(i) for i in lost]
 
     async def claim_idle(
         self, stream: str, group: str, consumer: str, *, min_idle_ms: int, count: int = 100

@@ -202,6 +202,28 @@ async def test_keep_alive_protects_live_work(redis_factory: ClientFactory) -> No
     assert (await other.claim_idle(S, "g", "o", min_idle_ms=100)).entries == []
 
 
+async def test_keep_alive_never_takes_back_a_claimed_entry(
+    redis_factory: ClientFactory,
+) -> None:
+    stalled = EventLog(redis_factory())
+    await stalled.ensure_group(S, "g")
+    await stalled.append_many([(S, failed(0)), (S, failed(1))])
+    taken = await stalled.read_group("g", "stalled", [S], block_ms=50)
+    await asyncio.sleep(0.15)
+    rescuer = EventLog(redis_factory())
+    claimed = await rescuer.claim_idle(S, "g", "rescuer", min_idle_ms=100, count=1)
+    assert [e.id for e in claimed.entries] == [taken[0].id]
+    lost = await stalled.keep_alive(S, "g", "stalled", [e.id for e in taken])
+    assert lost == [taken[0].id]  # the stalled worker learns it no longer owns it
+    owner = await rescuer.redis.xpending_range(S, "g", min=taken[0].id, max=taken[0].id, count=1)
+    assert owner[0]["consumer"] in (b"rescuer", "rescuer")  # not taken back
+    mine = await rescuer.redis.xpending_range(S, "g", min=taken[1].id, max=taken[1].id, count=1)
+    assert mine[0]["consumer"] in (b"stalled", "stalled")
+    assert mine[0]["time_since_delivered"] < 100  # refreshed
+    await rescuer.ack(S, "g", taken[0].id)
+    assert await stalled.keep_alive(S, "g", "stalled", [taken[0].id]) == [taken[0].id]
+
+
 async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFactory) -> None:
     log = EventLog(redis_factory(), max_deliveries=2)
     await log.ensure_group(S, "g")
