@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, help="exit after this many lines")
     p = sub.add_parser("status", parents=[common], help="a rollout's progress")
     p.add_argument("rollout_id", metavar="ID")
+    p = sub.add_parser("pool", parents=[common],
+                       help="the placement pool now, or as it was at a past event (time travel)")
+    p.add_argument("--at", metavar="ID", help="an rl:pool event id (default: the latest)")
     for name, (_module, _fn, what) in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
@@ -204,7 +207,25 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"replay": _replay, "archive": _archive, "tail": _tail, "status": _status}
+async def _pool(args: argparse.Namespace) -> int:
+    from engine.projections.placement import pool_at, render_pool
+
+    log = _log(args)
+    try:
+        folded = await pool_at(log, until=args.at)
+    finally:
+        await log.redis.aclose()
+    print(render_pool(folded))
+    return 0
+
+
+_COMMANDS = {
+    "replay": _replay,
+    "archive": _archive,
+    "tail": _tail,
+    "status": _status,
+    "pool": _pool,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -85,3 +85,26 @@ async def test_status_and_tail(
     assert all("rollout=rs" in line for line in tail)
     assert any("RolloutRequested" in line for line in tail)
     assert await _cli("status", "missing", "--redis-url", url) == 1
+
+
+@real_redis
+async def test_pool_time_travel(
+    log: EventLog, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.events import NodeDecl, PoolDeclared, TokenAcquired, TokenGrant, TokenReleased
+
+    pool = log.names.pool
+    declared = await log.append(pool, PoolDeclared(nodes=[NodeDecl(node="n0", cpu=8)]))
+    acquired = await log.append(pool, TokenAcquired(
+        rollout_id="r", batch_id="b0", evaluator_id="e",
+        tokens=[TokenGrant(token_id="b0:t0", node="n0", cpu=2)]))
+    await log.append(pool, TokenReleased(rollout_id="r", batch_id="b0"))
+    url = redis_server.url
+    capsys.readouterr()
+    assert await _cli("pool", "--at", acquired, "--redis-url", url) == 0
+    then = capsys.readouterr().out
+    assert f"pool at {acquired}" in then and "1 batch holding 1 token" in then
+    assert await _cli("pool", "--at", declared, "--redis-url", url) == 0
+    assert "0 batches holding 0 tokens" in capsys.readouterr().out
+    assert await _cli("pool", "--redis-url", url) == 0
+    assert "0 batches holding 0 tokens" in capsys.readouterr().out
