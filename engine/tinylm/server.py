@@ -465,6 +465,10 @@ def _error(message: str, status: int) -> dict[str, Any]:
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # idle keep-alive threads must not hold up close()
+    # socketserver's listen backlog is 5: a rollout opening a connection per episode (dozens
+    # at once) overflowed it and the kernel reset the excess connections, which the agents
+    # saw as ReadError and aborted as infra_conn.
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, address: tuple[str, int], app: TinyLMServer) -> None:
         self.app = app

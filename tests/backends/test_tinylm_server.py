@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -350,6 +351,22 @@ def test_keep_alive_reuses_one_connection(tinylm_server: TinyLMServer) -> None:
             for _ in range(2)
         }
     assert len(ports) == 1
+
+
+def test_a_burst_of_new_connections_is_served_not_reset(tinylm_server: TinyLMServer) -> None:
+    # Agents open a connection per episode, so a rollout starts dozens at once; with
+    # socketserver's backlog of 5 the kernel reset some of them (ReadError on the client).
+    async def one() -> int:
+        async with httpx.AsyncClient(base_url=tinylm_server.url, timeout=60) as client:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+            reply = await client.post("/generate", json=body)
+            return reply.status_code
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(one() for _ in range(64)))
+
+    for _ in range(2):
+        assert asyncio.run(burst()) == [200] * 64
 
 
 # -- aborts ---------------------------------------------------------------------------------
