@@ -1,17 +1,23 @@
 """Synthetic tool-use dialogues that teach tinylm the shape of a good episode.
 
-Two families, matching the bundled tasks:
+Two families, in the bundled tasks' templates (``engine/tasks/data``) and rendered with the
+system prompts and tool specs the bundled agents really use, so the model is trained on the
+context it is served in. The model's job is a short copy from the request; the generator draws
+its own numbers and names from the seed (never the bundled items):
 
-- **math** (tool ``python``, arguments ``{"code": str}``): the user asks e.g. "What is 17 + 25?";
-  the assistant calls ``print(17 + 25)``, the tool answers ``42``, and the assistant replies
-  ``The answer is <answer>42</answer>``;
-- **shell** (tool ``shell``, arguments ``{"cmd": str}``): the user asks for a file with given
-  content so a check script passes; the assistant runs e.g. ``echo hello > greeting.txt``
-  (sometimes checks it with ``cat`` or runs the check), then replies ``<answer>done</answer>``.
+- **math** (tool ``python``, arguments ``{"code": str}``): "Compute 38 plus 6.", "What is
+  26 * 15?", "Calculate 12 - 5." and the like; the assistant calls ``print(38 + 6)``, the tool
+  answers ``44``, and the assistant copies it into ``<answer>44</answer>``;
+- **shell** (tool ``shell``, arguments ``{"cmd": str}``): "Create a directory named X."
+  (``mkdir X``), "Write the number K into F." (``echo K > F``), "Create an empty file named F."
+  (``touch F``), "Create numbers.txt with the numbers 1 to K, one per line."
+  (``seq 1 K > numbers.txt``), "Create a file named F that contains exactly the word W."
+  (``echo W > F``); the tool answers ``(no output)`` and the assistant replies
+  ``<answer>done</answer>``.
 
-Wording, numbers, system prompts and tool-response styles vary so the model learns the format,
-not one string. Everything is drawn from ``random.Random(seed)``: the same seed gives the same
-dialogues, in the same order.
+Some dialogues continue with follow-up requests of the same family, which gives each training
+sequence more copy examples per pass over the long system turn. Everything is drawn from
+``random.Random(seed)``: the same seed gives the same dialogues, in the same order.
 """
 
 from __future__ import annotations
@@ -73,43 +79,48 @@ def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _with_system(rng: random.Random, prompts: list[str | None]) -> list[dict[str, Any]]:
-    prompt = rng.choice(prompts)
+def _with_system(
+    rng: random.Random, prompts: list[tuple[str | None, float]]
+) -> list[dict[str, Any]]:
+    """A system turn drawn from ``(prompt, weight)`` pairs (``None``: no system turn)."""
+    prompt = rng.choices([p for p, _ in prompts], weights=[w for _, w in prompts])[0]
     return [] if prompt is None else [{"role": "system", "content": prompt}]
 
 
-_MATH_SYSTEM: list[str | None] = [
-    None,
-    "You are a helpful assistant.",
+# The bundled agents' system prompts (``engine.tasks.evaluators``), word for word, and the
+# most likely: a tiny model copes best with the exact context it will be served in.
+MATH_SYSTEM_PROMPT = (
     "Solve the problem. Use the python tool to compute, then give the final answer inside "
-    "<answer></answer>.",
-    "You are a careful math assistant. Use tools when they help.",
+    "<answer></answer>."
+)
+SHELL_SYSTEM_PROMPT = (
+    "You work in a sandbox. Use the shell tool to change files. When the task is done, reply "
+    "<answer>done</answer>."
+)
+_MATH_SYSTEM: list[tuple[str | None, float]] = [
+    (MATH_SYSTEM_PROMPT, 0.9),
+    (None, 0.05),
+    ("You are a helpful assistant.", 0.05),
 ]
 
-# (question template, python expression template); both filled with the same numbers.
+# (question template, operator); the python call is ``print({a} {op} {b})``.
 _MATH_FORMS: list[tuple[str, str]] = [
-    ("What is {a} + {b}?", "{a} + {b}"),
-    ("What is {a} - {b}?", "{a} - {b}"),
-    ("What is {a} * {b}?", "{a} * {b}"),
-    ("Compute {a} + {b}.", "{a} + {b}"),
-    ("Calculate {a} * {b}.", "{a} * {b}"),
-    ("What is the sum of {a} and {b}?", "{a} + {b}"),
-    ("What is {a} + {b} * {c}?", "{a} + {b} * {c}"),
-    ("Please compute ({a} + {b}) * {c}.", "({a} + {b}) * {c}"),
-    ("What is {a} minus {b}?", "{a} - {b}"),
-]
-
-_MATH_FINALS = [
-    "The answer is <answer>{r}</answer>",
-    "The answer is <answer>{r}</answer>",
-    "The answer is <answer>{r}</answer>",
-    "<answer>{r}</answer>",
-    "{expr} = {r}. The answer is <answer>{r}</answer>",
+    ("Compute {a} plus {b}.", "+"),
+    ("Compute {a} minus {b}.", "-"),
+    ("Compute {a} times {b}.", "*"),
+    ("What is {a} + {b}?", "+"),
+    ("What is {a} - {b}?", "-"),
+    ("What is {a} * {b}?", "*"),
+    ("Calculate {a} + {b}.", "+"),
+    ("Calculate {a} - {b}.", "-"),
+    ("Calculate {a} * {b}.", "*"),
+    ("What is the sum of {a} and {b}?", "+"),
+    ("What is {a} minus {b}?", "-"),
 ]
 
 
 def _number(rng: random.Random) -> int:
-    return rng.randint(1, 99) if rng.random() < 0.8 else rng.randint(100, 999)
+    return rng.randint(1, 99) if rng.random() < 0.9 else rng.randint(100, 999)
 
 
 def _evaluate(expr: str) -> int:
@@ -148,93 +159,112 @@ def _evaluate(expr: str) -> int:
     return add()
 
 
-def math_dialogue(rng: random.Random) -> Dialogue:
-    """A question, one ``python`` call, its output, and the boxed answer."""
-    question, expr_form = rng.choice(_MATH_FORMS)
-    nums = {"a": _number(rng), "b": _number(rng), "c": rng.randint(2, 9)}
-    expr = expr_form.format(**nums)
+def _tasks(rng: random.Random) -> int:
+    """How many tasks one dialogue holds: often one (the served shape), else follow-ups.
+
+    Follow-up requests in the same conversation reuse the long system turn, so each training
+    sequence carries several copy-the-request examples for little extra compute.
+    """
+    return 1 if rng.random() < _SINGLE_TASK else rng.randint(2, _MAX_TASKS)
+
+
+_SINGLE_TASK = 0.4
+_MAX_TASKS = 4
+
+
+def _math_turns(rng: random.Random) -> list[dict[str, Any]]:
+    question, op = rng.choice(_MATH_FORMS)
+    a, b = _number(rng), _number(rng)
+    if op == "-" and b > a and rng.random() < 0.8:
+        a, b = b, a
+    expr = f"{a} {op} {b}"
     result = _evaluate(expr)
-    final = rng.choice(_MATH_FINALS).format(r=result, expr=expr)
-    tools = [PYTHON_TOOL] if rng.random() < 0.85 else [PYTHON_TOOL, SHELL_TOOL]
-    messages = _with_system(rng, _MATH_SYSTEM) + [
-        {"role": "user", "content": question.format(**nums)},
+    return [
+        {"role": "user", "content": question.format(a=a, b=b)},
         _call("python", {"code": f"print({expr})"}),
         {"role": "tool", "content": str(result)},
-        {"role": "assistant", "content": final},
+        {"role": "assistant", "content": f"<answer>{result}</answer>"},
     ]
-    return Dialogue(messages=messages, tools=tools)
 
 
-_SHELL_SYSTEM: list[str | None] = [
-    None,
-    "You are a helpful assistant.",
-    "You work in a sandbox. Use the shell tool to change files. When the task is done, reply "
-    "<answer>done</answer>.",
-    "You are a coding agent with a shell.",
+def math_dialogue(rng: random.Random) -> Dialogue:
+    """A question, one ``python`` call copying its operands, the output, the boxed answer
+    (sometimes followed by more questions in the same conversation)."""
+    messages = _with_system(rng, _MATH_SYSTEM)
+    for _ in range(_tasks(rng)):
+        messages += _math_turns(rng)
+    return Dialogue(messages=messages, tools=[PYTHON_TOOL])
+
+
+_SHELL_SYSTEM: list[tuple[str | None, float]] = [
+    (SHELL_SYSTEM_PROMPT, 0.9),
+    (None, 0.05),
+    ("You are a helpful assistant.", 0.05),
 ]
 
-_SHELL_ASKS = [
-    "Make the check script pass: it expects {f} to contain '{w}'.",
-    "Create a file named {f} containing the word {w}.",
-    "The check script needs {f} with the text '{w}'. Make it pass.",
-    "Write {w} into {f} so that check.sh passes.",
-    "Make check.sh pass. It checks that {f} says {w}.",
-]
-_FILES = [
-    "greeting.txt",
-    "out.txt",
-    "answer.txt",
-    "hello.txt",
-    "result.txt",
-    "note.txt",
-    "status.txt",
-    "name.txt",
-    "word.txt",
-    "flag.txt",
-]
-_WORDS = [
-    "hello",
-    "world",
-    "ok",
-    "done",
-    "yes",
-    "ready",
-    "pass",
-    "tiny",
-    "blue",
-    "green",
-    "alpha",
-    "beta",
-    "rollout",
-    "agent",
-    "success",
-    "hi",
-]
-_QUIET_OUTPUTS = ["", "(no output)", "exit code 0"]
-_SHELL_FINALS = [
-    "<answer>done</answer>",
-    "<answer>done</answer>",
-    "Created {f}. <answer>done</answer>",
-    "The check passes now. <answer>done</answer>",
-]
+# Names to create and words to write; unseen ones are copied piece by piece, so variety (and
+# the odd digit suffix) matters more than any particular word.
+_WORDS = (
+    "alpha apple amber anchor answer atlas autumn banana beta blue bravo bread bridge build "
+    "cache candle carbon cedar cherry cloud cobalt coffee comet copper coral cotton count data "
+    "delta desert dist docs done echo ember falcon fern flame forest frost garden gamma ginger "
+    "glass grape green greeting harbor hazel hello honey indigo iron ivory jade jasper kernel "
+    "kiwi lemon lib lime logs mango maple marble meadow melon memo mint moon nectar noble note "
+    "ocean ok olive onion orange orbit out output paper peach pearl pepper pixel plum pine "
+    "quartz queue radar raven ready river robin ruby salt sand silver slate solar spark spruce "
+    "src star stone storm sugar summer tango temp tiger tmp topaz tulip union vapor velvet "
+    "violet walnut water willow winter world yellow zebra zinc"
+).split()
+_EXTENSIONS = [".txt", ".txt", ".flag", ".log"]
+
+
+def _name(rng: random.Random) -> str:
+    word = rng.choice(_WORDS)
+    return f"{word}{rng.randint(1, 9)}" if rng.random() < 0.15 else word
+
+
+def _file(rng: random.Random, extensions: list[str] = _EXTENSIONS) -> str:
+    return _name(rng) + rng.choice(extensions)
+
+
+def _shell_task(rng: random.Random) -> tuple[str, str]:
+    """One task in the bundled shell templates: ``(request, command that does it)``."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        name = _name(rng)
+        return f"Create a directory named {name}.", f"mkdir {name}"
+    if kind == 1:
+        fname, n = _file(rng, [".txt"]), _number(rng)
+        return f"Write the number {n} into {fname}.", f"echo {n} > {fname}"
+    if kind == 2:
+        fname = _file(rng)
+        return f"Create an empty file named {fname}.", f"touch {fname}"
+    if kind == 3:
+        k = rng.randint(2, 20)
+        return (
+            f"Create numbers.txt with the numbers 1 to {k}, one per line.",
+            f"seq 1 {k} > numbers.txt",
+        )
+    fname, word = _file(rng, [".txt"]), rng.choice(_WORDS)
+    return (
+        f"Create a file named {fname} that contains exactly the word {word}.",
+        f"echo {word} > {fname}",
+    )
 
 
 def shell_dialogue(rng: random.Random) -> Dialogue:
-    """A file-content task solved with ``echo``, optionally verified, then ``done``."""
-    fname, word = rng.choice(_FILES), rng.choice(_WORDS)
-    tools = [SHELL_TOOL] if rng.random() < 0.85 else [SHELL_TOOL, PYTHON_TOOL]
-    messages = _with_system(rng, _SHELL_SYSTEM) + [
-        {"role": "user", "content": rng.choice(_SHELL_ASKS).format(f=fname, w=word)},
-        _call("shell", {"cmd": f"echo {word} > {fname}"}),
-        {"role": "tool", "content": rng.choice(_QUIET_OUTPUTS)},
-    ]
-    check = rng.random()
-    if check < 0.25:
-        messages += [_call("shell", {"cmd": f"cat {fname}"}), {"role": "tool", "content": word}]
-    elif check < 0.45:
-        messages += [_call("shell", {"cmd": "sh check.sh"}), {"role": "tool", "content": "PASS"}]
-    messages.append({"role": "assistant", "content": rng.choice(_SHELL_FINALS).format(f=fname)})
-    return Dialogue(messages=messages, tools=tools)
+    """A file-system task solved by one ``shell`` command copying its names, then ``done``
+    (sometimes followed by more tasks in the same conversation)."""
+    messages = _with_system(rng, _SHELL_SYSTEM)
+    for _ in range(_tasks(rng)):
+        request, cmd = _shell_task(rng)
+        messages += [
+            {"role": "user", "content": request},
+            _call("shell", {"cmd": cmd}),
+            {"role": "tool", "content": "(no output)"},
+            {"role": "assistant", "content": "<answer>done</answer>"},
+        ]
+    return Dialogue(messages=messages, tools=[SHELL_TOOL])
 
 
 _FAMILIES: list[Callable[[random.Random], Dialogue]] = [math_dialogue, shell_dialogue]

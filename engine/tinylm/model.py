@@ -13,7 +13,7 @@ Steps, all seeded and on CPU:
 4. train it for ``train_steps`` AdamW steps on the chat-template rendering of the dialogues, the
    loss on assistant tokens only (what the policy emits, ``<|im_end|>`` included), so that it
    emits ``<tool_call>`` blocks and ``<answer>`` replies in the right places. ``train_steps=0``
-   skips training (fast fixtures); the default keeps ``init`` well under a minute on 2 cores.
+   skips training (fast fixtures); the default keeps ``init`` at about a minute on 2 cores.
 
 The model needn't be good, just speak the format: it exists so demos and tests exercise real
 HTTP, real tokenizers and real logprobs without a GPU.
@@ -47,7 +47,7 @@ __all__ = [
     "init_model",
 ]
 
-DEFAULT_TRAIN_STEPS = 150
+DEFAULT_TRAIN_STEPS = 450
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,9 +69,9 @@ class TrainSettings:
     """The brief supervised run that teaches the format."""
 
     steps: int = DEFAULT_TRAIN_STEPS
-    batch_size: int = 8
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
+    batch_size: int = 6
+    learning_rate: float = 5e-3
+    warmup_steps: int = 30
     num_dialogues: int = 1200
 
 
