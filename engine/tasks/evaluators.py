@@ -36,6 +36,7 @@ from engine.domain import EvaluatorSpec, Resource, StoppingCriteria
 from engine.errors import ConfigError
 from engine.sandbox import SandboxLimits
 from engine.tasks.math import MathVerifier
+from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
 from engine.tasks.shell import ShellVerifier
 
 __all__ = [
@@ -45,15 +46,6 @@ __all__ = [
     "math_agent_config",
     "shell_agent_config",
 ]
-
-MATH_SYSTEM_PROMPT = (
-    "Solve the problem. Use the python tool to compute, then give the final answer inside "
-    "<answer></answer>."
-)
-SHELL_SYSTEM_PROMPT = (
-    "You work in a sandbox. Use the shell tool to change files. When the task is done, reply "
-    "<answer>done</answer>."
-)
 
 DEFAULT_STOPPING = StoppingCriteria(
     max_turns=4, max_context_len=1024, max_new_tokens=96, timeout_s=120.0

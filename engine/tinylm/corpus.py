@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
+
 __all__ = [
     "PYTHON_TOOL",
     "SHELL_TOOL",
@@ -87,16 +89,8 @@ def _with_system(
     return [] if prompt is None else [{"role": "system", "content": prompt}]
 
 
-# The bundled agents' system prompts (``engine.tasks.evaluators``), word for word, and the
-# most likely: a tiny model copes best with the exact context it will be served in.
-MATH_SYSTEM_PROMPT = (
-    "Solve the problem. Use the python tool to compute, then give the final answer inside "
-    "<answer></answer>."
-)
-SHELL_SYSTEM_PROMPT = (
-    "You work in a sandbox. Use the shell tool to change files. When the task is done, reply "
-    "<answer>done</answer>."
-)
+# The bundled agents' own system prompts (``engine.tasks.prompts``) are the most likely:
+# a tiny model copes best with the exact context it will be served in.
 _MATH_SYSTEM: list[tuple[str | None, float]] = [
     (MATH_SYSTEM_PROMPT, 0.9),
     (None, 0.05),
