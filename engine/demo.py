@@ -267,7 +267,8 @@ async def run_rollout(
     for name in sorted(p.name for p in out_dir.iterdir() if p.name != "summary.json"):
         say(f"  {name:<18} {out_dir / name}")
     say(f"  {'archive':<18} {archive}")
-    say(f"  replay with: rollout replay {rid} --from {archive} --out {stack.workdir / 'replay'}")
+    replay_dir = stack.workdir / "replay" / rid
+    say(f"  replay with: rollout replay {rid} --from {archive} --out {replay_dir}")
     return rid
 
 
