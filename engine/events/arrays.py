@@ -116,8 +116,14 @@ class PackedArray:
     def __get_pydantic_core_schema__(
         cls, source: Any, handler: GetCoreSchemaHandler
     ) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            cls._coerce,
+        # An instance (what the codec hands over) is accepted by a check in pydantic-core;
+        # anything else (lists, numpy arrays, raw bytes from user code) is coerced.
+        return core_schema.union_schema(
+            [
+                core_schema.is_instance_schema(cls),
+                core_schema.no_info_plain_validator_function(cls._coerce),
+            ],
+            mode="left_to_right",
             serialization=core_schema.plain_serializer_function_ser_schema(
                 _serialize, info_arg=True
             ),

@@ -55,19 +55,20 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return cls(data)
 
 
-_ARRAY_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+_ARRAY_FIELDS: dict[type[Event], tuple[tuple[str, type[PackedArray]], ...]] = {}
 
 
-def _array_fields(cls: type[Event]) -> tuple[str, ...]:
-    names = _ARRAY_FIELDS.get(cls)
-    if names is None:
-        names = tuple(
-            name
+def _array_fields(cls: type[Event]) -> tuple[tuple[str, type[PackedArray]], ...]:
+    """The fields of ``cls`` declared as packed arrays, with their array class (cached)."""
+    fields = _ARRAY_FIELDS.get(cls)
+    if fields is None:
+        fields = tuple(
+            (name, info.annotation)
             for name, info in cls.model_fields.items()
             if isinstance(info.annotation, type) and issubclass(info.annotation, PackedArray)
         )
-        _ARRAY_FIELDS[cls] = names
-    return names
+        _ARRAY_FIELDS[cls] = fields
+    return fields
 
 
 def encode(event: Event, *, producer: str | None = None, causation: str | None = None) -> bytes:
@@ -78,7 +79,7 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
     ``_default`` handles; this keeps encoding well under the cost of the XADD itself.
     """
     payload = dict(event.__dict__)
-    for name in _array_fields(type(event)):
+    for name, _kind in _array_fields(type(event)):
         # A field typed as a packed array travels as plain msgpack bin (its class says
         # how to read it); arrays anywhere else become self-describing ext values.
         payload[name] = payload[name].data
@@ -117,8 +118,16 @@ def decode(raw: bytes) -> Event:
     if not isinstance(version, int):
         raise DecodeError(f"{name}: schema version must be an integer, got {version!r}")
     cls = event_class(name)
-    payload = upcast(name, version, payload)
+    if version != cls.schema_version:
+        payload = upcast(name, version, payload)
     payload["type"] = name
+    for field, kind in _array_fields(cls):
+        value = payload.get(field)
+        if type(value) is bytes:  # the wire form: build the array, pydantic checks its class
+            try:
+                payload[field] = kind(value)
+            except ValueError as exc:
+                raise DecodeError(f"{name} v{version}: {field}: {exc}") from exc
     try:
         return cls.model_validate(payload)
     except ValidationError as exc:

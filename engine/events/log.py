@@ -28,6 +28,7 @@ XADD is never silently sent twice.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,6 +123,26 @@ def _translate(what: str) -> Iterator[None]:
         raise LogError(f"redis refused {what}: {exc}") from exc
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while events are read and decoded.
+
+    Reading allocates a dozen acyclic objects per event (freed by reference counting) and
+    the reader usually keeps them, so the collections those allocations trigger only
+    re-traverse the growing result. Decoding 10,000 SampleCompleted events: 16.8 us/event
+    with the collector, 9.2 without. Nested pauses are no-ops; the collector runs again
+    when the outermost one ends.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -192,11 +213,16 @@ class EventLog:
         """Append many events (to one or several streams) in one round trip, in order."""
         if not items:
             return []
-        encoded = [(stream, self._encode(ev, causation)) for stream, ev in items]
+        ref = causation.ref if isinstance(causation, Envelope) else causation
+        producer = self.producer or None
         with _translate(f"pipelined XADD of {len(items)} events"):
             async with self._r.pipeline(transaction=False) as pipe:
-                for stream, data in encoded:
-                    pipe.xadd(stream, {FIELD: data})
+                # An event that fails to encode raises here, before anything is sent.
+                # XADD straight through execute_command: redis-py's xadd() helper rebuilds
+                # its argument list per call, a measurable share of a pipelined append.
+                for stream, ev in items:
+                    data = encode(ev, producer=None if ev.producer else producer, causation=ref)
+                    pipe.execute_command("XADD", stream, "*", FIELD, data)
                 ids = await pipe.execute()
         return [_s(i) for i in ids]
 
@@ -245,19 +271,20 @@ class EventLog:
         out: list[Envelope] = []
         bad: list[tuple[str, bytes, str]] = []
         gone: list[str] = []
-        for raw_id, fields in rows:
-            entry_id = _s(raw_id)
-            if fields is None:  # deleted while pending
-                gone.append(entry_id)
-                continue
-            raw = fields.get(FIELD)
-            if raw is None:
-                bad.append((entry_id, b"", f"entry has no {FIELD.decode()!r} field"))
-                continue
-            try:
-                out.append(Envelope(stream, entry_id, decode(raw)))
-            except DecodeError as exc:
-                bad.append((entry_id, raw, str(exc)))
+        with _gc_paused():
+            for raw_id, fields in rows:
+                entry_id = _s(raw_id)
+                if fields is None:  # deleted while pending
+                    gone.append(entry_id)
+                    continue
+                raw = fields.get(FIELD)
+                if raw is None:
+                    bad.append((entry_id, b"", f"entry has no {FIELD.decode()!r} field"))
+                    continue
+                try:
+                    out.append(Envelope(stream, entry_id, decode(raw)))
+                except DecodeError as exc:
+                    bad.append((entry_id, raw, str(exc)))
         if bad:
             await self._dead_letter(stream, bad, group=group)
         if gone and group is not None:
@@ -302,19 +329,23 @@ class EventLog:
     async def read_all(
         self, stream: str, *, after: str | None = None, page: int = 2000
     ) -> list[Envelope]:
-        """Every entry after ``after`` (exclusive; None = from the start), paging through."""
+        """Every entry after ``after`` (exclusive; None = from the start), paging through.
+
+        The cyclic GC is paused for the whole read (see ``_gc_paused``): a rebuild keeps
+        every event it reads, so collections during it only re-traverse the result."""
         out: list[Envelope] = []
         cursor = after
-        while True:
-            start = "-" if cursor is None else f"({cursor}"
-            with _translate(f"XRANGE {stream}"):
-                rows = await self._r.xrange(stream, start, "+", count=page)
-            if not rows:
-                return out
-            out.extend(await self._decode_rows(stream, rows))
-            cursor = _s(rows[-1][0])
-            if len(rows) < page:
-                return out
+        with _gc_paused():
+            while True:
+                start = "-" if cursor is None else f"({cursor}"
+                with _translate(f"XRANGE {stream}"):
+                    rows = await self._r.xrange(stream, start, "+", count=page)
+                if not rows:
+                    return out
+                out.extend(await self._decode_rows(stream, rows))
+                cursor = _s(rows[-1][0])
+                if len(rows) < page:
+                    return out
 
     async def tail(
         self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
