@@ -57,6 +57,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     server = start_redis()
     settings = RedisSettings(url=server.url)
     client = connect(settings)
+    if args.python_parser:
+        # redis-py's pure-Python reply parser (its default when hiredis is not installed)
+        from redis._parsers import _AsyncRESP2Parser
+
+        client.connection_pool.connection_kwargs["parser_class"] = _AsyncRESP2Parser
     raw: object = client
     log = EventLog(client, producer="bench")
     events = make_events(args.events, args.tokens)
@@ -127,6 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
     out: dict[str, object] = {
         "redis": server.kind,
+        "reply_parser": "python" if args.python_parser else _parser_name(client),
         "events": n,
         "tokens_per_event": args.tokens,
         "event_bytes": len(blobs[0]),
@@ -143,6 +149,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     await client.aclose()
     server.stop()
     return out
+
+
+def _parser_name(client: object) -> str:
+    kwargs = client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+    parser = kwargs.get("parser_class")
+    if parser is None:
+        from redis.utils import HIREDIS_AVAILABLE
+
+        return "hiredis" if HIREDIS_AVAILABLE else "python"
+    return "hiredis" if "Hiredis" in parser.__name__ else "python"
 
 
 def redis_benchmark(port: int, size: int) -> float | None:
@@ -164,6 +180,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--python-parser", action="store_true",
+                        help="both arms parse replies with redis-py's pure-Python parser")
     out = asyncio.run(run(parser.parse_args()))
     print(json.dumps(out))
 
