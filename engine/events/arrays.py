@@ -162,6 +162,22 @@ class Mask(PackedArray):
 
 EXT_TYPES: dict[int, type[PackedArray]] = {c.ext_code: c for c in (TokenIds, LogProbs, Mask)}
 
+_ITEMSIZE: dict[type[PackedArray], int] = {c: c.dtype.itemsize for c in EXT_TYPES.values()}
+_new = object.__new__
+
+
+def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
+    """``kind(data)`` for the decoders' hot path: ``data`` is already an immutable
+    ``bytes``, so it is checked and adopted without the constructor's generic path."""
+    size = _ITEMSIZE.get(kind)
+    if size is None or type(data) is not bytes:
+        return kind(data)
+    if len(data) % size:
+        kind(data)  # raises the constructor's error, naming the class and the length
+    array: PackedArray = _new(kind)
+    array._data = data
+    return array
+
 
 def concat(parts: Sequence[PackedArray]) -> PackedArray:
     """Concatenate arrays of one class."""

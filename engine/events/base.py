@@ -26,6 +26,7 @@ Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 _REGISTRY: dict[str, type[Event]] = {}
 _UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+_ON_REGISTER: list[Callable[[str], None]] = []
 
 
 class Event(BaseModel):
@@ -48,6 +49,14 @@ class Event(BaseModel):
         if name in _REGISTRY and _REGISTRY[name].__qualname__ != cls.__qualname__:
             raise TypeError(f"event type {name!r} registered twice")
         _REGISTRY[name] = cls
+        for hook in _ON_REGISTER:
+            hook(name)
+
+
+def on_register(hook: Callable[[str], None]) -> None:
+    """Call ``hook(type)`` whenever an event class is registered (or re-registered), so
+    caches derived from a class can drop what they hold for that type."""
+    _ON_REGISTER.append(hook)
 
 
 def upcaster(event_type: str, from_version: int) -> Callable[[Upcaster], Upcaster]:

@@ -1,6 +1,6 @@
 """msgpack wire format for events. Never pickle.
 
-An event is encoded as one msgpack map ``{"type": ..., "v": schema_version, **fields}``.
+An event is encoded as one msgpack map ``{"type": ..., **fields, "v": schema_version}``.
 A field declared as a packed array (``TokenIds`` int32, ``LogProbs`` float32, ``Mask``
 uint8) is stored as msgpack bin holding its raw little-endian bytes: one memcpy, and the
 event class says how to read it back. A packed array anywhere else (inside a free-form
@@ -8,7 +8,8 @@ value) becomes a self-describing msgpack ext value (code 1 int32, 2 float32, 3 u
 Decoding checks the map shape, looks the type up in the registry, upcasts older schema
 versions and validates with pydantic, so what a reader gets is always a valid current
 event; anything else raises a :class:`DecodeError` naming the problem (the log turns it
-into a dead letter).
+into a dead letter). Entries in the canonical form ``encode`` writes take a compiled path
+(``fastpath.py``) to the same result.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
-from engine.events.arrays import EXT_TYPES, PackedArray
+from engine.events.arrays import EXT_TYPES, PackedArray, from_wire
 from engine.events.base import Event, event_class, upcast
+from engine.events.fastpath import decode_fast
 
 _RESERVED = ("type", "v")
 
@@ -109,7 +111,17 @@ def decode_payload(raw: bytes) -> dict[str, Any]:
 
 
 def decode(raw: bytes) -> Event:
-    """Decode, upcast and validate one event."""
+    """Decode, upcast and validate one event.
+
+    An entry in the canonical form ``encode`` writes goes through the compiled fast path
+    (``fastpath.py``); anything else, and whatever the fast path declines, through
+    :func:`decode_reference`, which gives the same result or the error."""
+    event = decode_fast(raw)
+    return event if event is not None else decode_reference(raw)
+
+
+def decode_reference(raw: bytes) -> Event:
+    """Decode, upcast and validate one event with msgpack and pydantic (the reference)."""
     payload = decode_payload(raw)
     name = payload.pop("type", None)
     version = payload.pop("v", 1)
@@ -125,7 +137,7 @@ def decode(raw: bytes) -> Event:
         value = payload.get(field)
         if type(value) is bytes:  # the wire form: build the array, pydantic checks its class
             try:
-                payload[field] = kind(value)
+                payload[field] = from_wire(kind, value)
             except ValueError as exc:
                 raise DecodeError(f"{name} v{version}: {field}: {exc}") from exc
     try:

@@ -21,6 +21,7 @@ from engine.events import (
     registered_types,
     upcaster,
 )
+from engine.events.arrays import from_wire
 from tests.events.examples import example_events
 
 
@@ -155,3 +156,12 @@ def test_upcast_chain_on_read() -> None:
     v2 = msgpack.packb({"type": "TestRenamed", "v": 2, "response_tokens": 8, "elapsed_ms": 500})
     assert decode(v2) == _Renamed(response_tokens=8, elapsed_s=0.5)
     assert msgpack.unpackb(encode(ev))["v"] == 3
+
+
+def test_from_wire_adopts_bytes_and_checks_width() -> None:
+    data = np.array([3, -4], "<i4").tobytes()
+    ids = from_wire(TokenIds, data)
+    assert type(ids) is TokenIds and ids.tolist() == [3, -4] and ids.data is data
+    assert from_wire(LogProbs, bytearray(8)) == LogProbs.from_values([0.0, 0.0])
+    with pytest.raises(ValueError, match="TokenIds: 5 bytes is not a multiple of 4"):
+        from_wire(TokenIds, b"\x00" * 5)
