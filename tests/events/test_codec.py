@@ -8,8 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel
 
-from engine.errors import DecodeError, SchemaVersionError, UnknownEventType
+from engine.errors import DecodeError, EventError, SchemaVersionError, UnknownEventType
 from engine.events import (
     Event,
     LogProbs,
@@ -21,7 +22,7 @@ from engine.events import (
     registered_types,
     upcaster,
 )
-from engine.events.arrays import from_wire
+from engine.events.arrays import PackedArray, from_wire
 from tests.events.examples import example_events
 
 
@@ -165,3 +166,51 @@ def test_from_wire_adopts_bytes_and_checks_width() -> None:
     assert from_wire(LogProbs, bytearray(8)) == LogProbs.from_values([0.0, 0.0])
     with pytest.raises(ValueError, match="TokenIds: 5 bytes is not a multiple of 4"):
         from_wire(TokenIds, b"\x00" * 5)
+
+
+def _msgpack_reference(event: Event) -> bytes:
+    """What msgpack's own Packer writes for ``event`` (the format's reference encoder)."""
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, PackedArray):
+            return msgpack.ExtType(obj.ext_code, obj.data)
+        if isinstance(obj, BaseModel):
+            return obj.__dict__
+        raise TypeError(type(obj).__name__)
+
+    payload = dict(event.__dict__)
+    for name, value in payload.items():
+        if name in type(event).model_fields and isinstance(value, PackedArray):
+            payload[name] = value.data
+    payload["v"] = type(event).schema_version
+    out: bytes = msgpack.packb(payload, default=default, use_bin_type=True)
+    return out
+
+
+@pytest.mark.parametrize("event", example_events(), ids=lambda e: e.type)
+def test_encoding_is_byte_identical_to_msgpacks_packer(event: Event) -> None:
+    assert encode(event) == _msgpack_reference(event)
+
+
+def test_encoding_free_form_values_matches_msgpack() -> None:
+    ev = SampleCompleted(
+        rollout_id="r", sample_id="s", prompt_ids=[1], response_ids=[2], logprobs=[-1.0],
+        loss_mask=[1],
+        metrics={"t": (1, 2), "big": 2**64 - 1, "neg": -(2**63), "f": 0.1, "s": "é" * 40,
+                 "b": b"\x00" * 300, "n": None, "nested": [{"x": [True, False]}],
+                 "ext": Mask.from_values([1, 0])},
+        reward_detail={"np_float": np.float64(0.25)},
+    )
+    assert encode(ev) == _msgpack_reference(ev)
+    back = decode(encode(ev))
+    assert isinstance(back, SampleCompleted)
+    assert back.reward_detail == {"np_float": 0.25}
+    assert type(back.reward_detail["np_float"]) is float
+
+
+def test_unencodable_values_are_refused_naming_the_event() -> None:
+    for bad in ({"o": object()}, {"big": 2**70}):
+        ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[], response_ids=[],
+                             logprobs=[], loss_mask=[], metrics=bad)
+        with pytest.raises(EventError, match="cannot encode SampleCompleted"):
+            encode(ev)
