@@ -5,10 +5,16 @@
 1. on the first call, the consumer's *own* pending entries (a restarted process with the
    same consumer name resumes exactly what it held), marked ``redelivered``;
 2. when a claim is due (every half idle window), entries of *other* consumers idle past
-   ``claim_idle_ms`` (their owner died), marked ``redelivered``; entries delivered more than
-   the log's ``max_deliveries`` come back separately as dead entries (already dead-lettered
-   and acked by the log) so the caller can abort the work they stood for;
+   ``claim_idle_ms`` (their owner died), marked ``redelivered``;
 3. otherwise new entries, with a blocking read (no sleep-polling).
+
+Entries of 2. (and of 1. with ``limit_own_pending``: a restart counts as a delivery, so a
+consumer crash-looping on one entry dead-letters it) delivered more than the log's
+``max_deliveries`` times come back separately as dead entries (already on the dead-letter
+stream) so the caller can abort the work they stood for. By default the log acks them at
+once. With ``ack_dead=False`` they stay pending, kept alive by the heartbeat, until the
+caller calls ``settle`` after recording the abort: a crash before that leaves them to be
+claimed and aborted again.
 
 Every delivery handed out is *in flight* until ``ack`` (done) or ``release`` (left pending
 for someone else). A heartbeat task refreshes the idle time of in-flight entries every
@@ -60,6 +66,8 @@ class GroupConsumer:
         heartbeat_ms: int,
         claim_idle_ms: int,
         block_ms: int | None = None,
+        ack_dead: bool = True,
+        limit_own_pending: bool = False,
     ) -> None:
         if heartbeat_ms >= claim_idle_ms:
             raise ValueError(
@@ -76,6 +84,9 @@ class GroupConsumer:
         self._in_flight: dict[tuple[str, str], Delivery] = {}
         self._backlog: list[Delivery] = []
         self._dead: list[DeadEntry] = []
+        self.ack_dead = ack_dead
+        self.limit_own_pending = limit_own_pending
+        self._dead_held: set[tuple[str, str]] = set()
         self._own_pending_read = False
         self._next_claim = 0.0
         self._claim_every_s = max(claim_idle_ms / 2000.0, 0.05)
@@ -105,11 +116,20 @@ class GroupConsumer:
         if count < 1:
             return [], []
         if not self._own_pending_read:
+            for stream in self.streams:
+                result = await self.log.read_own_pending(
+                    self.group,
+                    self.consumer,
+                    stream,
+                    count=100_000,
+                    limit=self.limit_own_pending,
+                    ack_dead=self.ack_dead,
+                )
+                for env in result.entries:
+                    times = result.deliveries.get(env.id, 2)
+                    self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
+                self._hold_dead(result.dead)
             self._own_pending_read = True
-            for env in await self.log.read_group(
-                self.group, self.consumer, self.streams, count=100_000, pending=True
-            ):
-                self._backlog.append(Delivery(env, redelivered=True, deliveries=2))
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + self._claim_every_s
             await self._claim(count)
@@ -131,14 +151,19 @@ class GroupConsumer:
     async def _claim(self, count: int) -> None:
         for stream in self.streams:
             result = await self.log.claim_idle(
-                stream, self.group, self.consumer, min_idle_ms=self.claim_idle_ms, count=count
+                stream,
+                self.group,
+                self.consumer,
+                min_idle_ms=self.claim_idle_ms,
+                count=count,
+                ack_dead=self.ack_dead,
             )
             for env in result.entries:
                 if (env.stream, env.id) in self._in_flight:
                     continue
                 times = result.deliveries.get(env.id, 2)
                 self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
-            self._dead.extend(result.dead)
+            self._hold_dead(result.dead)
             if result.entries or result.dead:
                 logger.info(
                     "%s claimed %d idle entries of %s (%d dead-lettered)",
@@ -147,6 +172,27 @@ class GroupConsumer:
                     stream,
                     len(result.dead),
                 )
+
+    def _hold_dead(self, dead: Sequence[DeadEntry]) -> None:
+        for entry in dead:
+            key = (entry.stream, entry.id)
+            if key in self._dead_held:
+                continue  # already handed out and not settled yet
+            if not self.ack_dead:
+                self._dead_held.add(key)
+            self._dead.append(entry)
+
+    async def settle(self, entry: DeadEntry) -> None:
+        """The abort a dead entry stood for is recorded: ack it (``ack_dead=False`` only)."""
+        key = (entry.stream, entry.id)
+        if key in self._dead_held:
+            await self.log.ack(entry.stream, self.group, entry.id)
+            self._dead_held.discard(key)
+
+    def drop_dead(self, entry: DeadEntry) -> None:
+        """Give up on settling ``entry`` for now: it stays pending, the heartbeat stops, and
+        a claim after the idle window hands it out (as dead) again."""
+        self._dead_held.discard((entry.stream, entry.id))
 
     async def ack(self, delivery: Delivery) -> None:
         """The delivery's effects are recorded: acknowledge it and stop its heartbeat."""
@@ -166,7 +212,7 @@ class GroupConsumer:
         while True:
             await asyncio.sleep(self.heartbeat_ms / 1000.0)
             by_stream: dict[str, list[str]] = {}
-            for stream, entry_id in list(self._in_flight):
+            for stream, entry_id in [*self._in_flight, *self._dead_held]:
                 by_stream.setdefault(stream, []).append(entry_id)
             for stream, ids in by_stream.items():
                 try:
@@ -175,6 +221,7 @@ class GroupConsumer:
                     logger.warning("heartbeat on %s failed: %s", stream, exc)
                     continue
                 for entry_id in lost:
+                    self._dead_held.discard((stream, entry_id))  # its new owner settles it
                     if (stream, entry_id) in self._in_flight:
                         # Claimed by another consumer after this one stalled past the idle
                         # window: it re-runs the non-terminal samples; our late results are

@@ -16,7 +16,13 @@ Contract
   and the sandbox provider (when one is configured) reaps whatever the previous workers
   left running for the batch (selected by the labels of :func:`sandbox_labels`).
 * An entry dead-lettered for too many deliveries aborts its non-terminal samples as
-  ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds.
+  ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds. The
+  entry is acked only after those events are in Redis; a worker dying in between leaves it
+  pending, and the worker that claims it next dead-letters it again and finishes the abort
+  (the folds ignore a repeated abort, and tokens already released are not released again).
+  A worker restarted under the same name counts re-reading its own pending batches as a
+  delivery too, so a batch that kills its worker every time ends up aborted, not in a
+  crash loop.
 * A batch is acked only after every sample of it has a terminal event *in Redis* (the
   group-commit appender is flushed first), so an acked batch never needs running again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
@@ -24,9 +30,6 @@ Contract
   are recorded, the others re-run on the worker that claims the batch. Work is never
   dropped.
 
-Consistency note: a dead entry is acked by the log when it is dead-lettered, before its
-samples are aborted here; a worker dying in between leaves those samples without terminal
-events (the operator sees the ``DeadLetter`` on ``rl:dead``).
 """
 
 from __future__ import annotations
@@ -164,6 +167,8 @@ class EvaluatorWorker:
             heartbeat_ms=config.heartbeat_ms,
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
+            ack_dead=False,  # acked by _abort_dead once the aborts are in Redis
+            limit_own_pending=True,  # a worker crash-looping on a batch aborts it
         )
         self.batches_done = 0
         self.batches_handed_back = 0
@@ -197,7 +202,15 @@ class EvaluatorWorker:
                     await _wait_or(stop, 1.0)
                     continue
                 for entry in dead:
-                    await self._abort_dead(entry)
+                    try:
+                        await self._abort_dead(entry)
+                    except LogError as exc:
+                        # Left pending: a claim hands it out again after the idle window.
+                        self.consumer.drop_dead(entry)
+                        logger.error(
+                            "worker %s: aborting dead entry %s failed: %s",
+                            self.config.worker_id, entry.id, exc,
+                        )
                 for d in deliveries:
                     task = asyncio.get_running_loop().create_task(self._run_delivery(d))
                     active[task] = d
@@ -410,6 +423,7 @@ class EvaluatorWorker:
     async def _abort_dead(self, entry: DeadEntry) -> None:
         ev = entry.event
         if not isinstance(ev, BatchAdmitted):
+            await self.consumer.settle(entry)  # nothing it stood for can be aborted
             return
         state = await self._fold(ev.rollout_id)
         run_ids = _not_terminal(state, ev.sample_ids)
@@ -448,6 +462,7 @@ class EvaluatorWorker:
             )
         self.sink.emit(items)
         await self.sink.flush()
+        await self.consumer.settle(entry)
         logger.warning(
             "batch %s dead-lettered after %d deliveries: %d samples aborted as infra_other",
             ev.batch_id,

@@ -15,9 +15,12 @@ Contract
 * Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
   consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
   time of entries still being worked on, so a live worker's batches are not stolen) and
-  ``claim_idle`` (XAUTOCLAIM of entries idle past a window; an entry delivered more than
-  ``max_deliveries`` times is dead-lettered and acked instead, and handed back to the
-  caller so it can abort the work it stood for).
+  ``claim_idle`` (XAUTOCLAIM of entries idle past a window) and ``read_own_pending`` (the
+  consumer's own unacked entries after a restart). Both can check delivery counts: an entry
+  delivered more than ``max_deliveries`` times is dead-lettered instead and handed back to
+  the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
+  pending (owned by the caller) until the caller acks it once the abort is recorded, so a
+  crash in between leaves it to be dead-lettered and aborted again, never forgotten.
 * redis exceptions are translated to :class:`LogUnavailable` / :class:`LogError` here.
 
 redis-py pitfall (DESIGN.md): a blocking read longer than ``socket_timeout`` times out at
@@ -298,6 +301,7 @@ class EventLog:
         *,
         group: str | None,
         deliveries: Mapping[str, int] | None = None,
+        ack: bool = True,
     ) -> None:
         letters = [
             (
@@ -314,7 +318,7 @@ class EventLog:
             for entry_id, raw, error in bad
         ]
         await self.append_many(letters)
-        if group is not None:
+        if group is not None and ack:
             await self.ack(stream, group, *(entry_id for entry_id, _, _ in bad))
         self.dead_lettered += len(bad)
 
@@ -458,10 +462,16 @@ class EventLog:
         return [_s(i) for i in lost]
 
     async def claim_idle(
-        self, stream: str, group: str, consumer: str, *, min_idle_ms: int, count: int = 100
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int = 100,
+        ack_dead: bool = True,
     ) -> ClaimResult:
         """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
-        result = ClaimResult()
         start = "0-0"
         rows: list[tuple[Any, Any]] = []
         while len(rows) < count:
@@ -477,6 +487,39 @@ class EventLog:
             if next_start == EMPTY_ID:
                 break
             start = next_start
+        return await self._check_deliveries(stream, group, rows, ack_dead=ack_dead)
+
+    async def read_own_pending(
+        self,
+        group: str,
+        consumer: str,
+        stream: str,
+        *,
+        count: int = 10_000,
+        limit: bool = True,
+        ack_dead: bool = True,
+    ) -> ClaimResult:
+        """This consumer's own unacked entries (a restart resumes them).
+
+        With ``limit`` they get the same delivery-count check as :meth:`claim_idle`:
+        re-reading pending entries counts as a delivery, so a consumer that crashes on an
+        entry every time it restarts ends up dead-lettering it instead of crash-looping.
+        Without it every pending entry is returned (for entries held as long-lived leases,
+        where a restart is not a failed attempt)."""
+        with _translate(f"XREADGROUP {group} (pending)"):
+            result = await self._r.xreadgroup(group, consumer, {stream: "0"}, count=count)
+        if isinstance(result, dict):  # RESP3 shape
+            rows: list[tuple[Any, Any]] = [r for v in result.values() for r in (v[0] if v else [])]
+        else:
+            rows = [r for _k, v in (result or []) for r in v]
+        if not limit:
+            return ClaimResult(entries=await self._decode_rows(stream, rows, group=group))
+        return await self._check_deliveries(stream, group, rows, ack_dead=ack_dead)
+
+    async def _check_deliveries(
+        self, stream: str, group: str, rows: list[tuple[Any, Any]], *, ack_dead: bool
+    ) -> ClaimResult:
+        result = ClaimResult()
         if not rows:
             return result
         with _translate(f"XPENDING {stream} {group}"):
@@ -503,7 +546,9 @@ class EventLog:
                     event = None
                 bad.append((entry_id, raw, error))
                 result.dead.append(DeadEntry(stream, entry_id, error, times, event))
-            await self._dead_letter(stream, bad, group=group, deliveries=result.deliveries)
+            await self._dead_letter(
+                stream, bad, group=group, deliveries=result.deliveries, ack=ack_dead
+            )
         result.entries = await self._decode_rows(stream, keep, group=group)
         return result
 

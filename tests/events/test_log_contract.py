@@ -246,6 +246,68 @@ async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFacto
     assert log.dead_lettered == 1
 
 
+async def test_dead_entries_can_stay_pending_until_the_caller_settles(
+    redis_factory: ClientFactory,
+) -> None:
+    # ack_dead=False: the entry is dead-lettered but stays pending, owned by the claimer,
+    # until it acks; if the claimer dies first, the next claim dead-letters it again.
+    log = EventLog(redis_factory(), max_deliveries=1)
+    await log.ensure_group(S, "g")
+    await log.append(S, failed(3))
+    await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
+    await asyncio.sleep(0.03)
+    first = await log.claim_idle(S, "g", "b", min_idle_ms=20, ack_dead=False)
+    assert first.entries == [] and [d.event for d in first.dead] == [failed(3)]
+    assert await log.pending_count(S, "g") == 1
+    # "b" dies before acking; "c" claims it later
+    await asyncio.sleep(0.03)
+    again = await log.claim_idle(S, "g", "c", min_idle_ms=20, ack_dead=False)
+    assert [d.id for d in again.dead] == [first.dead[0].id]
+    assert again.dead[0].deliveries == 3
+    await log.ack(S, "g", again.dead[0].id)
+    assert await log.pending_count(S, "g") == 0
+    letters = await log.read(log.names.dead)
+    assert [e.event.source_id for e in letters] == [first.dead[0].id] * 2  # type: ignore[attr-defined]
+    assert log.dead_lettered == 2
+
+
+@pytest.mark.parametrize("ack_dead", [True, False])
+async def test_own_pending_reread_counts_deliveries(
+    redis_factory: ClientFactory, ack_dead: bool
+) -> None:
+    # A consumer that restarts under the same name and dies on the same entry each time
+    # ends up dead-lettering it instead of crash-looping.
+    log = EventLog(redis_factory(), max_deliveries=2)
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, failed(0)), (S, failed(1))])
+    got = await log.read_group("g", "w", [S], block_ms=50)  # delivery 1 of both
+    await log.ack(S, "g", got[1].id)
+    restart = await log.read_own_pending("g", "w", S, ack_dead=ack_dead)  # delivery 2
+    assert [e.id for e in restart.entries] == [got[0].id] and restart.dead == []
+    assert restart.deliveries == {got[0].id: 2}
+    second = await log.read_own_pending("g", "w", S, ack_dead=ack_dead)  # delivery 3
+    assert second.entries == [] and [d.id for d in second.dead] == [got[0].id]
+    assert second.dead[0].event == failed(0)
+    assert await log.pending_count(S, "g") == (0 if ack_dead else 1)
+    (letter,) = await log.read(log.names.dead)
+    assert isinstance(letter.event, DeadLetter) and letter.event.source_id == got[0].id
+
+
+async def test_own_pending_without_limit_returns_every_entry(
+    redis_factory: ClientFactory,
+) -> None:
+    # Leases held for a long time (a finalizer's rollout request) survive any number of
+    # restarts.
+    log = EventLog(redis_factory(), max_deliveries=1)
+    await log.ensure_group(S, "g")
+    await log.append(S, failed(0))
+    (env,) = await log.read_group("g", "f", [S], block_ms=50)
+    for _restart in range(3):
+        result = await log.read_own_pending("g", "f", S, limit=False)
+        assert [e.id for e in result.entries] == [env.id] and result.dead == []
+    assert await log.read(log.names.dead) == []
+
+
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [

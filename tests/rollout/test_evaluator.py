@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from engine.actors.evaluator import sample_seed
 from engine.client import RolloutClient
 from engine.events import (
@@ -266,6 +268,74 @@ async def test_a_dead_lettered_batch_aborts_its_open_samples(
     assert_tokens_released_once(await released_tokens(log, "r5"))
     dead = await log.read_all(log.names.dead)
     assert len(dead) == 1
+
+
+class _Died(Exception):
+    """Stands for a worker process dying."""
+
+
+async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next(
+    engine: Engine, log: EventLog
+) -> None:
+    stop_a = asyncio.Event()
+    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r9", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2, 3]} if i == 0 else {}
+    )
+    await wait_state(log, "r9", lambda s: s.n_done == 2)
+    stop_a.set()
+    # B claims the batch, finds it over the delivery limit, dead-letters it, and dies
+    # before the abort is recorded.
+    worker_b = engine.worker("wB")
+    worker_b.log.max_deliveries = 1
+
+    async def die(entry: Any) -> None:
+        raise _Died(entry.id)
+
+    worker_b._abort_dead = die  # type: ignore[method-assign]
+    with pytest.raises(_Died):
+        await asyncio.wait_for(worker_b.run(engine.stop), 30)
+    work = log.names.work("scripted")
+    assert await log.pending_count(work, "evaluators") == 1
+    # C claims it after the idle window, dead-letters it again and records the abort.
+    worker_c = engine.worker("wC")
+    worker_c.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(worker_c.run(engine.stop)))
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r9"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (2, 1)
+    (aborted,) = await events_of(log, log.names.rollout("r9"), SampleAborted)
+    assert aborted.sample_id == "r9:s0" and aborted.phase == "delivery"
+    assert_tokens_released_once(await released_tokens(log, "r9"))
+    letters = [e.event for e in await log.read_all(log.names.dead)]
+    assert len(letters) == 2 and len({le.source_id for le in letters}) == 1  # type: ignore[attr-defined]
+    await engine.close()
+    assert await log.pending_count(work, "evaluators") == 0
+
+
+async def test_a_worker_restarted_under_its_name_past_the_limit_aborts_the_batch(
+    engine: Engine, log: EventLog
+) -> None:
+    stop_a = asyncio.Event()
+    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r10", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {}
+    )
+    await wait_state(log, "r10", lambda s: s.n_done == 2)
+    stop_a.set()
+    await asyncio.wait_for(engine.tasks[0], 30)
+    # The same worker name comes back: re-reading its pending batch is delivery 2.
+    again = engine.worker("wA")
+    again.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(again.run(engine.stop)))
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r10"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (2, 1)
+    (aborted,) = await events_of(log, log.names.rollout("r10"), SampleAborted)
+    assert aborted.sample_id == "r10:s0" and "delivered 2 times" in aborted.error
+    assert_tokens_released_once(await released_tokens(log, "r10"))
+    await engine.close()
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
 async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: EventLog) -> None:
