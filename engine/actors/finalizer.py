@@ -21,6 +21,10 @@ Contract
      step, to ``rl:control``. A conflict means someone appended meanwhile: refold and decide
      again. So there is only ever one ``RolloutReady``, with two finalizers or a restart.
 
+* A request delivered more than the log's ``max_deliveries`` times (the finalizers following
+  it kept dying or failing) is dead-lettered and its rollout gets ``RolloutFailed`` with
+  the reason, by compare-and-append, unless it was decided meanwhile; the trainer's wait
+  ends with that error instead of never. The entry is acked only after that.
 * At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
   blocking read); further requests wait in the group.
 * The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
@@ -57,7 +61,7 @@ from engine.events.catalog import (
     SampleCompleted,
     TeacherScored,
 )
-from engine.events.log import EMPTY_ID, EventLog
+from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows, write_artifacts
 
@@ -263,6 +267,7 @@ class Finalizer:
             heartbeat_ms=config.heartbeat_ms,
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
+            ack_dead=False,  # settled once the rollout has its RolloutFailed
         )
         self._following: dict[str, asyncio.Task[None]] = {}
 
@@ -288,12 +293,19 @@ class Finalizer:
                         await fetch
                     break
                 try:
-                    deliveries, _dead = fetch.result()
+                    deliveries, dead = fetch.result()
                 except LogError as exc:
                     logger.error("finalizer: reading %s failed: %s", self.names.control, exc)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
                     continue
+                for entry in dead:
+                    try:
+                        await self._fail_dead(entry)
+                    except LogError as exc:
+                        # Left pending: a claim hands it out (as dead) again later.
+                        self.consumer.drop_dead(entry)
+                        logger.error("finalizer: failing dead entry %s: %s", entry.id, exc)
                 for d in deliveries:
                     await self._dispatch(d)
         finally:
@@ -303,6 +315,39 @@ class Finalizer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.consumer.aclose()
+
+    async def _fail_dead(self, entry: DeadEntry) -> None:
+        """A request handed out more than ``max_deliveries`` times (its finalizers kept
+        dying or failing on it) fails its rollout, so the trainer waiting for it gets an
+        error naming why instead of waiting forever. A rollout decided meanwhile keeps its
+        outcome. The entry is acked only once the rollout is decided."""
+        ev = entry.event
+        if isinstance(ev, RolloutRequested) and ev.rollout_id not in self._following:
+            stream = self.names.rollout(ev.rollout_id)
+            f = _Follower(ev.rollout_id)
+            while True:
+                envs, position = await self.log.read_after(stream, f.position)
+                if any(f.apply(env) for env in envs):
+                    break
+                f.position = position
+                if envs:
+                    continue
+                failed = RolloutFailed(
+                    rollout_id=ev.rollout_id,
+                    reason=(
+                        f"finalizing gave up: request {entry.stream}@{entry.id} {entry.error}"
+                    ),
+                    causation=f"{entry.stream}@{entry.id}",
+                )
+                try:
+                    await self.log.append_if_last(
+                        stream, failed, f.position, also=[(self.names.control, failed)]
+                    )
+                except AppendConflict:
+                    continue  # something was appended: fold it and look again
+                logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
+                break
+        await self.consumer.settle(entry)
 
     async def _dispatch(self, d: Delivery) -> None:
         ev = d.env.event

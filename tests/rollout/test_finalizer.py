@@ -24,6 +24,7 @@ from engine.events import (
 from engine.events import (
     RolloutFailed as RolloutFailedEvent,
 )
+from engine.events.log import DeadEntry
 from engine.projections.summary import ARTIFACT_FILES
 from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state
 
@@ -224,3 +225,43 @@ async def test_capture_through_the_teacher_backend(engine: Engine, log: EventLog
     scored = await events_of(log, log.names.rollout("rh"), TeacherScored)
     assert {t.top_k for t in scored} == {2}
     await teacher.aclose()
+
+
+async def test_a_request_its_finalizers_keep_dropping_fails_the_rollout(
+    engine: Engine, log: EventLog
+) -> None:
+    # Finalizer fA took the request (delivery 1) and died. fB's log allows one delivery:
+    # its claim finds the request delivered twice, dead-letters it and fails the rollout,
+    # so the trainer waiting for it gets an error instead of waiting forever.
+    engine.start_worker()
+    await log.ensure_group(log.names.control, "finalizers")
+    await start_rollout(
+        log, "r11", n_prompts=2, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
+    )
+    (taken,) = await log.read_group("finalizers", "fA", [log.names.control], block_ms=50)
+    fin_b = engine.finalizer("fB")
+    fin_b.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(fin_b.run(engine.stop)))
+    with pytest.raises(RolloutFailed, match="finalizing gave up.*delivered 2 times"):
+        await asyncio.wait_for(RolloutClient(log).wait_ready("r11"), 30)
+    (failed,) = await events_of(log, log.names.rollout("r11"), RolloutFailedEvent)
+    assert failed.causation == f"{log.names.control}@{taken.id}"
+    assert await events_of(log, log.names.rollout("r11"), RolloutReady) == []
+    (letter,) = await log.read_all(log.names.dead)
+    assert letter.event.source_id == taken.id  # type: ignore[attr-defined]
+    await engine.close()
+    assert await log.pending_count(log.names.control, "finalizers") == 0
+
+
+async def test_a_dead_request_does_not_overturn_a_decided_rollout(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    engine.start_finalizer()
+    request = await start_rollout(log, "r12", n_prompts=2)
+    await asyncio.wait_for(RolloutClient(log).wait_ready("r12"), 30)
+    (env,) = [e for e in await log.read_all(log.names.control) if e.event.type == request.type]
+    late = engine.finalizer("fLate")
+    await late._fail_dead(DeadEntry(env.stream, env.id, "delivered 9 times", 9, env.event))
+    assert await events_of(log, log.names.rollout("r12"), RolloutFailedEvent) == []
+    assert len(await events_of(log, log.names.rollout("r12"), RolloutReady)) == 1
