@@ -31,6 +31,7 @@ XADD is never silently sent twice.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -124,6 +125,26 @@ def _translate(what: str) -> Iterator[None]:
         raise LogUnavailable(f"redis unavailable during {what}: {exc}") from exc
     except rexc.ResponseError as exc:
         raise LogError(f"redis refused {what}: {exc}") from exc
+    _reraise_swallowed_cancel()
+
+
+def _reraise_swallowed_cancel() -> None:
+    """Raise ``CancelledError`` if this task was cancelled but a redis call swallowed it.
+
+    redis-py sends every command under ``asyncio.wait_for`` (the socket timeout), and on
+    Python 3.11 ``wait_for`` returns normally when the cancellation lands just as the
+    send completes (fixed in 3.12). The task then runs on with the cancellation request
+    still counted (``Task.cancelling()``): a finalizer following a rollout went on
+    reading forever after its stop, and a trainer's ``wait_for(wait_ready(...))`` would
+    outlive its timeout. Every log call ends here, so a swallowed cancellation takes
+    effect as soon as the call it hit returns.
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
 
 
 @contextmanager

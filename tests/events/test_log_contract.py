@@ -364,3 +364,38 @@ async def test_encoded_bytes_are_what_is_stored(log: EventLog) -> None:
     entry = await log.append(S, failed(5))
     rows = await log.redis.xrange(S, entry, entry)
     assert rows[0][1][b"e"] == encode(ev)
+
+
+async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: EventLog) -> None:
+    # On Python 3.11 asyncio.wait_for (which redis-py sends commands under) returns
+    # normally when a cancellation lands just as the send completes. A reader looping
+    # over the log must still stop at its next call instead of running on forever.
+    await log.append(S, failed(0))
+    real = log._r.xread
+    swallowed: list[bool] = []
+
+    async def xread_swallowing_cancel(*args: object, **kwargs: object) -> object:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # what wait_for does with a send that completed
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    log._r.xread = xread_swallowing_cancel  # type: ignore[method-assign]
+
+    async def follow() -> None:
+        position = "0-0"
+        while True:
+            _envs, position = await log.read_after(S, position, block_ms=20)
+
+    task = asyncio.create_task(follow())
+    try:
+        await asyncio.sleep(0.02)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)
+        assert swallowed == [True]
+        assert done and task.cancelled()
+    finally:  # without the fix the reader runs on: stop it for real
+        log._r.xread = real  # type: ignore[method-assign]
+        task.cancel()
+        await asyncio.wait([task], timeout=5)

@@ -265,3 +265,25 @@ async def test_a_dead_request_does_not_overturn_a_decided_rollout(
     await late._fail_dead(DeadEntry(env.stream, env.id, "delivered 9 times", 9, env.event))
     assert await events_of(log, log.names.rollout("r12"), RolloutFailedEvent) == []
     assert len(await events_of(log, log.names.rollout("r12"), RolloutReady)) == 1
+
+
+async def test_a_stopped_finalizer_returns_while_following_a_rollout(
+    engine: Engine, log: EventLog
+) -> None:
+    # Stopping cancels the follow of an unfinished rollout. On redis-server this used to
+    # hang: the cancellation landed in redis-py's send (asyncio.wait_for on Python 3.11)
+    # and was swallowed, so the follow read on forever.
+    engine.start_worker()
+    stop = asyncio.Event()
+    fin = engine.finalizer("fS")
+    run = asyncio.create_task(fin.run(stop))
+    await start_rollout(
+        log, "r13", n_prompts=2, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
+    )
+    await wait_state(log, "r13", lambda s: s.n_done == 1)
+    stop.set()
+    done, _ = await asyncio.wait([run], timeout=10)
+    assert done, "the finalizer did not stop"
+    assert run.exception() is None
+    # the request is left pending for whoever takes over
+    assert await log.pending_count(log.names.control, "finalizers") == 1
