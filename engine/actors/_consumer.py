@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.errors import LogError
 from engine.events.base import Envelope
 from engine.events.log import DeadEntry, EventLog
 
@@ -147,6 +148,27 @@ class GroupConsumer:
             out.append(d)
         dead, self._dead = self._dead, []
         return out, dead
+
+    async def fetch_or_stop(
+        self, count: int, stop_wait: asyncio.Task[object], *, retry_pause_s: float = 1.0
+    ) -> tuple[list[Delivery], list[DeadEntry]] | None:
+        """``fetch(count)``, unless ``stop_wait`` (a task waiting on the caller's stop
+        event) finishes first: then the read is cancelled and None comes back. A read
+        that fails (redis unavailable) is logged and comes back empty after a pause of
+        ``retry_pause_s`` (cut short by a stop), so the caller's loop carries on."""
+        fetch = asyncio.get_running_loop().create_task(self.fetch(count))
+        await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LogError):
+                await fetch
+            return None
+        try:
+            return fetch.result()
+        except LogError as exc:
+            logger.error("%s: reading %s failed: %s", self.consumer, ", ".join(self.streams), exc)
+            await asyncio.wait([stop_wait], timeout=retry_pause_s)
+            return [], []
 
     async def _claim(self, count: int) -> None:
         for stream in self.streams:

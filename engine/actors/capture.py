@@ -30,7 +30,6 @@ import numpy as np
 
 from engine.actors._appender import GroupAppender
 from engine.actors._consumer import Delivery, GroupConsumer
-from engine.errors import LogError
 from engine.events.arrays import LogProbs, TokenIds
 from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
 from engine.events.log import EventLog
@@ -132,14 +131,10 @@ class CaptureWorker:
         stop_wait = asyncio.get_running_loop().create_task(stop.wait())
         try:
             while not stop.is_set():
-                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(1))
-                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, LogError):
-                        await fetch
+                fetched = await self.consumer.fetch_or_stop(1, stop_wait)
+                if fetched is None:
                     break
-                deliveries, _dead = fetch.result()
+                deliveries, _dead = fetched
                 for d in deliveries:
                     work = asyncio.get_running_loop().create_task(self._handle(d))
                     await asyncio.wait([work, stop_wait], return_when=asyncio.FIRST_COMPLETED)

@@ -188,19 +188,10 @@ class EvaluatorWorker:
                     await asyncio.wait([*active, stop_wait], return_when=asyncio.FIRST_COMPLETED)
                     self._reap_finished(active)
                     continue
-                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(free))
-                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, LogError):
-                        await fetch
+                fetched = await self.consumer.fetch_or_stop(free, stop_wait)
+                if fetched is None:
                     break
-                try:
-                    deliveries, dead = fetch.result()
-                except LogError as exc:
-                    logger.error("worker %s: reading work failed: %s", self.config.worker_id, exc)
-                    await _wait_or(stop, 1.0)
-                    continue
+                deliveries, dead = fetched
                 for entry in dead:
                     try:
                         await self._abort_dead(entry)
@@ -476,8 +467,3 @@ def _not_terminal(state: RolloutState, sample_ids: Sequence[str]) -> list[str]:
     return [
         sid for sid in sample_ids if (s := state.samples.get(sid)) is None or not s.done
     ]
-
-
-async def _wait_or(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)

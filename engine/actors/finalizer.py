@@ -39,7 +39,6 @@ Contract
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -285,20 +284,10 @@ class Finalizer:
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                     continue
-                fetch = asyncio.get_running_loop().create_task(self.consumer.fetch(free))
-                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, LogError):
-                        await fetch
+                fetched = await self.consumer.fetch_or_stop(free, stop_wait)
+                if fetched is None:
                     break
-                try:
-                    deliveries, dead = fetch.result()
-                except LogError as exc:
-                    logger.error("finalizer: reading %s failed: %s", self.names.control, exc)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 1.0)
-                    continue
+                deliveries, dead = fetched
                 for entry in dead:
                     try:
                         await self._fail_dead(entry)

@@ -1,0 +1,98 @@
+"""GroupConsumer: fetching until a stop, failed reads, dead entries held until settled."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.actors._consumer import GroupConsumer
+from engine.errors import LogUnavailable
+from engine.events import EventLog, RolloutFailed
+
+S = "rl:test:consumer"
+
+
+def consumer(log: EventLog, name: str = "c1", **kwargs: object) -> GroupConsumer:
+    return GroupConsumer(
+        log, group="g", consumer=name, streams=[S], heartbeat_ms=50, claim_idle_ms=400,
+        block_ms=100, **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def test_fetch_or_stop_hands_out_new_entries(log: EventLog) -> None:
+    c = consumer(log)
+    await c.start()
+    await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+    stop_wait = asyncio.create_task(asyncio.Event().wait())
+    try:
+        fetched = await c.fetch_or_stop(10, stop_wait)
+        assert fetched is not None
+        deliveries, dead = fetched
+        assert [d.env.event.type for d in deliveries] == ["RolloutFailed"] and dead == []
+        await c.ack(deliveries[0])
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
+
+
+async def test_fetch_or_stop_returns_none_once_stopped(log: EventLog) -> None:
+    c = consumer(log)
+    await c.start()
+    stop = asyncio.Event()
+    stop_wait = asyncio.create_task(stop.wait())
+    try:
+        pending = asyncio.create_task(c.fetch_or_stop(10, stop_wait))
+        await asyncio.sleep(0.05)  # blocked: nothing to read
+        stop.set()
+        assert await asyncio.wait_for(pending, 5) is None
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
+
+
+async def test_a_failed_read_comes_back_empty_after_a_pause(log: EventLog) -> None:
+    c = consumer(log)
+    calls = 0
+
+    async def unavailable(count: int) -> object:
+        nonlocal calls
+        calls += 1
+        raise LogUnavailable("redis unavailable during XREADGROUP g: refused")
+
+    c.fetch = unavailable  # type: ignore[method-assign,assignment]
+    stop = asyncio.Event()
+    stop_wait = asyncio.create_task(stop.wait())
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await c.fetch_or_stop(10, stop_wait, retry_pause_s=0.2) == ([], [])
+        assert loop.time() - t0 >= 0.19 and calls == 1
+        stop.set()  # a stop cuts the pause short
+        t0 = loop.time()
+        assert await c.fetch_or_stop(10, stop_wait, retry_pause_s=30) == ([], [])
+        assert loop.time() - t0 < 5
+    finally:
+        stop_wait.cancel()
+
+
+async def test_dead_entries_are_held_until_settled(log: EventLog) -> None:
+    log.max_deliveries = 1
+    await log.ensure_group(S, "g")
+    await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+    await log.read_group("g", "gone", [S], block_ms=50)  # delivery 1, then its reader dies
+    await asyncio.sleep(0.45)
+    c = consumer(log, "c2", ack_dead=False)
+    await c.start()
+    stop_wait = asyncio.create_task(asyncio.Event().wait())
+    try:
+        fetched = await c.fetch_or_stop(10, stop_wait)
+        assert fetched is not None
+        deliveries, dead = fetched
+        assert deliveries == [] and [d.deliveries for d in dead] == [2]
+        await asyncio.sleep(0.6)  # past the idle window: the heartbeat keeps it ours
+        assert (await log.claim_idle(S, "g", "thief", min_idle_ms=400)).dead == []
+        assert await log.pending_count(S, "g") == 1
+        await c.settle(dead[0])
+        assert await log.pending_count(S, "g") == 0
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
