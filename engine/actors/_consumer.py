@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engine.errors import LogError
@@ -215,6 +215,24 @@ class GroupConsumer:
         """Give up on settling ``entry`` for now: it stays pending, the heartbeat stops, and
         a claim after the idle window hands it out (as dead) again."""
         self._dead_held.discard((entry.stream, entry.id))
+
+    async def handle_dead(
+        self, dead: Sequence[DeadEntry], handler: Callable[[DeadEntry], Awaitable[None]]
+    ) -> None:
+        """Run ``handler`` on each dead entry and settle the entry once it has returned.
+        When the handler cannot reach Redis the entry is dropped for now (see
+        ``drop_dead``) and the next claim hands it out again."""
+        for entry in dead:
+            try:
+                await handler(entry)
+            except LogError as exc:
+                self.drop_dead(entry)
+                logger.error(
+                    "%s: dead entry %s of %s left for a later claim: %s",
+                    self.consumer, entry.id, entry.stream, exc,
+                )
+                continue
+            await self.settle(entry)
 
     async def ack(self, delivery: Delivery) -> None:
         """The delivery's effects are recorded: acknowledge it and stop its heartbeat."""

@@ -167,7 +167,7 @@ class EvaluatorWorker:
             heartbeat_ms=config.heartbeat_ms,
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
-            ack_dead=False,  # acked by _abort_dead once the aborts are in Redis
+            ack_dead=False,  # settled once _abort_dead has the aborts in Redis
             limit_own_pending=True,  # a worker crash-looping on a batch aborts it
         )
         self.batches_done = 0
@@ -192,16 +192,7 @@ class EvaluatorWorker:
                 if fetched is None:
                     break
                 deliveries, dead = fetched
-                for entry in dead:
-                    try:
-                        await self._abort_dead(entry)
-                    except LogError as exc:
-                        # Left pending: a claim hands it out again after the idle window.
-                        self.consumer.drop_dead(entry)
-                        logger.error(
-                            "worker %s: aborting dead entry %s failed: %s",
-                            self.config.worker_id, entry.id, exc,
-                        )
+                await self.consumer.handle_dead(dead, self._abort_dead)
                 for d in deliveries:
                     task = asyncio.get_running_loop().create_task(self._run_delivery(d))
                     active[task] = d
@@ -414,8 +405,7 @@ class EvaluatorWorker:
     async def _abort_dead(self, entry: DeadEntry) -> None:
         ev = entry.event
         if not isinstance(ev, BatchAdmitted):
-            await self.consumer.settle(entry)  # nothing it stood for can be aborted
-            return
+            return  # nothing it stood for can be aborted
         state = await self._fold(ev.rollout_id)
         run_ids = _not_terminal(state, ev.sample_ids)
         await self._reap_previous(state, ev, run_ids)
@@ -452,8 +442,7 @@ class EvaluatorWorker:
                 )
             )
         self.sink.emit(items)
-        await self.sink.flush()
-        await self.consumer.settle(entry)
+        await self.sink.flush()  # in Redis before the consumer settles (acks) the entry
         logger.warning(
             "batch %s dead-lettered after %d deliveries: %d samples aborted as infra_other",
             ev.batch_id,

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from engine.actors._consumer import Delivery, GroupConsumer
 from engine.domain import TerminationReason
-from engine.errors import AppendConflict, LogError
+from engine.errors import AppendConflict
 from engine.events.base import Envelope
 from engine.events.catalog import (
     CaptureRequested,
@@ -288,13 +288,7 @@ class Finalizer:
                 if fetched is None:
                     break
                 deliveries, dead = fetched
-                for entry in dead:
-                    try:
-                        await self._fail_dead(entry)
-                    except LogError as exc:
-                        # Left pending: a claim hands it out (as dead) again later.
-                        self.consumer.drop_dead(entry)
-                        logger.error("finalizer: failing dead entry %s: %s", entry.id, exc)
+                await self.consumer.handle_dead(dead, self._fail_dead)
                 for d in deliveries:
                     await self._dispatch(d)
         finally:
@@ -309,7 +303,7 @@ class Finalizer:
         """A request handed out more than ``max_deliveries`` times (its finalizers kept
         dying or failing on it) fails its rollout, so the trainer waiting for it gets an
         error naming why instead of waiting forever. A rollout decided meanwhile keeps its
-        outcome. The entry is acked only once the rollout is decided."""
+        outcome. The consumer settles (acks) the entry once this has returned."""
         ev = entry.event
         if isinstance(ev, RolloutRequested) and ev.rollout_id not in self._following:
             stream = self.names.rollout(ev.rollout_id)
@@ -336,7 +330,6 @@ class Finalizer:
                     continue  # something was appended: fold it and look again
                 logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
                 break
-        await self.consumer.settle(entry)
 
     async def _dispatch(self, d: Delivery) -> None:
         ev = d.env.event

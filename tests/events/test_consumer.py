@@ -7,6 +7,7 @@ import asyncio
 from engine.actors._consumer import GroupConsumer
 from engine.errors import LogUnavailable
 from engine.events import EventLog, RolloutFailed
+from engine.events.log import DeadEntry
 
 S = "rl:test:consumer"
 
@@ -93,6 +94,40 @@ async def test_dead_entries_are_held_until_settled(log: EventLog) -> None:
         assert await log.pending_count(S, "g") == 1
         await c.settle(dead[0])
         assert await log.pending_count(S, "g") == 0
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
+
+
+async def test_handle_dead_settles_after_the_handler_and_leaves_failures_pending(
+    log: EventLog,
+) -> None:
+    log.max_deliveries = 1
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, RolloutFailed(rollout_id=f"r{i}", reason="x")) for i in (1, 2)])
+    await log.read_group("g", "gone", [S], block_ms=50)
+    await asyncio.sleep(0.45)
+    c = consumer(log, "c3", ack_dead=False)
+    await c.start()
+    stop_wait = asyncio.create_task(asyncio.Event().wait())
+    seen: list[str] = []
+
+    async def handler(entry: DeadEntry) -> None:
+        assert isinstance(entry.event, RolloutFailed)
+        seen.append(entry.event.rollout_id)
+        if entry.event.rollout_id == "r2":
+            raise LogUnavailable("redis unavailable during XADD: refused")
+
+    try:
+        fetched = await c.fetch_or_stop(10, stop_wait)
+        assert fetched is not None and len(fetched[1]) == 2
+        await c.handle_dead(fetched[1], handler)
+        assert seen == ["r1", "r2"]
+        # r1 is settled; r2 stays pending, no longer kept alive, for a later claim
+        assert await log.pending_count(S, "g") == 1
+        await asyncio.sleep(0.45)
+        again = await log.claim_idle(S, "g", "c4", min_idle_ms=400)
+        assert [d.event.rollout_id for d in again.dead] == ["r2"]  # type: ignore[union-attr]
     finally:
         stop_wait.cancel()
         await c.aclose()

@@ -245,17 +245,26 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
-async def test_a_dead_lettered_batch_aborts_its_open_samples(
-    engine: Engine, log: EventLog
-) -> None:
+async def leave_a_hung_batch(engine: Engine, log: EventLog, rollout_id: str) -> None:
+    """Worker wA runs a 3-sample batch whose first sample hangs (attempts 1 and 2), and
+    stops with no grace once the other two are done: the batch is left pending, delivered
+    once."""
     stop_a = asyncio.Event()
     engine.start_worker("wA", stop=stop_a, grace_s=0.0)
     engine.start_finalizer()
     await start_rollout(
-        log, "r5", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {}
+        log, rollout_id, n_prompts=3,
+        script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {},
     )
-    await wait_state(log, "r5", lambda s: s.n_done == 2)
+    await wait_state(log, rollout_id, lambda s: s.n_done == 2)
     stop_a.set()
+    await asyncio.wait_for(engine.tasks[0], 30)
+
+
+async def test_a_dead_lettered_batch_aborts_its_open_samples(
+    engine: Engine, log: EventLog
+) -> None:
+    await leave_a_hung_batch(engine, log, "r5")
     # B's log allows a single delivery: the claim finds the entry delivered twice.
     worker_b = engine.worker("wB")
     worker_b.log.max_deliveries = 1
@@ -277,14 +286,7 @@ class _Died(Exception):
 async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next(
     engine: Engine, log: EventLog
 ) -> None:
-    stop_a = asyncio.Event()
-    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
-    engine.start_finalizer()
-    await start_rollout(
-        log, "r9", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2, 3]} if i == 0 else {}
-    )
-    await wait_state(log, "r9", lambda s: s.n_done == 2)
-    stop_a.set()
+    await leave_a_hung_batch(engine, log, "r9")
     # B claims the batch, finds it over the delivery limit, dead-letters it, and dies
     # before the abort is recorded.
     worker_b = engine.worker("wB")
@@ -316,15 +318,7 @@ async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next
 async def test_a_worker_restarted_under_its_name_past_the_limit_aborts_the_batch(
     engine: Engine, log: EventLog
 ) -> None:
-    stop_a = asyncio.Event()
-    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
-    engine.start_finalizer()
-    await start_rollout(
-        log, "r10", n_prompts=3, script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {}
-    )
-    await wait_state(log, "r10", lambda s: s.n_done == 2)
-    stop_a.set()
-    await asyncio.wait_for(engine.tasks[0], 30)
+    await leave_a_hung_batch(engine, log, "r10")
     # The same worker name comes back: re-reading its pending batch is delivery 2.
     again = engine.worker("wA")
     again.log.max_deliveries = 1
