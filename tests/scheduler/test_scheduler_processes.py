@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.exceptions import ResponseError
 
 from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.events import Envelope, EventLog, RedisSettings, connect
@@ -92,6 +93,22 @@ def processes(redis_server: RedisServer) -> Iterator[Processes]:
     procs.kill_all()
 
 
+async def wait_serving(log: EventLog, scheduler_ids: list[str]) -> None:
+    """Wait until every process reads the control stream as a group consumer, so that its
+    SIGTERM handler is installed (it is set before the first read). A process still
+    importing when the work is done would otherwise die of the signal's default action."""
+    while True:
+        try:
+            consumers = await log._r.xinfo_consumers(log.names.control, SCHEDULER_GROUP)
+        except ResponseError:  # the group does not exist yet
+            consumers = []
+        names = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                 for c in consumers}
+        if set(scheduler_ids) <= names:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def drain_pending(log: EventLog) -> None:
     """Wait (on the pool stream, not a clock) until every request is acked."""
     while await log.pending_count(log.names.control, SCHEDULER_GROUP):
@@ -109,6 +126,7 @@ async def test_three_scheduler_processes_race_on_one_pool(
     procs = [
         processes.start(f"p{i}", config, RANDOM_EVALUATORS, RANDOM_LAYOUT) for i in range(3)
     ]
+    await asyncio.wait_for(wait_serving(log, ["p0", "p1", "p2"]), TIMEOUT)
     evaluators = FakeEvaluators(log, ["alpha", "beta", "gamma"], hold=3, seed=1)
     await asyncio.wait_for(evaluators.run(all_admitted(log, rollout_ids)), TIMEOUT)
     await asyncio.wait_for(drain_pending(log), TIMEOUT)
