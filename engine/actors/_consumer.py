@@ -16,11 +16,12 @@ once. With ``ack_dead=False`` they stay pending, kept alive by the heartbeat, un
 caller calls ``settle`` after recording the abort: a crash before that leaves them to be
 claimed and aborted again.
 
-Every delivery handed out is *in flight* until ``ack`` (done) or ``release`` (left pending
-for someone else). A heartbeat task refreshes the idle time of in-flight entries every
-``heartbeat_ms``, so a live consumer's work is never claimed; it must be well below
-``claim_idle_ms``. An entry that a claim returns while it is already in flight here is
-skipped, so nothing runs twice in one process.
+Every delivery handed out is *in flight* until ``ack`` (done), ``release`` (its work failed:
+left pending for a claim after the idle window) or ``hand_back`` (a graceful stop: left
+pending, claimable at once, and not counted as a delivery). A heartbeat task refreshes the
+idle time of in-flight entries every ``heartbeat_ms``, so a live consumer's work is never
+claimed; it must be well below ``claim_idle_ms``. An entry that a claim returns while it is
+already in flight here is skipped, so nothing runs twice in one process.
 """
 
 from __future__ import annotations
@@ -240,9 +241,26 @@ class GroupConsumer:
         await self.log.ack(delivery.env.stream, self.group, delivery.env.id)
 
     def release(self, delivery: Delivery) -> None:
-        """Stop keeping the delivery alive; it stays pending and another consumer claims it
-        after the idle window."""
+        """Stop keeping the delivery alive (its work failed); it stays pending and another
+        consumer claims it after the idle window, as a further delivery."""
         self._in_flight.pop(delivery.key, None)
+
+    async def hand_back(self, deliveries: Sequence[Delivery]) -> None:
+        """Give back deliveries a graceful stop leaves unfinished: they stay pending but
+        are claimable at once, and the hand-back does not count as a delivery (see
+        ``EventLog.hand_back``). If Redis cannot be reached they are only released."""
+        by_stream: dict[str, list[str]] = {}
+        for d in deliveries:
+            self._in_flight.pop(d.key, None)
+            by_stream.setdefault(d.env.stream, []).append(d.env.id)
+        for stream, ids in by_stream.items():
+            try:
+                await self.log.hand_back(stream, self.group, self.consumer, ids)
+            except LogError as exc:
+                logger.warning(
+                    "%s: handing back %d entries of %s failed (claimable after the idle "
+                    "window instead): %s", self.consumer, len(ids), stream, exc,
+                )
 
     def unreleased(self) -> list[Delivery]:
         """Deliveries fetched but neither acked nor released."""

@@ -138,11 +138,11 @@ class CaptureWorker:
                 for d in deliveries:
                     work = asyncio.get_running_loop().create_task(self._handle(d))
                     await asyncio.wait([work, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                    if not work.done():  # stopping: leave the request pending
+                    if not work.done():  # stopping: hand the request back
                         work.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await work
-                        self.consumer.release(d)
+                        await self.consumer.hand_back([d])
                         break
                     if work.exception() is not None:
                         logger.error("capture of %s failed: %r", d.env.id, work.exception())

@@ -220,6 +220,7 @@ class EvaluatorWorker:
 
     async def _shutdown(self, active: dict[asyncio.Task[None], Delivery]) -> None:
         running = sum(1 for task in active if not task.done())
+        handed: list[Delivery] = []
         if active:
             logger.info(
                 "worker %s stopping: %d running batches get %.1f s to finish",
@@ -228,14 +229,15 @@ class EvaluatorWorker:
                 self.config.grace_s,
             )
             _done, pending = await asyncio.wait(list(active), timeout=self.config.grace_s)
+            handed = [active[task] for task in pending]
             for task in pending:
                 task.cancel()
-                self.consumer.release(active[task])
-                self.batches_handed_back += 1
+            self.batches_handed_back += len(handed)
             await asyncio.gather(*pending, return_exceptions=True)
             self._reap_finished(active)
         with contextlib.suppress(LogError):
-            await self.sink.flush()
+            await self.sink.flush()  # what finished is in Redis before anyone takes over
+        await self.consumer.hand_back(handed)
 
     # ------------------------------------------------------------------ one batch
 

@@ -297,6 +297,7 @@ class Finalizer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.consumer.hand_back(self.consumer.unreleased())
             await self.consumer.aclose()
 
     async def _fail_dead(self, entry: DeadEntry) -> None:
@@ -346,8 +347,7 @@ class Finalizer:
         try:
             await self.follow(rollout_id)
         except asyncio.CancelledError:
-            self.consumer.release(d)
-            raise
+            raise  # a stop: run() hands the request back
         except Exception:
             logger.exception("finalizer: following rollout %s failed; left pending", rollout_id)
             self.consumer.release(d)

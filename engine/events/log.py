@@ -88,6 +88,29 @@ return lost
 """
 
 
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] idle ms, ARGV[4..] entry ids.
+# For each entry the consumer still owns: mark it idle for ARGV[3] ms (claimable at once)
+# and take back the delivery its hand-back would otherwise count (RETRYCOUNT n - 1).
+_HAND_BACK_SCRIPT = """
+local lost = {}
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    local times = tonumber(p[1][4])
+    if times > 0 then times = times - 1 end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i],
+               'IDLE', ARGV[3], 'RETRYCOUNT', times, 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
+
+# How idle a handed-back entry is made: past any claim window.
+HAND_BACK_IDLE_MS = 10**10
+
+
 @dataclass(frozen=True, slots=True)
 class RedisSettings:
     """Connection settings; ``socket_timeout`` always exceeds the longest blocking read."""
@@ -212,6 +235,7 @@ class EventLog:
         self.dead_lettered = 0
         self._cas = self._r.register_script(_CAS_SCRIPT)
         self._keep_alive = self._r.register_script(_KEEP_ALIVE_SCRIPT)
+        self._hand_back = self._r.register_script(_HAND_BACK_SCRIPT)
 
     # ------------------------------------------------------------------ writing
 
@@ -480,6 +504,22 @@ class EventLog:
             return []
         with _translate(f"keep-alive on {stream} {group}"):
             lost = await self._keep_alive(keys=[stream], args=[group, consumer, *ids])
+        return [_s(i) for i in lost]
+
+    async def hand_back(
+        self, stream: str, group: str, consumer: str, ids: Sequence[str]
+    ) -> list[str]:
+        """Give back entries this consumer is stopping work on, unfinished: they become
+        claimable at once (idle past any window) and the hand-back does not count as a
+        delivery, so a batch handed back by a graceful stop is neither delayed by the
+        idle window nor brought closer to the dead letters. Returns the ids the consumer
+        no longer owned (one atomic script, like :meth:`keep_alive`)."""
+        if not ids:
+            return []
+        with _translate(f"hand-back on {stream} {group}"):
+            lost = await self._hand_back(
+                keys=[stream], args=[group, consumer, HAND_BACK_IDLE_MS, *ids]
+            )
         return [_s(i) for i in lost]
 
     async def claim_idle(

@@ -399,3 +399,27 @@ async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: Even
         log._r.xread = real  # type: ignore[method-assign]
         task.cancel()
         await asyncio.wait([task], timeout=5)
+
+
+async def test_a_handed_back_entry_is_claimable_at_once_and_not_charged(
+    redis_factory: ClientFactory,
+) -> None:
+    log = EventLog(redis_factory(), max_deliveries=2)
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, failed(0)), (S, failed(1))])
+    got = await log.read_group("g", "a", [S], block_ms=50)  # delivery 1 of both
+    # "b" takes the second one over (delivery 2); "a" then hands back both
+    await asyncio.sleep(0.03)
+    taken = await log.claim_idle(S, "g", "b", min_idle_ms=20, count=1)
+    assert [e.id for e in taken.entries] == [got[0].id]
+    lost = await log.hand_back(S, "g", "a", [e.id for e in got])
+    assert lost == [got[0].id]  # no longer a's to hand back
+    # claimable at once by a consumer with a long idle window, still on delivery 1
+    again = await log.claim_idle(S, "g", "c", min_idle_ms=60_000)
+    assert [e.id for e in again.entries] == [got[1].id]
+    assert again.deliveries == {got[1].id: 1} and again.dead == []
+    # the entry "b" holds was not touched
+    pending = await log._r.xpending_range(S, "g", min="-", max="+", count=10)
+    owners = {(p["message_id"].decode(), p["consumer"].decode(), p["times_delivered"])
+              for p in pending}
+    assert owners == {(got[0].id, "b", 2), (got[1].id, "c", 1)}

@@ -247,10 +247,16 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
 
 async def leave_a_hung_batch(engine: Engine, log: EventLog, rollout_id: str) -> None:
     """Worker wA runs a 3-sample batch whose first sample hangs (attempts 1 and 2), and
-    stops with no grace once the other two are done: the batch is left pending, delivered
-    once."""
+    dies once the other two are done: the batch is left pending, delivered once, and
+    claimable after the idle window (a stopped worker would hand it back uncharged)."""
     stop_a = asyncio.Event()
-    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    worker_a = engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+
+    async def die_without_handing_back(deliveries: Any) -> None:
+        for d in deliveries:
+            worker_a.consumer.release(d)
+
+    worker_a.consumer.hand_back = die_without_handing_back  # type: ignore[method-assign]
     engine.start_finalizer()
     await start_rollout(
         log, rollout_id, n_prompts=3,
@@ -259,6 +265,32 @@ async def leave_a_hung_batch(engine: Engine, log: EventLog, rollout_id: str) -> 
     await wait_state(log, rollout_id, lambda s: s.n_done == 2)
     stop_a.set()
     await asyncio.wait_for(engine.tasks[0], 30)
+
+
+async def test_a_stopped_worker_hands_its_batch_back_uncharged_and_at_once(
+    engine: Engine, log: EventLog
+) -> None:
+    # wA stops with no grace: the hung batch is handed back. wB allows one delivery and
+    # has a 60 s idle window, yet takes it over at once and finishes it: the hand-back is
+    # neither a delivery nor an idle wait.
+    stop_a = asyncio.Event()
+    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
+    engine.start_finalizer()
+    await start_rollout(
+        log, "r14", n_prompts=3, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
+    )
+    await wait_state(log, "r14", lambda s: s.n_done == 2)
+    stop_a.set()
+    await asyncio.wait_for(engine.tasks[0], 30)
+    worker_b = engine.worker("wB", claim_idle_ms=60_000)
+    worker_b.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(worker_b.run(engine.stop)))
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r14"), 20)
+    assert (ready.n_completed, ready.n_aborted) == (3, 0)
+    assert await log.read_all(log.names.dead) == []
+    await engine.close()
+    assert worker_b.batches_done == 1
+    assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
 async def test_a_dead_lettered_batch_aborts_its_open_samples(
