@@ -9,8 +9,10 @@ Event flow (seeds task-scheduler §1-3; DESIGN.md "Streams")
 2. ``RolloutRequested`` entries of ``rl:control`` are consumed through the consumer group
    ``schedulers``: each is delivered to one scheduler; a restarted scheduler re-reads its own
    pending entries; entries of a scheduler that died are claimed after ``claim_idle_ms``;
-   entries being worked on are kept alive every ``heartbeat_ms``. Other event types on
-   ``rl:control`` are acked and ignored.
+   entries being worked on are kept alive every ``heartbeat_ms``; a stopped scheduler hands
+   its unfinished entries back (claimable at once, not counted as a delivery). A request
+   delivered past the log's ``max_deliveries`` gets ``RolloutFailed`` before it is acked.
+   Other event types on ``rl:control`` are acked and ignored.
 3. Plan (``Planner``, pure) and write it atomically and exclusively: one compare-and-append
    on ``rl:data`` (expected = the last id folded) appends ``DataCursorAdvanced`` and, in the
    same step (``also``), the first events of ``rl:{rollout:<id>}``: the copy of the request
@@ -53,7 +55,7 @@ from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorSpec
-from engine.errors import AppendConflict, ConfigError, PlacementError
+from engine.errors import AppendConflict, ConfigError, LogError, PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
@@ -146,6 +148,7 @@ class Scheduler:
         self.gate = PoolGate(log)
         self._data = LiveFold(log, log.names.data, DataCursorProjection())
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._handed_back: list[str] = []  # requests a stop leaves unfinished
         self._rollout_locks: dict[str, _RolloutLock] = {}
         self._started = False
         self._stopping = asyncio.Event()
@@ -169,7 +172,8 @@ class Scheduler:
     # ------------------------------------------------------------ serving
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set; in-flight rollouts are left pending for a restart.
+        """Serve until ``stop`` is set; in-flight rollouts are handed back (pending, and
+        claimable at once by another scheduler, or resumed by this one on a restart).
 
         Stopping is cooperative: the loops finish their current blocking read (at most
         ``block_ms``), rollouts waiting for capacity give up their wait, a plan being
@@ -197,6 +201,7 @@ class Scheduler:
             await self.gate.close()
             await asyncio.gather(stopper, *tasks, return_exceptions=True)
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+            await self._hand_back()
         if failure is not None:
             raise failure
 
@@ -219,7 +224,8 @@ class Scheduler:
                 cfg.group, cfg.scheduler_id, [self.control], count=100, block_ms=wait_ms
             )
             if self._stopping.is_set():
-                # Delivered but not started: left pending, this consumer resumes them.
+                # Delivered but not started: handed back with the unfinished ones.
+                self._handed_back.extend(env.id for env in envs)
                 return
             for env in envs:
                 self._dispatch(env)
@@ -227,11 +233,22 @@ class Scheduler:
     async def _claim(self) -> None:
         cfg = self.config
         self.claim_rounds += 1
+        # Dead requests stay pending until their RolloutFailed is written, so a scheduler
+        # dying in between leaves them to be failed by the next claim.
         claimed = await self.log.claim_idle(
-            self.control, cfg.group, cfg.scheduler_id, min_idle_ms=cfg.claim_idle_ms
+            self.control,
+            cfg.group,
+            cfg.scheduler_id,
+            min_idle_ms=cfg.claim_idle_ms,
+            ack_dead=False,
         )
         for dead in claimed.dead:
-            await self._give_up(dead)
+            try:
+                await self._give_up(dead)
+            except LogError as exc:  # left pending: a later claim gives up on it again
+                logger.error("giving up on request %s failed: %s", dead.id, exc)
+                continue
+            await self.log.ack(self.control, cfg.group, dead.id)
         for env in claimed.entries:
             self._dispatch(env)
 
@@ -262,7 +279,8 @@ class Scheduler:
             await self.handle(env, ev)
             await self.log.ack(self.control, self.config.group, env.id)
         except GateClosed:
-            logger.info("stopping: request %s left pending", env.ref)
+            logger.info("stopping: request %s handed back", env.ref)
+            self._handed_back.append(env.id)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -271,6 +289,19 @@ class Scheduler:
             logger.exception("request %s failed; left pending for a retry", env.ref)
         finally:
             self._inflight.pop(env.id, None)
+
+    async def _hand_back(self) -> None:
+        """Give back the requests this stop leaves unfinished: another scheduler can take
+        them at once, and the stop does not count as a delivery (``EventLog.hand_back``)."""
+        if not self._handed_back:
+            return
+        cfg = self.config
+        try:
+            await self.log.hand_back(self.control, cfg.group, cfg.scheduler_id, self._handed_back)
+        except LogError as exc:
+            logger.warning("handing back %d requests failed (claimable after the idle "
+                           "window instead): %s", len(self._handed_back), exc)
+        self._handed_back = []
 
     async def _give_up(self, dead: DeadEntry) -> None:
         ev = dead.event

@@ -19,6 +19,7 @@ from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.config.rollout import load_rollout_config
 from engine.data_source import MultiDataSource
 from engine.domain import task_id_for
+from engine.errors import LogUnavailable
 from engine.events import (
     BatchAdmitted,
     BatchSealed,
@@ -373,6 +374,74 @@ async def test_a_restarted_scheduler_resumes_without_duplicates(
         while await log.pending_count(log.names.control, SCHEDULER_GROUP):
             await log.tail({log.names.pool: "$"}, block_ms=50)
     await assert_exactly_once(log, ["r1"], ["math"])
+
+
+async def test_a_stopped_scheduler_hands_its_rollout_to_a_peer_at_once(
+    redis_factory: ClientFactory, tmp_path: Path
+) -> None:
+    # s0 stops mid-rollout; s1, whose idle window is a minute, takes the request over at
+    # once (the hand-back made it claimable) and finishes the admissions exactly once.
+    config = write_config(tmp_path, {"gsm": ("math", 12)})
+    specs = load_specs()
+    cluster = layout({"n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}})  # one math batch
+    log = fresh_client_log(redis_factory, "trainer")
+    await log.append(log.names.control, request("r1", n_prompts=12))
+    evaluators = FakeEvaluators(log, ["math"], hold=0, released=False)
+
+    async def first_admitted(admitted: list[Envelope]) -> bool:
+        return len(admitted) >= 1
+
+    first = make_scheduler(fresh_client_log(redis_factory, "s0"), config, specs, cluster)
+    async with running([first]):
+        await asyncio.wait_for(evaluators.run(first_admitted), TIMEOUT)
+    redis: Any = log.redis
+    (entry,) = await redis.xpending_range(log.names.control, SCHEDULER_GROUP, "-", "+", 10)
+    assert entry["times_delivered"] == 0  # handed back: the stop is not a delivery
+    peer = make_scheduler(fresh_client_log(redis_factory, "s1"), config, specs, cluster,
+                          scheduler_id="s1", claim_idle_ms=60_000)
+    evaluators.released = True
+    async with running([peer]):
+        await asyncio.wait_for(evaluators.run(all_admitted(log, ["r1"])), 20)
+        while await log.pending_count(log.names.control, SCHEDULER_GROUP):
+            await log.tail({log.names.pool: "$"}, block_ms=50)
+    await assert_exactly_once(log, ["r1"], ["math"])
+
+
+async def test_a_request_schedulers_keep_dying_on_fails_its_rollout(
+    redis_factory: ClientFactory, tmp_path: Path
+) -> None:
+    # A scheduler took the request and died (delivery 1). s1 allows one delivery: its
+    # claim dead-letters the request. Its first attempt to record RolloutFailed cannot
+    # reach Redis, so the request stays pending; the next claim fails the rollout, and
+    # only then is the request acked.
+    config = write_config(tmp_path, {"gsm": ("math", 12)})
+    specs = load_specs()
+    log = fresh_client_log(redis_factory, "trainer")
+    await log.ensure_group(log.names.control, SCHEDULER_GROUP)
+    await log.append(log.names.control, request("r1", n_prompts=2))
+    await log.read_group(SCHEDULER_GROUP, "gone", [log.names.control], block_ms=50)
+    s1_log = fresh_client_log(redis_factory, "s1")
+    s1_log.max_deliveries = 1
+    s1 = make_scheduler(s1_log, config, specs, None, scheduler_id="s1", claim_idle_ms=300)
+    real_give_up = s1._give_up
+    attempts = 0
+
+    async def flaky_give_up(dead: Any) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise LogUnavailable("redis unavailable during XADD: refused")
+        await real_give_up(dead)
+
+    s1._give_up = flaky_give_up  # type: ignore[method-assign]
+    async with running([s1]):
+        while await log.pending_count(log.names.control, SCHEDULER_GROUP):
+            await log.tail({log.names.control: "$"}, block_ms=100)
+    assert attempts == 2
+    failed = of_type(await events_of(log, log.names.rollout("r1")), RolloutFailed)
+    assert len(failed) == 1 and "schedulers gave up on the request" in failed[0].reason
+    assert "delivered 3 times" in failed[0].reason
+    assert of_type(await events_of(log, log.names.rollout("r1")), RolloutPlanned) == []
 
 
 # ---------------------------------------------------------------- refusals
