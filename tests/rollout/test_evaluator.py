@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engine.actors.evaluator import sample_seed
+from engine.actors.evaluator_worker import EvaluatorWorker
 from engine.client import RolloutClient
 from engine.events import (
     AbortClass,
@@ -245,10 +246,28 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
 
-async def leave_a_hung_batch(engine: Engine, log: EventLog, rollout_id: str) -> None:
-    """Worker wA runs a 3-sample batch whose first sample hangs (attempts 1 and 2), and
-    dies once the other two are done: the batch is left pending, delivered once, and
-    claimable after the idle window (a stopped worker would hand it back uncharged)."""
+def start_worker_allowing_one_delivery(
+    engine: Engine, worker_id: str, **overrides: Any
+) -> EvaluatorWorker:
+    """A worker whose log dead-letters any entry delivered more than once."""
+    worker = engine.worker(worker_id, **overrides)
+    worker.log.max_deliveries = 1
+    engine.tasks.append(asyncio.create_task(worker.run(engine.stop)))
+    return worker
+
+
+async def leave_a_hung_batch(
+    engine: Engine,
+    log: EventLog,
+    rollout_id: str,
+    *,
+    hang_attempts: tuple[int, ...] = (1, 2),
+    dies: bool = True,
+) -> None:
+    """Worker wA runs a 3-sample batch whose first sample hangs (on ``hang_attempts``) and
+    ends once the other two are done. With ``dies`` it leaves the batch pending, delivered
+    once and claimable after the idle window; otherwise it stops with no grace and hands
+    the batch back (claimable at once, uncharged)."""
     stop_a = asyncio.Event()
     worker_a = engine.start_worker("wA", stop=stop_a, grace_s=0.0)
 
@@ -256,11 +275,12 @@ async def leave_a_hung_batch(engine: Engine, log: EventLog, rollout_id: str) -> 
         for d in deliveries:
             worker_a.consumer.release(d)
 
-    worker_a.consumer.hand_back = die_without_handing_back  # type: ignore[method-assign]
+    if dies:
+        worker_a.consumer.hand_back = die_without_handing_back  # type: ignore[method-assign]
     engine.start_finalizer()
     await start_rollout(
         log, rollout_id, n_prompts=3,
-        script=lambda i: {"hang_attempts": [1, 2]} if i == 0 else {},
+        script=lambda i: {"hang_attempts": list(hang_attempts)} if i == 0 else {},
     )
     await wait_state(log, rollout_id, lambda s: s.n_done == 2)
     stop_a.set()
@@ -273,18 +293,8 @@ async def test_a_stopped_worker_hands_its_batch_back_uncharged_and_at_once(
     # wA stops with no grace: the hung batch is handed back. wB allows one delivery and
     # has a 60 s idle window, yet takes it over at once and finishes it: the hand-back is
     # neither a delivery nor an idle wait.
-    stop_a = asyncio.Event()
-    engine.start_worker("wA", stop=stop_a, grace_s=0.0)
-    engine.start_finalizer()
-    await start_rollout(
-        log, "r14", n_prompts=3, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
-    )
-    await wait_state(log, "r14", lambda s: s.n_done == 2)
-    stop_a.set()
-    await asyncio.wait_for(engine.tasks[0], 30)
-    worker_b = engine.worker("wB", claim_idle_ms=60_000)
-    worker_b.log.max_deliveries = 1
-    engine.tasks.append(asyncio.create_task(worker_b.run(engine.stop)))
+    await leave_a_hung_batch(engine, log, "r14", hang_attempts=(1,), dies=False)
+    worker_b = start_worker_allowing_one_delivery(engine, "wB", claim_idle_ms=60_000)
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r14"), 20)
     assert (ready.n_completed, ready.n_aborted) == (3, 0)
     assert await log.read_all(log.names.dead) == []
@@ -298,9 +308,7 @@ async def test_a_dead_lettered_batch_aborts_its_open_samples(
 ) -> None:
     await leave_a_hung_batch(engine, log, "r5")
     # B's log allows a single delivery: the claim finds the entry delivered twice.
-    worker_b = engine.worker("wB")
-    worker_b.log.max_deliveries = 1
-    engine.tasks.append(asyncio.create_task(worker_b.run(engine.stop)))
+    start_worker_allowing_one_delivery(engine, "wB")
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r5"), 30)
     assert (ready.n_completed, ready.n_aborted) == (2, 1)
     (aborted,) = await events_of(log, log.names.rollout("r5"), SampleAborted)
@@ -333,9 +341,7 @@ async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next
     work = log.names.work("scripted")
     assert await log.pending_count(work, "evaluators") == 1
     # C claims it after the idle window, dead-letters it again and records the abort.
-    worker_c = engine.worker("wC")
-    worker_c.log.max_deliveries = 1
-    engine.tasks.append(asyncio.create_task(worker_c.run(engine.stop)))
+    start_worker_allowing_one_delivery(engine, "wC")
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r9"), 30)
     assert (ready.n_completed, ready.n_aborted) == (2, 1)
     (aborted,) = await events_of(log, log.names.rollout("r9"), SampleAborted)
@@ -352,9 +358,7 @@ async def test_a_worker_restarted_under_its_name_past_the_limit_aborts_the_batch
 ) -> None:
     await leave_a_hung_batch(engine, log, "r10")
     # The same worker name comes back: re-reading its pending batch is delivery 2.
-    again = engine.worker("wA")
-    again.log.max_deliveries = 1
-    engine.tasks.append(asyncio.create_task(again.run(engine.stop)))
+    start_worker_allowing_one_delivery(engine, "wA")
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r10"), 30)
     assert (ready.n_completed, ready.n_aborted) == (2, 1)
     (aborted,) = await events_of(log, log.names.rollout("r10"), SampleAborted)

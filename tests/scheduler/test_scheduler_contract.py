@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.actors.planning import Planner
-from engine.actors.scheduler import SCHEDULER_GROUP
+from engine.actors.scheduler import SCHEDULER_GROUP, Scheduler
+from engine.config.layout import ClusterLayout
 from engine.config.rollout import load_rollout_config
 from engine.data_source import MultiDataSource
-from engine.domain import task_id_for
+from engine.domain import EvaluatorSpec, task_id_for
 from engine.errors import LogUnavailable
 from engine.events import (
     BatchAdmitted,
@@ -348,9 +351,18 @@ async def test_long_plans_are_chunked_and_an_interrupted_plan_is_completed(
     assert len(of_type(await events_of(log, log.names.data), DataCursorAdvanced)) == 2
 
 
-async def test_a_restarted_scheduler_resumes_without_duplicates(
-    redis_factory: ClientFactory, tmp_path: Path
-) -> None:
+@dataclass
+class StoppedMidRollout:
+    """Scheduler s0 admitted the first of r1's batches (one fits the pool) and stopped."""
+
+    config: Path
+    specs: Mapping[str, EvaluatorSpec]
+    cluster: ClusterLayout
+    log: EventLog
+    evaluators: FakeEvaluators
+
+
+async def stop_mid_rollout(redis_factory: ClientFactory, tmp_path: Path) -> StoppedMidRollout:
     config = write_config(tmp_path, {"gsm": ("math", 12)})
     specs = load_specs()
     cluster = layout({"n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}})  # one math batch
@@ -364,16 +376,33 @@ async def test_a_restarted_scheduler_resumes_without_duplicates(
     first = make_scheduler(fresh_client_log(redis_factory, "s0"), config, specs, cluster)
     async with running([first]):
         await asyncio.wait_for(evaluators.run(first_admitted), TIMEOUT)
-    # Stopped mid-rollout: the request is still pending for s0, one batch holds tokens.
-    assert await log.pending_count(log.names.control, SCHEDULER_GROUP) == 1
-    again = make_scheduler(fresh_client_log(redis_factory, "s0-again"), config, specs,
-                           cluster, scheduler_id="s0")
-    evaluators.released = True
-    async with running([again]):
-        await asyncio.wait_for(evaluators.run(all_admitted(log, ["r1"])), TIMEOUT)
+    return StoppedMidRollout(config, specs, cluster, log, evaluators)
+
+
+async def finish_with(
+    stopped: StoppedMidRollout, scheduler: Scheduler, timeout: float = TIMEOUT
+) -> None:
+    """Let the evaluators release tokens, run ``scheduler`` until r1 is fully admitted and
+    acked, and check every batch was admitted exactly once."""
+    log = stopped.log
+    stopped.evaluators.released = True
+    async with running([scheduler]):
+        await asyncio.wait_for(stopped.evaluators.run(all_admitted(log, ["r1"])), timeout)
         while await log.pending_count(log.names.control, SCHEDULER_GROUP):
             await log.tail({log.names.pool: "$"}, block_ms=50)
     await assert_exactly_once(log, ["r1"], ["math"])
+
+
+async def test_a_restarted_scheduler_resumes_without_duplicates(
+    redis_factory: ClientFactory, tmp_path: Path
+) -> None:
+    stopped = await stop_mid_rollout(redis_factory, tmp_path)
+    log = stopped.log
+    # Stopped mid-rollout: the request is still pending for s0, one batch holds tokens.
+    assert await log.pending_count(log.names.control, SCHEDULER_GROUP) == 1
+    again = make_scheduler(fresh_client_log(redis_factory, "s0-again"), stopped.config,
+                           stopped.specs, stopped.cluster, scheduler_id="s0")
+    await finish_with(stopped, again)
 
 
 async def test_a_stopped_scheduler_hands_its_rollout_to_a_peer_at_once(
@@ -381,30 +410,14 @@ async def test_a_stopped_scheduler_hands_its_rollout_to_a_peer_at_once(
 ) -> None:
     # s0 stops mid-rollout; s1, whose idle window is a minute, takes the request over at
     # once (the hand-back made it claimable) and finishes the admissions exactly once.
-    config = write_config(tmp_path, {"gsm": ("math", 12)})
-    specs = load_specs()
-    cluster = layout({"n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}})  # one math batch
-    log = fresh_client_log(redis_factory, "trainer")
-    await log.append(log.names.control, request("r1", n_prompts=12))
-    evaluators = FakeEvaluators(log, ["math"], hold=0, released=False)
-
-    async def first_admitted(admitted: list[Envelope]) -> bool:
-        return len(admitted) >= 1
-
-    first = make_scheduler(fresh_client_log(redis_factory, "s0"), config, specs, cluster)
-    async with running([first]):
-        await asyncio.wait_for(evaluators.run(first_admitted), TIMEOUT)
+    stopped = await stop_mid_rollout(redis_factory, tmp_path)
+    log = stopped.log
     redis: Any = log.redis
     (entry,) = await redis.xpending_range(log.names.control, SCHEDULER_GROUP, "-", "+", 10)
     assert entry["times_delivered"] == 0  # handed back: the stop is not a delivery
-    peer = make_scheduler(fresh_client_log(redis_factory, "s1"), config, specs, cluster,
-                          scheduler_id="s1", claim_idle_ms=60_000)
-    evaluators.released = True
-    async with running([peer]):
-        await asyncio.wait_for(evaluators.run(all_admitted(log, ["r1"])), 20)
-        while await log.pending_count(log.names.control, SCHEDULER_GROUP):
-            await log.tail({log.names.pool: "$"}, block_ms=50)
-    await assert_exactly_once(log, ["r1"], ["math"])
+    peer = make_scheduler(fresh_client_log(redis_factory, "s1"), stopped.config, stopped.specs,
+                          stopped.cluster, scheduler_id="s1", claim_idle_ms=60_000)
+    await finish_with(stopped, peer, timeout=20)
 
 
 async def test_a_request_schedulers_keep_dying_on_fails_its_rollout(
