@@ -6,6 +6,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends procps \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY engine ./engine
+COPY tinylm ./tinylm
 COPY workers ./workers
 # torch==2.13.0 is pinned by the project; point PIP_EXTRA_INDEX_URL at a CPU-wheel index
 # at build time to keep the image free of the CUDA stack.

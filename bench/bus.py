@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from engine.embedded import start_redis
 from engine.events import EventLog, RedisSettings, SampleCompleted, connect, encode
+from engine.ops.embedded import start_redis
 
 
 def make_events(n: int, tokens: int) -> list[SampleCompleted]:

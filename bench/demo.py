@@ -2,7 +2,7 @@
 
 What runs (one machine, one run):
 
-* one embedded Redis (``engine.embedded.start_redis``), the tinylm model built once into
+* one embedded Redis (``engine.ops.embedded.start_redis``), the tinylm model built once into
   ``<workdir>/tinylm`` (reused later) and ONE tinylm server that both arms talk to;
 * engine arm: the demo's processes, started once -- ``workers.scheduler`` (bundled
   ``rollout.yaml``, ungated like the demo), ``--workers`` ``workers.evaluator`` processes
@@ -68,9 +68,7 @@ from engine.actors.evaluator import sample_seed
 from engine.agents.base import EpisodeContext
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
-from engine.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
 from engine.domain import EvaluatorSpec, overlay
-from engine.embedded import start_redis
 from engine.errors import EngineError
 from engine.events import EventLog, RedisSettings, StreamNames, connect
 from engine.events.catalog import (
@@ -86,6 +84,8 @@ from engine.events.catalog import (
     TaskFetched,
     TokenAcquired,
 )
+from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
+from engine.ops.embedded import start_redis
 from engine.projections.placement import budget_tokens
 from engine.projections.samples import sampling_of, scalar_reward, stopping_of, task_of
 from engine.sample import Sample
@@ -236,7 +236,7 @@ def worker_max_batches() -> int:
 
 
 def start_engine(stack: Stack, args: argparse.Namespace, model_dir: Path) -> None:
-    """The demo's processes (``engine.demo.start_stack``), with ``--max-batches`` explicit."""
+    """The demo's processes (``engine.ops.demo.start_stack``), with ``--max-batches`` explicit."""
     assert stack.redis is not None and stack.server is not None
     common = ["--redis-url", stack.redis.url]
     evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
@@ -642,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_model(model_dir, args.train_steps)
         stack.redis = start_redis()
         say(f"redis     {stack.redis.kind} at {stack.redis.url}")
-        from engine.tinylm.process import spawn_server
+        from tinylm.process import spawn_server
 
         stack.server = spawn_server(model_dir)
         say(f"policy    tinylm server at {stack.server.url} (shared by both arms)")

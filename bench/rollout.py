@@ -43,8 +43,8 @@ from engine.domain import (  # noqa: E402
     StoppingCriteria,
     Task,
 )
-from engine.embedded import start_redis_server  # noqa: E402
 from engine.events import RolloutRequested  # noqa: E402
+from engine.ops.embedded import start_redis_server  # noqa: E402
 from engine.sample import Sample  # noqa: E402
 
 CONFIG = ROOT / "bench" / "rollout_evaluators.py"

@@ -1,6 +1,6 @@
 """Scheduler throughput: admission decisions/s and scheduling cost per sample.
 
-Arms (a real redis-server started by the bench, via engine.embedded.start_redis):
+Arms (a real redis-server started by the bench, via engine.ops.embedded.start_redis):
   pure        try_acquire_batch + folding the TokenAcquired, on a 64-node pool (no I/O)
   log         PoolGate.admit: the same decisions written with compare-and-append
               (TokenAcquired on rl:pool + BatchAdmitted on the work stream, one Lua call)
@@ -41,7 +41,6 @@ from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward
 from engine.config.layout import ClusterLayout, NodeSpec
 from engine.config.rollout import RolloutConfig
 from engine.domain import DatasetEntry, EvaluatorSpec, Resource, Task, TerminationReason
-from engine.embedded import start_redis
 from engine.events import (
     BatchSealed,
     Envelope,
@@ -50,6 +49,7 @@ from engine.events import (
     RolloutRequested,
     connect,
 )
+from engine.ops.embedded import start_redis
 from engine.projections.placement import PoolProjection, pool_of
 from workers.scheduler import GC_THRESHOLDS, tune_gc
 

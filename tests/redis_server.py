@@ -1,11 +1,11 @@
-"""Real redis-server for the integration tests (see engine.embedded)."""
+"""Real redis-server for the integration tests (see engine.ops.embedded)."""
 
 from __future__ import annotations
 
 import os
 
-from engine.embedded import EmbeddedRedis as RedisServer
-from engine.embedded import start_redis_server
+from engine.ops.embedded import EmbeddedRedis as RedisServer
+from engine.ops.embedded import start_redis_server
 
 __all__ = ["RedisServer", "redis_required", "start_redis_server"]
 

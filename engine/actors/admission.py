@@ -43,7 +43,6 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from engine.actors._live import LiveFold
 from engine.domain import EvaluatorSpec
 from engine.errors import AppendConflict, DeadlockError
 from engine.events.base import Envelope
@@ -57,6 +56,7 @@ from engine.projections.placement import (
     max_tokens_for,
     try_acquire_batch,
 )
+from engine.runtime.live import LiveFold
 
 __all__ = [
     "Admission",

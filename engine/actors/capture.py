@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.actors._appender import GroupAppender
-from engine.actors._consumer import Delivery, GroupConsumer
 from engine.events.arrays import LogProbs, TokenIds
 from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
 from engine.events.log import EventLog
 from engine.projections.base import rebuild
 from engine.projections.rollout import RolloutProjection, SampleState
+from engine.runtime.appender import GroupAppender
+from engine.runtime.consumer import Delivery, GroupConsumer
 
 __all__ = [
     "BackendScorer",

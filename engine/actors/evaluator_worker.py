@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.actors._appender import GroupAppender
-from engine.actors._consumer import Delivery, GroupConsumer
 from engine.actors.evaluator import (
     BatchPlan,
     EpisodeSettings,
@@ -67,6 +65,8 @@ from engine.events.log import DeadEntry, EventLog
 from engine.projections.base import rebuild
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.samples import DatasetCache
+from engine.runtime.appender import GroupAppender
+from engine.runtime.consumer import Delivery, GroupConsumer
 
 __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.actors._consumer import Delivery, GroupConsumer
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
 from engine.events.base import Envelope
@@ -63,6 +62,7 @@ from engine.events.catalog import (
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows, write_artifacts
+from engine.runtime.consumer import Delivery, GroupConsumer
 
 __all__ = [
     "Finalizer",

@@ -50,7 +50,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.actors._live import LiveFold
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner
 from engine.config.layout import ClusterLayout
@@ -68,6 +67,7 @@ from engine.events.log import DeadEntry, EventLog
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
 from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.runtime.live import LiveFold
 
 __all__ = [
     "SCHEDULER_GROUP",

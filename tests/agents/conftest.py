@@ -33,9 +33,9 @@ from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import DatasetEntry, SamplingParams, StoppingCriteria, Task
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
-from engine.tinylm.corpus import Dialogue
-from engine.tinylm.model import TrainSettings, init_model
-from engine.tinylm.server import TinyLMServer, start_server
+from tinylm.corpus import Dialogue
+from tinylm.model import TrainSettings, init_model
+from tinylm.server import TinyLMServer, start_server
 
 MATH_QUESTION = "What is 17 + 25?"
 MATH_EPISODE = Dialogue(

@@ -17,8 +17,8 @@ from engine.events.catalog import BatchAdmitted, SampleCompleted, TaskFetched, T
 from engine.events.names import StreamNames
 from engine.sandbox import LocalSandboxProvider
 from engine.tasks.evaluators import build_evaluators
-from engine.tinylm.server import TinyLMServer
 from tests.agents.conftest import MATH_QUESTION
+from tinylm.server import TinyLMServer
 
 
 class ListSink:

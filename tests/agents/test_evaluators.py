@@ -17,7 +17,7 @@ from engine.tasks import DATA_DIR, EVALUATOR_CONFIG, ROLLOUT_CONFIG
 from engine.tasks.evaluators import build_evaluators
 from engine.tasks.math import MathVerifier
 from engine.tasks.shell import ShellVerifier
-from engine.tinylm.corpus import PYTHON_TOOL, SHELL_TOOL
+from tinylm.corpus import PYTHON_TOOL, SHELL_TOOL
 
 
 def test_build_evaluators_returns_both_specs(model_dir: Path) -> None:

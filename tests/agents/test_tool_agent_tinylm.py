@@ -21,8 +21,8 @@ from engine.domain import SamplingParams, TerminationReason
 from engine.sandbox import LocalSandboxProvider
 from engine.tasks.evaluators import math_agent_config
 from engine.tasks.math import MathVerifier
-from engine.tinylm.server import TinyLMServer
 from tests.agents.conftest import check_trajectory, make_context, make_task, run_episode
+from tinylm.server import TinyLMServer
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.tinylm.corpus import PYTHON_TOOL, Dialogue
-from engine.tinylm.model import TrainSettings, init_model
-from engine.tinylm.server import TinyLMServer, start_server
+from tinylm.corpus import PYTHON_TOOL, Dialogue
+from tinylm.model import TrainSettings, init_model
+from tinylm.server import TinyLMServer, start_server
 
 MATH_QUESTION = "What is 17 + 25?"
 MATH_DIALOGUE = Dialogue(

@@ -11,8 +11,8 @@ import pytest
 
 from engine.backends import SGLangBackend, SGLangConfig, check_generation, check_token_fidelity
 from engine.backends.fidelity import compare_logprobs
-from engine.tinylm.sampling import LogprobMode
-from engine.tinylm.server import TinyLMServer, start_server
+from tinylm.sampling import LogprobMode
+from tinylm.server import TinyLMServer, start_server
 
 PROMPT = [1, 310, 201, 40, 41, 42, 43, 2, 201, 1, 90]
 

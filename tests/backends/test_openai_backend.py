@@ -26,9 +26,9 @@ from engine.backends import (
 )
 from engine.backends.openai import to_chat_params
 from engine.errors import BackendHTTPError, BackendProtocolError
-from engine.tinylm.corpus import PYTHON_TOOL
-from engine.tinylm.server import TinyLMServer
 from tests.backends.conftest import MATH_QUESTION
+from tinylm.corpus import PYTHON_TOOL
+from tinylm.server import TinyLMServer
 
 TOOL_CALL_REPLY: dict[str, Any] = {
     "id": "chatcmpl-abc123",

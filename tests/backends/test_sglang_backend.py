@@ -17,10 +17,10 @@ from engine.backends import (
     TeacherBackend,
     TeacherConfig,
 )
-from engine.tinylm.corpus import PYTHON_TOOL
-from engine.tinylm.server import TinyLMServer, start_server
 from tests.backends.conftest import MATH_QUESTION
 from tests.backends.test_tinylm_server import wait_until
+from tinylm.corpus import PYTHON_TOOL
+from tinylm.server import TinyLMServer, start_server
 
 PROMPT = [1, 310, 201, 40, 41, 42, 43, 2, 201, 1, 90]
 

@@ -15,14 +15,14 @@ import httpx
 import pytest
 import torch
 
-from engine.tinylm.chat_template import render_chat
-from engine.tinylm.cli import main as tinylm_main
-from engine.tinylm.corpus import PYTHON_TOOL, generate_dialogues
-from engine.tinylm.process import spawn_server
-from engine.tinylm.runtime import Chunk, TinyLMRuntime
-from engine.tinylm.sampling import LogprobMode, SamplingParams, next_token
-from engine.tinylm.server import TinyLMServer, start_server
 from tests.backends.conftest import MATH_DIALOGUE
+from tinylm.chat_template import render_chat
+from tinylm.cli import main as tinylm_main
+from tinylm.corpus import PYTHON_TOOL, generate_dialogues
+from tinylm.process import spawn_server
+from tinylm.runtime import Chunk, TinyLMRuntime
+from tinylm.sampling import LogprobMode, SamplingParams, next_token
+from tinylm.server import TinyLMServer, start_server
 
 # -- the model folder -------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     workdir = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "demo", "--workdir", str(workdir),
+        [sys.executable, "-m", "engine.ops.cli", "demo", "--workdir", str(workdir),
          "--train-steps", "10", "--prompts", "18", "--samples-per-prompt", "2"],
         capture_output=True, text=True, timeout=600, env=env, check=False,
     )
@@ -94,7 +94,7 @@ def test_replay_from_archive_is_byte_identical(demo_run: tuple[Path, str],
         archive = workdir / "archives" / f"{d.name}.rollout"
         out = tmp_path / d.name
         proc = subprocess.run(
-            [sys.executable, "-m", "engine.cli", "replay", d.name, "--from", str(archive),
+            [sys.executable, "-m", "engine.ops.cli", "replay", d.name, "--from", str(archive),
              "--out", str(out)],
             capture_output=True, text=True, timeout=120, check=False,
         )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.actors._consumer import GroupConsumer
 from engine.errors import LogUnavailable
 from engine.events import EventLog, RolloutFailed
 from engine.events.log import DeadEntry
+from engine.runtime.consumer import GroupConsumer
 
 S = "rl:test:consumer"
 

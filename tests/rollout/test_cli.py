@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cli
+from engine.ops import cli
 from engine.events import EventLog, RolloutKind
 from engine.projections.summary import ARTIFACT_FILES
 from tests.redis_server import RedisServer

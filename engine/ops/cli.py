@@ -11,7 +11,7 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
 
 Processes (each delegates to its own ``main(argv)``, which owns the flags):
 ``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
-(``workers.scheduler``), ``tinylm`` (``engine.tinylm.cli``) and ``demo`` (``engine.demo``).
+(``workers.scheduler``), ``tinylm`` (``tinylm.cli``) and ``demo`` (``engine.ops.demo``).
 Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
@@ -38,8 +38,8 @@ _DELEGATES: dict[str, tuple[str, str, str]] = {
     "finalizer": ("workers.finalizer", "main", "a finalizer process"),
     "capture": ("workers.capture", "main", "a teacher capture process"),
     "scheduler": ("workers.scheduler", "main", "a scheduler process"),
-    "tinylm": ("engine.tinylm.cli", "main", "the tiny SGLang-compatible model (init/serve)"),
-    "demo": ("engine.demo", "main", "a whole rollout on embedded defaults"),
+    "tinylm": ("tinylm.cli", "main", "the tiny SGLang-compatible model (init/serve)"),
+    "demo": ("engine.ops.demo", "main", "a whole rollout on embedded defaults"),
 }
 
 
@@ -108,7 +108,7 @@ def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
 
 
 async def _replay(args: argparse.Namespace) -> int:
-    from engine.replay import (
+    from engine.ops.replay import (
         decode_entries,
         raw_entries,
         read_archive,
@@ -148,7 +148,7 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 async def _archive(args: argparse.Namespace) -> int:
-    from engine.replay import archive_rollout
+    from engine.ops.replay import archive_rollout
 
     log = _log(args)
     try:
@@ -160,7 +160,7 @@ async def _archive(args: argparse.Namespace) -> int:
 
 
 async def _tail(args: argparse.Namespace) -> int:
-    from engine.inspection import tail
+    from engine.ops.inspection import tail
 
     log = _log(args, block_ms=1000)
     names = log.names
@@ -186,10 +186,10 @@ async def _tail(args: argparse.Namespace) -> int:
 
 
 async def _status(args: argparse.Namespace) -> int:
-    from engine.inspection import status_lines
+    from engine.ops.inspection import status_lines
+    from engine.ops.replay import decode_entries, raw_entries
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
-    from engine.replay import decode_entries, raw_entries
 
     log = _log(args)
     try:

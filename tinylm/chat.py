@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.backends.toolcalls import parse_tool_calls
-from engine.tinylm.sampling import SamplingParams
-from engine.tinylm.scheduler import GenerateOutput, GenerateRequest
+from tinylm.sampling import SamplingParams
+from tinylm.scheduler import GenerateOutput, GenerateRequest
 
 __all__ = ["ChatError", "chat_completion"]
 

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.tinylm.chat import ChatError, chat_completion
-from engine.tinylm.runtime import TinyLMRuntime
-from engine.tinylm.sampling import LogprobMode, SamplingParams
-from engine.tinylm.scheduler import (
+from tinylm.chat import ChatError, chat_completion
+from tinylm.runtime import TinyLMRuntime
+from tinylm.sampling import LogprobMode, SamplingParams
+from tinylm.scheduler import (
     GenerateOutput,
     GenerateRequest,
     Pending,

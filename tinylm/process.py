@@ -1,6 +1,6 @@
 """Run a tinylm server as a subprocess and find out where it listens.
 
-``spawn_server(model_dir)`` starts ``python -m engine.tinylm serve --model DIR --port 0``,
+``spawn_server(model_dir)`` starts ``python -m tinylm serve --model DIR --port 0``,
 reads its stdout until the ready line (``tinylm ready on http://HOST:PORT ...``) and returns a
 ``ServerProcess`` with the URL. Both output streams keep being drained by daemon threads (a full
 pipe would otherwise stall the server); the last lines are kept for error messages.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from engine.errors import BackendUnavailable
-from engine.tinylm.server import READY_PREFIX
+from tinylm.server import READY_PREFIX
 
 __all__ = ["ServerProcess", "spawn_server"]
 
@@ -75,7 +75,7 @@ def spawn_server(
     cmd = [
         sys.executable,
         "-m",
-        "engine.tinylm",
+        "tinylm",
         "serve",
         "--model",
         str(model_dir),

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.tinylm.model import InitReport, init_model
-    from engine.tinylm.process import ServerProcess, spawn_server
-    from engine.tinylm.server import ServerConfig, TinyLMServer, serve, start_server
+    from tinylm.model import InitReport, init_model
+    from tinylm.process import ServerProcess, spawn_server
+    from tinylm.server import ServerConfig, TinyLMServer, serve, start_server
 
 __all__ = [
     "InitReport",
@@ -30,20 +30,20 @@ __all__ = [
 ]
 
 _HOMES = {
-    "InitReport": "engine.tinylm.model",
-    "init_model": "engine.tinylm.model",
-    "ServerProcess": "engine.tinylm.process",
-    "spawn_server": "engine.tinylm.process",
-    "ServerConfig": "engine.tinylm.server",
-    "TinyLMServer": "engine.tinylm.server",
-    "serve": "engine.tinylm.server",
-    "start_server": "engine.tinylm.server",
+    "InitReport": "tinylm.model",
+    "init_model": "tinylm.model",
+    "ServerProcess": "tinylm.process",
+    "spawn_server": "tinylm.process",
+    "ServerConfig": "tinylm.server",
+    "TinyLMServer": "tinylm.server",
+    "serve": "tinylm.server",
+    "start_server": "tinylm.server",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
-        raise AttributeError(f"module 'engine.tinylm' has no attribute {name!r}")
+        raise AttributeError(f"module 'tinylm' has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(_HOMES[name]), name)

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from engine.tinylm.runtime import Chunk, TinyLMRuntime
-from engine.tinylm.sampling import LogprobMode, SamplingParams, next_token
+from tinylm.runtime import Chunk, TinyLMRuntime
+from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
 __all__ = ["GenerateOutput", "GenerateRequest", "Pending", "Scheduler", "SchedulerClosed"]
 

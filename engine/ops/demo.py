@@ -3,7 +3,7 @@
 Embedded defaults, nothing to set up beyond ``pip install``:
 
 * Redis: a ``redis-server`` on a free port when the binary exists, else fakeredis's TCP
-  server (``engine.embedded``);
+  server (``engine.ops.embedded``);
 * the policy: tinylm, built once into ``<workdir>/tinylm`` (``rollout tinylm init``) and
   served by its SGLang-compatible server on a free port;
 * the bundled tasks (``engine/tasks``): arithmetic with a python tool and shell/file tasks
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from engine.embedded import EmbeddedRedis, start_redis
 from engine.errors import EngineError, RolloutFailed
 from engine.events import (
     EventLog,
@@ -43,6 +42,7 @@ from engine.events import (
     StreamNames,
     connect,
 )
+from engine.ops.embedded import EmbeddedRedis, start_redis
 
 TASKS = Path(__file__).resolve().parent / "tasks"
 ROLLOUT_YAML = TASKS / "rollout.yaml"
@@ -130,7 +130,7 @@ def ensure_model(model_dir: Path, train_steps: int | None) -> None:
     if (model_dir / "config.json").is_file():
         say(f"model     tinylm at {model_dir} (built earlier)")
         return
-    from engine.tinylm.model import init_model
+    from tinylm.model import init_model
 
     say(f"model     building tinylm into {model_dir} (once; later runs reuse it) ...")
     t0 = time.monotonic()
@@ -147,7 +147,7 @@ def start_stack(args: argparse.Namespace) -> Stack:
     say(f"redis     {stack.redis.kind} at {stack.redis.url}")
     model_dir = workdir / "tinylm"
     ensure_model(model_dir, args.train_steps)
-    from engine.tinylm.process import spawn_server
+    from tinylm.process import spawn_server
 
     stack.server = spawn_server(model_dir)
     say(f"policy    tinylm server at {stack.server.url}")
@@ -226,7 +226,7 @@ async def run_rollout(
     import json
 
     from engine.client import RolloutClient
-    from engine.replay import archive_rollout
+    from engine.ops.replay import archive_rollout
 
     client = RolloutClient(log)
     if kind is RolloutKind.TRAIN:

@@ -1,7 +1,7 @@
 """``rollout tinylm init DIR`` and ``rollout tinylm serve --model DIR --port P``.
 
 ``main(argv)`` parses the arguments after ``tinylm`` and returns an exit status; the top-level
-``rollout`` command delegates here, and ``python -m engine.tinylm ...`` runs it directly.
+``rollout`` command delegates here, and ``python -m tinylm ...`` runs it directly.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from engine.errors import ConfigError
-from engine.tinylm.model import DEFAULT_TRAIN_STEPS, init_model
-from engine.tinylm.sampling import LogprobMode
-from engine.tinylm.server import ServerConfig, serve
+from tinylm.model import DEFAULT_TRAIN_STEPS, init_model
+from tinylm.sampling import LogprobMode
+from tinylm.server import ServerConfig, serve
 
 __all__ = ["build_parser", "main"]
 

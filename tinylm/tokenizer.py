@@ -39,7 +39,7 @@ from tokenizers import (
     trainers,
 )
 
-from engine.tinylm.chat_template import CHAT_TEMPLATE
+from tinylm.chat_template import CHAT_TEMPLATE
 
 __all__ = [
     "EOS_TOKEN",

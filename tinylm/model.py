@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.tinylm.chat_template import render_chat
-from engine.tinylm.corpus import Dialogue, generate_dialogues
-from engine.tinylm.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, save_tokenizer
+from tinylm.chat_template import render_chat
+from tinylm.corpus import Dialogue, generate_dialogues
+from tinylm.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, save_tokenizer
 
 __all__ = [
     "DEFAULT_TRAIN_STEPS",
