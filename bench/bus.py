@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from engine.events import EventLog, RedisSettings, SampleCompleted, connect, encode
+from engine.events import RedisEventLog, RedisSettings, SampleCompleted, connect, encode
 from engine.ops.embedded import start_redis
 
 
@@ -63,7 +63,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
         client.connection_pool.connection_kwargs["parser_class"] = _AsyncRESP2Parser
     raw: object = client
-    log = EventLog(client, producer="bench")
+    log = RedisEventLog(client, producer="bench")
     events = make_events(args.events, args.tokens)
     blobs = [encode(e) for e in events]
     n = len(events)

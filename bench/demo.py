@@ -70,7 +70,7 @@ from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
 from engine.domain import EvaluatorSpec, overlay
 from engine.errors import EngineError
-from engine.events import EventLog, RedisSettings, StreamNames, connect
+from engine.events import EventLog, RedisEventLog, RedisSettings, StreamNames, connect
 from engine.events.catalog import (
     BatchAdmitted,
     BatchSealed,
@@ -526,7 +526,7 @@ async def measure(
 
     assert stack.redis is not None and stack.server is not None
     redis = connect(RedisSettings(url=stack.redis.url, block_ms=1000))
-    log = EventLog(redis, names=StreamNames(), producer="bench-demo", block_ms=1000)
+    log = RedisEventLog(redis, names=StreamNames(), producer="bench-demo", block_ms=1000)
     client = RolloutClient(log)
     provider = LocalSandboxProvider()
     tmp_root = stack.workdir / "direct"

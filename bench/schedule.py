@@ -44,7 +44,7 @@ from engine.domain import DatasetEntry, EvaluatorSpec, Resource, Task, Terminati
 from engine.events import (
     BatchSealed,
     Envelope,
-    EventLog,
+    RedisEventLog,
     RedisSettings,
     RolloutRequested,
     connect,
@@ -117,7 +117,7 @@ def pure_rate(nodes: int, n: int) -> float:
 async def log_rate(url: str, nodes: int, n: int, gates: int) -> tuple[float, int]:
     clients = [connect(RedisSettings(url=url)) for _ in range(gates)]
     await clients[0].flushall()
-    logs = [EventLog(c, producer=f"bench-{i}") for i, c in enumerate(clients)]
+    logs = [RedisEventLog(c, producer=f"bench-{i}") for i, c in enumerate(clients)]
     await logs[0].append(logs[0].names.pool, declaration_for(cluster(nodes)))
     pool_gates = [PoolGate(log) for log in logs]
     for gate in pool_gates:
@@ -152,7 +152,7 @@ async def per_sample_cost(
     """(CPU seconds, wall seconds) per sample from request to the last BatchAdmitted."""
     client = connect(RedisSettings(url=url))
     await client.flushall()
-    log = EventLog(client, producer="bench")
+    log = RedisEventLog(client, producer="bench")
     scheduler = Scheduler(
         log,
         planner=planner,

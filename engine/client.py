@@ -41,11 +41,13 @@ from engine.events.catalog import (
 from engine.events.catalog import (
     RolloutFailed as RolloutFailedEvent,
 )
-from engine.events.log import EMPTY_ID, EventLog, RedisSettings, connect
+from engine.events.ids import EMPTY_ID, id_before
+from engine.events.log import EventLog
 from engine.events.names import StreamNames
-from engine.projections.base import rebuild
+from engine.events.redis_log import RedisSettings, open_log
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import scalar_reward, trainer_samples
+from engine.runtime.rebuild import rebuild
 from engine.sample import Sample
 
 __all__ = ["TEACHER_ALGORITHMS", "RolloutClient", "SyncRolloutClient", "collate"]
@@ -66,11 +68,11 @@ class RolloutClient:
     def connect(
         cls, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
     ) -> RolloutClient:
-        redis = connect(RedisSettings(url=url, block_ms=block_ms))
-        return cls(EventLog(redis, names=StreamNames(prefix), producer=producer, block_ms=block_ms))
+        settings = RedisSettings(url=url, block_ms=block_ms)
+        return cls(open_log(settings, names=StreamNames(prefix), producer=producer))
 
     async def aclose(self) -> None:
-        await self.log.redis.aclose()
+        await self.log.aclose()
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -130,7 +132,7 @@ class RolloutClient:
         """The rollout's ``RolloutReady``; ``RolloutFailed`` raises; ``TimeoutError`` after
         ``timeout`` seconds."""
         start = self._requested_at.get(rollout_id)
-        position = _before(start) if start is not None else EMPTY_ID
+        position = id_before(start) if start is not None else EMPTY_ID
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             block = self.log.block_ms
@@ -163,13 +165,6 @@ class RolloutClient:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
         folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
         return trainer_samples(folded.state)
-
-
-def _before(entry_id: str) -> str:
-    """The position just before ``entry_id`` (so a read after it includes the entry)."""
-    ms, _, seq = entry_id.partition("-")
-    n = int(seq or 0)
-    return f"{ms}-{n - 1}" if n > 0 else f"{max(int(ms) - 1, 0)}-{2**64 - 1 if int(ms) else 0}"
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from engine.events import EventLog, RedisSettings, connect
+from engine.events import EventLog, RedisEventLog, RedisSettings, connect
 from tests.redis_server import RedisServer, redis_required, start_redis_server
 
 ClientFactory = Callable[[], aioredis.Redis]
@@ -56,4 +56,4 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientF
 
 @pytest.fixture
 async def log(redis_factory: ClientFactory) -> EventLog:
-    return EventLog(redis_factory(), producer="test", block_ms=200, max_deliveries=3)
+    return RedisEventLog(redis_factory(), producer="test", block_ms=200, max_deliveries=3)

@@ -15,8 +15,9 @@ import socket
 import sys
 
 from engine.errors import ConfigError
-from engine.events.log import EventLog, RedisSettings, connect
+from engine.events.log import EventLog
 from engine.events.names import StreamNames
+from engine.events.redis_log import RedisSettings, open_log
 from engine.settings import Settings
 
 __all__ = [
@@ -79,12 +80,11 @@ def setup_logging(level: str) -> None:
 
 def make_log(args: argparse.Namespace, producer: str) -> EventLog:
     settings = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
-    return EventLog(
-        connect(settings),
+    return open_log(
+        settings,
         names=StreamNames(args.prefix),
         producer=producer,
         max_deliveries=args.max_deliveries,
-        block_ms=args.block_ms,
     )
 
 

@@ -73,7 +73,7 @@ async def _serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         await teacher.aclose()
-        await log.redis.aclose()
+        await log.aclose()
     return 0
 
 

@@ -166,7 +166,7 @@ async def _serve(
         logger.error("worker %s: %s", args.worker_id, exc)
         return 1
     finally:
-        await log.redis.aclose()
+        await log.aclose()
         close = getattr(provider, "close", None)
         if callable(close):
             close()

@@ -78,7 +78,7 @@ async def _serve(args: argparse.Namespace) -> int:
         logger.error("finalizer %s: %s", args.worker_id, exc)
         return 1
     finally:
-        await log.redis.aclose()
+        await log.aclose()
     return 0
 
 

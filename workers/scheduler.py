@@ -32,8 +32,8 @@ from engine.config.evaluators import load_evaluators
 from engine.config.layout import ClusterLayout, parse_cluster_layout
 from engine.config.rollout import load_rollout_config
 from engine.errors import ConfigError, DeadlockError, EngineError, LogError
-from engine.events.log import EventLog, RedisSettings, connect
 from engine.events.names import StreamNames
+from engine.events.redis_log import RedisSettings, open_log
 from engine.settings import Settings
 
 __all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
@@ -134,12 +134,8 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
 
 
 async def _serve(parts: _Components) -> int:
-    client = connect(parts.redis)
-    log = EventLog(
-        client,
-        names=parts.names,
-        producer=f"scheduler:{parts.config.scheduler_id}",
-        block_ms=parts.redis.block_ms,
+    log = open_log(
+        parts.redis, names=parts.names, producer=f"scheduler:{parts.config.scheduler_id}"
     )
     scheduler = Scheduler(log, planner=parts.planner, layout=parts.layout, config=parts.config)
     stop = asyncio.Event()
@@ -162,7 +158,7 @@ async def _serve(parts: _Components) -> int:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 1
     finally:
-        await client.aclose()
+        await log.aclose()
     logger.info("scheduler %s stopped", parts.config.scheduler_id)
     return 0
 

@@ -31,10 +31,10 @@ import numpy as np
 from engine.events.arrays import LogProbs, TokenIds
 from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
 from engine.events.log import EventLog
-from engine.projections.base import rebuild
 from engine.projections.rollout import RolloutProjection, SampleState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.rebuild import rebuild
 
 __all__ = [
     "BackendScorer",

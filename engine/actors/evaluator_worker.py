@@ -62,11 +62,11 @@ from engine.events.catalog import (
     TokenReleased,
 )
 from engine.events.log import DeadEntry, EventLog
-from engine.projections.base import rebuild
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.samples import DatasetCache
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.rebuild import rebuild
 
 __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 

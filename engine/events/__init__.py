@@ -1,12 +1,13 @@
-"""Typed events, their codec and the stream log."""
+"""Typed events, their codec, stream ids and the log (the port and its Redis adapter)."""
 
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.base import Envelope, Event, event_class, registered_types, upcaster
 from engine.events.catalog import *  # noqa: F403 - the catalog is the public surface
 from engine.events.catalog import __all__ as _catalog_all
 from engine.events.codec import decode, encode
-from engine.events.log import ClaimResult, DeadEntry, EventLog, RedisSettings, connect
+from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect, open_log
 
 __all__ = [
     "ClaimResult",
@@ -17,12 +18,14 @@ __all__ = [
     "LogProbs",
     "Mask",
     "PackedArray",
+    "RedisEventLog",
     "RedisSettings",
     "StreamNames",
     "TokenIds",
     "connect",
     "decode",
     "encode",
+    "open_log",
     "event_class",
     "registered_types",
     "upcaster",

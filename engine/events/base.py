@@ -115,8 +115,3 @@ class Envelope:
         """``stream@id``: the value to put in a caused event's ``causation``."""
         return f"{self.stream}@{self.id}"
 
-
-def parse_id(stream_id: str) -> tuple[int, int]:
-    """Split a stream id into its (ms, seq) pair for ordering."""
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)

@@ -1,27 +1,14 @@
-"""The event log: typed events on Redis Streams (redis-py asyncio).
+"""The event log on Redis Streams (redis-py asyncio): the implementation of the
+:class:`engine.events.log.EventLog` port.
 
-Contract
---------
-* Each stream entry has one field ``e`` holding the msgpack event (``codec.py``). The
-  Redis stream id is the event's position and identity.
-* ``append`` / ``append_many`` write events (``append_many`` in one round trip);
-  ``append_if_last`` is the compare-and-append used by single-writer invariants: it appends
-  only if the stream's last id is the one the writer folded to, atomically (a Lua script),
-  else raises :class:`AppendConflict` carrying the current last id.
-* Every read decodes and validates. An entry that does not decode or validate is written
-  to the dead-letter stream with its source stream, id, raw bytes and the reason, acked
-  when it came through a group, counted in ``dead_lettered``, and skipped: a reader never
-  crashes on a bad entry.
-* Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
-  consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
-  time of entries still being worked on, so a live worker's batches are not stolen) and
-  ``claim_idle`` (XAUTOCLAIM of entries idle past a window) and ``read_own_pending`` (the
-  consumer's own unacked entries after a restart). Both can check delivery counts: an entry
-  delivered more than ``max_deliveries`` times is dead-lettered instead and handed back to
-  the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
-  pending (owned by the caller) until the caller acks it once the abort is recorded, so a
-  crash in between leaves it to be dead-lettered and aborted again, never forgotten.
-* redis exceptions are translated to :class:`LogUnavailable` / :class:`LogError` here.
+Storage: each stream entry has one field ``e`` holding the msgpack event (``codec.py``);
+the Redis stream id is the event's position and identity. ``append_if_last`` is one Lua
+script (read the last id, compare, XADD the events and the follow-ups), as are
+``keep_alive`` and ``hand_back`` (check the owner, then XCLAIM). Snapshots are plain keys
+named by ``StreamNames.snapshot``.
+
+Every redis exception is translated to :class:`LogUnavailable` / :class:`LogError` here
+and nowhere else: callers catch the engine's names.
 
 redis-py pitfall (DESIGN.md): a blocking read longer than ``socket_timeout`` times out at
 the socket and is retried by the client forever. :func:`connect` therefore derives the
@@ -35,7 +22,7 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -47,10 +34,13 @@ from engine.errors import AppendConflict, DecodeError, LogError, LogUnavailable
 from engine.events.base import Envelope, Event
 from engine.events.catalog import DeadLetter
 from engine.events.codec import decode, encode
+from engine.events.ids import EMPTY_ID, exclusive, format_id, id_after, parse_id
+from engine.events.log import ClaimResult, DeadEntry, RawEntry, RawStreamEntry
 from engine.events.names import StreamNames
 
+__all__ = ["FIELD", "RedisEventLog", "RedisSettings", "connect", "open_log"]
+
 FIELD = b"e"
-EMPTY_ID = "0-0"
 
 # KEYS[1] guarded stream, KEYS[2..] streams of the follow-up appends; ARGV[1] expected last
 # id, ARGV[2] n guarded events, ARGV[3..] encoded guarded events then follow-up events (one
@@ -194,26 +184,12 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-@dataclass(frozen=True, slots=True)
-class DeadEntry:
-    """An entry that was dead-lettered instead of delivered."""
+class RedisEventLog:
+    """The :class:`~engine.events.log.EventLog` port on Redis Streams.
 
-    stream: str
-    id: str
-    error: str
-    deliveries: int
-    event: Event | None
-
-
-@dataclass(slots=True)
-class ClaimResult:
-    entries: list[Envelope] = field(default_factory=list)
-    deliveries: dict[str, int] = field(default_factory=dict)
-    dead: list[DeadEntry] = field(default_factory=list)
-
-
-class EventLog:
-    """Typed append / read / subscribe / compare-and-append over Redis Streams."""
+    ``redis`` is the client it talks through and closes in :meth:`aclose`; it is public
+    only so tests of this adapter can look at what Redis holds (pending owners, groups).
+    """
 
     def __init__(
         self,
@@ -386,7 +362,7 @@ class EventLog:
         cursor = after
         with _gc_paused():
             while True:
-                start = "-" if cursor is None else f"({cursor}"
+                start = "-" if cursor is None else exclusive(cursor)
                 with _translate(f"XRANGE {stream}"):
                     rows = await self._r.xrange(stream, start, "+", count=page)
                 if not rows:
@@ -627,16 +603,16 @@ class EventLog:
         floor: tuple[int, int] | None = None
         for g in groups:
             name = _s(g["name"])
-            candidates = [_next_id(_s(g["last-delivered-id"]))]
+            candidates = [parse_id(id_after(_s(g["last-delivered-id"])))]
             with _translate(f"XPENDING {stream} {name}"):
                 summary = await self._r.xpending(stream, name)
             if summary["pending"]:
-                candidates.append(_split(_s(summary["min"])))
+                candidates.append(parse_id(_s(summary["min"])))
             low = min(candidates)
             floor = low if floor is None else min(floor, low)
         assert floor is not None
         with _translate(f"XTRIM {stream}"):
-            n = await self._r.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+            n = await self._r.xtrim(stream, minid=format_id(*floor), approximate=False)
         return int(n)
 
     async def stream_length(self, stream: str) -> int:
@@ -644,11 +620,81 @@ class EventLog:
             return int(await self._r.xlen(stream))
 
 
-def _split(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
+    # ------------------------------------------------------------------ raw access
+
+    async def read_raw(
+        self, stream: str, *, after: str | None = None, page: int = 2000
+    ) -> list[RawEntry]:
+        """Every entry after ``after`` (None: from the start) as ``(id, raw bytes)``,
+        undecoded: an entry without the event field reads as empty bytes."""
+        out: list[RawEntry] = []
+        cursor = after
+        while True:
+            start = "-" if cursor is None else exclusive(cursor)
+            with _translate(f"XRANGE {stream}"):
+                rows = await self._r.xrange(stream, start, "+", count=page)
+            for raw_id, fields in rows:
+                out.append((_s(raw_id), bytes(fields.get(FIELD, b""))))
+            if len(rows) < page:
+                return out
+            cursor = out[-1][0]
+
+    async def tail_raw(
+        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+    ) -> list[RawStreamEntry]:
+        """Blocking read past each stream's position, undecoded and without dead-lettering
+        (for viewers, which only read)."""
+        block = self.block_ms if block_ms is None else block_ms
+        with _translate("XREAD"):
+            reply = await self._r.xread(dict(positions), count=count, block=block)
+        if isinstance(reply, dict):  # RESP3 shape
+            items: list[tuple[Any, Any]] = [
+                (k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()
+            ]
+        else:
+            items = list(reply or [])
+        return [
+            (_s(raw_stream), _s(raw_id), bytes((fields or {}).get(FIELD, b"")))
+            for raw_stream, rows in items
+            for raw_id, fields in rows
+        ]
+
+    async def list_streams(self, pattern: str) -> list[str]:
+        """Names of the streams matching the glob ``pattern``, sorted."""
+        found: list[str] = []
+        with _translate(f"SCAN {pattern}"):
+            async for key in self._r.scan_iter(match=pattern, _type="stream"):
+                found.append(_s(key))
+        return sorted(found)
+
+    async def write_snapshot(self, name: str, data: bytes) -> None:
+        with _translate(f"SET snapshot {name}"):
+            await self._r.set(self.names.snapshot(name), data)
+
+    async def read_snapshot(self, name: str) -> bytes | None:
+        with _translate(f"GET snapshot {name}"):
+            raw = await self._r.get(self.names.snapshot(name))
+        return None if raw is None else bytes(raw)
+
+    async def aclose(self) -> None:
+        """Close the client (its connections); the log is unusable afterwards."""
+        with _translate("close"):
+            await self._r.aclose()
 
 
-def _next_id(stream_id: str) -> tuple[int, int]:
-    ms, seq = _split(stream_id)
-    return ms, seq + 1
+def open_log(
+    settings: RedisSettings,
+    *,
+    names: StreamNames | None = None,
+    producer: str = "",
+    max_deliveries: int = 5,
+) -> RedisEventLog:
+    """A log on a new client built by :func:`connect` (blocking reads of
+    ``settings.block_ms``); :meth:`RedisEventLog.aclose` closes it."""
+    return RedisEventLog(
+        connect(settings),
+        names=names,
+        producer=producer,
+        max_deliveries=max_deliveries,
+        block_ms=settings.block_ms,
+    )

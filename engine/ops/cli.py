@@ -24,11 +24,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from redis.exceptions import RedisError
-
 from engine.errors import EngineError
-from engine.events.log import EventLog, RedisSettings, connect
+from engine.events.log import EventLog
 from engine.events.names import StreamNames
+from engine.events.redis_log import RedisSettings, open_log
 
 __all__ = ["main"]
 
@@ -103,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
-    redis = connect(RedisSettings(url=args.redis_url, block_ms=block_ms))
-    return EventLog(redis, names=StreamNames(args.prefix), producer="cli", block_ms=block_ms)
+    settings = RedisSettings(url=args.redis_url, block_ms=block_ms)
+    return open_log(settings, names=StreamNames(args.prefix), producer="cli")
 
 
 async def _replay(args: argparse.Namespace) -> int:
@@ -132,7 +131,7 @@ async def _replay(args: argparse.Namespace) -> int:
             stream = log.names.rollout(args.rollout_id)
             entries = await raw_entries(log, stream)
         finally:
-            await log.redis.aclose()
+            await log.aclose()
         if not entries:
             print(f"error: no events for rollout {args.rollout_id} in {stream}", file=sys.stderr)
             return 1
@@ -154,7 +153,7 @@ async def _archive(args: argparse.Namespace) -> int:
     try:
         n = await archive_rollout(log, args.rollout_id, args.out)
     finally:
-        await log.redis.aclose()
+        await log.aclose()
     print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
     return 0
 
@@ -165,13 +164,11 @@ async def _tail(args: argparse.Namespace) -> int:
     log = _log(args, block_ms=1000)
     names = log.names
     streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
-    if not args.stream:
-        r = log.redis
-        async for key in r.scan_iter(match=f"{names.prefix}:work:*", _type="stream"):
-            streams.append(key.decode() if isinstance(key, bytes) else str(key))
-    if args.rollout:
-        streams.append(names.rollout(args.rollout))
     try:
+        if not args.stream:
+            streams.extend(await log.list_streams(f"{names.prefix}:work:*"))
+        if args.rollout:
+            streams.append(names.rollout(args.rollout))
         await tail(
             log,
             sorted(set(streams)),
@@ -181,7 +178,7 @@ async def _tail(args: argparse.Namespace) -> int:
             count=args.count,
         )
     finally:
-        await log.redis.aclose()
+        await log.aclose()
     return 0
 
 
@@ -196,7 +193,7 @@ async def _status(args: argparse.Namespace) -> int:
         stream = log.names.rollout(args.rollout_id)
         envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
     finally:
-        await log.redis.aclose()
+        await log.aclose()
     if not envelopes:
         print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
         return 1
@@ -208,13 +205,14 @@ async def _status(args: argparse.Namespace) -> int:
 
 
 async def _pool(args: argparse.Namespace) -> int:
-    from engine.projections.placement import pool_at, render_pool
+    from engine.projections.placement import render_pool
+    from engine.runtime.rebuild import pool_at
 
     log = _log(args)
     try:
         folded = await pool_at(log, until=args.at)
     finally:
-        await log.redis.aclose()
+        await log.aclose()
     print(render_pool(folded))
     return 0
 
@@ -241,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_COMMANDS[args.command](args))
     except KeyboardInterrupt:
         return 0
-    except (EngineError, OSError, RedisError) as exc:
-        # RedisError: tail's discovery of work streams (SCAN) is a raw client call
+    except (EngineError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

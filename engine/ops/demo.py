@@ -40,7 +40,7 @@ from engine.events import (
     SampleAborted,
     SampleCompleted,
     StreamNames,
-    connect,
+    open_log,
 )
 from engine.ops.embedded import EmbeddedRedis, start_redis
 
@@ -274,14 +274,14 @@ async def run_rollout(
 
 async def run(args: argparse.Namespace, stack: Stack) -> None:
     assert stack.redis is not None
-    client = connect(RedisSettings(url=stack.redis.url, block_ms=500))
-    log = EventLog(client, names=StreamNames(), producer="demo", block_ms=500)
+    log = open_log(RedisSettings(url=stack.redis.url, block_ms=500), names=StreamNames(),
+                   producer="demo")
     try:
         await run_rollout(stack, log, args, RolloutKind.TRAIN, iteration=0)
         if not args.no_eval:
             await run_rollout(stack, log, args, RolloutKind.EVAL, iteration=0)
     finally:
-        await client.aclose()
+        await log.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

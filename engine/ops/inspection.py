@@ -12,11 +12,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import redis.exceptions as rexc
-
-from engine.errors import DecodeError, LogError, LogUnavailable
+from engine.errors import DecodeError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     BatchAdmitted,
@@ -37,14 +34,15 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.codec import decode
-from engine.events.log import FIELD, EventLog
+from engine.events.ids import id_ms
+from engine.events.log import EventLog
 from engine.projections.rollout import RolloutState
 
 __all__ = ["BatchProgress", "describe", "progress", "status_lines", "tail"]
 
 
 def _time(entry_id: str) -> str:
-    ms = int(entry_id.partition("-")[0])
+    ms = id_ms(entry_id)
     stamp = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
     return stamp.strftime("%H:%M:%S.") + f"{ms % 1000:03d}"
 
@@ -134,40 +132,24 @@ async def tail(
     """
     positions = {s: "0-0" if from_start else await log.last_id(s) for s in streams}
     block = log.block_ms if block_ms is None else block_ms
-    r: Any = log.redis
     printed = 0
     while count is None or printed < count:
-        try:
-            reply = await r.xread(dict(positions), count=500, block=block)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            raise LogUnavailable(f"redis unavailable during XREAD: {exc}") from exc
-        except rexc.RedisError as exc:
-            raise LogError(f"redis refused XREAD: {exc}") from exc
-        for raw_stream, rows in _stream_rows(reply):
-            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
-            for raw_id, fields in rows:
-                entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-                positions[stream] = entry_id
-                try:
-                    env = Envelope(stream, entry_id, decode(fields.get(FIELD, b"")))
-                except DecodeError as exc:
-                    if rollout_id is None:
-                        emit(f"{_time(entry_id)}  {stream}  <undecodable {entry_id}: {exc}>")
-                        printed += 1
-                    continue
-                if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
-                    continue
-                emit(describe(env))
-                printed += 1
-                if count is not None and printed >= count:
-                    return printed
+        for stream, entry_id, raw in await log.tail_raw(positions, block_ms=block, count=500):
+            positions[stream] = entry_id
+            try:
+                env = Envelope(stream, entry_id, decode(raw))
+            except DecodeError as exc:
+                if rollout_id is None:
+                    emit(f"{_time(entry_id)}  {stream}  <undecodable {entry_id}: {exc}>")
+                    printed += 1
+                continue
+            if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
+                continue
+            emit(describe(env))
+            printed += 1
+            if count is not None and printed >= count:
+                return printed
     return printed
-
-
-def _stream_rows(reply: Any) -> list[tuple[Any, Any]]:
-    if isinstance(reply, dict):  # RESP3
-        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
-    return list(reply or [])
 
 
 @dataclass(frozen=True, slots=True)

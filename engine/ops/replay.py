@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
-import redis.exceptions as rexc
 
-from engine.errors import DecodeError, LogError, LogUnavailable, RolloutError
+from engine.errors import DecodeError, RolloutError
 from engine.events.base import Envelope
 from engine.events.catalog import RolloutReady
 from engine.events.codec import decode
-from engine.events.log import FIELD, EventLog
+from engine.events.log import EventLog, RawEntry
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import write_artifacts
@@ -35,6 +34,7 @@ from engine.projections.summary import write_artifacts
 __all__ = [
     "ARCHIVE_FORMAT",
     "Archive",
+    "RawEntry",
     "archive_rollout",
     "decode_entries",
     "raw_entries",
@@ -47,8 +47,6 @@ __all__ = [
 ARCHIVE_FORMAT = "rollout-archive"
 ARCHIVE_VERSION = 1
 
-RawEntry = tuple[str, bytes]
-
 
 @dataclass(frozen=True, slots=True)
 class Archive:
@@ -59,22 +57,7 @@ class Archive:
 
 async def raw_entries(log: EventLog, stream: str, *, page: int = 2000) -> list[RawEntry]:
     """Every entry of ``stream`` as ``(id, raw bytes)``, undecoded."""
-    out: list[RawEntry] = []
-    start_id = "-"
-    r: Any = log.redis
-    while True:
-        try:
-            rows = await r.xrange(stream, start_id, "+", count=page)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            raise LogUnavailable(f"redis unavailable during XRANGE {stream}: {exc}") from exc
-        except rexc.RedisError as exc:
-            raise LogError(f"redis refused XRANGE {stream}: {exc}") from exc
-        for raw_id, fields in rows:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-            out.append((entry_id, bytes(fields.get(FIELD, b""))))
-        if len(rows) < page:
-            return out
-        start_id = f"({out[-1][0]}"
+    return await log.read_raw(stream, page=page)
 
 
 def write_archive(path: str | os.PathLike[str], archive: Archive) -> int:

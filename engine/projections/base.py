@@ -1,8 +1,10 @@
-"""Projections: pure folds of events, and the one rebuild path.
+"""Projections: pure folds of events.
 
 A projection is ``evolve(state, envelope) -> state``: no clock, no randomness, no I/O, and
 the state is never mutated in place (return a new value). Live actors and the replay tool
-fold with the same :func:`fold` / :func:`rebuild`, so a replay is identical by construction.
+fold with the same :func:`fold` (reading the log is :func:`engine.runtime.rebuild.rebuild`'s
+business), so a replay is identical by construction. Nothing in ``engine.projections``
+touches Redis or files.
 
 Idempotence: a :class:`Folded` remembers the last stream id it applied; entries at or below
 it are skipped, so a redelivered or re-read entry changes nothing. Domain-level duplicates
@@ -11,7 +13,7 @@ own business and are ignored inside ``evolve``.
 
 Snapshots: a :class:`Folded` *is* a snapshot (state + position). ``rebuild(..., since=snap)``
 folds only the tail after it. Projections that implement :class:`Snapshottable` can also be
-stored in Redis with :func:`save_snapshot` / :func:`load_snapshot`.
+stored beside the log with ``engine.runtime.rebuild.save_snapshot`` / ``load_snapshot``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-import msgpack
-
-from engine.events.base import Envelope, parse_id
-from engine.events.log import EMPTY_ID, EventLog
+from engine.events.base import Envelope
+from engine.events.ids import EMPTY_ID, parse_id
 
 S = TypeVar("S")
 
@@ -83,31 +83,3 @@ def fold(
         position, pos_key = env.id, key
     return Folded(state, position)
 
-
-async def rebuild(
-    log: EventLog,
-    stream: str,
-    projection: Projection[S],
-    *,
-    since: Folded[S] | None = None,
-    until: str | None = None,
-) -> Folded[S]:
-    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``."""
-    folded = since if since is not None else start(projection)
-    envelopes = await log.read_all(stream, after=folded.position)
-    return fold(projection, folded, envelopes, until=until)
-
-
-async def save_snapshot(log: EventLog, projection: Snapshottable[S], folded: Folded[S]) -> None:
-    data = msgpack.packb(
-        {"position": folded.position, "state": projection.dump(folded.state)}, use_bin_type=True
-    )
-    await log.redis.set(log.names.snapshot(projection.name), data)
-
-
-async def load_snapshot(log: EventLog, projection: Snapshottable[S]) -> Folded[S] | None:
-    raw = await log.redis.get(log.names.snapshot(projection.name))
-    if raw is None:
-        return None
-    obj = msgpack.unpackb(raw, raw=False)
-    return Folded(projection.load(obj["state"]), str(obj["position"]))

@@ -46,8 +46,8 @@ at once (on an empty pool): per node the minimum over GPU slots (``floor(1/gpu)`
 ``floor(gpus/k)`` for whole GPUs), ``floor(cpu/cpu)`` and ``floor(memory/memory)``, summed
 over nodes. ``UNBOUNDED`` when nothing gates (ungated pool, or an all-zero sample).
 
-Time travel: ``pool_at(log, until=id)`` folds ``rl:pool`` up to an event id and
-``render_pool`` prints it as a table.
+Time travel: ``engine.runtime.rebuild.pool_at(log, until=id)`` folds ``rl:pool`` up to an
+event id and ``render_pool`` prints it as a table.
 
 Performance note: like the rollout projection, ``evolve`` updates the state in place and
 returns it, so folding a long pool history stays linear; take ``copy()`` before keeping a
@@ -77,8 +77,7 @@ from engine.events.catalog import (
     TokenGrant,
     TokenReleased,
 )
-from engine.events.log import EventLog
-from engine.projections.base import Folded, rebuild
+from engine.projections.base import Folded
 
 __all__ = [
     "EPS",
@@ -92,7 +91,6 @@ __all__ = [
     "describe_resource",
     "fold_all",
     "max_tokens_for",
-    "pool_at",
     "pool_of",
     "render_pool",
     "try_acquire_batch",
@@ -528,12 +526,7 @@ def try_acquire_batch(
     return grants
 
 
-# ---------------------------------------------------------------- time travel
-
-
-async def pool_at(log: EventLog, *, until: str | None = None) -> Folded[PoolState]:
-    """The pool as it was right after event ``until`` of ``rl:pool`` (None: now)."""
-    return await rebuild(log, log.names.pool, PoolProjection(), until=until)
+# ---------------------------------------------------------------- rendering
 
 
 def describe_resource(resource: Resource) -> str:

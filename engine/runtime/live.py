@@ -12,17 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
-from engine.events.base import Envelope, parse_id
+from engine.events.base import Envelope
+from engine.events.ids import later_id
 from engine.events.log import EventLog
 from engine.projections.base import Folded, Projection, fold, start
 
 __all__ = ["LiveFold", "later_id"]
 
 S = TypeVar("S")
-
-
-def later_id(a: str, b: str) -> str:
-    return a if parse_id(a) >= parse_id(b) else b
 
 
 class LiveFold(Generic[S]):

@@ -7,13 +7,16 @@ import asyncio
 import msgpack
 import pytest
 
-from engine.errors import AppendConflict
+from engine.errors import AppendConflict, LogUnavailable
 from engine.events import (
     DeadLetter,
     EventLog,
+    RedisEventLog,
+    RedisSettings,
     RolloutFailed,
     SampleCompleted,
     encode,
+    open_log,
 )
 from tests.conftest import ClientFactory
 from tests.events.examples import example_events
@@ -103,7 +106,7 @@ async def test_concurrent_writers_racing_cas_lose_nothing(redis_factory: ClientF
     writers, per_writer = 6, 15
 
     async def writer(w: int) -> int:
-        log = EventLog(redis_factory(), producer=f"w{w}")
+        log = RedisEventLog(redis_factory(), producer=f"w{w}")
         conflicts = 0
         for k in range(per_writer):
             while True:
@@ -118,7 +121,7 @@ async def test_concurrent_writers_racing_cas_lose_nothing(redis_factory: ClientF
         return conflicts
 
     conflicts = await asyncio.gather(*(writer(w) for w in range(writers)))
-    log = EventLog(redis_factory())
+    log = RedisEventLog(redis_factory())
     events = [e.event for e in await log.read(S)]
     assert len(events) == writers * per_writer
     seen = {(e.rollout_id, e.reason) for e in events if isinstance(e, RolloutFailed)}
@@ -162,12 +165,12 @@ async def test_group_create_is_idempotent_and_delivers_once(log: EventLog) -> No
 
 
 async def test_restart_rereads_own_pending_then_ack(redis_factory: ClientFactory) -> None:
-    log = EventLog(redis_factory())
+    log = RedisEventLog(redis_factory())
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(i)) for i in range(3)])
     got = await log.read_group("g", "worker-1", [S], block_ms=50)
     await log.ack(S, "g", got[0].id)
-    restarted = EventLog(redis_factory())  # same consumer name, new process
+    restarted = RedisEventLog(redis_factory())  # same consumer name, new process
     pending = await restarted.read_group("g", "worker-1", [S], pending=True)
     assert [e.id for e in pending] == [e.id for e in got[1:]]
     await restarted.ack(S, "g", *(e.id for e in pending))
@@ -176,12 +179,12 @@ async def test_restart_rereads_own_pending_then_ack(redis_factory: ClientFactory
 
 
 async def test_claim_after_consumer_dies(redis_factory: ClientFactory) -> None:
-    dead = EventLog(redis_factory())
+    dead = RedisEventLog(redis_factory())
     await dead.ensure_group(S, "g")
     await dead.append_many([(S, failed(i)) for i in range(4)])
     taken = await dead.read_group("g", "dead", [S], block_ms=50)
     assert len(taken) == 4
-    live = EventLog(redis_factory())
+    live = RedisEventLog(redis_factory())
     assert (await live.claim_idle(S, "g", "live", min_idle_ms=60_000)).entries == []
     await asyncio.sleep(0.15)
     claimed = await live.claim_idle(S, "g", "live", min_idle_ms=100)
@@ -192,25 +195,25 @@ async def test_claim_after_consumer_dies(redis_factory: ClientFactory) -> None:
 
 
 async def test_keep_alive_protects_live_work(redis_factory: ClientFactory) -> None:
-    worker = EventLog(redis_factory())
+    worker = RedisEventLog(redis_factory())
     await worker.ensure_group(S, "g")
     await worker.append(S, failed(0))
     (env,) = await worker.read_group("g", "w", [S], block_ms=50)
     await asyncio.sleep(0.15)
     await worker.keep_alive(S, "g", "w", [env.id])
-    other = EventLog(redis_factory())
+    other = RedisEventLog(redis_factory())
     assert (await other.claim_idle(S, "g", "o", min_idle_ms=100)).entries == []
 
 
 async def test_keep_alive_never_takes_back_a_claimed_entry(
     redis_factory: ClientFactory,
 ) -> None:
-    stalled = EventLog(redis_factory())
+    stalled = RedisEventLog(redis_factory())
     await stalled.ensure_group(S, "g")
     await stalled.append_many([(S, failed(0)), (S, failed(1))])
     taken = await stalled.read_group("g", "stalled", [S], block_ms=50)
     await asyncio.sleep(0.15)
-    rescuer = EventLog(redis_factory())
+    rescuer = RedisEventLog(redis_factory())
     claimed = await rescuer.claim_idle(S, "g", "rescuer", min_idle_ms=100, count=1)
     assert [e.id for e in claimed.entries] == [taken[0].id]
     lost = await stalled.keep_alive(S, "g", "stalled", [e.id for e in taken])
@@ -225,7 +228,7 @@ async def test_keep_alive_never_takes_back_a_claimed_entry(
 
 
 async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFactory) -> None:
-    log = EventLog(redis_factory(), max_deliveries=2)
+    log = RedisEventLog(redis_factory(), max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append(S, failed(7))
     await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
@@ -251,7 +254,7 @@ async def test_dead_entries_can_stay_pending_until_the_caller_settles(
 ) -> None:
     # ack_dead=False: the entry is dead-lettered but stays pending, owned by the claimer,
     # until it acks; if the claimer dies first, the next claim dead-letters it again.
-    log = EventLog(redis_factory(), max_deliveries=1)
+    log = RedisEventLog(redis_factory(), max_deliveries=1)
     await log.ensure_group(S, "g")
     await log.append(S, failed(3))
     await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
@@ -277,7 +280,7 @@ async def test_own_pending_reread_counts_deliveries(
 ) -> None:
     # A consumer that restarts under the same name and dies on the same entry each time
     # ends up dead-lettering it instead of crash-looping.
-    log = EventLog(redis_factory(), max_deliveries=2)
+    log = RedisEventLog(redis_factory(), max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(0)), (S, failed(1))])
     got = await log.read_group("g", "w", [S], block_ms=50)  # delivery 1 of both
@@ -298,7 +301,7 @@ async def test_own_pending_without_limit_returns_every_entry(
 ) -> None:
     # Leases held for a long time (a finalizer's rollout request) survive any number of
     # restarts.
-    log = EventLog(redis_factory(), max_deliveries=1)
+    log = RedisEventLog(redis_factory(), max_deliveries=1)
     await log.ensure_group(S, "g")
     await log.append(S, failed(0))
     (env,) = await log.read_group("g", "f", [S], block_ms=50)
@@ -404,7 +407,7 @@ async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: Even
 async def test_a_handed_back_entry_is_claimable_at_once_and_not_charged(
     redis_factory: ClientFactory,
 ) -> None:
-    log = EventLog(redis_factory(), max_deliveries=2)
+    log = RedisEventLog(redis_factory(), max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(0)), (S, failed(1))])
     got = await log.read_group("g", "a", [S], block_ms=50)  # delivery 1 of both
@@ -423,3 +426,61 @@ async def test_a_handed_back_entry_is_claimable_at_once_and_not_charged(
     owners = {(p["message_id"].decode(), p["consumer"].decode(), p["times_delivered"])
               for p in pending}
     assert owners == {(got[0].id, "b", 2), (got[1].id, "c", 1)}
+
+
+# ------------------------------------------------- what callers used to reach around the port for
+
+
+async def test_raw_reads_return_stored_bytes_and_dead_letter_nothing(log: EventLog) -> None:
+    ids = [await log.append(S, failed(i)) for i in range(5)]
+    stored = await log.read_raw(S, page=2)
+    assert [i for i, _ in stored] == ids
+    assert stored[0][1] == encode(failed(0).model_copy(update={"producer": "test"}))
+    assert [i for i, _ in await log.read_raw(S, after=ids[2], page=2)] == ids[3:]
+    assert await log.read_raw(f"{S}:missing") == []
+    assert log.dead_lettered == 0
+
+
+async def test_raw_tail_follows_several_streams_without_dead_lettering(
+    log: EventLog, redis_factory: ClientFactory
+) -> None:
+    a, b = f"{S}:a", f"{S}:b"
+    first = await log.append(a, failed(0))
+    raw_client = redis_factory()
+    junk = (await raw_client.xadd(b, {b"e": b"junk"})).decode()
+    got = await log.tail_raw({a: "0-0", b: "0-0"}, block_ms=50)
+    assert sorted((s, i) for s, i, _ in got) == [(a, first), (b, junk)]
+    assert dict((s, raw) for s, _, raw in got)[b] == b"junk"
+    assert log.dead_lettered == 0
+    # past every position and nothing new: an empty list after the block
+    assert await log.tail_raw({a: first, b: junk}, block_ms=20) == []
+
+
+async def test_streams_are_listed_by_pattern(log: EventLog) -> None:
+    for name in ("rl:work:{a}", "rl:work:{b}", "rl:other"):
+        await log.append(name, failed(0))
+    await log.write_snapshot("notastream", b"x")
+    assert await log.list_streams("rl:work:*") == ["rl:work:{a}", "rl:work:{b}"]
+    assert await log.list_streams("rl:snapshot:*") == []
+
+
+async def test_snapshots_round_trip_by_name(log: EventLog) -> None:
+    assert await log.read_snapshot("pool") is None
+    await log.write_snapshot("pool", b"\x00state")
+    assert await log.read_snapshot("pool") == b"\x00state"
+
+
+async def test_an_unreachable_store_raises_log_unavailable() -> None:
+    # A port that nothing listens on: the redis error is translated at the adapter.
+    log = open_log(RedisSettings(url="redis://127.0.0.1:1/0", block_ms=50, connect_timeout_s=1))
+    with pytest.raises(LogUnavailable):
+        await log.append(S, failed(0))
+    with pytest.raises(LogUnavailable):
+        await log.read_raw(S)
+    await log.aclose()
+
+
+async def test_a_closed_log_can_be_closed_again(log: EventLog) -> None:
+    await log.append(S, failed(0))
+    await log.aclose()
+    await log.aclose()

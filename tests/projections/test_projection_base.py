@@ -6,14 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.events import Envelope, EventLog, RolloutFailed
-from engine.projections.base import (
-    Folded,
-    fold,
-    load_snapshot,
-    rebuild,
-    save_snapshot,
-    start,
-)
+from engine.projections.base import Folded, fold, start
+from engine.runtime.rebuild import load_snapshot, rebuild, save_snapshot
 
 S = "rl:proj"
 

@@ -19,6 +19,7 @@ from engine.events import (
     Event,
     EventLog,
     FilterSpec,
+    RedisEventLog,
     RolloutKind,
     RolloutRequested,
     TokenAcquired,
@@ -105,7 +106,7 @@ async def engine(
     redis_factory: ClientFactory, specs: Mapping[str, EvaluatorSpec]
 ) -> AsyncIterator[Engine]:
     def make_log() -> EventLog:
-        return EventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)
+        return RedisEventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)
 
     eng = Engine(make_log, specs)
     yield eng

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from engine.client import RolloutClient, collate
-from engine.events import EventLog, RedisSettings, SampleAborted, SampleCompleted, SampleStarted
+from engine.events import (
+    EventLog,
+    RedisEventLog,
+    RedisSettings,
+    SampleAborted,
+    SampleCompleted,
+    SampleStarted,
+)
 from engine.events import connect as redis_connect
 from engine.projections.rollout import RolloutState
 from tests.redis_server import RedisServer
@@ -39,7 +46,7 @@ TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "20
 async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
     redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
     await redis.flushall()
-    yield EventLog(redis, producer="test", block_ms=200)
+    yield RedisEventLog(redis, producer="test", block_ms=200)
     await redis.aclose()
 
 

@@ -24,6 +24,7 @@ from engine.events import (
     BatchAdmitted,
     Envelope,
     EventLog,
+    RedisEventLog,
     RolloutPlanned,
     RolloutRequested,
     TokenReleased,
@@ -230,4 +231,4 @@ def check_every_prefix(pool_events: Sequence[Envelope]) -> PoolState:
 
 
 def fresh_client_log(factory: Callable[[], aioredis.Redis], producer: str) -> EventLog:
-    return EventLog(factory(), producer=producer, block_ms=200, max_deliveries=5)
+    return RedisEventLog(factory(), producer=producer, block_ms=200, max_deliveries=5)

@@ -9,7 +9,8 @@ from engine.actors.scheduler import check_layout, declaration_for
 from engine.domain import EvaluatorSpec, Resource
 from engine.errors import DeadlockError
 from engine.events import EventLog, NodeDecl, PoolDeclared, TokenAcquired, TokenReleased
-from engine.projections.placement import PoolState, pool_at, pool_of, render_pool, try_acquire_batch
+from engine.projections.placement import PoolState, pool_of, render_pool, try_acquire_batch
+from engine.runtime.rebuild import pool_at
 from tests.scheduler.fixtures.agents import EchoAgent
 from tests.scheduler.helpers import FIXTURES, layout, load_specs
 

@@ -16,7 +16,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from engine.actors.scheduler import SCHEDULER_GROUP
-from engine.events import Envelope, EventLog, RedisSettings, connect
+from engine.events import Envelope, EventLog, RedisEventLog, RedisSettings, connect
 from tests.redis_server import RedisServer
 from tests.scheduler.helpers import (
     EVALUATORS,
@@ -40,7 +40,7 @@ TIMEOUT = 60
 async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
     client = connect(RedisSettings(url=redis_server.url, block_ms=200))
     await client.flushall()
-    yield EventLog(client, producer="trainer", block_ms=200)
+    yield RedisEventLog(client, producer="trainer", block_ms=200)
     await client.aclose()
 
 

@@ -1,0 +1,248 @@
+"""The event log port: typed events on ordered streams, with consumer groups.
+
+:class:`EventLog` is what actors, projections' rebuilds, the client and the operator tools
+talk to; :class:`engine.events.redis_log.RedisEventLog` implements it on Redis Streams
+(built with :func:`engine.events.redis_log.open_log`). The contract suite
+``tests/events/test_log_contract.py`` holds every implementation to it.
+
+Contract
+--------
+* A stream id (``engine.events.ids``) is an event's position and identity; ids grow.
+* ``append`` / ``append_many`` write events (``append_many`` in one round trip);
+  ``append_if_last`` is the compare-and-append used by single-writer invariants: it appends
+  only if the stream's last id is the one the writer folded to, atomically, together with
+  the follow-up appends in ``also``, else raises :class:`AppendConflict` carrying the
+  current last id.
+* Every typed read decodes and validates. An entry that does not decode or validate is
+  written to the dead-letter stream with its source stream, id, raw bytes and the reason,
+  acked when it came through a group, counted in ``dead_lettered``, and skipped: a reader
+  never crashes on a bad entry. The raw reads (``read_raw``, ``tail_raw``) return the stored
+  bytes undecoded and dead-letter nothing (archives and viewers).
+* Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
+  consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
+  time of entries still being worked on, so a live worker's batches are not stolen),
+  ``hand_back`` (gives entries back unfinished, claimable at once, without counting a
+  delivery), ``claim_idle`` (entries idle past a window) and ``read_own_pending`` (the
+  consumer's own unacked entries after a restart). Both can check delivery counts: an
+  entry delivered more than ``max_deliveries`` times is dead-lettered instead and handed
+  back to the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
+  pending (owned by the caller) until the caller acks it once the abort is recorded, so a
+  crash in between leaves it to be dead-lettered and aborted again, never forgotten.
+* Snapshots are opaque bytes stored by name beside the streams.
+* Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
+  :class:`LogError` (it refused); an implementation translates its own exceptions.
+* ``aclose`` releases the connections; the log is unusable afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.events.base import Envelope, Event
+from engine.events.ids import EMPTY_ID
+from engine.events.names import StreamNames
+
+__all__ = [
+    "EMPTY_ID",
+    "ClaimResult",
+    "DeadEntry",
+    "EventLog",
+    "RawEntry",
+    "RawStreamEntry",
+]
+
+RawEntry = tuple[str, bytes]
+"""An entry as stored: ``(id, raw event bytes)``."""
+
+RawStreamEntry = tuple[str, str, bytes]
+"""An entry as stored, with its stream: ``(stream, id, raw event bytes)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEntry:
+    """An entry that was dead-lettered instead of delivered."""
+
+    stream: str
+    id: str
+    error: str
+    deliveries: int
+    event: Event | None
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    entries: list[Envelope] = field(default_factory=list)
+    deliveries: dict[str, int] = field(default_factory=dict)
+    dead: list[DeadEntry] = field(default_factory=list)
+
+
+class EventLog(Protocol):
+    """Typed append / read / subscribe / compare-and-append over ordered streams."""
+
+    names: StreamNames
+    producer: str
+    max_deliveries: int
+    block_ms: int
+    dead_lettered: int
+
+    # ------------------------------------------------------------------ writing
+
+    async def append(
+        self, stream: str, event: Event, *, causation: Envelope | str | None = None
+    ) -> str: ...
+
+    async def append_many(
+        self,
+        items: Sequence[tuple[str, Event]],
+        *,
+        causation: Envelope | str | None = None,
+    ) -> list[str]:
+        """Append many events (to one or several streams) in one round trip, in order."""
+        ...
+
+    async def append_if_last(
+        self,
+        stream: str,
+        events: Event | Sequence[Event],
+        expected_last: str,
+        *,
+        also: Sequence[tuple[str, Event]] = (),
+        causation: Envelope | str | None = None,
+    ) -> list[str]:
+        """Append atomically iff the stream's last id is ``expected_last`` (``0-0``: empty),
+        with the follow-ups ``also`` in the same step; returns the ids of the guarded
+        events followed by those of ``also``."""
+        ...
+
+    async def last_id(self, stream: str) -> str:
+        """The stream's last id (``0-0`` when empty or missing)."""
+        ...
+
+    # ------------------------------------------------------------------ reading
+
+    async def read(
+        self, stream: str, start: str = "-", end: str = "+", count: int | None = None
+    ) -> list[Envelope]:
+        """Entries with ``start <= id <= end`` (use ``(id`` for an exclusive start)."""
+        ...
+
+    async def read_all(
+        self, stream: str, *, after: str | None = None, page: int = 2000
+    ) -> list[Envelope]:
+        """Every entry after ``after`` (exclusive; None = from the start), paging through."""
+        ...
+
+    async def tail(
+        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+    ) -> list[Envelope]:
+        """Blocking read of entries after each stream's position (``$``: only new ones)."""
+        ...
+
+    async def read_after(
+        self, stream: str, after: str, *, block_ms: int | None = None, count: int = 500
+    ) -> tuple[list[Envelope], str]:
+        """Blocking read of one stream past ``after``: the envelopes and the position to
+        continue from, past dead-lettered entries too. ``block_ms=0`` does not block."""
+        ...
+
+    def subscribe(
+        self, stream: str, *, after: str = "$", block_ms: int | None = None
+    ) -> AsyncIterator[Envelope]:
+        """Yield every event appended after ``after``, forever (cancel to stop)."""
+        ...
+
+    async def read_raw(
+        self, stream: str, *, after: str | None = None, page: int = 2000
+    ) -> list[RawEntry]:
+        """Every entry after ``after`` (None: from the start), undecoded."""
+        ...
+
+    async def tail_raw(
+        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+    ) -> list[RawStreamEntry]:
+        """Blocking read past each stream's position, undecoded, dead-lettering nothing."""
+        ...
+
+    async def list_streams(self, pattern: str) -> list[str]:
+        """Names of the existing streams matching the glob ``pattern``, sorted."""
+        ...
+
+    async def stream_length(self, stream: str) -> int: ...
+
+    # ------------------------------------------------------------------ groups
+
+    async def ensure_group(self, stream: str, group: str, *, start: str = "0") -> None:
+        """Create the group (and the stream) if missing; an existing group is kept."""
+        ...
+
+    async def read_group(
+        self,
+        group: str,
+        consumer: str,
+        streams: Sequence[str],
+        *,
+        count: int = 100,
+        block_ms: int | None = None,
+        pending: bool = False,
+    ) -> list[Envelope]:
+        """New entries for this consumer, or (``pending=True``) its own unacked ones."""
+        ...
+
+    async def ack(self, stream: str, group: str, *ids: str) -> int: ...
+
+    async def keep_alive(
+        self, stream: str, group: str, consumer: str, ids: Sequence[str]
+    ) -> list[str]:
+        """Reset the idle time of entries this consumer still owns; returns the ids it no
+        longer owns."""
+        ...
+
+    async def hand_back(
+        self, stream: str, group: str, consumer: str, ids: Sequence[str]
+    ) -> list[str]:
+        """Give back unfinished entries, claimable at once and without counting a
+        delivery; returns the ids the consumer no longer owned."""
+        ...
+
+    async def claim_idle(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        min_idle_ms: int,
+        count: int = 100,
+        ack_dead: bool = True,
+    ) -> ClaimResult:
+        """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
+        ...
+
+    async def read_own_pending(
+        self,
+        group: str,
+        consumer: str,
+        stream: str,
+        *,
+        count: int = 10_000,
+        limit: bool = True,
+        ack_dead: bool = True,
+    ) -> ClaimResult:
+        """This consumer's own unacked entries (a restart resumes them); ``limit`` applies
+        the delivery-count check of :meth:`claim_idle`."""
+        ...
+
+    async def pending_count(self, stream: str, group: str) -> int: ...
+
+    async def trim_acked(self, stream: str) -> int:
+        """Trim entries every group has acked (never below a pending or undelivered one)."""
+        ...
+
+    # ------------------------------------------------------------------ snapshots, close
+
+    async def write_snapshot(self, name: str, data: bytes) -> None: ...
+
+    async def read_snapshot(self, name: str) -> bytes | None: ...
+
+    async def aclose(self) -> None: ...

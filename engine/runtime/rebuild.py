@@ -1,0 +1,56 @@
+"""Folding a projection from the log: the one rebuild path, snapshots and time travel.
+
+The folds themselves are pure (``engine.projections``); this module is where they meet the
+log. Live actors, the client and the operator tools all rebuild through :func:`rebuild`,
+so a replay folds exactly what the live actor folded.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgpack
+
+from engine.events.log import EventLog
+from engine.projections.base import Folded, Projection, Snapshottable, fold, start
+from engine.projections.placement import PoolProjection, PoolState
+
+__all__ = ["load_snapshot", "pool_at", "rebuild", "save_snapshot"]
+
+S = TypeVar("S")
+
+
+async def rebuild(
+    log: EventLog,
+    stream: str,
+    projection: Projection[S],
+    *,
+    since: Folded[S] | None = None,
+    until: str | None = None,
+) -> Folded[S]:
+    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``."""
+    folded = since if since is not None else start(projection)
+    envelopes = await log.read_all(stream, after=folded.position)
+    return fold(projection, folded, envelopes, until=until)
+
+
+async def save_snapshot(log: EventLog, projection: Snapshottable[S], folded: Folded[S]) -> None:
+    """Store ``folded`` under the projection's name (msgpack: position and dumped state)."""
+    data = msgpack.packb(
+        {"position": folded.position, "state": projection.dump(folded.state)}, use_bin_type=True
+    )
+    await log.write_snapshot(projection.name, data)
+
+
+async def load_snapshot(log: EventLog, projection: Snapshottable[S]) -> Folded[S] | None:
+    """The snapshot :func:`save_snapshot` stored for the projection, or None."""
+    raw = await log.read_snapshot(projection.name)
+    if raw is None:
+        return None
+    obj = msgpack.unpackb(raw, raw=False)
+    return Folded(projection.load(obj["state"]), str(obj["position"]))
+
+
+async def pool_at(log: EventLog, *, until: str | None = None) -> Folded[PoolState]:
+    """The pool as it was right after event ``until`` of ``rl:pool`` (None: now)."""
+    return await rebuild(log, log.names.pool, PoolProjection(), until=until)
