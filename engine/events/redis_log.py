@@ -509,7 +509,7 @@ class RedisEventLog:
         ack_dead: bool = True,
     ) -> ClaimResult:
         """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
-        start = "0-0"
+        start = EMPTY_ID
         rows: list[tuple[Any, Any]] = []
         while len(rows) < count:
             with _translate(f"XAUTOCLAIM {stream} {group}"):

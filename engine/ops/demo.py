@@ -42,6 +42,7 @@ from engine.events import (
     StreamNames,
     open_log,
 )
+from engine.events.ids import EMPTY_ID
 from engine.ops.embedded import EmbeddedRedis, start_redis
 
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -176,7 +177,7 @@ async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> st
     total: int | None = None
     done: set[str] = set()
     completed = aborted = 0
-    position = "0-0"
+    position = EMPTY_ID
     first_abort: str | None = None
     tty = sys.stdout.isatty()
     last_print = 0.0

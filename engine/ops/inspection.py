@@ -34,7 +34,7 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.codec import decode
-from engine.events.ids import id_ms
+from engine.events.ids import EMPTY_ID, id_ms
 from engine.events.log import EventLog
 from engine.projections.rollout import RolloutState
 
@@ -130,7 +130,7 @@ async def tail(
 
     A viewer only reads: an entry that does not decode is shown as such, not dead-lettered.
     """
-    positions = {s: "0-0" if from_start else await log.last_id(s) for s in streams}
+    positions = {s: EMPTY_ID if from_start else await log.last_id(s) for s in streams}
     block = log.block_ms if block_ms is None else block_ms
     printed = 0
     while count is None or printed < count:
