@@ -34,8 +34,7 @@ import httpx
 
 from engine.backends import GenerationResult, SGLangBackend, SGLangConfig
 from engine.backends.sglang_protocol import parse_generate_reply
-from tinylm.model import init_model
-from tinylm.process import spawn_server
+from engine.ops.tinylm import init_model, spawn_server
 
 Arm = Callable[[list[dict[str, Any]], int], Awaitable[int]]
 

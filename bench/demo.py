@@ -642,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_model(model_dir, args.train_steps)
         stack.redis = start_redis()
         say(f"redis     {stack.redis.kind} at {stack.redis.url}")
-        from tinylm.process import spawn_server
+        from engine.ops.tinylm import spawn_server
 
         stack.server = spawn_server(model_dir)
         say(f"policy    tinylm server at {stack.server.url} (shared by both arms)")

@@ -1,12 +1,15 @@
 """tinylm: a tiny Qwen2-style model and an SGLang-compatible CPU server for it.
 
 ``init_model`` (``rollout tinylm init DIR``) writes a briefly trained model in Hugging Face
-format; ``start_server`` (in-process, for tests), ``spawn_server`` (a subprocess) and ``serve``
+format, trained on dialogues rendered with the ``SystemPrompts`` of the agents it will serve;
+``start_server`` (in-process, for tests), ``spawn_server`` (a subprocess) and ``serve``
 (``rollout tinylm serve --model DIR --port P``) serve it with SGLang's ``/generate``, OpenAI's
 ``/v1/chat/completions`` and ``/abort_request``. Demos and tests exercise real HTTP, real
 tokenizers and real logprobs with it, without a GPU.
 
-Importing this package is cheap; torch and transformers load when a model is built or served.
+tinylm imports nothing from the engine (an import-linter contract holds it to that): it is
+the model server's side, as SGLang is. Importing this package is cheap; torch and
+transformers load when a model is built or served.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tinylm.corpus import SystemPrompts
     from tinylm.model import InitReport, init_model
     from tinylm.process import ServerProcess, spawn_server
     from tinylm.server import ServerConfig, TinyLMServer, serve, start_server
@@ -22,6 +26,7 @@ __all__ = [
     "InitReport",
     "ServerConfig",
     "ServerProcess",
+    "SystemPrompts",
     "TinyLMServer",
     "init_model",
     "serve",
@@ -30,6 +35,7 @@ __all__ = [
 ]
 
 _HOMES = {
+    "SystemPrompts": "tinylm.corpus",
     "InitReport": "tinylm.model",
     "init_model": "tinylm.model",
     "ServerProcess": "tinylm.process",

@@ -2,7 +2,7 @@
 
 The request's ``messages`` and ``tools`` are rendered with the model's chat template, the
 rendered prompt is generated like any ``/generate`` request, and the text is split into prose
-and ``<tool_call>`` blocks (``engine.backends.toolcalls``). The reply follows the OpenAI shape:
+and ``<tool_call>`` blocks (``tinylm.toolcalls``). The reply follows the OpenAI shape:
 ``choices[0].message`` with ``content`` (``null`` when the turn is only tool calls) and
 ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments": <JSON text>}}``),
 ``finish_reason`` (``tool_calls`` when calls were parsed, else ``stop`` / ``length``; ``abort``
@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.backends.toolcalls import parse_tool_calls
 from tinylm.sampling import SamplingParams
 from tinylm.scheduler import GenerateOutput, GenerateRequest
+from tinylm.toolcalls import split_tool_calls
 
 __all__ = ["ChatError", "chat_completion"]
 
@@ -117,16 +117,16 @@ def chat_completion(
     message: dict[str, Any] = {"role": "assistant", "content": out.text}
     reason = {"stop": "stop", "length": "length"}.get(finish, finish)
     if tools:
-        parsed = parse_tool_calls(out.text, id_prefix=f"call_{rid}_")
-        if parsed.tool_calls:
-            message["content"] = parsed.content or None
+        content, calls = split_tool_calls(out.text, id_prefix=f"call_{rid}_")
+        if calls:
+            message["content"] = content or None
             message["tool_calls"] = [
                 {
                     "id": c.id,
                     "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments},
                 }
-                for c in parsed.tool_calls
+                for c in calls
             ]
             if finish == "stop":
                 reason = "tool_calls"

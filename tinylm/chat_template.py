@@ -29,7 +29,8 @@ on)::
   no system message a default system prompt is used.
 - An assistant turn with ``tool_calls`` renders its content (if any) and then one
   ``<tool_call>`` block per call; ``arguments`` may be a dict or the OpenAI wire's JSON string,
-  and a dict renders exactly as ``engine.backends.toolcalls.render_tool_call`` writes it.
+  and a dict renders as ``json.dumps`` writes it (the engine's ``render_tool_call`` writes
+  the same text; a test holds the two equal).
 - Consecutive ``tool`` messages share one user turn, each wrapped in ``<tool_response>``.
 - ``add_generation_prompt`` ends the text with ``<|im_start|>assistant\\n``, so a generation
   starts right where the assistant's content starts.

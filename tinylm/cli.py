@@ -1,7 +1,9 @@
 """``rollout tinylm init DIR`` and ``rollout tinylm serve --model DIR --port P``.
 
-``main(argv)`` parses the arguments after ``tinylm`` and returns an exit status; the top-level
-``rollout`` command delegates here, and ``python -m tinylm ...`` runs it directly.
+``main(argv, system_prompts=...)`` parses the arguments after ``tinylm`` and returns an exit
+status. The top-level ``rollout`` command delegates here (``engine.ops.tinylm``) passing the
+bundled agents' system prompts, which ``init`` renders the corpus with; ``python -m tinylm
+init`` needs them as ``--math-system-prompt`` / ``--shell-system-prompt``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.errors import ConfigError
+from tinylm.corpus import SystemPrompts
+from tinylm.errors import ConfigError
 from tinylm.model import DEFAULT_TRAIN_STEPS, init_model
 from tinylm.sampling import LogprobMode
 from tinylm.server import ServerConfig, serve
@@ -37,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TRAIN_STEPS,
         help=f"training steps (default {DEFAULT_TRAIN_STEPS}; 0 saves untrained weights)",
     )
+    init.add_argument("--math-system-prompt", help="the math agent's system prompt")
+    init.add_argument("--shell-system-prompt", help="the shell agent's system prompt")
 
     srv = sub.add_parser("serve", help="serve a tinylm model over HTTP (SGLang + OpenAI routes)")
     srv.add_argument("--model", type=Path, required=True, help="folder written by `tinylm init`")
@@ -72,12 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _prompts(args: argparse.Namespace, given: SystemPrompts | None) -> SystemPrompts:
+    math = args.math_system_prompt or (given.math if given else None)
+    shell = args.shell_system_prompt or (given.shell if given else None)
+    if math is None or shell is None:
+        raise ConfigError(
+            "init needs the system prompts of the agents the model will serve: run it as "
+            "`rollout tinylm init` (the bundled agents' prompts) or give "
+            "--math-system-prompt and --shell-system-prompt"
+        )
+    return SystemPrompts(math=math, shell=shell)
+
+
+def main(argv: list[str] | None = None, *, system_prompts: SystemPrompts | None = None) -> int:
+    """Run ``init`` or ``serve``; ``system_prompts`` are ``init``'s defaults for the flags."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "init":
             report = init_model(
                 args.dir,
+                system_prompts=_prompts(args, system_prompts),
                 seed=args.seed,
                 train_steps=args.steps,
                 log=lambda msg: print(msg, file=sys.stderr),

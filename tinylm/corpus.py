@@ -1,9 +1,11 @@
 """Synthetic tool-use dialogues that teach tinylm the shape of a good episode.
 
-Two families, in the bundled tasks' templates (``engine/tasks/data``) and rendered with the
-system prompts and tool specs the bundled agents really use, so the model is trained on the
-context it is served in. The model's job is a short copy from the request; the generator draws
-its own numbers and names from the seed (never the bundled items):
+Two families, in the bundled tasks' templates (the engine's ``engine/tasks/data``) and
+rendered with the system prompts and tool specs the bundled agents really use, so the model is
+trained on the context it is served in. The prompts are the caller's (:class:`SystemPrompts`):
+tinylm imports nothing from the engine, whose side passes its agents' prompts in. The model's
+job is a short copy from the request; the generator draws its own numbers and names from the
+seed (never the bundled items):
 
 - **math** (tool ``python``, arguments ``{"code": str}``): "Compute 38 plus 6.", "What is
   26 * 15?", "Calculate 12 - 5." and the like; the assistant calls ``print(38 + 6)``, the tool
@@ -27,12 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
-
 __all__ = [
     "PYTHON_TOOL",
     "SHELL_TOOL",
     "Dialogue",
+    "SystemPrompts",
     "generate_dialogues",
     "math_dialogue",
     "shell_dialogue",
@@ -65,6 +66,14 @@ SHELL_TOOL: dict[str, Any] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class SystemPrompts:
+    """The system prompts of the agents the model will be served to, one per family."""
+
+    math: str
+    shell: str
+
+
 @dataclass(frozen=True)
 class Dialogue:
     """One conversation in OpenAI message format, with the tools offered in it."""
@@ -89,13 +98,11 @@ def _with_system(
     return [] if prompt is None else [{"role": "system", "content": prompt}]
 
 
-# The bundled agents' own system prompts (``engine.tasks.prompts``) are the most likely:
-# a tiny model copes best with the exact context it will be served in.
-_MATH_SYSTEM: list[tuple[str | None, float]] = [
-    (MATH_SYSTEM_PROMPT, 0.9),
-    (None, 0.05),
-    ("You are a helpful assistant.", 0.05),
-]
+def _system_choices(served: str) -> list[tuple[str | None, float]]:
+    # The agents' own system prompt is the most likely: a tiny model copes best with the
+    # exact context it will be served in.
+    return [(served, 0.9), (None, 0.05), ("You are a helpful assistant.", 0.05)]
+
 
 # (question template, operator); the python call is ``print({a} {op} {b})``.
 _MATH_FORMS: list[tuple[str, str]] = [
@@ -181,20 +188,14 @@ def _math_turns(rng: random.Random) -> list[dict[str, Any]]:
     ]
 
 
-def math_dialogue(rng: random.Random) -> Dialogue:
+def math_dialogue(rng: random.Random, prompts: SystemPrompts) -> Dialogue:
     """A question, one ``python`` call copying its operands, the output, the boxed answer
     (sometimes followed by more questions in the same conversation)."""
-    messages = _with_system(rng, _MATH_SYSTEM)
+    messages = _with_system(rng, _system_choices(prompts.math))
     for _ in range(_tasks(rng)):
         messages += _math_turns(rng)
     return Dialogue(messages=messages, tools=[PYTHON_TOOL])
 
-
-_SHELL_SYSTEM: list[tuple[str | None, float]] = [
-    (SHELL_SYSTEM_PROMPT, 0.9),
-    (None, 0.05),
-    ("You are a helpful assistant.", 0.05),
-]
 
 # Names to create and words to write; unseen ones are copied piece by piece, so variety (and
 # the odd digit suffix) matters more than any particular word.
@@ -246,10 +247,10 @@ def _shell_task(rng: random.Random) -> tuple[str, str]:
     )
 
 
-def shell_dialogue(rng: random.Random) -> Dialogue:
+def shell_dialogue(rng: random.Random, prompts: SystemPrompts) -> Dialogue:
     """A file-system task solved by one ``shell`` command copying its names, then ``done``
     (sometimes followed by more tasks in the same conversation)."""
-    messages = _with_system(rng, _SHELL_SYSTEM)
+    messages = _with_system(rng, _system_choices(prompts.shell))
     for _ in range(_tasks(rng)):
         request, cmd = _shell_task(rng)
         messages += [
@@ -261,10 +262,13 @@ def shell_dialogue(rng: random.Random) -> Dialogue:
     return Dialogue(messages=messages, tools=[SHELL_TOOL])
 
 
-_FAMILIES: list[Callable[[random.Random], Dialogue]] = [math_dialogue, shell_dialogue]
+_FAMILIES: list[Callable[[random.Random, SystemPrompts], Dialogue]] = [
+    math_dialogue,
+    shell_dialogue,
+]
 
 
-def generate_dialogues(n: int, *, seed: int) -> list[Dialogue]:
+def generate_dialogues(n: int, *, seed: int, prompts: SystemPrompts) -> list[Dialogue]:
     """``n`` dialogues alternating math and shell, deterministic in ``seed``."""
     rng = random.Random(seed)
-    return [_FAMILIES[i % len(_FAMILIES)](rng) for i in range(n)]
+    return [_FAMILIES[i % len(_FAMILIES)](rng, prompts) for i in range(n)]

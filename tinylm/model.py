@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from engine.errors import ConfigError
 from tinylm.chat_template import render_chat
-from tinylm.corpus import Dialogue, generate_dialogues
+from tinylm.corpus import Dialogue, SystemPrompts, generate_dialogues
+from tinylm.errors import ConfigError
 from tinylm.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, save_tokenizer
 
 __all__ = [
@@ -206,6 +206,7 @@ def _train(
 def init_model(
     model_dir: str | Path,
     *,
+    system_prompts: SystemPrompts,
     seed: int = 0,
     train_steps: int | None = None,
     dialogues: Sequence[Dialogue] | None = None,
@@ -215,8 +216,9 @@ def init_model(
 ) -> InitReport:
     """Create a trained tinylm in ``model_dir`` (created; must be empty if it exists).
 
-    ``train_steps`` overrides ``train.steps``; ``dialogues`` replaces the generated corpus (a
-    test can overfit one dialogue to pin the model's output).
+    ``system_prompts`` are those of the agents the model will be served to (the corpus is
+    rendered with them); ``train_steps`` overrides ``train.steps``; ``dialogues`` replaces the
+    generated corpus (a test can overfit one dialogue to pin the model's output).
     """
     from transformers import AutoTokenizer, Qwen2ForCausalLM
     from transformers.utils import logging as transformers_logging
@@ -234,7 +236,7 @@ def init_model(
     corpus = (
         list(dialogues)
         if dialogues is not None
-        else generate_dialogues(train.num_dialogues, seed=seed)
+        else generate_dialogues(train.num_dialogues, seed=seed, prompts=system_prompts)
     )
     if not corpus:
         raise ConfigError("tinylm init needs at least one dialogue")
@@ -243,7 +245,8 @@ def init_model(
     # vocabulary (and the template's wording) tokenizes compactly either way.
     if dialogues is not None:
         texts += [
-            render_chat(d.messages, tools=d.tools) for d in generate_dialogues(500, seed=seed)
+            render_chat(d.messages, tools=d.tools)
+            for d in generate_dialogues(500, seed=seed, prompts=system_prompts)
         ]
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))

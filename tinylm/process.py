@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from engine.errors import BackendUnavailable
+from tinylm.errors import ServerUnavailable
 from tinylm.server import READY_PREFIX
 
 __all__ = ["ServerProcess", "spawn_server"]
@@ -71,7 +71,7 @@ def spawn_server(
     startup_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start ``rollout tinylm serve`` in a subprocess; ``BackendUnavailable`` if never ready."""
+    """Start ``rollout tinylm serve`` in a subprocess; ``ServerUnavailable`` if never ready."""
     cmd = [
         sys.executable,
         "-m",
@@ -113,7 +113,7 @@ def spawn_server(
     if not ready.wait(startup_timeout_s) or not found:
         process.kill()
         process.wait()
-        raise BackendUnavailable(
+        raise ServerUnavailable(
             f"tinylm server for {model_dir} did not print its ready line within "
             f"{startup_timeout_s:.0f}s (exit status {process.returncode}); output:\n"
             + "".join(tail)

@@ -36,8 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
 from tinylm.chat import ChatError, chat_completion
+from tinylm.errors import ConfigError
 from tinylm.runtime import TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams
 from tinylm.scheduler import (

@@ -11,7 +11,8 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
 
 Processes (each delegates to its own ``main(argv)``, which owns the flags):
 ``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
-(``workers.scheduler``), ``tinylm`` (``tinylm.cli``) and ``demo`` (``engine.ops.demo``).
+(``workers.scheduler``), ``tinylm`` (``tinylm.cli`` through ``engine.ops.tinylm``, which
+passes the bundled agents' system prompts) and ``demo`` (``engine.ops.demo``).
 Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
@@ -37,7 +38,7 @@ _DELEGATES: dict[str, tuple[str, str, str]] = {
     "finalizer": ("workers.finalizer", "main", "a finalizer process"),
     "capture": ("workers.capture", "main", "a teacher capture process"),
     "scheduler": ("workers.scheduler", "main", "a scheduler process"),
-    "tinylm": ("tinylm.cli", "main", "the tiny SGLang-compatible model (init/serve)"),
+    "tinylm": ("engine.ops.tinylm", "main", "the tiny SGLang-compatible model (init/serve)"),
     "demo": ("engine.ops.demo", "main", "a whole rollout on embedded defaults"),
 }
 

@@ -131,7 +131,7 @@ def ensure_model(model_dir: Path, train_steps: int | None) -> None:
     if (model_dir / "config.json").is_file():
         say(f"model     tinylm at {model_dir} (built earlier)")
         return
-    from tinylm.model import init_model
+    from engine.ops.tinylm import init_model
 
     say(f"model     building tinylm into {model_dir} (once; later runs reuse it) ...")
     t0 = time.monotonic()
@@ -148,7 +148,7 @@ def start_stack(args: argparse.Namespace) -> Stack:
     say(f"redis     {stack.redis.kind} at {stack.redis.url}")
     model_dir = workdir / "tinylm"
     ensure_model(model_dir, args.train_steps)
-    from tinylm.process import spawn_server
+    from engine.ops.tinylm import spawn_server
 
     stack.server = spawn_server(model_dir)
     say(f"policy    tinylm server at {stack.server.url}")

@@ -31,10 +31,11 @@ from engine.agents.tool_agent import ToolAgent
 from engine.agents.tools import PythonTool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import DatasetEntry, SamplingParams, StoppingCriteria, Task
+from engine.ops.tinylm import init_model
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tinylm.corpus import Dialogue
-from tinylm.model import TrainSettings, init_model
+from tinylm.model import TrainSettings
 from tinylm.server import TinyLMServer, start_server
 
 MATH_QUESTION = "What is 17 + 25?"

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.ops.tinylm import init_model
 from tinylm.corpus import PYTHON_TOOL, Dialogue
-from tinylm.model import TrainSettings, init_model
+from tinylm.model import TrainSettings
 from tinylm.server import TinyLMServer, start_server
 
 MATH_QUESTION = "What is 17 + 25?"

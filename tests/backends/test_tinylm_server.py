@@ -15,9 +15,11 @@ import httpx
 import pytest
 import torch
 
+from engine.ops.tinylm import SYSTEM_PROMPTS
+from engine.ops.tinylm import main as tinylm_main
 from tests.backends.conftest import MATH_DIALOGUE
 from tinylm.chat_template import render_chat
-from tinylm.cli import main as tinylm_main
+from tinylm.cli import main as tinylm_own_main
 from tinylm.corpus import PYTHON_TOOL, generate_dialogues
 from tinylm.process import spawn_server
 from tinylm.runtime import Chunk, TinyLMRuntime
@@ -83,7 +85,7 @@ def test_chat_template_renders_the_documented_tool_dialogue(tinylm_dir: Path) ->
         ],
     }
     assert tok.apply_chat_template(wire, tools=MATH_DIALOGUE.tools, tokenize=False) == text
-    for d in generate_dialogues(20, seed=3):
+    for d in generate_dialogues(20, seed=3, prompts=SYSTEM_PROMPTS):
         assert render_chat(d.messages, tools=d.tools) == tok.apply_chat_template(
             d.messages, tools=d.tools, tokenize=False
         )
@@ -486,3 +488,62 @@ def test_cli_init_writes_a_model_and_refuses_a_non_empty_folder(
     assert tinylm_main(["init", str(target), "--steps", "0"]) == 2
     assert "non-empty folder" in capsys.readouterr().err
     assert tinylm_main(["serve", "--model", str(tmp_path / "missing"), "--port", "0"]) == 2
+
+
+def test_tinylm_init_without_the_engine_needs_the_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tinylm knows no agent: its own command refuses to guess the system prompts.
+    assert tinylm_own_main(["init", str(tmp_path / "m"), "--steps", "0"]) == 2
+    assert "--math-system-prompt" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_corpus_is_rendered_with_the_bundled_agents_prompts() -> None:
+    from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
+
+    systems = [
+        d.messages[0]["content"]
+        for d in generate_dialogues(200, seed=0, prompts=SYSTEM_PROMPTS)
+        if d.messages[0]["role"] == "system"
+    ]
+    assert systems.count(MATH_SYSTEM_PROMPT) > 60 and systems.count(SHELL_SYSTEM_PROMPT) > 60
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain prose",
+        'lead <tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>',
+        '<tool_call>{"name": "shell", "arguments": "{\\"cmd\\": \\"ls\\"}"}</tool_call> tail',
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>',
+        "<tool_call>not json</tool_call> kept",
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "x", "arguments": [1]}</tool_call>',
+        '<tool_call>[1, 2]</tool_call> and <tool_call>{"name": "ok"}</tool_call>',
+        'unterminated <tool_call>{"name": "python", "arguments": {}}',
+        'x <tool_call>{"name": "é", "arguments": {"s": "ü"}}</tool_call>',
+    ],
+)
+def test_the_servers_tool_call_parser_agrees_with_the_engines(text: str) -> None:
+    # tinylm parses on the server side, as SGLang does with its own parser; an agent reading
+    # the text with the engine's parser must see the same calls and prose.
+    from engine.backends.toolcalls import parse_tool_calls
+    from tinylm.toolcalls import split_tool_calls
+
+    engine_side = parse_tool_calls(text, id_prefix="call_7_")
+    content, calls = split_tool_calls(text, id_prefix="call_7_")
+    assert content == engine_side.content
+    assert [(c.id, c.name, c.arguments) for c in calls] == [
+        (c.id, c.name, c.arguments) for c in engine_side.tool_calls
+    ]
+
+
+def test_the_template_renders_a_call_as_the_engine_writes_it() -> None:
+    from engine.backends.toolcalls import render_tool_call
+
+    call = {"name": "python", "arguments": {"code": "print(17 + 25)"}}
+    text = render_chat(
+        [{"role": "assistant", "content": "", "tool_calls": [{"function": call}]}]
+    )
+    assert render_tool_call(call["name"], call["arguments"]) in text
