@@ -1,0 +1,2 @@
+"""The actors: the scheduler, the evaluator worker, the finalizer and the capture worker,
+each a shell around pure decisions, run on ``engine.runtime``."""

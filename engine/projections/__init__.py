@@ -1,0 +1,1 @@
+"""Projections: pure folds of events into state (no Redis, no files, no clock)."""
