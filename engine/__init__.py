@@ -16,9 +16,11 @@ _EXPORTS: dict[str, str] = {
     "Settings": "engine.settings",
     # the event log
     "EventLog": "engine.events",
+    "RedisEventLog": "engine.events",
     "RedisSettings": "engine.events",
     "StreamNames": "engine.events",
     "connect": "engine.events",
+    "open_log": "engine.events",
     # domain, data path, scheduling
     "Resource": "engine.domain",
     "StoppingCriteria": "engine.domain",

@@ -9,7 +9,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from engine.events import EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import RedisEventLog, RedisSettings, connect
 from tests.redis_server import RedisServer, redis_required, start_redis_server
 
 ClientFactory = Callable[[], aioredis.Redis]
@@ -55,5 +55,5 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientF
 
 
 @pytest.fixture
-async def log(redis_factory: ClientFactory) -> EventLog:
+async def log(redis_factory: ClientFactory) -> RedisEventLog:
     return RedisEventLog(redis_factory(), producer="test", block_ms=200, max_deliveries=3)

@@ -1,4 +1,6 @@
-"""EventLog contract: runs on fakeredis and on a real redis-server (see conftest)."""
+"""EventLog contract: runs on the Redis implementation against fakeredis and against a real
+redis-server (see conftest). A few tests write or inspect what Redis holds through the
+adapter's client (poison entries, pending owners): those take a ``RedisEventLog``."""
 
 from __future__ import annotations
 
@@ -325,7 +327,7 @@ async def test_own_pending_without_limit_returns_every_entry(
     ids=["garbage", "unknown-type", "missing-field", "newer-version", "no-field"],
 )
 async def test_poison_entries_are_dead_lettered_and_reader_carries_on(
-    log: EventLog, fields: dict[bytes, bytes], reason: str
+    log: RedisEventLog, fields: dict[bytes, bytes], reason: str
 ) -> None:
     await log.ensure_group(S, "g")
     await log.append(S, failed(1))
@@ -345,7 +347,7 @@ async def test_poison_entries_are_dead_lettered_and_reader_carries_on(
         [e.id for e in got]
 
 
-async def test_plain_reads_dead_letter_too(log: EventLog) -> None:
+async def test_plain_reads_dead_letter_too(log: RedisEventLog) -> None:
     await log.redis.xadd(S, {b"e": b"junk"})
     await log.append(S, failed(3))
     assert len(await log.read(S)) == 1
@@ -362,14 +364,14 @@ async def test_trim_keeps_unacked_entries(log: EventLog) -> None:
     assert remaining == ids[2:]
 
 
-async def test_encoded_bytes_are_what_is_stored(log: EventLog) -> None:
+async def test_encoded_bytes_are_what_is_stored(log: RedisEventLog) -> None:
     ev = failed(5).model_copy(update={"producer": "test"})
     entry = await log.append(S, failed(5))
     rows = await log.redis.xrange(S, entry, entry)
     assert rows[0][1][b"e"] == encode(ev)
 
 
-async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: EventLog) -> None:
+async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: RedisEventLog) -> None:
     # On Python 3.11 asyncio.wait_for (which redis-py sends commands under) returns
     # normally when a cancellation lands just as the send completes. A reader looping
     # over the log must still stop at its next call instead of running on forever.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import EventLog, RolloutKind
+from engine.events import EventLog, RedisEventLog, RolloutKind
 from engine.ops import cli
 from engine.projections.summary import ARTIFACT_FILES
 from tests.redis_server import RedisServer
@@ -33,7 +33,7 @@ async def _cli(*argv: str) -> int:
 
 @real_redis
 async def test_replay_is_byte_identical_from_the_log_and_from_an_archive(
-    engine: Engine, log: EventLog, redis_server: RedisServer, tmp_path: Path,
+    engine: Engine, log: RedisEventLog, redis_server: RedisServer, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     url = redis_server.url
