@@ -45,7 +45,7 @@ from engine.events import (
 from engine.events.ids import EMPTY_ID
 from engine.ops.embedded import EmbeddedRedis, start_redis
 
-TASKS = Path(__file__).resolve().parent / "tasks"
+TASKS = Path(__file__).resolve().parents[1] / "tasks"  # engine/tasks
 ROLLOUT_YAML = TASKS / "rollout.yaml"
 EVALUATORS = TASKS / "evaluators.py"
 
