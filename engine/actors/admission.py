@@ -18,7 +18,9 @@ Admission decision (pure)
 -------------------------
 ``decide_admission(pool, batch, profile)`` answers ``None`` (wait for capacity) or the two
 events of an admission: ``TokenAcquired`` for ``rl:pool`` and ``BatchAdmitted`` for
-``rl:work:{evaluator_id}`` carrying the sample ids, the token ids and each token's node.
+``rl:work:{evaluator_id}`` carrying the sample ids, the token ids, each token's node and
+the GPU ids each token's grant holds a share of (tokens without GPU shares are left out): the
+evaluator stamps the GPU on every ``TurnCompleted``, which is what ``placement.jsonl`` shows.
 An ungated pool (no layout) admits at once with node-less tokens (see ``placement``).
 
 Pool gate (the imperative shell around the decision)
@@ -155,6 +157,7 @@ def decide_admission(
         sample_ids=list(batch.sample_ids),
         token_ids=[g.token_id for g in grants],
         nodes={g.token_id: g.node for g in grants},
+        gpus={g.token_id: [share.gpu for share in g.gpus] for g in grants if g.gpus},
     )
     return Admission(acquired, admitted)
 
