@@ -231,7 +231,8 @@ class TaskFetched(Event):
 
     v1 carried the dataset's whole config (``dataset_cfg``), the request's ``knobs``, the
     settings as untyped dicts and the line as ``metadata["_source_line"]``; the upcaster
-    below drops the first two and moves the line into its field.
+    below drops the first two and moves the line into its field (a sample's metadata still
+    shows it as ``_source_line``, see ``projections.samples``).
     """
 
     schema_version: ClassVar[int] = 2
@@ -256,10 +257,12 @@ def _task_fetched_v1(payload: dict[str, Any]) -> dict[str, Any]:
     payload.pop("dataset_cfg", None)
     payload.pop("knobs", None)
     metadata = payload.get("metadata")
-    if isinstance(metadata, dict) and "_source_line" in metadata:
-        metadata = dict(metadata)
-        payload["source_line"] = metadata.pop("_source_line")
-        payload["metadata"] = metadata
+    if isinstance(metadata, dict):
+        line = metadata.get("_source_line")
+        # Only a line number moves; anything else stays in the metadata it was written to.
+        if isinstance(line, int) and not isinstance(line, bool) and line >= 1:
+            payload["metadata"] = {k: v for k, v in metadata.items() if k != "_source_line"}
+            payload["source_line"] = line
     return payload
 
 

@@ -72,3 +72,10 @@ def test_a_v2_event_takes_the_fast_path_and_shares_its_settings() -> None:
     assert isinstance(first, TaskFetched)
     # the same settings bytes decode to one validated (immutable) record
     assert all(isinstance(d, TaskFetched) and d.stopping is first.stopping for d in decoded)
+
+
+def test_a_v1_line_that_is_not_a_line_number_stays_in_the_metadata() -> None:
+    ev = decode(_v1(metadata={"_source_line": "seven", "row": 3}))
+    assert isinstance(ev, TaskFetched)
+    assert ev.source_line is None and ev.metadata == {"_source_line": "seven", "row": 3}
+    assert task_of(ev).source_line == 1
