@@ -44,7 +44,7 @@ from engine.events import (
 )
 from engine.ops.embedded import EmbeddedRedis, start_redis
 
-TASKS = Path(__file__).resolve().parent / "tasks"
+TASKS = Path(__file__).resolve().parent.parent / "tasks"  # engine/tasks
 ROLLOUT_YAML = TASKS / "rollout.yaml"
 EVALUATORS = TASKS / "evaluators.py"
 
