@@ -12,11 +12,11 @@ What runs (one machine, one run):
   fresh seed and times request -> ``RolloutReady`` (wall clock). The request also sets
   ``sampling_params.sampling_seed`` to that seed (the demo sends none): the tool agent then
   seeds every turn from it, the sample's seed and the sample id, so sampling is reproducible;
-* direct arm: this process, one asyncio loop, the same agents (``build_evaluators`` of the
+* direct arm: this process, one asyncio loop, the same agents (``load_evaluators`` of the
   bundled evaluator config with the same model dir and server URL), a local sandbox provider.
   It runs exactly the tasks of the engine round before it: the ``TaskFetched`` events of that
-  rollout (prompt, label, dataset, stopping and sampling params, resolved over the spec's
-  defaults as the evaluator does), each routed to the evaluator its ``BatchSealed`` names,
+  rollout (prompt, label, dataset, and the stopping and sampling params the planner
+  resolved), each routed to the evaluator its ``BatchSealed`` names,
   with the per-sample seed the evaluator derives (``engine.actors.evaluator.sample_seed``), so
   both arms ask the server for the same generations (the bench counts the samples whose
   tokens came out identical). Per sample: ``init -> run -> eval ->
@@ -66,9 +66,9 @@ from typing import Any
 from engine.actors.aborts import classify_abort
 from engine.actors.evaluator import sample_seed
 from engine.agents.base import EpisodeContext
+from engine.agents.binding import EvaluatorBinding
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
-from engine.domain import EvaluatorSpec, overlay
 from engine.errors import EngineError
 from engine.events import EventLog, RedisEventLog, RedisSettings, StreamNames, connect
 from engine.events.catalog import (
@@ -87,7 +87,7 @@ from engine.events.catalog import (
 from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
 from engine.ops.embedded import start_redis
 from engine.projections.placement import budget_tokens
-from engine.projections.samples import sampling_of, scalar_reward, stopping_of, task_of
+from engine.projections.samples import scalar_reward, task_of
 from engine.sample import Sample
 from engine.settings import Settings
 
@@ -204,10 +204,11 @@ class Concurrency:
         )
 
 
-def batch_concurrency(spec: EvaluatorSpec) -> int:
-    """Samples one batch of ``spec`` runs at once in the evaluator: its semaphore
+def batch_concurrency(binding: EvaluatorBinding) -> int:
+    """Samples one batch of ``binding`` runs at once in the evaluator: its semaphore
     (``resource.concurrency``), the placement tokens admission grants (what the budget pays
     for, at most the batch's samples; one token per running sample) and the batch size."""
+    spec = binding.profile
     limits = [spec.resource.concurrency, budget_tokens(spec.resource, spec.sample_resource)]
     if spec.batch_size is not None:
         limits.append(spec.batch_size)
@@ -215,7 +216,7 @@ def batch_concurrency(spec: EvaluatorSpec) -> int:
 
 
 def effective_concurrency(
-    specs: Mapping[str, EvaluatorSpec], workers: int, max_batches: int
+    specs: Mapping[str, EvaluatorBinding], workers: int, max_batches: int
 ) -> Concurrency:
     per_batch = {eid: batch_concurrency(spec) for eid, spec in specs.items()}
     # A worker runs up to max_batches batches of any evaluator at once; when the specs
@@ -241,7 +242,8 @@ def start_engine(stack: Stack, args: argparse.Namespace, model_dir: Path) -> Non
     common = ["--redis-url", stack.redis.url]
     evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
     stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
-                              "--rollout-config", str(ROLLOUT_YAML), *evaluator,
+                              "--rollout-config", str(ROLLOUT_YAML),
+                              "--evaluator-config", str(EVALUATORS),
                               "--scheduler-id", "bench-scheduler"])
     for i in range(args.workers):
         stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
@@ -270,7 +272,7 @@ def shared_pids(stack: Stack) -> dict[str, int | None]:
 
 
 async def wait_engine_up(
-    redis: Any, stack: Stack, names: StreamNames, specs: Mapping[str, EvaluatorSpec],
+    redis: Any, stack: Stack, names: StreamNames, specs: Mapping[str, EvaluatorBinding],
     workers: int, timeout: float,
 ) -> float:
     """Wait until every engine process has joined its consumer group (it is reading), so
@@ -413,7 +415,7 @@ async def engine_round(
 
 
 async def direct_round(
-    specs: Mapping[str, EvaluatorSpec],
+    specs: Mapping[str, EvaluatorBinding],
     work: RoundTasks,
     *,
     concurrency: int,
@@ -435,10 +437,9 @@ async def direct_round(
 
     async def one(ev: TaskFetched, evaluator_id: str) -> tuple[str, Outcome]:
         spec = specs[evaluator_id]
-        handler = spec.handler
+        handler = spec.agent
         task = task_of(ev)
-        stopping = overlay(spec.default_stopping, stopping_of(ev))
-        sampling = overlay(spec.default_sampling_params, sampling_of(ev))
+        stopping, sampling = ev.stopping, ev.sampling_params
         async with sem:
             ctx = EpisodeContext(
                 rollout_id=ev.rollout_id, sample_id=ev.sample_id, attempt=1,
@@ -520,7 +521,7 @@ def identical(a: RoundResult, b: RoundResult) -> int:
 
 
 async def measure(
-    args: argparse.Namespace, stack: Stack, specs: Mapping[str, EvaluatorSpec], conc: Concurrency
+    args: argparse.Namespace, stack: Stack, specs: Mapping[str, EvaluatorBinding], conc: Concurrency
 ) -> dict[str, Any]:
     from engine.sandbox import LocalSandboxProvider
 

@@ -38,7 +38,6 @@ from bench.rollout_evaluators import BATCH_SIZE, ZeroLatencyAgent  # noqa: E402
 from engine.agents.base import EpisodeContext  # noqa: E402
 from engine.client import RolloutClient  # noqa: E402
 from engine.domain import (  # noqa: E402
-    DatasetEntry,
     SamplingParams,
     StoppingCriteria,
     Task,
@@ -190,10 +189,10 @@ class EngineArm:
 async def inprocess(n_samples: int) -> float:
     """Samples/s of the seeds' architecture: one asyncio loop, no events."""
     agent = ZeroLatencyAgent()
-    dataset = DatasetEntry(name="bench", path=Path("prompts.jsonl"), task_type="fast")
     tasks = [
         Task(task_id=f"t{i}", rollout_id="inproc", index=i, group_index=i // PER_PROMPT,
-             prompt=f"q{i // PER_PROMPT}", label=str(i), dataset=dataset, source_line=1)
+             prompt=f"q{i // PER_PROMPT}", label=str(i), dataset_name="bench", task_type="fast",
+             source_line=1)
         for i in range(n_samples)
     ]
     tmp = Path(tempfile.gettempdir())

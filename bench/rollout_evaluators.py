@@ -8,7 +8,7 @@ batch may run all of its samples at once.
 from __future__ import annotations
 
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
-from engine.domain import EvaluatorSpec, Resource, Task, TerminationReason
+from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
 
 BATCH_SIZE = 256
 RESPONSE_TOKENS = 16
@@ -32,14 +32,17 @@ class ZeroLatencyAgent(BaseAgent):
         return 1.0
 
 
-def build_evaluators(args: object) -> list[EvaluatorSpec]:
+def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
     return [
-        EvaluatorSpec(
+        EvaluatorProfile(
             evaluator_id="fast",
-            handler=ZeroLatencyAgent(),
             resource=Resource(concurrency=BATCH_SIZE, cpu=float(BATCH_SIZE)),
             run_resource=Resource(cpu=1.0),
             eval_resource=Resource(cpu=1.0),
             batch_size=BATCH_SIZE,
         )
     ]
+
+
+def build_agents(args: object) -> dict[str, BaseAgent]:
+    return {"fast": ZeroLatencyAgent()}

@@ -37,10 +37,9 @@ from pathlib import Path
 from engine.actors.admission import PoolGate, decide_admission
 from engine.actors.planning import Planner
 from engine.actors.scheduler import Scheduler, SchedulerConfig, declaration_for
-from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward
 from engine.config.layout import ClusterLayout, NodeSpec
 from engine.config.rollout import RolloutConfig
-from engine.domain import DatasetEntry, EvaluatorSpec, Resource, Task, TerminationReason
+from engine.domain import DatasetEntry, EvaluatorProfile, Resource
 from engine.events import (
     BatchSealed,
     Envelope,
@@ -57,16 +56,6 @@ SAMPLES_PER_PROMPT = 4
 BATCH_SIZE = 8
 
 
-class NoAgent(BaseAgent):
-    """The scheduler never runs agents; a spec needs one."""
-
-    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
-        return AgentResult(termination_reason=TerminationReason.FINISH)
-
-    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
-        return 0.0
-
-
 def cluster(nodes: int) -> ClusterLayout:
     return ClusterLayout(
         nodes=tuple(
@@ -76,12 +65,11 @@ def cluster(nodes: int) -> ClusterLayout:
     )
 
 
-def spec() -> EvaluatorSpec:
+def spec() -> EvaluatorProfile:
     # 200 samples per GPU: 64 nodes x 8 GPUs hold 102,400 tokens at once.
     per = Resource(gpu=0.005, cpu=0.01, memory_gb=0.01)
-    return EvaluatorSpec(
+    return EvaluatorProfile(
         evaluator_id="bench",
-        handler=NoAgent(),
         resource=Resource(gpu=0.04, cpu=0.08, memory_gb=0.08, concurrency=BATCH_SIZE),
         run_resource=per,
         batch_size=BATCH_SIZE,

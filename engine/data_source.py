@@ -306,7 +306,8 @@ def _task(record: PromptRecord, rollout_id: str, index: int, group_index: int) -
         group_index=group_index,
         prompt=copy.deepcopy(record.prompt),
         label=copy.deepcopy(record.label),
-        dataset=record.dataset,
+        dataset_name=record.dataset.name,
+        task_type=record.dataset.task_type,
         source_line=record.line,
         metadata=copy.deepcopy(record.metadata),
     )

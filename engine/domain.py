@@ -2,17 +2,20 @@
 
 Contracts:
 
-- Every record is immutable and validated once, at construction. Pure-data records are frozen
-  pydantic models (events carry them); ``EvaluatorSpec`` holds a live ``BaseAgent`` handler and
-  is a frozen dataclass instead.
+- Every record is immutable, pure data and validated once, at construction. Records events
+  carry are frozen pydantic models; ``EvaluatorProfile`` (what the scheduler knows of an
+  evaluator) is a frozen dataclass whose errors name the evaluator id. The domain holds no
+  live objects: binding a profile to the agent that runs it is ``engine.agents.binding``,
+  which only evaluator workers build.
 - Integer and boolean fields are strict: a YAML ``"8"`` or ``true`` is refused where a number is
   expected instead of being coerced. Numbers for float fields may be written as integers.
 - ``StoppingCriteria`` and ``SamplingParams`` fields are all optional; ``None`` means "not set at
-  this level", so the scheduler's cascade (flags -> evaluator spec -> dataset, finest wins, see
-  ``engine.batching``) can merge them field by field with ``overlay``.
+  this level", so the scheduler's cascade (flags -> evaluator profile -> dataset, finest wins,
+  see ``engine.batching``) can merge them field by field with ``overlay``. The planner resolves
+  the cascade once; a sample's ``TaskFetched`` carries the result.
 - ``max_new_tokens`` is a stopping criterion, not a sampling parameter: the agent derives each
   turn's budget from it and the remaining context, so it lives in ``StoppingCriteria`` only.
-- A dataset's ``task_type`` names the ``EvaluatorSpec.evaluator_id`` that runs its samples.
+- A dataset's ``task_type`` names the ``EvaluatorProfile.evaluator_id`` that runs its samples.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -37,16 +40,13 @@ from pydantic import (
 
 from engine.errors import ConfigError
 
-if TYPE_CHECKING:
-    from engine.agents.base import BaseAgent
-
 __all__ = [
     "Batch",
     "ChatMessage",
     "DatasetConfig",
     "DatasetEntry",
     "EvalDatasetConfig",
-    "EvaluatorSpec",
+    "EvaluatorProfile",
     "FrozenModel",
     "Identifier",
     "NonNegFloat",
@@ -336,10 +336,13 @@ def batch_id_for(rollout_id: str, sequence: int) -> str:
 
 
 class Task(FrozenModel):
-    """One sample to run: a deep copy of a dataset prompt stamped with its dataset's config.
+    """One sample to run: a deep copy of a dataset prompt, with what the sample needs of its
+    dataset (its name, its task type and the prompt's line in the file).
 
     ``index`` numbers the samples of a rollout; samples of one prompt share ``group_index``.
-    ``source_line`` is the 1-based line of the prompt in the dataset's JSONL file.
+    ``source_line`` is the 1-based line of the prompt in the dataset's JSONL file. The
+    dataset's settings (group size, generation overrides) are the planner's business: they
+    are resolved into the sample's ``TaskFetched`` and are not part of the task.
     """
 
     task_id: StrictStr
@@ -348,17 +351,10 @@ class Task(FrozenModel):
     group_index: NonNegInt
     prompt: Prompt
     label: JsonValue = None
-    dataset: DatasetConfig
+    dataset_name: StrictStr
+    task_type: StrictStr
     source_line: PosInt
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
-
-    @property
-    def task_type(self) -> str:
-        return self.dataset.task_type
-
-    @property
-    def dataset_name(self) -> str:
-        return self.dataset.name
 
 
 class Batch(FrozenModel):
@@ -387,17 +383,17 @@ class Batch(FrozenModel):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvaluatorSpec:
-    """Binds a ``BaseAgent`` handler to its resource model; selected by ``task_type``.
+class EvaluatorProfile:
+    """What the scheduler knows of an evaluator, selected by ``task_type``: pure data.
 
     ``resource`` is the evaluator's whole budget (``concurrency`` is its semaphore ceiling);
     ``run_resource`` / ``eval_resource`` are what one sample holds while its agent runs and
     while it is verified. ``batch_size=None`` lets fifo batching keep one open batch per type.
-    Invalid values raise ``ConfigError`` naming the evaluator id.
+    ``default_stopping`` / ``default_sampling_params`` are the evaluator's level of the
+    generation cascade. Invalid values raise ``ConfigError`` naming the evaluator id.
     """
 
     evaluator_id: str
-    handler: BaseAgent
     resource: Resource = field(default_factory=Resource)
     run_resource: Resource = field(default_factory=Resource)
     eval_resource: Resource = field(default_factory=Resource)
@@ -406,9 +402,6 @@ class EvaluatorSpec:
     default_sampling_params: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        # Imported here: engine.agents.base imports this module for its records.
-        from engine.agents.base import BaseAgent
-
         where = f"evaluator {self.evaluator_id!r}"
         if not isinstance(self.evaluator_id, str):
             raise ConfigError(f"evaluator_id must be a string, got {self.evaluator_id!r}")
@@ -416,10 +409,6 @@ class EvaluatorSpec:
             check_identifier(self.evaluator_id)
         except ValueError as exc:
             raise ConfigError(f"evaluator_id {exc}") from None
-        if not isinstance(self.handler, BaseAgent):
-            raise ConfigError(
-                f"{where}: handler must be a BaseAgent, got {type(self.handler).__name__}"
-            )
         for name in ("resource", "run_resource", "eval_resource"):
             value = getattr(self, name)
             if not isinstance(value, Resource):

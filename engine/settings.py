@@ -48,7 +48,7 @@ class Settings(FrozenModel):
     )
     config: Path | None = Field(None, description="The rollout YAML (datasets, eval datasets).")
     evaluator_config: Path | None = Field(
-        None, description="Python file exposing build_evaluators(args) -> list[EvaluatorSpec]."
+        None, description="Python file exposing evaluator_profiles(args) and build_agents(args)."
     )
     cluster_layout: str | None = Field(
         None,
@@ -70,7 +70,7 @@ class Settings(FrozenModel):
     model_dir: Path | None = Field(
         None,
         description="The policy's Hugging Face folder (tokenizer, chat template), handed to "
-        "build_evaluators(args) as args.model_dir.",
+        "the evaluator workers' build_agents(args) as args.model_dir.",
     )
     tmp_dir: Path | None = Field(
         None, description="Parent of per-episode temporary directories (unset: system temp)."

@@ -22,8 +22,8 @@ from typing import Any
 
 from engine.actors.evaluator import SampleOutcome
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
+from engine.agents.binding import EvaluatorBinding
 from engine.config.evaluators import load_evaluators
-from engine.domain import EvaluatorSpec
 from engine.errors import ConfigError, LogError
 from engine.settings import Settings
 from workers._common import (
@@ -50,7 +50,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     add(
         "--evaluator-config",
         default=settings.evaluator_config,
-        help="Python file exposing build_evaluators(args) -> list[EvaluatorSpec].",
+        help="Python file exposing evaluator_profiles(args) and build_agents(args).",
     )
     add(
         "--evaluators",
@@ -64,7 +64,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "--model-dir",
         type=Path,
         default=settings.model_dir,
-        help="policy model/tokenizer folder, passed to build_evaluators as args.model_dir",
+        help="policy model/tokenizer folder, passed to build_agents as args.model_dir",
     )
     add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
     add(
@@ -114,7 +114,7 @@ class Progress:
         )
 
 
-def _select(specs: Mapping[str, EvaluatorSpec], wanted: str | None) -> tuple[str, ...]:
+def _select(specs: Mapping[str, EvaluatorBinding], wanted: str | None) -> tuple[str, ...]:
     if not wanted:
         return tuple(specs)
     ids = tuple(e.strip() for e in wanted.split(",") if e.strip())
@@ -135,7 +135,7 @@ def _sandbox_provider(kind: str, root: Path | None) -> Any:
 
 
 async def _serve(
-    args: argparse.Namespace, specs: Mapping[str, EvaluatorSpec], ids: tuple[str, ...]
+    args: argparse.Namespace, specs: Mapping[str, EvaluatorBinding], ids: tuple[str, ...]
 ) -> int:
     log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)

@@ -4,8 +4,10 @@
         --rollout-config rollout.yaml --evaluator-config evaluators.py \\
         [--cluster-layout '{"node-a": [0, 1, 2, 3]}'] [--env-num-cpus 96] [--env-memory-gb 384]
 
-Every flag defaults to its ``ROLLOUT_*`` variable (``engine.settings``). Bad input (rollout
-YAML, evaluator config, cluster layout, a deadlock between a spec and the layout, settings)
+Every flag defaults to its ``ROLLOUT_*`` variable (``engine.settings``). The scheduler reads
+only the evaluator profiles of ``--evaluator-config`` (``evaluator_profiles(args)``): it never
+builds an agent or loads a tokenizer, so it needs no model. Bad input (rollout YAML, evaluator
+config, cluster layout, a deadlock between a profile and the layout, settings)
 is reported on stderr at start-up, naming the file, node, evaluator and numbers at fault, and
 the process exits with status 2 before touching Redis. SIGTERM or SIGINT stops it cleanly:
 rollouts in flight stay pending in the ``schedulers`` group and are resumed from the log by
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from engine.actors.planning import Planner
 from engine.actors.scheduler import Scheduler, SchedulerConfig, check_layout
-from engine.config.evaluators import load_evaluators
+from engine.config.evaluators import load_profiles
 from engine.config.layout import ClusterLayout, parse_cluster_layout
 from engine.config.rollout import load_rollout_config
 from engine.errors import ConfigError, DeadlockError, EngineError, LogError
@@ -67,15 +69,14 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     add(
         "--evaluator-config",
         default=settings.evaluator_config,
-        help="Python file exposing build_evaluators(args) -> list[EvaluatorSpec].",
+        help="Python file exposing evaluator_profiles(args) -> list[EvaluatorProfile] "
+        "(its build_agents is for the evaluator workers).",
     )
     add(
         "--cluster-layout",
         default=settings.cluster_layout,
         help="Cluster layout as inline JSON or a file path (unset: batches run ungated).",
     )
-    add("--model-dir", default=settings.model_dir,
-        help="Policy model/tokenizer folder, passed to build_evaluators as args.model_dir.")
     add("--env-num-cpus", type=float, default=settings.env_num_cpus,
         help="CPUs of a layout node that does not state 'cpu'.")
     add("--env-memory-gb", type=float, default=settings.env_memory_gb,
@@ -113,7 +114,7 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
     if not args.evaluator_config:
         raise ConfigError("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
     rollout = load_rollout_config(args.rollout_config, root=settings.root)
-    specs = load_evaluators(args.evaluator_config, args)
+    profiles = load_profiles(args.evaluator_config, args)
     layout = None
     if args.cluster_layout:
         layout = parse_cluster_layout(
@@ -130,7 +131,7 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
     )
     names = StreamNames(args.prefix)
     redis = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
-    return _Components(Planner(rollout, specs), layout, config, redis, names)
+    return _Components(Planner(rollout, profiles), layout, config, redis, names)
 
 
 async def _serve(parts: _Components) -> int:

@@ -2,29 +2,31 @@
 
 Deadlock check (seed task-scheduler §3 "Deadlock prevention")
 -------------------------------------------------------------
-For every evaluator spec::
+For every evaluator profile::
 
-    tokens_needed = min(budget_tokens(spec.resource, spec.sample_resource), max batch samples)
-    pool_capacity = max_tokens_for(pool, spec.sample_resource)
+    tokens_needed = min(budget_tokens(profile.resource, profile.sample_resource), max batch samples)
+    pool_capacity = max_tokens_for(pool, profile.sample_resource)
 
 and ``pool_capacity < tokens_needed`` raises ``DeadlockError`` naming the evaluator and both
 numbers: such a batch could never be admitted and the run would hang. At start-up the
-largest batch is the spec's ``batch_size``; a spec without one may put a whole rollout in
+largest batch is the profile's ``batch_size``; a profile without one may put a whole rollout in
 one batch, so only its budget bounds the need. Once a rollout is planned its real batch
 sizes are checked the same way (``check_deadlock(..., batch_samples=plan.largest_batches())``).
 A budget that pays for no token at all is refused too (``needs 1 ... its budget pays for 0``).
 
 Admission decision (pure)
 -------------------------
-``decide_admission(pool, batch, spec)`` answers ``None`` (wait for capacity) or the two
+``decide_admission(pool, batch, profile)`` answers ``None`` (wait for capacity) or the two
 events of an admission: ``TokenAcquired`` for ``rl:pool`` and ``BatchAdmitted`` for
-``rl:work:{evaluator_id}`` carrying the sample ids, the token ids and each token's node.
+``rl:work:{evaluator_id}`` carrying the sample ids, the token ids, each token's node and
+the GPU ids each token's grant holds a share of (tokens without GPU shares are left out): the
+evaluator stamps the GPU on every ``TurnCompleted``, which is what ``placement.jsonl`` shows.
 An ungated pool (no layout) admits at once with node-less tokens (see ``placement``).
 
 Pool gate (the imperative shell around the decision)
 ----------------------------------------------------
 ``PoolGate`` keeps one scheduler process's fold of ``rl:pool`` current and admits batches:
-``admit(batch, spec)`` decides on the fold and writes both events with one compare-and-append
+``admit(batch, profile)`` decides on the fold and writes both events with one compare-and-append
 on ``rl:pool`` (the ``BatchAdmitted`` rides in ``also``), so tokens and admission are one
 atomic step and two schedulers can never over-allocate: the loser of a race gets
 ``AppendConflict``, folds the new tail and decides again. A batch that the fold shows as
@@ -43,7 +45,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from engine.domain import EvaluatorSpec
+from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, DeadlockError
 from engine.events.base import Envelope
 from engine.events.catalog import BatchAdmitted, BatchSealed, PoolDeclared, TokenAcquired
@@ -70,7 +72,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def tokens_needed(spec: EvaluatorSpec, batch_samples: int | None) -> int:
+def tokens_needed(spec: EvaluatorProfile, batch_samples: int | None) -> int:
     """Tokens a batch of ``batch_samples`` (None: unknown, any size) of ``spec`` needs."""
     budget = budget_tokens(spec.resource, spec.sample_resource)
     return budget if batch_samples is None else min(budget, batch_samples)
@@ -87,15 +89,15 @@ def _pool_summary(pool: PoolState) -> str:
 
 
 def check_deadlock(
-    specs: Iterable[EvaluatorSpec],
+    specs: Iterable[EvaluatorProfile],
     pool: PoolState,
     *,
     batch_samples: Mapping[str, int] | None = None,
 ) -> None:
-    """Raise ``DeadlockError`` if some spec needs more tokens than the pool can ever give.
+    """Raise ``DeadlockError`` if some profile needs more tokens than the pool can ever give.
 
-    ``batch_samples`` maps evaluator id to its largest batch; specs not in it use their
-    ``batch_size`` (None: bounded by the budget only). Specs absent from a given
+    ``batch_samples`` maps evaluator id to its largest batch; profiles not in it use their
+    ``batch_size`` (None: bounded by the budget only). Profiles absent from a given
     ``batch_samples`` mapping are still checked, with their ``batch_size``.
     """
     for spec in specs:
@@ -103,7 +105,7 @@ def check_deadlock(
         budget = budget_tokens(spec.resource, per_sample)
         if budget < 1:
             raise DeadlockError(
-                f"Deadlock: EvaluatorSpec {spec.evaluator_id!r} needs 1 placement token of "
+                f"Deadlock: evaluator {spec.evaluator_id!r} needs 1 placement token of "
                 f"{describe_resource(per_sample)} per sample but its budget "
                 f"({describe_resource(spec.resource)}) pays for 0: raise its resource budget"
             )
@@ -113,7 +115,7 @@ def check_deadlock(
         if capacity < needed:
             batch = "any size (batch_size=None)" if largest is None else f"{largest} samples"
             raise DeadlockError(
-                f"Deadlock: EvaluatorSpec {spec.evaluator_id!r} needs {needed} placement "
+                f"Deadlock: evaluator {spec.evaluator_id!r} needs {needed} placement "
                 f"tokens (budget pays for {budget}, largest batch {batch}) of "
                 f"{describe_resource(per_sample)} but the pool can only provide {capacity} "
                 f"({_pool_summary(pool)}); lower the evaluator's budget or batch_size, or "
@@ -130,7 +132,7 @@ class Admission:
 
 
 def decide_admission(
-    pool: PoolState, batch: BatchSealed, spec: EvaluatorSpec
+    pool: PoolState, batch: BatchSealed, spec: EvaluatorProfile
 ) -> Admission | None:
     """Admit ``batch`` now (the events to write) or ``None`` (it does not fit yet)."""
     grants = try_acquire_batch(
@@ -155,6 +157,7 @@ def decide_admission(
         sample_ids=list(batch.sample_ids),
         token_ids=[g.token_id for g in grants],
         nodes={g.token_id: g.node for g in grants},
+        gpus={g.token_id: [share.gpu for share in g.gpus] for g in grants if g.gpus},
     )
     return Admission(acquired, admitted)
 
@@ -252,7 +255,7 @@ class PoolGate:
                 return True
 
     async def admit(
-        self, batch: BatchSealed, spec: EvaluatorSpec, *, causation: str | None = None
+        self, batch: BatchSealed, spec: EvaluatorProfile, *, causation: str | None = None
     ) -> BatchAdmitted | None:
         """Admit ``batch`` exactly once, waiting for capacity as long as it takes.
 

@@ -1,11 +1,11 @@
 """The Evaluator: runs one admitted batch's episodes and records them as events.
 
 One ``Evaluator`` is built per batch delivery (seeds: task-scheduler §4), drains the batch and
-is discarded. It holds no domain logic: the spec's ``BaseAgent`` owns each episode.
+is discarded. It holds no domain logic: the binding's ``BaseAgent`` owns each episode.
 
 Per sample, in this order (rollout-engine §3):
 
-1. the batch's ``asyncio.Semaphore`` (``spec.resource.concurrency``) is taken and spans
+1. the batch's ``asyncio.Semaphore`` (``profile.resource.concurrency``) is taken and spans
    ``init -> run -> eval -> cleanup``;
 2. ``init`` runs before any placement token is held;
 3. one *local placement token* -- one of the batch's ``token_ids``, handed out one per
@@ -45,7 +45,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -53,13 +53,12 @@ import numpy as np
 
 from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, EpisodeContext, Reward
+from engine.agents.binding import EvaluatorBinding
 from engine.domain import (
-    EvaluatorSpec,
     SamplingParams,
     StoppingCriteria,
     Task,
     TerminationReason,
-    overlay,
 )
 from engine.errors import AgentError, EpisodeTimeout
 from engine.events.arrays import LogProbs, Mask, TokenIds
@@ -77,13 +76,7 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.names import StreamNames
-from engine.projections.samples import (
-    DatasetCache,
-    sampling_of,
-    scalar_reward,
-    stopping_of,
-    task_of,
-)
+from engine.projections.samples import scalar_reward, task_of
 
 __all__ = [
     "BatchPlan",
@@ -149,7 +142,6 @@ class BatchPlan:
     attempts: Mapping[str, int]
     tokens: tuple[str, ...]
     causation: str | None = None
-    datasets: DatasetCache = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -170,7 +162,7 @@ class Evaluator:
 
     def __init__(
         self,
-        spec: EvaluatorSpec,
+        spec: EvaluatorBinding,
         plan: BatchPlan,
         *,
         sink: EventSink,
@@ -188,7 +180,7 @@ class Evaluator:
         self._sandbox_factory = sandbox_factory
         self._on_task_done = on_task_done
         self._clock = clock
-        self._sem = asyncio.Semaphore(spec.resource.concurrency)
+        self._sem = asyncio.Semaphore(spec.profile.resource.concurrency)
         self._gated = bool(plan.tokens)
         self._held: set[str] = set(plan.tokens)
         self._free: asyncio.Queue[str] = asyncio.Queue()
@@ -199,15 +191,13 @@ class Evaluator:
         self._release_scheduled = False
         self._rollout_stream = names.rollout(plan.admitted.rollout_id)
         self._batch_tmp: Path | None = None
-        self._resolved: dict[
-            tuple[str, str],
-            tuple[Mapping[str, Any], Mapping[str, Any], StoppingCriteria, SamplingParams],
-        ] = {}
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
         self._seed = request.seed if request is not None else 0
-        self._knobs: Mapping[str, Any] = request.knobs if request is not None else {}
+        knobs: Mapping[str, Any] = request.knobs if request is not None else {}
+        self._dagger_beta = _float_knob(knobs, "dagger_beta")
+        self._t_max = _int_knob(knobs, "t_max")
         self.completed = 0
         self.aborted = 0
 
@@ -254,7 +244,7 @@ class Evaluator:
         ``TokenReleased``, emitted at the end of the tick: after those samples' terminal
         events (emission order is log order), and with one entry instead of one per sample.
         """
-        needed = min(self._unfinished, self.spec.resource.concurrency)
+        needed = min(self._unfinished, self.spec.profile.resource.concurrency)
         while len(self._held) > needed and not self._free.empty():
             token = self._free.get_nowait()
             self._held.discard(token)
@@ -307,10 +297,10 @@ class Evaluator:
                 f"sample {sample_id} of batch {self.plan.admitted.batch_id} has no TaskFetched "
                 f"in rollout {self.plan.admitted.rollout_id}"
             )
-        task = task_of(ev, datasets=self.plan.datasets)
+        task = task_of(ev)
         stopping, sampling = self._generation(ev)
         rec.window_s = stopping.timeout_s
-        handler = self.spec.handler
+        handler = self.spec.agent
         token: str | None = None
         result: AgentResult | None = None
         reward: Reward | None = None
@@ -329,8 +319,8 @@ class Evaluator:
                 tmp_dir=tmp,
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
-                dagger_beta=_float_knob(self._knobs, ev.knobs, "dagger_beta"),
-                t_max=_int_knob(self._knobs, ev.knobs, "t_max"),
+                dagger_beta=self._dagger_beta,
+                t_max=self._t_max,
             )
             try:
                 rec.phase = "init"
@@ -377,16 +367,9 @@ class Evaluator:
         return [self._aborted(sample_id, attempt, rec, failure)], token
 
     def _generation(self, ev: TaskFetched) -> tuple[StoppingCriteria, SamplingParams]:
-        """The sample's stopping criteria and sampling params (the spec's defaults under the
-        scheduler's resolution), parsed once per dataset while they stay the same."""
-        key = (ev.dataset, ev.task_type)
-        hit = self._resolved.get(key)
-        if hit is not None and hit[0] == ev.stopping and hit[1] == ev.sampling_params:
-            return hit[2], hit[3]
-        stopping = overlay(self.spec.default_stopping, stopping_of(ev))
-        sampling = overlay(self.spec.default_sampling_params, sampling_of(ev))
-        self._resolved[key] = (ev.stopping, ev.sampling_params, stopping, sampling)
-        return stopping, sampling
+        """The sample's stopping criteria and sampling params: the planner resolved the
+        cascade (request, evaluator profile, dataset) into the ``TaskFetched``."""
+        return ev.stopping, ev.sampling_params
 
     async def _timed(self, step: Coroutine[Any, Any, T], rec: _Attempt) -> T:
         """Await one phase within what is left of the episode window."""
@@ -636,13 +619,15 @@ def _agent_reason_of(exc: BaseException) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def _float_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) -> float | None:
-    value = task.get(name, request.get(name))
+def _float_knob(knobs: Mapping[str, Any], name: str) -> float | None:
+    """A number knob of the rollout request (``None`` when unset or not a number)."""
+    value = knobs.get(name)
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _int_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) -> int | None:
-    value = task.get(name, request.get(name))
+def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
+    """An integer knob of the rollout request (``None`` when unset or not an integer)."""
+    value = knobs.get(name)
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -50,7 +50,7 @@ from engine.actors.evaluator import (
     OnTaskDone,
     sandbox_labels,
 )
-from engine.domain import EvaluatorSpec
+from engine.agents.binding import EvaluatorBinding
 from engine.errors import LogError
 from engine.events.base import Event
 from engine.events.catalog import (
@@ -63,7 +63,6 @@ from engine.events.catalog import (
 )
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState
-from engine.projections.samples import DatasetCache
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
 from engine.runtime.rebuild import rebuild
@@ -121,7 +120,6 @@ class _RolloutTasks:
     request: RolloutRequested | None = None
     tasks: dict[str, TaskFetched] = field(default_factory=dict)
     position: str = "0-0"
-    datasets: DatasetCache = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -131,7 +129,7 @@ class EvaluatorWorker:
     def __init__(
         self,
         log: EventLog,
-        specs: Mapping[str, EvaluatorSpec],
+        specs: Mapping[str, EvaluatorBinding],
         config: WorkerConfig,
         *,
         sandbox_factory: Any = None,
@@ -289,7 +287,6 @@ class EvaluatorWorker:
             attempts={},
             tokens=tuple(ev.token_ids),
             causation=d.env.ref,
-            datasets=cached.datasets,
         )
 
     async def _recovery_plan(self, d: Delivery, ev: BatchAdmitted) -> BatchPlan:

@@ -13,11 +13,14 @@
   (``n_samples_per_prompt`` / ``n_samples_per_eval_prompt``).
 * **distribute / batch**: groups are expanded to samples with ids
   ``engine.domain.task_id_for(rollout_id, index)`` and batched by the ``BatchingStrategy``
-  (default ``fifo_batching``); each batch's evaluator is ``resolve_spec(task_type)``.
+  (default ``fifo_batching``); each batch's evaluator is ``resolve_profile(task_type)``.
 * **cascade**: stopping criteria and sampling params resolve field by field from the
   request's ``stopping`` / ``sampling_params`` (the coarsest level, where the seed has CLI
-  flags: a dataset or evaluator default overrides them) through the evaluator spec's defaults
-  to the dataset's own values (finest, wins).
+  flags: a dataset or evaluator default overrides them) through the evaluator profile's
+  defaults to the dataset's own values (finest, wins). This is the only place the cascade is
+  applied: each ``TaskFetched`` carries its sample's resolved ``StoppingCriteria`` and
+  ``SamplingParams``, computed once per (evaluator, dataset) and shared by its samples. The
+  request's knobs are not copied into the samples; workers read them from the request copy.
 
 The plan's events, in stream order, are the copy of the request, one ``TaskFetched`` per
 sample (index order), one ``BatchSealed`` per batch (``seq`` order) and ``RolloutPlanned``;
@@ -41,8 +44,8 @@ from pydantic import ValidationError
 from engine.batching import (
     BatchingStrategy,
     fifo_batching,
+    resolve_profile,
     resolve_sampling_params,
-    resolve_spec,
     resolve_stopping,
 )
 from engine.config.messages import explain
@@ -57,7 +60,7 @@ from engine.data_source import (
 from engine.domain import (
     Batch,
     DatasetConfig,
-    EvaluatorSpec,
+    EvaluatorProfile,
     SamplingParams,
     StoppingCriteria,
     Task,
@@ -133,7 +136,7 @@ class Plan:
 
 
 class Planner:
-    """Turns requests into plans for one rollout configuration and set of evaluator specs.
+    """Turns requests into plans for one rollout configuration and set of evaluator profiles.
 
     Holds the datasets (read once, on first use) and nothing that depends on the log: the
     cursor comes in with every call, so the same planner serves live planning and replays.
@@ -142,12 +145,12 @@ class Planner:
     def __init__(
         self,
         config: RolloutConfig,
-        specs: Mapping[str, EvaluatorSpec],
+        specs: Mapping[str, EvaluatorProfile],
         *,
         batching: BatchingStrategy = fifo_batching,
     ) -> None:
         if not specs:
-            raise ConfigError("the scheduler needs at least one evaluator spec")
+            raise ConfigError("the scheduler needs at least one evaluator profile")
         self._config = config
         self._specs = dict(specs)
         self._batching = batching
@@ -160,7 +163,8 @@ class Planner:
         self._eval_copies: dict[tuple[str, int], JsonlDataset] = {}
 
     @property
-    def specs(self) -> Mapping[str, EvaluatorSpec]:
+    def specs(self) -> Mapping[str, EvaluatorProfile]:
+        """The evaluator profiles, by evaluator id."""
         return self._specs
 
     def plan(self, request: RolloutRequested, data: DataState) -> Plan:
@@ -277,36 +281,28 @@ class Planner:
             raise ConfigError(f"rollout {rid!r}: the selected datasets yield no samples")
         flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
         flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
-        spec_of: dict[str, EvaluatorSpec] = {}
+        spec_of: dict[str, EvaluatorProfile] = {}
         for task in tasks:
             if task.task_type not in spec_of:
-                spec_of[task.task_type] = resolve_spec(task.task_type, self._specs)
-        # Per (task type, dataset config): dataset_cfg, stopping and sampling dicts, resolved
-        # once and shared by every TaskFetched of that pair.
-        resolved: dict[tuple[str, int], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
-
-        def settings_of(task: Task) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-            key = (task.task_type, id(task.dataset))
-            cached = resolved.get(key)
-            if cached is None:
-                spec = spec_of[task.task_type]
-                stopping = resolve_stopping(flags_stop, spec, task.dataset)
-                sampling = resolve_sampling_params(flags_sampling, spec, task.dataset)
-                cached = (
-                    task.dataset.model_dump(mode="json"),
-                    stopping.model_dump(mode="json", exclude_none=True),
-                    sampling.as_request(),
+                spec_of[task.task_type] = resolve_profile(task.task_type, self._specs)
+        # Per dataset (which fixes the task type and so the profile): the resolved settings,
+        # computed once and shared by every TaskFetched of that dataset. Resolving them all
+        # here also validates every setting before anything is written.
+        resolved: dict[str, tuple[StoppingCriteria, SamplingParams]] = {}
+        for task in tasks:
+            name = task.dataset_name
+            if name not in resolved:
+                dataset = self._files[name].config
+                profile = spec_of[task.task_type]
+                resolved[name] = (
+                    resolve_stopping(flags_stop, profile, dataset),
+                    resolve_sampling_params(flags_sampling, profile, dataset),
                 )
-                resolved[key] = cached
-            return cached
-
-        for task in tasks:  # resolve (and so validate) every setting before anything is written
-            settings_of(task)
 
         def make_tasks(start: int, stop: int) -> list[TaskFetched]:
             out: list[TaskFetched] = []
             for task in tasks[start:stop]:
-                dataset_cfg, stopping_dict, sampling_dict = settings_of(task)
+                stopping, sampling = resolved[task.dataset_name]
                 out.append(
                     TaskFetched(
                         rollout_id=rid,
@@ -317,11 +313,10 @@ class Planner:
                         label=task.label,
                         dataset=task.dataset_name,
                         task_type=task.task_type,
-                        dataset_cfg=dataset_cfg,
-                        metadata={**task.metadata, "_source_line": task.source_line},
-                        knobs=request.knobs,
-                        stopping=stopping_dict,
-                        sampling_params=sampling_dict,
+                        source_line=task.source_line,
+                        metadata=task.metadata,
+                        stopping=stopping,
+                        sampling_params=sampling,
                     )
                 )
             return out

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner
 from engine.config.layout import ClusterLayout
-from engine.domain import EvaluatorSpec
+from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, ConfigError, LogError, PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
@@ -125,7 +125,7 @@ class _RolloutLock:
     users: int = 0
 
 
-def check_layout(specs: Mapping[str, EvaluatorSpec], layout: ClusterLayout | None) -> None:
+def check_layout(specs: Mapping[str, EvaluatorProfile], layout: ClusterLayout | None) -> None:
     """The start-up deadlock check of ``specs`` against ``layout`` alone (no I/O)."""
     check_deadlock(specs.values(), pool_of(declaration_for(layout)))
 

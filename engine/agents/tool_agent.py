@@ -12,7 +12,7 @@ One episode, for one sample:
   the sandbox; append the observation increment (``chat_tokens.py`` says how it is computed
   and where it may deviate from a full re-render) with ``loss_mask`` 0 and logprob ``0.0``;
 - ``eval`` hands the finished episode (result, the last generated turn's text, the sandbox) to
-  the configured ``Verifier``; the agent itself knows no task type. ``build_evaluators``
+  the configured ``Verifier``; the agent itself knows no task type. ``build_agents``
   builds one agent per task type, each with its verifier (``engine.tasks``);
 - ``cleanup`` stops the sandbox, whatever happened before.
 

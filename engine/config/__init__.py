@@ -2,7 +2,8 @@
 naming the file (or variable), the entry and the key.
 
 - ``engine.config.rollout``: the rollout YAML (training and eval datasets);
-- ``engine.config.evaluators``: the Python file exposing ``build_evaluators(args)``;
+- ``engine.config.evaluators``: the Python file exposing ``evaluator_profiles(args)`` and
+  ``build_agents(args)``;
 - ``engine.config.layout``: the cluster layout (inline JSON or a file);
 - ``engine.config.messages``: shared phrasing of validation errors.
 

@@ -1,13 +1,22 @@
-"""Load evaluator specs from a Python file that exposes ``build_evaluators(args)``.
+"""Load evaluator profiles, and bind them to agents, from one Python config file.
+
+The file defines two functions:
+
+- ``evaluator_profiles(args)``: a non-empty list (or tuple) of ``EvaluatorProfile`` with
+  distinct ``evaluator_id``s. Pure data: the scheduler calls only this one, so it plans and
+  admits without building an agent or loading a tokenizer;
+- ``build_agents(args)``: a mapping of evaluator id to the ``BaseAgent`` that runs its
+  samples, one for every profile and no other. Only evaluator workers call it
+  (``load_evaluators``), which binds each profile to its agent (``EvaluatorBinding``).
 
 The file is imported by path (it need not be on ``sys.path``) under a module name derived from
 its resolved path, so loading the same file twice reuses nothing and two files never collide.
-``build_evaluators(args)`` must return a non-empty list (or tuple) of ``EvaluatorSpec`` with
-distinct ``evaluator_id``s. Anything else, including an exception raised while importing the
-file or building the specs, is a ``ConfigError`` naming the file.
+Anything that breaks the contract, including an exception raised while importing the file or
+calling a function, is a ``ConfigError`` naming the file.
 
-The result maps evaluator id to spec in the order the file returned them; that order matters
-because spec resolution falls back to the first spec for an unknown task type.
+Both results map evaluator id to profile (or binding) in the order ``evaluator_profiles``
+returned them; that order matters because resolution falls back to the first profile for an
+unknown task type.
 """
 
 from __future__ import annotations
@@ -15,20 +24,57 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 
-from engine.domain import EvaluatorSpec
+from engine.agents.binding import EvaluatorBinding
+from engine.domain import EvaluatorProfile
 from engine.errors import ConfigError
 
-__all__ = ["BUILD_FUNCTION", "load_evaluators"]
+__all__ = ["AGENTS_FUNCTION", "PROFILES_FUNCTION", "load_evaluators", "load_profiles"]
 
-BUILD_FUNCTION = "build_evaluators"
+PROFILES_FUNCTION = "evaluator_profiles"
+AGENTS_FUNCTION = "build_agents"
 
 
-def load_evaluators(path: str | Path, args: object) -> Mapping[str, EvaluatorSpec]:
-    """Import ``path``, call its ``build_evaluators(args)`` and index the specs by id."""
+def load_profiles(path: str | Path, args: object) -> Mapping[str, EvaluatorProfile]:
+    """Import ``path``, call its ``evaluator_profiles(args)`` and index the profiles by id."""
+    return _profiles(str(path), _import(path), args)
+
+
+def load_evaluators(path: str | Path, args: object) -> Mapping[str, EvaluatorBinding]:
+    """Import ``path`` and bind each of its profiles to the agent ``build_agents(args)`` gives."""
+    source = str(path)
+    module = _import(path)
+    profiles = _profiles(source, module, args)
+    agents = _call(source, module, AGENTS_FUNCTION, args)
+    if not isinstance(agents, Mapping):
+        raise ConfigError(
+            f"{source}: {AGENTS_FUNCTION}(args) must return a mapping of evaluator id to "
+            f"BaseAgent, got {type(agents).__name__}"
+        )
+    missing = [eid for eid in profiles if eid not in agents]
+    if missing:
+        raise ConfigError(
+            f"{source}: {AGENTS_FUNCTION}(args) returned no agent for evaluator(s) {missing}"
+        )
+    unknown = sorted(str(eid) for eid in agents if eid not in profiles)
+    if unknown:
+        raise ConfigError(
+            f"{source}: {AGENTS_FUNCTION}(args) returned agents for {unknown}, which "
+            f"{PROFILES_FUNCTION}(args) does not define (known: {list(profiles)})"
+        )
+    bindings: dict[str, EvaluatorBinding] = {}
+    for eid, profile in profiles.items():
+        try:
+            bindings[eid] = EvaluatorBinding(profile=profile, agent=agents[eid])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return MappingProxyType(bindings)
+
+
+def _import(path: str | Path) -> ModuleType:
     source = str(path)
     file = Path(path)
     if not file.is_file():
@@ -50,31 +96,37 @@ def load_evaluators(path: str | Path, args: object) -> Mapping[str, EvaluatorSpe
         ) from exc
     finally:
         sys.modules.pop(module_name, None)
-    build = getattr(module, BUILD_FUNCTION, None)
-    if build is None:
-        raise ConfigError(f"{source}: defines no {BUILD_FUNCTION}(args) function")
-    if not callable(build):
-        raise ConfigError(f"{source}: {BUILD_FUNCTION} is not callable")
+    return module
+
+
+def _call(source: str, module: ModuleType, name: str, args: object) -> object:
+    fn: Callable[[object], object] | None = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"{source}: defines no {name}(args) function")
+    if not callable(fn):
+        raise ConfigError(f"{source}: {name} is not callable")
     try:
-        specs = build(args)
+        return fn(args)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {BUILD_FUNCTION}(args) refused its config: {exc}") from exc
+        raise ConfigError(f"{source}: {name}(args) refused its config: {exc}") from exc
     except Exception as exc:
+        raise ConfigError(f"{source}: {name}(args) raised {type(exc).__name__}: {exc}") from exc
+
+
+def _profiles(source: str, module: ModuleType, args: object) -> Mapping[str, EvaluatorProfile]:
+    profiles = _call(source, module, PROFILES_FUNCTION, args)
+    if not isinstance(profiles, list | tuple):
         raise ConfigError(
-            f"{source}: {BUILD_FUNCTION}(args) raised {type(exc).__name__}: {exc}"
-        ) from exc
-    if not isinstance(specs, list | tuple):
-        raise ConfigError(
-            f"{source}: {BUILD_FUNCTION}(args) must return a list of EvaluatorSpec, "
-            f"got {type(specs).__name__}"
+            f"{source}: {PROFILES_FUNCTION}(args) must return a list of EvaluatorProfile, "
+            f"got {type(profiles).__name__}"
         )
-    if not specs:
-        raise ConfigError(f"{source}: {BUILD_FUNCTION}(args) returned no evaluators")
-    by_id: dict[str, EvaluatorSpec] = {}
-    for i, item in enumerate(specs):
-        if not isinstance(item, EvaluatorSpec):
+    if not profiles:
+        raise ConfigError(f"{source}: {PROFILES_FUNCTION}(args) returned no evaluators")
+    by_id: dict[str, EvaluatorProfile] = {}
+    for i, item in enumerate(profiles):
+        if not isinstance(item, EvaluatorProfile):
             raise ConfigError(
-                f"{source}: {BUILD_FUNCTION}(args) item {i} must be an EvaluatorSpec, "
+                f"{source}: {PROFILES_FUNCTION}(args) item {i} must be an EvaluatorProfile, "
                 f"got {type(item).__name__}"
             )
         if item.evaluator_id in by_id:

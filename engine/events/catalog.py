@@ -10,12 +10,13 @@ metrics) are plain msgpack-able Python values.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.domain import SamplingParams, StoppingCriteria
 from engine.events.arrays import LogProbs, Mask, TokenIds
-from engine.events.base import Event
+from engine.events.base import Event, upcaster
 
 JSON = Any
 
@@ -219,7 +220,22 @@ class CaptureRequested(Event):
 
 
 class TaskFetched(Event):
-    """One sample's task: prompt, label, dataset entry, task type, group."""
+    """One sample's task: prompt, label, dataset, task type, group, and the generation
+    settings the planner resolved for it.
+
+    ``stopping`` / ``sampling_params`` are final: the planner applied the cascade (request ->
+    evaluator profile -> dataset) and nothing downstream applies it again. ``source_line`` is
+    the prompt's 1-based line in the dataset file (``None`` only in events upcast from a v1
+    that did not record it). The request's knobs are not copied here: they travel once per
+    rollout, in the ``RolloutRequested`` copy that opens the rollout stream.
+
+    v1 carried the dataset's whole config (``dataset_cfg``), the request's ``knobs``, the
+    settings as untyped dicts and the line as ``metadata["_source_line"]``; the upcaster
+    below drops the first two and moves the line into its field (a sample's metadata still
+    shows it as ``_source_line``, see ``projections.samples``).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["TaskFetched"] = "TaskFetched"
     rollout_id: str
@@ -230,11 +246,24 @@ class TaskFetched(Event):
     label: JSON = None
     dataset: str
     task_type: str
-    dataset_cfg: dict[str, JSON] = Field(default_factory=dict)
+    source_line: int | None = None
     metadata: dict[str, JSON] = Field(default_factory=dict)
-    knobs: dict[str, JSON] = Field(default_factory=dict)
-    stopping: dict[str, JSON] = Field(default_factory=dict)
-    sampling_params: dict[str, JSON] = Field(default_factory=dict)
+    stopping: StoppingCriteria = StoppingCriteria()
+    sampling_params: SamplingParams = SamplingParams()
+
+
+@upcaster("TaskFetched", 1)
+def _task_fetched_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    payload.pop("dataset_cfg", None)
+    payload.pop("knobs", None)
+    metadata = payload.get("metadata")
+    if isinstance(metadata, dict):
+        line = metadata.get("_source_line")
+        # Only a line number moves; anything else stays in the metadata it was written to.
+        if isinstance(line, int) and not isinstance(line, bool) and line >= 1:
+            payload["metadata"] = {k: v for k, v in metadata.items() if k != "_source_line"}
+            payload["source_line"] = line
+    return payload
 
 
 class BatchSealed(Event):

@@ -19,8 +19,11 @@ It is only an accelerator; the reference path stays the authority:
   mode accepts with the same result, and whatever it refuses goes to pydantic, which
   coerces or refuses as before;
 * classes it cannot express exactly are left to the reference path: field constraints
-  (``Field(ge=1)``), validators, aliases, private attributes, nested models, non-scalar
-  defaults are not translated.
+  (``Field(ge=1)``), validators, aliases, private attributes, nested models inside
+  containers, non-scalar defaults are not translated. A field typed as one nested frozen
+  model (``TaskFetched.stopping``) is kept as raw msgpack and validated by that model's own
+  pydantic validator, exactly what the reference path runs for it; since events of a rollout
+  repeat the same few values, the validated (immutable) instance is cached by its bytes.
 
 Every event the fast path decodes equals the reference path's result, field for field,
 with the same field order (so re-encoding gives the same bytes) and the same
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from pydantic import BaseModel
 
 from engine.errors import DecodeError
 from engine.events.arrays import EXT_TYPES, PackedArray, from_wire
@@ -89,6 +93,24 @@ class _Plan:
     n_keys: int  # every field plus "v"
     fields: frozenset[str]
     arrays: tuple[tuple[str, type[PackedArray]], ...]
+    nested: tuple[tuple[str, type[BaseModel]], ...]
+
+
+_NESTED: dict[tuple[type[BaseModel], bytes], BaseModel] = {}
+_NESTED_MAX = 4096
+_raw_decode = msgspec.msgpack.Decoder(ext_hook=_ext_hook).decode
+
+
+def _nested_value(cls: type[BaseModel], raw: msgspec.Raw) -> BaseModel:
+    """The validated ``cls`` held in ``raw`` (cached by its bytes; instances are frozen)."""
+    key = (cls, bytes(raw))
+    value = _NESTED.get(key)
+    if value is None:
+        value = cls.model_validate(_raw_decode(key[1]))  # ValidationError is a ValueError
+        if len(_NESTED) >= _NESTED_MAX:
+            _NESTED.clear()
+        _NESTED[key] = value
+    return value
 
 
 def _plan(cls: type[Event]) -> _Plan | None:
@@ -105,6 +127,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         return None
     fields: list[tuple[str, Any]] = []
     arrays: list[tuple[str, type[PackedArray]]] = []
+    nested: list[tuple[str, type[BaseModel]]] = []
     for name, info in cls.model_fields.items():
         if info.metadata or info.alias or info.validation_alias:
             return None
@@ -112,6 +135,13 @@ def _plan(cls: type[Event]) -> _Plan | None:
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
             arrays.append((name, annotation))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
+        elif (
+            isinstance(annotation, type)
+            and issubclass(annotation, BaseModel)
+            and annotation.model_config.get("frozen")
+        ):
+            nested.append((name, annotation))
+            spec = msgspec.Raw
         else:
             spec = _spec(annotation)
             if spec is None:
@@ -131,6 +161,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         n_keys=len(fields),
         fields=frozenset(name for name, _ in fields[:-1]),
         arrays=tuple(arrays),
+        nested=tuple(nested),
     )
 
 
@@ -182,6 +213,8 @@ def decode_fast(raw: bytes) -> Event | None:
         values = _asdict(plan.decode(raw))
         for field, kind in plan.arrays:
             values[field] = from_wire(kind, values[field])
+        for field, model in plan.nested:
+            values[field] = _nested_value(model, values[field])
     except _Refused:
         return None
     del values["v"]

@@ -154,8 +154,10 @@ def start_stack(args: argparse.Namespace) -> Stack:
     say(f"policy    tinylm server at {stack.server.url}")
     common = ["--redis-url", stack.redis.url]
     evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
+    # The scheduler reads only the evaluator profiles: it needs no model.
     stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
-                              "--rollout-config", str(ROLLOUT_YAML), *evaluator,
+                              "--rollout-config", str(ROLLOUT_YAML),
+                              "--evaluator-config", str(EVALUATORS),
                               "--scheduler-id", "demo-scheduler"])
     for i in range(args.workers):
         stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,

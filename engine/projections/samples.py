@@ -1,4 +1,4 @@
-"""From events to the domain: a ``TaskFetched`` back to its ``Task``, and a finished rollout's
+"""From events to the domain: a ``TaskFetched`` to its ``Task``, and a finished rollout's
 state to the trainer's ``Sample`` list.
 
 ``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
@@ -22,33 +22,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from engine.domain import (
-    DatasetConfig,
-    SamplingParams,
-    StoppingCriteria,
-    Task,
-    TerminationReason,
-)
+from engine.domain import Task, TerminationReason
 from engine.errors import ConfigError, RolloutError
 from engine.events.catalog import TaskFetched
 from engine.projections.rollout import RolloutState, SampleState
 from engine.sample import Sample
 
 __all__ = [
-    "DatasetCache",
     "sample_of",
-    "sampling_of",
     "scalar_reward",
-    "stopping_of",
     "task_of",
     "trainer_samples",
 ]
-
-_DATASET: TypeAdapter[DatasetConfig] = TypeAdapter(DatasetConfig)
-
-DatasetCache = dict[tuple[str, str], DatasetConfig]
 
 
 def scalar_reward(reward: float | Mapping[str, float]) -> float:
@@ -58,32 +45,8 @@ def scalar_reward(reward: float | Mapping[str, float]) -> float:
     return float(reward)
 
 
-def _dataset_of(ev: TaskFetched, cache: DatasetCache | None) -> DatasetConfig:
-    key = (ev.dataset, ev.task_type)
-    if cache is not None and key in cache:
-        return cache[key]
-    raw: dict[str, Any] = dict(ev.dataset_cfg)
-    raw.setdefault("name", ev.dataset)
-    raw.setdefault("task_type", ev.task_type)
-    raw.setdefault("path", "")
-    raw.setdefault("kind", "train")
-    try:
-        dataset = _DATASET.validate_python(raw)
-    except ValidationError as exc:
-        raise ConfigError(
-            f"TaskFetched {ev.sample_id}: dataset_cfg of dataset {ev.dataset!r} does not "
-            f"validate: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
-        ) from None
-    if cache is not None:
-        cache[key] = dataset
-    return dataset
-
-
-def task_of(ev: TaskFetched, *, datasets: DatasetCache | None = None) -> Task:
-    """The ``Task`` a ``TaskFetched`` stands for (``datasets`` caches parsed dataset configs
-    per rollout; the dataset config is the same for every sample of a dataset)."""
-    dataset = _dataset_of(ev, datasets)
-    line = ev.metadata.get("_source_line", ev.metadata.get("source_line", 1))
+def task_of(ev: TaskFetched) -> Task:
+    """The ``Task`` a ``TaskFetched`` stands for (its settings stay on the event)."""
     try:
         return Task(
             task_id=ev.sample_id,
@@ -92,8 +55,9 @@ def task_of(ev: TaskFetched, *, datasets: DatasetCache | None = None) -> Task:
             group_index=ev.group_index,
             prompt=ev.prompt,
             label=ev.label,
-            dataset=dataset,
-            source_line=line if isinstance(line, int) and line >= 1 else 1,
+            dataset_name=ev.dataset,
+            task_type=ev.task_type,
+            source_line=ev.source_line if ev.source_line is not None else 1,
             metadata=ev.metadata,
         )
     except ValidationError as exc:
@@ -101,22 +65,6 @@ def task_of(ev: TaskFetched, *, datasets: DatasetCache | None = None) -> Task:
             f"TaskFetched {ev.sample_id}: not a valid task: "
             f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
         ) from None
-
-
-def stopping_of(ev: TaskFetched) -> StoppingCriteria:
-    """The sample's stopping criteria as the scheduler resolved them."""
-    try:
-        return StoppingCriteria.model_validate(ev.stopping)
-    except ValidationError as exc:
-        raise ConfigError(f"TaskFetched {ev.sample_id}: bad stopping criteria: {exc}") from None
-
-
-def sampling_of(ev: TaskFetched) -> SamplingParams:
-    """The sample's sampling params as the scheduler resolved them."""
-    try:
-        return SamplingParams.model_validate(ev.sampling_params)
-    except ValidationError as exc:
-        raise ConfigError(f"TaskFetched {ev.sample_id}: bad sampling params: {exc}") from None
 
 
 def _reason(value: str | None) -> TerminationReason | None:
@@ -127,7 +75,16 @@ def _reason(value: str | None) -> TerminationReason | None:
 
 
 def _metadata(ev: TaskFetched) -> dict[str, Any]:
-    return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
+    """A sample's metadata: the dataset's metadata keys, the prompt's line (as
+    ``_source_line``, where it always was), its task type and dataset."""
+    if ev.source_line is None:
+        return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
+    return {
+        **ev.metadata,
+        "_source_line": ev.source_line,
+        "task_type": ev.task_type,
+        "dataset": ev.dataset,
+    }
 
 
 def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:

@@ -2,7 +2,8 @@
 
 - ``ROLLOUT_CONFIG``: the rollout YAML naming the bundled datasets (``data/*.jsonl``; rows
   ``{"id", "prompt", "label"}``) and their task types ``math`` and ``shell``;
-- ``EVALUATOR_CONFIG``: the evaluator config file (``build_evaluators(args)``) that runs them
+- ``EVALUATOR_CONFIG``: the evaluator config file (``evaluator_profiles(args)``,
+  ``build_agents(args)``) that runs them
   with the native ``ToolAgent`` (``engine.tasks.evaluators``);
 - ``engine.tasks.math`` / ``engine.tasks.shell``: their verifiers.
 

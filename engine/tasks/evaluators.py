@@ -1,15 +1,18 @@
-"""Evaluator config of the bundled tasks: ``build_evaluators(args)`` for ``math`` and ``shell``.
+"""Evaluator config of the bundled tasks ``math`` and ``shell``: ``evaluator_profiles(args)``
+and ``build_agents(args)``.
 
 Pass this file as ``--evaluator-config`` (``ROLLOUT_EVALUATOR_CONFIG``); its path is
-``engine.tasks.EVALUATOR_CONFIG``. Each task type gets its own ``ToolAgent`` (one agent per
-spec, each with its verifier, rather than one agent dispatching on the task type: the spec
-already routes by task type, and each agent then offers only the tool its task needs):
+``engine.tasks.EVALUATOR_CONFIG``. The scheduler reads only the profiles (which need nothing
+from ``args``); evaluator workers also build the agents. Each task type gets its own
+``ToolAgent`` (one agent per profile, each with its verifier, rather than one agent
+dispatching on the task type: the profile already routes by task type, and each agent then
+offers only the tool its task needs):
 
 - ``math``: tool ``python``, ``MathVerifier`` (final answer against the label);
 - ``shell``: tool ``shell``, ``ShellVerifier`` (the label's check command, run in the episode's
   sandbox after the agent is done).
 
-What it reads from ``args`` (attributes, or keys when ``args`` is a mapping):
+What ``build_agents`` reads from ``args`` (attributes, or keys when ``args`` is a mapping):
 
 - ``tokenizer_path``, else ``model_dir`` (required): the policy's Hugging Face folder, e.g. one
   written by ``rollout tinylm init DIR``; the tokenizer and its chat template load from it
@@ -29,10 +32,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.agents.base import BaseAgent
 from engine.agents.tool_agent import ToolAgent, ToolAgentConfig
 from engine.agents.tools import PythonTool, ShellTool
 from engine.backends.sglang import load_tokenizer
-from engine.domain import EvaluatorSpec, Resource, StoppingCriteria
+from engine.domain import EvaluatorProfile, Resource, StoppingCriteria
 from engine.errors import ConfigError
 from engine.sandbox import SandboxLimits
 from engine.tasks.math import MathVerifier
@@ -42,7 +46,8 @@ from engine.tasks.shell import ShellVerifier
 __all__ = [
     "MATH_SYSTEM_PROMPT",
     "SHELL_SYSTEM_PROMPT",
-    "build_evaluators",
+    "build_agents",
+    "evaluator_profiles",
     "math_agent_config",
     "shell_agent_config",
 ]
@@ -101,12 +106,35 @@ def _arg(args: object, name: str) -> Any:
     return getattr(args, name, None)
 
 
-def build_evaluators(args: object) -> list[EvaluatorSpec]:
-    """The ``math`` and ``shell`` specs (see the module docstring for what ``args`` holds)."""
+def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
+    """The ``math`` and ``shell`` profiles (``args`` is not read)."""
+    per_sample = Resource(cpu=0.25, memory_gb=0.5)
+    return [
+        EvaluatorProfile(
+            evaluator_id="math",
+            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
+            run_resource=per_sample,
+            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
+            batch_size=8,
+            default_stopping=DEFAULT_STOPPING,
+        ),
+        EvaluatorProfile(
+            evaluator_id="shell",
+            resource=Resource(cpu=2.0, memory_gb=4.0, concurrency=8),
+            run_resource=per_sample,
+            eval_resource=per_sample,
+            batch_size=8,
+            default_stopping=DEFAULT_STOPPING,
+        ),
+    ]
+
+
+def build_agents(args: object) -> dict[str, BaseAgent]:
+    """The ``math`` and ``shell`` agents (see the module docstring for what ``args`` holds)."""
     raw_path = _arg(args, "tokenizer_path") or _arg(args, "model_dir")
     if not raw_path:
         raise ConfigError(
-            "the bundled task evaluators need the policy's tokenizer: set args.tokenizer_path "
+            "the bundled task agents need the policy's tokenizer: set args.tokenizer_path "
             "(or args.model_dir) to a Hugging Face folder, e.g. one made by "
             "`rollout tinylm init DIR`"
         )
@@ -115,30 +143,11 @@ def build_evaluators(args: object) -> list[EvaluatorSpec]:
     if url is not None and not isinstance(url, str):
         raise ConfigError(f"args.sglang_url must be a URL string, got {url!r}")
     tokenizer = load_tokenizer(tokenizer_path)
-    math_agent = ToolAgent(
-        math_agent_config(tokenizer_path, url), verifier=MathVerifier(), tokenizer=tokenizer
-    )
-    shell_agent = ToolAgent(
-        shell_agent_config(tokenizer_path, url), verifier=ShellVerifier(), tokenizer=tokenizer
-    )
-    per_sample = Resource(cpu=0.25, memory_gb=0.5)
-    return [
-        EvaluatorSpec(
-            evaluator_id="math",
-            handler=math_agent,
-            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
-            run_resource=per_sample,
-            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
-            batch_size=8,
-            default_stopping=DEFAULT_STOPPING,
+    return {
+        "math": ToolAgent(
+            math_agent_config(tokenizer_path, url), verifier=MathVerifier(), tokenizer=tokenizer
         ),
-        EvaluatorSpec(
-            evaluator_id="shell",
-            handler=shell_agent,
-            resource=Resource(cpu=2.0, memory_gb=4.0, concurrency=8),
-            run_resource=per_sample,
-            eval_resource=per_sample,
-            batch_size=8,
-            default_stopping=DEFAULT_STOPPING,
+        "shell": ToolAgent(
+            shell_agent_config(tokenizer_path, url), verifier=ShellVerifier(), tokenizer=tokenizer
         ),
-    ]
+    }

@@ -30,7 +30,7 @@ from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.tool_agent import ToolAgent
 from engine.agents.tools import PythonTool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
-from engine.domain import DatasetEntry, SamplingParams, StoppingCriteria, Task
+from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.ops.tinylm import init_model
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
@@ -105,9 +105,8 @@ def make_task(
         group_index=index,
         prompt=prompt,
         label=label,
-        dataset=DatasetEntry(
-            name=f"{task_type}_test", path=Path("unused.jsonl"), task_type=task_type
-        ),
+        dataset_name=f"{task_type}_test",
+        task_type=task_type,
         source_line=index + 1,
     )
 

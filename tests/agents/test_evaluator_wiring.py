@@ -1,7 +1,8 @@
-"""The bundled specs run by the real ``Evaluator`` actor: the tinylm server over sockets, the
+"""The bundled evaluators run by the real ``Evaluator`` actor: the tinylm server over sockets, the
 local sandbox through the worker's labelled provider, events out.
 
-This pins the contract between ``build_evaluators`` and the evaluator: the episode context it
+This pins the contract between the bundled evaluator config (profiles bound to agents, as a
+worker loads them) and the evaluator: the episode context it
 builds is enough for the agent, the reward dict is accepted, and a finished episode becomes a
 ``SampleCompleted`` carrying the trajectory (not a ``SampleAborted``).
 """
@@ -12,11 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.actors.evaluator import BatchPlan, EpisodeSettings, Evaluator
+from engine.config.evaluators import load_evaluators
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, SampleCompleted, TaskFetched, TurnCompleted
 from engine.events.names import StreamNames
 from engine.sandbox import LocalSandboxProvider
-from engine.tasks.evaluators import build_evaluators
+from engine.tasks import EVALUATOR_CONFIG
+from engine.tasks.evaluators import DEFAULT_STOPPING
 from tests.agents.conftest import MATH_QUESTION
 from tinylm.server import TinyLMServer
 
@@ -42,7 +45,9 @@ def fetched(sample_id: str, index: int, prompt: str, label: str, task_type: str)
         label=label,
         dataset=f"{task_type}_train",
         task_type=task_type,
-        dataset_cfg={"path": f"data/{task_type}_train.jsonl", "kind": "train"},
+        source_line=index + 1,
+        # what the planner resolves: the profile's default stopping, greedy sampling
+        stopping=DEFAULT_STOPPING,
         sampling_params={"temperature": 0.0},
     )
 
@@ -56,7 +61,7 @@ async def run_one(
     provider: LocalSandboxProvider,
     tmp_path: Path,
 ) -> list[Event]:
-    specs = {s.evaluator_id: s for s in build_evaluators({"model_dir": str(model_dir)})}
+    specs = load_evaluators(EVALUATOR_CONFIG, {"model_dir": str(model_dir)})
     sink = ListSink()
     plan = BatchPlan(
         admitted=BatchAdmitted(

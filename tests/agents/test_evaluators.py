@@ -1,4 +1,4 @@
-"""The bundled ``math`` and ``shell`` evaluator specs, built directly and as workers load them."""
+"""The bundled ``math`` and ``shell`` evaluators, built directly and as workers load them."""
 
 from __future__ import annotations
 
@@ -11,25 +11,26 @@ import pytest
 
 from engine.agents.tool_agent import ToolAgent
 from engine.agents.tools import PythonTool, ShellTool
-from engine.config.evaluators import load_evaluators
+from engine.config.evaluators import load_evaluators, load_profiles
 from engine.errors import ConfigError
 from engine.tasks import DATA_DIR, EVALUATOR_CONFIG, ROLLOUT_CONFIG
-from engine.tasks.evaluators import build_evaluators
+from engine.tasks.evaluators import build_agents, evaluator_profiles
 from engine.tasks.math import MathVerifier
 from engine.tasks.shell import ShellVerifier
 from tinylm.corpus import PYTHON_TOOL, SHELL_TOOL
 
 
-def test_build_evaluators_returns_both_specs(model_dir: Path) -> None:
+def test_the_config_returns_both_profiles_and_agents(model_dir: Path) -> None:
     args = argparse.Namespace(model_dir=str(model_dir), sglang_url="http://127.0.0.1:30000")
-    specs = {spec.evaluator_id: spec for spec in build_evaluators(args)}
-    assert list(specs) == ["math", "shell"]
+    specs = {spec.evaluator_id: spec for spec in evaluator_profiles(args)}
+    agents = build_agents(args)
+    assert list(specs) == ["math", "shell"] == list(agents)
     for evaluator_id, tool, verifier in (
         ("math", PythonTool, MathVerifier),
         ("shell", ShellTool, ShellVerifier),
     ):
         spec = specs[evaluator_id]
-        agent = spec.handler
+        agent = agents[evaluator_id]
         assert isinstance(agent, ToolAgent)
         assert [type(t) for t in agent.config.tools] == [tool]
         assert isinstance(agent.verifier, verifier)
@@ -39,26 +40,31 @@ def test_build_evaluators_returns_both_specs(model_dir: Path) -> None:
         stop = spec.default_stopping
         assert stop.max_turns and stop.max_context_len and stop.max_new_tokens and stop.timeout_s
     # One tokenizer, loaded once, serves both agents.
-    assert specs["math"].handler.tokenizer is specs["shell"].handler.tokenizer  # type: ignore[attr-defined]
+    assert agents["math"].tokenizer is agents["shell"].tokenizer  # type: ignore[attr-defined]
 
 
 def test_worker_loads_the_config_file(model_dir: Path) -> None:
     specs = load_evaluators(EVALUATOR_CONFIG, argparse.Namespace(tokenizer_path=model_dir))
     assert set(specs) == {"math", "shell"}
-    assert specs["math"].handler.config.sglang_url is None  # type: ignore[attr-defined]
+    assert specs["math"].agent.config.sglang_url is None  # type: ignore[attr-defined]
+
+
+def test_the_scheduler_loads_profiles_without_a_tokenizer() -> None:
+    profiles = load_profiles(EVALUATOR_CONFIG, argparse.Namespace())
+    assert list(profiles) == ["math", "shell"]
 
 
 @pytest.mark.parametrize("args", [argparse.Namespace(), {"model_dir": None}, object()])
 def test_missing_tokenizer_is_a_config_error(args: Any) -> None:
     with pytest.raises(ConfigError, match="tokenizer_path"):
-        build_evaluators(args)
+        build_agents(args)
     with pytest.raises(ConfigError, match=str(EVALUATOR_CONFIG)):
         load_evaluators(EVALUATOR_CONFIG, args)
 
 
 def test_unloadable_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=str(tmp_path)):
-        build_evaluators({"tokenizer_path": str(tmp_path)})
+        build_agents({"tokenizer_path": str(tmp_path)})
 
 
 def test_tool_schemas_are_the_ones_tinylm_learns() -> None:

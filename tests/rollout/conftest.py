@@ -13,8 +13,8 @@ import pytest
 
 from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
+from engine.agents.binding import EvaluatorBinding
 from engine.config.evaluators import load_evaluators
-from engine.domain import EvaluatorSpec
 from engine.events import (
     Event,
     EventLog,
@@ -39,7 +39,7 @@ BLOCK_MS = 100
 
 
 @pytest.fixture(scope="session")
-def specs() -> Mapping[str, EvaluatorSpec]:
+def specs() -> Mapping[str, EvaluatorBinding]:
     return load_evaluators(EVALUATOR_CONFIG, None)
 
 
@@ -48,7 +48,7 @@ class Engine:
     """Workers and finalizers running as tasks of the test's event loop."""
 
     make_log: Callable[[], EventLog]
-    specs: Mapping[str, EvaluatorSpec]
+    specs: Mapping[str, EvaluatorBinding]
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -103,7 +103,7 @@ class Engine:
 
 @pytest.fixture
 async def engine(
-    redis_factory: ClientFactory, specs: Mapping[str, EvaluatorSpec]
+    redis_factory: ClientFactory, specs: Mapping[str, EvaluatorBinding]
 ) -> AsyncIterator[Engine]:
     def make_log() -> EventLog:
         return RedisEventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)

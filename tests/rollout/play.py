@@ -67,9 +67,8 @@ def plan_events(
                     label=f"label {p}",
                     dataset=dataset,
                     task_type=evaluator_id,
-                    dataset_cfg={"name": dataset, "path": f"{dataset}.jsonl", "kind": "train"},
-                    metadata={"script": script(index), "_source_line": p + 1},
-                    knobs=request.knobs,
+                    source_line=p + 1,
+                    metadata={"script": script(index)},
                     stopping=dict(stopping or {}),
                 )
             )

@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 
 from engine.actors.planning import Planner
 from engine.actors.scheduler import Scheduler, SchedulerConfig
-from engine.config.evaluators import load_evaluators
+from engine.config.evaluators import load_profiles
 from engine.config.layout import ClusterLayout, parse_cluster_layout
 from engine.config.rollout import load_rollout_config
-from engine.domain import EvaluatorSpec
+from engine.domain import EvaluatorProfile
 from engine.events import (
     BatchAdmitted,
     Envelope,
@@ -78,8 +78,8 @@ def write_config(
     return path
 
 
-def load_specs(path: Path = EVALUATORS, **args: Any) -> Mapping[str, EvaluatorSpec]:
-    return load_evaluators(path, SimpleNamespace(**args))
+def load_specs(path: Path = EVALUATORS, **args: Any) -> Mapping[str, EvaluatorProfile]:
+    return load_profiles(path, SimpleNamespace(**args))
 
 
 def layout(nodes: Mapping[str, Mapping[str, Any]]) -> ClusterLayout:
@@ -89,7 +89,7 @@ def layout(nodes: Mapping[str, Mapping[str, Any]]) -> ClusterLayout:
 def make_scheduler(
     log: EventLog,
     config_path: Path,
-    specs: Mapping[str, EvaluatorSpec],
+    specs: Mapping[str, EvaluatorProfile],
     cluster: ClusterLayout | None,
     *,
     scheduler_id: str = "s0",

@@ -6,12 +6,11 @@ import pytest
 
 from engine.actors.admission import check_deadlock
 from engine.actors.scheduler import check_layout, declaration_for
-from engine.domain import EvaluatorSpec, Resource
+from engine.domain import EvaluatorProfile, Resource
 from engine.errors import DeadlockError
 from engine.events import EventLog, NodeDecl, PoolDeclared, TokenAcquired, TokenReleased
 from engine.projections.placement import PoolState, pool_of, render_pool, try_acquire_batch
 from engine.runtime.rebuild import pool_at
-from tests.scheduler.fixtures.agents import EchoAgent
 from tests.scheduler.helpers import FIXTURES, layout, load_specs
 
 
@@ -21,10 +20,9 @@ def spec(
     per: Resource,
     budget: Resource,
     batch_size: int | None = None,
-) -> EvaluatorSpec:
-    return EvaluatorSpec(
+) -> EvaluatorProfile:
+    return EvaluatorProfile(
         evaluator_id=evaluator_id,
-        handler=EchoAgent(),
         resource=budget,
         run_resource=per,
         batch_size=batch_size,
@@ -41,7 +39,7 @@ def test_deadlock_names_the_evaluator_and_both_numbers() -> None:
     with pytest.raises(DeadlockError) as info:
         check_deadlock(specs.values(), four_gpus())
     message = str(info.value)
-    assert "EvaluatorSpec 'greedy' needs 8 placement tokens" in message
+    assert "evaluator 'greedy' needs 8 placement tokens" in message
     assert "the pool can only provide 4" in message
     assert "largest batch 8 samples" in message
 

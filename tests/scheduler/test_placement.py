@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+from pathlib import Path
 
 import pytest
 
-from engine.domain import Resource
+from engine.actors.admission import decide_admission
+from engine.config.evaluators import load_evaluators
+from engine.domain import EvaluatorProfile, Resource
 from engine.errors import PlacementError
 from engine.events import (
+    BatchAdmitted,
+    BatchSealed,
     Envelope,
     Event,
+    EventLog,
     NodeDecl,
     PoolDeclared,
     TokenAcquired,
@@ -25,6 +33,18 @@ from engine.projections.placement import (
     max_tokens_for,
     pool_of,
     try_acquire_batch,
+)
+from tests.conftest import ClientFactory
+from tests.rollout.conftest import Engine
+from tests.scheduler.helpers import (
+    FIXTURES,
+    fresh_client_log,
+    layout,
+    load_specs,
+    make_scheduler,
+    request,
+    running,
+    write_config,
 )
 
 BIG = Resource(gpu=64, cpu=1024, memory_gb=4096, concurrency=64)
@@ -297,3 +317,64 @@ def test_ungated_pool_admits_everything_with_node_less_tokens() -> None:
 def test_max_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         try_acquire_batch(PoolState(), BIG, Resource(), 0)
+
+
+# ---------------------------------------------------------------- real admission, end to end
+
+
+async def test_real_admission_carries_each_tokens_gpus_to_the_placement_log(
+    redis_factory: ClientFactory, tmp_path: Path
+) -> None:
+    # The scheduler admits on a layout with GPUs; a worker runs the batches and the
+    # finalizer writes placement.jsonl. No event here is built by hand.
+    config = write_config(tmp_path, {"gsm": ("scripted", 4)})
+    gpu_config = FIXTURES / "evaluators_gpu.py"
+    cluster = layout({"gpu-node": {"gpus": [0, 1], "cpu": 16, "memory_gb": 64}})
+    scheduler = make_scheduler(
+        fresh_client_log(redis_factory, "s0"), config, load_specs(gpu_config), cluster
+    )
+    engine = Engine(
+        lambda: EventLog(redis_factory(), producer="test", block_ms=100, max_deliveries=3),
+        load_evaluators(gpu_config, None),
+    )
+    out = tmp_path / "out"
+    engine.start_worker("w1")
+    engine.start_finalizer(out_dir=out)
+    log = fresh_client_log(redis_factory, "trainer")
+    await log.append(log.names.control, request("r1", n_prompts=4))
+    placement = out / "r1" / "placement.jsonl"
+    try:
+        async with running([scheduler]):
+            async with asyncio.timeout(30):
+                while not placement.is_file():
+                    await asyncio.sleep(0.05)
+    finally:
+        await engine.close()
+
+    acquired = [e.event for e in await log.read_all(log.names.pool)
+                if isinstance(e.event, TokenAcquired)]
+    admitted = [e.event for e in await log.read_all(log.names.work("scripted"))
+                if isinstance(e.event, BatchAdmitted)]
+    assert len(acquired) == len(admitted) == 1
+    grants = {g.token_id: [s.gpu for s in g.gpus] for g in acquired[0].tokens}
+    assert len(grants) == 4 and all(gpus in ([0], [1]) for gpus in grants.values())
+    assert admitted[0].gpus == grants  # admission fills the GPUs of every token it grants
+    rows = [json.loads(line) for line in placement.read_text().splitlines()]
+    assert len(rows) == 4  # one turn per sample
+    assert all(row["node"] == "gpu-node" and row["gpu"] in (0, 1) for row in rows)
+
+
+def test_an_admission_names_the_gpus_of_each_token_it_grants() -> None:
+    batch = BatchSealed(rollout_id="r", batch_id="r:b0", seq=0, evaluator_id="e",
+                        sample_ids=["r:s0", "r:s1", "r:s2"])
+    budget = Resource(gpu=2, cpu=8, memory_gb=8, concurrency=4)
+    gpu = EvaluatorProfile(evaluator_id="e", resource=budget, run_resource=Resource(gpu=0.5))
+    decision = decide_admission(pool_of(declared(node("a", gpus=2))), batch, gpu)
+    assert decision is not None
+    assert decision.admitted.gpus == {"r:b0:t0": [0], "r:b0:t1": [0], "r:b0:t2": [1]}
+    assert decision.admitted.gpus == {
+        g.token_id: [s.gpu for s in g.gpus] for g in decision.acquired.tokens
+    }
+    cpu_only = EvaluatorProfile(evaluator_id="e", resource=budget, run_resource=Resource(cpu=1))
+    decision = decide_admission(pool_of(declared(node("a", gpus=2))), batch, cpu_only)
+    assert decision is not None and decision.admitted.gpus == {}

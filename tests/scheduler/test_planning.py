@@ -9,7 +9,14 @@ import pytest
 
 from engine.actors.planning import Plan, Planner
 from engine.config.rollout import load_rollout_config
-from engine.domain import Batch, EvaluatorSpec, Task, batch_id_for
+from engine.domain import (
+    Batch,
+    EvaluatorProfile,
+    SamplingParams,
+    StoppingCriteria,
+    Task,
+    batch_id_for,
+)
 from engine.errors import ConfigError
 from engine.events import BatchSealed, Envelope, RolloutPlanned, RolloutRequested, TaskFetched
 from engine.projections.data_cursor import DataCursorProjection, DataState
@@ -63,11 +70,12 @@ def test_dataset_subsets_overrides_and_eval_selection(tmp_path: Path) -> None:
                      DataState())
     assert {t.dataset for t in only_py.tasks()} == {"py"}
     assert [t.group_index for t in only_py.tasks()] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert only_py.tasks()[0].dataset_cfg["n_samples_per_prompt"] == 3
+    # the request's group size overrides the dataset's: three copies of each prompt
+    assert [t.source_line for t in only_py.tasks()][:3] == [only_py.tasks()[0].source_line] * 3
     assert only_py.cursor.cursor["datasets"] == ["py"]
     ev = p.plan(request("e", kind="eval", datasets=["he"], n_samples_per_prompt=2), DataState())
     assert [t.metadata["row"] for t in ev.tasks()] == [0, 0, 1, 1, 2, 2]
-    assert ev.tasks()[0].dataset_cfg["n_samples_per_eval_prompt"] == 2
+    assert [t.group_index for t in ev.tasks()] == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ConfigError, match="'aime'.* not training datasets"):
         p.plan(request("x", datasets=["aime"]), DataState())
     with pytest.raises(ConfigError, match="stopping: max_turns: must be at least 1"):
@@ -75,11 +83,11 @@ def test_dataset_subsets_overrides_and_eval_selection(tmp_path: Path) -> None:
 
 
 def test_a_batching_strategy_that_loses_or_repeats_samples_is_refused(tmp_path: Path) -> None:
-    def drop_last(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+    def drop_last(tasks: list[Task], specs: Mapping[str, EvaluatorProfile]) -> list[Batch]:
         return [Batch(batch_id=batch_id_for(t.rollout_id, t.index), task_type=t.task_type,
                       tasks=(t,)) for t in tasks[:-1]]
 
-    def twice(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+    def twice(tasks: list[Task], specs: Mapping[str, EvaluatorProfile]) -> list[Batch]:
         one = [Batch(batch_id=f"b{i}", task_type=t.task_type, tasks=(t,))
                for i, t in enumerate(tasks)]
         return [*one, Batch(batch_id="again", task_type=tasks[0].task_type, tasks=(tasks[0],))]
@@ -91,7 +99,7 @@ def test_a_batching_strategy_that_loses_or_repeats_samples_is_refused(tmp_path: 
 
 
 def test_one_sample_batches_with_a_custom_strategy_keep_seq_order(tmp_path: Path) -> None:
-    def singles(tasks: list[Task], specs: Mapping[str, EvaluatorSpec]) -> list[Batch]:
+    def singles(tasks: list[Task], specs: Mapping[str, EvaluatorProfile]) -> list[Batch]:
         return [Batch(batch_id=batch_id_for(t.rollout_id, t.index), task_type=t.task_type,
                       tasks=(t,)) for t in reversed(tasks)]
 
@@ -99,3 +107,41 @@ def test_one_sample_batches_with_a_custom_strategy_keep_seq_order(tmp_path: Path
     assert [b.seq for b in plan.batches] == [0, 1, 2]
     assert [b.sample_ids for b in plan.batches] == [["r:s2"], ["r:s1"], ["r:s0"]]
     assert plan.largest_batches() == {"math": 1}
+
+
+def test_the_cascade_is_resolved_once_into_typed_settings(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        {"gsm": ("math", 3), "py": ("code", 3)},
+        train_extra={"gsm": {"max_new_tokens": 64, "sampling_params": {"temperature": 0.2}}},
+    )
+    plan = Planner(load_rollout_config(config), load_specs()).plan(
+        request(
+            "r",
+            n_prompts=6,
+            stopping={"max_turns": 99, "timeout_s": 30.0},
+            sampling_params={"temperature": 1.0, "top_k": 5},
+            knobs={"dagger_beta": 0.5},
+        ),
+        DataState(),
+    )
+    tasks = plan.tasks()
+    gsm = [t for t in tasks if t.dataset == "gsm"]
+    py = [t for t in tasks if t.dataset == "py"]
+    assert gsm and py
+    # request (coarsest) < evaluator profile default < dataset (finest), as typed models
+    assert gsm[0].stopping == StoppingCriteria(
+        max_turns=4, max_context_len=2048, max_new_tokens=64, timeout_s=30.0
+    )
+    assert gsm[0].sampling_params == SamplingParams(temperature=0.2, top_p=0.9, top_k=5)
+    assert py[0].stopping == StoppingCriteria(max_turns=10, timeout_s=30.0)
+    assert py[0].sampling_params == SamplingParams(temperature=1.0, top_k=5)
+    # resolved once per dataset: its samples share the very same records
+    assert all(t.stopping is gsm[0].stopping for t in gsm)
+    assert all(t.sampling_params is gsm[0].sampling_params for t in gsm)
+    # the knobs and the dataset config are not copied into each sample
+    assert "knobs" not in TaskFetched.model_fields
+    assert "dataset_cfg" not in TaskFetched.model_fields
+    assert plan.request.knobs == {"dagger_beta": 0.5}
+    assert all(t.source_line is not None and t.source_line >= 1 for t in tasks)
+    assert all("_source_line" not in t.metadata for t in tasks)

@@ -21,7 +21,7 @@ from engine.actors.scheduler import SCHEDULER_GROUP, Scheduler
 from engine.config.layout import ClusterLayout
 from engine.config.rollout import load_rollout_config
 from engine.data_source import MultiDataSource
-from engine.domain import EvaluatorSpec, task_id_for
+from engine.domain import EvaluatorProfile, task_id_for
 from engine.errors import LogUnavailable
 from engine.events import (
     BatchAdmitted,
@@ -210,7 +210,7 @@ async def test_plan_order_batching_and_data_cursor(redis_factory: ClientFactory,
     served: list[tuple[str, int]] = []
     for rid in order:
         for t in of_type(await events_of(log, log.names.rollout(rid)), TaskFetched):
-            key = (t.dataset, t.metadata["_source_line"])
+            key = (t.dataset, t.source_line)
             if not served or served[-1] != key:  # groups repeat their prompt
                 served.append(key)
     assert served == [(r.dataset.name, r.line) for r in records]
@@ -301,17 +301,18 @@ async def test_generation_settings_cascade_and_knobs(redis_factory: ClientFactor
         await asyncio.wait_for(
             FakeEvaluators(log, list(specs), hold=0).run(all_admitted(log, ["r1"])), TIMEOUT
         )
-    tasks = {t.dataset: t for t in of_type(await events_of(log, log.names.rollout("r1")),
-                                            TaskFetched)}
+    stream = await events_of(log, log.names.rollout("r1"))
+    tasks = {t.dataset: t for t in of_type(stream, TaskFetched)}
     math, code = tasks["gsm"], tasks["py"]
-    # request (coarsest) < evaluator spec default < dataset (finest)
-    assert math.sampling_params == {"temperature": 0.2, "top_p": 0.9, "top_k": 5}
-    assert math.stopping == {"max_turns": 4, "max_context_len": 2048, "max_new_tokens": 64,
-                             "timeout_s": 30.0}
-    assert code.sampling_params == {"temperature": 1.0, "top_k": 5}
-    assert code.stopping == {"max_turns": 10, "timeout_s": 30.0}
-    assert math.knobs == code.knobs == {"dagger_beta": 0.5, "t_max": 7}
-    assert math.dataset_cfg["name"] == "gsm" and math.dataset_cfg["max_new_tokens"] == 64
+    # request (coarsest) < evaluator profile default < dataset (finest)
+    assert math.sampling_params.as_request() == {"temperature": 0.2, "top_p": 0.9, "top_k": 5}
+    assert math.stopping.model_dump(exclude_none=True) == {
+        "max_turns": 4, "max_context_len": 2048, "max_new_tokens": 64, "timeout_s": 30.0}
+    assert code.sampling_params.as_request() == {"temperature": 1.0, "top_k": 5}
+    assert code.stopping.model_dump(exclude_none=True) == {"max_turns": 10, "timeout_s": 30.0}
+    # The knobs travel once, in the request copy that opens the rollout stream.
+    assert of_type(stream, RolloutRequested)[0].knobs == {"dagger_beta": 0.5, "t_max": 7}
+    assert math.dataset == "gsm" and math.stopping.max_new_tokens == 64
     assert math.label == f"gsm-{math.metadata['row']}" and math.task_type == "math"
 
 
@@ -356,7 +357,7 @@ class StoppedMidRollout:
     """Scheduler s0 admitted the first of r1's batches (one fits the pool) and stopped."""
 
     config: Path
-    specs: Mapping[str, EvaluatorSpec]
+    specs: Mapping[str, EvaluatorProfile]
     cluster: ClusterLayout
     log: EventLog
     evaluators: FakeEvaluators

@@ -196,7 +196,7 @@ def test_each_bad_input_is_refused_at_start_up(
 
     code, err = run_main(capsys, "--rollout-config", str(config),
                          "--evaluator-config", str(FIXTURES / "evaluators_broken.py"))
-    assert code == 2 and "item 0 must be an EvaluatorSpec, got str" in err
+    assert code == 2 and "item 0 must be an EvaluatorProfile, got str" in err
 
     code, err = run_main(capsys, *ok, "--cluster-layout", '{"n1": [0, 1]}')
     assert code == 2 and "node 'n1'" in err
@@ -207,7 +207,7 @@ def test_each_bad_input_is_refused_at_start_up(
                          "--cluster-layout", '{"n1": [0, 1, 2, 3]}',
                          "--env-num-cpus", "64", "--env-memory-gb", "64")
     assert code == 2
-    assert "EvaluatorSpec 'greedy' needs 8 placement tokens" in err
+    assert "evaluator 'greedy' needs 8 placement tokens" in err
     assert "can only provide 4" in err
 
     monkeypatch.setenv("ROLLOUT_BLOCKMS", "5")

@@ -9,21 +9,20 @@ import pytest
 from engine.batching import (
     BatchingStrategy,
     fifo_batching,
+    resolve_profile,
     resolve_sampling_params,
-    resolve_spec,
     resolve_stopping,
 )
 from engine.domain import (
     Batch,
     DatasetEntry,
-    EvaluatorSpec,
+    EvaluatorProfile,
     SamplingParams,
     StoppingCriteria,
     Task,
     task_id_for,
 )
 from engine.errors import ConfigError
-from tests.unit.fakes import FixedAgent
 
 
 def _tasks(types: str, rollout_id: str = "r1", first_index: int = 0) -> list[Task]:
@@ -34,15 +33,16 @@ def _tasks(types: str, rollout_id: str = "r1", first_index: int = 0) -> list[Tas
             index=first_index + i,
             group_index=first_index + i,
             prompt=f"p{i}",
-            dataset=DatasetEntry(name=f"ds_{t}", path=Path("/d.jsonl"), task_type=t),
+            dataset_name=f"ds_{t}",
+            task_type=t,
             source_line=1,
         )
         for i, t in enumerate(types)
     ]
 
 
-def _spec(evaluator_id: str, **fields: Any) -> EvaluatorSpec:
-    return EvaluatorSpec(evaluator_id=evaluator_id, handler=FixedAgent(), **fields)
+def _spec(evaluator_id: str, **fields: Any) -> EvaluatorProfile:
+    return EvaluatorProfile(evaluator_id=evaluator_id, **fields)
 
 
 def _shape(batches: list[Batch]) -> list[tuple[str, list[int]]]:
@@ -82,20 +82,20 @@ class TestFifoBatching:
         assert strategy([], {}) == []
 
 
-class TestResolveSpec:
+class TestResolveProfile:
     def test_exact_match(self) -> None:
         specs = {"a": _spec("a"), "b": _spec("b")}
-        assert resolve_spec("b", specs) is specs["b"]
+        assert resolve_profile("b", specs) is specs["b"]
 
     def test_fallback_to_first_with_warning(self, caplog: pytest.LogCaptureFixture) -> None:
         specs = {"a": _spec("a"), "b": _spec("b")}
         with caplog.at_level(logging.WARNING, logger="engine.batching"):
-            assert resolve_spec("zzz", specs) is specs["a"]
+            assert resolve_profile("zzz", specs) is specs["a"]
         assert "no evaluator with id 'zzz'" in caplog.text
 
     def test_no_specs(self) -> None:
-        with pytest.raises(ConfigError, match="no evaluator specs to run task type 'a'"):
-            resolve_spec("a", {})
+        with pytest.raises(ConfigError, match="no evaluator profiles to run task type 'a'"):
+            resolve_profile("a", {})
 
 
 class TestCascade:

@@ -118,7 +118,8 @@ class TestGroups:
         assert tasks[0].task_id == "r9:s10"
         assert tasks[0].task_type == "a"
         assert tasks[0].source_line == 1
-        assert tasks[0].dataset == records[0].dataset
+        assert (tasks[0].dataset_name, tasks[0].task_type) == (
+            records[0].dataset.name, records[0].dataset.task_type)
         assert tasks[0].prompt == "a-0"
 
     def test_copies_do_not_share_mutable_prompts(self, tmp_path: Path) -> None:
@@ -160,7 +161,7 @@ class TestEval:
         ]  # fmt: skip
         assert [t.index for t in tasks] == list(range(8))
         assert tasks[0].task_id == "eval-3:s0"
-        assert isinstance(tasks[0].dataset, EvalDatasetConfig)
+        assert (tasks[0].dataset_name, tasks[0].task_type) == ("a", "m")
 
 
 class TestMalformedLines:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -7,11 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext
+from engine.agents.binding import EvaluatorBinding
 from engine.domain import (
     Batch,
+    DatasetConfig,
     DatasetEntry,
     EvalDatasetConfig,
-    EvaluatorSpec,
+    EvaluatorProfile,
     Resource,
     SampleStatus,
     SamplingParams,
@@ -31,7 +34,9 @@ def _dataset(**overrides: object) -> DatasetEntry:
     return DatasetEntry.model_validate(fields)
 
 
-def _task(index: int = 0, **overrides: object) -> Task:
+def _task(index: int = 0, dataset: DatasetConfig | None = None, **overrides: object) -> Task:
+    """A task of ``dataset`` (default ``_dataset()``): its name and task type."""
+    dataset = _dataset() if dataset is None else dataset
     fields: dict[str, object] = {
         "task_id": task_id_for("r1", index),
         "rollout_id": "r1",
@@ -39,7 +44,8 @@ def _task(index: int = 0, **overrides: object) -> Task:
         "group_index": index,
         "prompt": "2+2?",
         "label": "4",
-        "dataset": _dataset(),
+        "dataset_name": dataset.name,
+        "task_type": dataset.task_type,
         "source_line": 1,
     }
     fields.update(overrides)
@@ -72,11 +78,10 @@ class TestResource:
             Resource().cpu = 3  # type: ignore[misc]
 
 
-class TestEvaluatorSpec:
+class TestEvaluatorProfile:
     def test_sample_resource_is_per_field_max_of_run_and_eval(self) -> None:
-        spec = EvaluatorSpec(
+        spec = EvaluatorProfile(
             evaluator_id="swe",
-            handler=FixedAgent(),
             resource=Resource(cpu=96, memory_gb=320, concurrency=4),
             run_resource=Resource(cpu=4, memory_gb=16, gpu=0.5),
             eval_resource=Resource(cpu=8, memory_gb=12),
@@ -84,24 +89,34 @@ class TestEvaluatorSpec:
         assert spec.sample_resource == Resource(gpu=0.5, cpu=8, memory_gb=16, concurrency=1)
 
     def test_defaults(self) -> None:
-        spec = EvaluatorSpec(evaluator_id="swe", handler=FixedAgent())
+        spec = EvaluatorProfile(evaluator_id="swe")
         assert spec.batch_size is None
         assert spec.default_stopping == StoppingCriteria()
         assert spec.sample_resource == Resource()
 
-    def test_handler_must_be_an_agent(self) -> None:
-        with pytest.raises(ConfigError, match="evaluator 'swe': handler must be a BaseAgent"):
-            EvaluatorSpec(evaluator_id="swe", handler=object())  # type: ignore[arg-type]
+    def test_a_binding_needs_an_agent(self) -> None:
+        with pytest.raises(ConfigError, match="evaluator 'swe': the agent must be a BaseAgent"):
+            EvaluatorBinding(profile=EvaluatorProfile(evaluator_id="swe"), agent=object())  # type: ignore[arg-type]
+        binding = EvaluatorBinding(profile=EvaluatorProfile(evaluator_id="swe"), agent=FixedAgent())
+        assert binding.evaluator_id == "swe"
+
+    def test_a_profile_is_pure_data(self) -> None:
+        # The scheduler reads profiles without building agents: no field holds one.
+        assert not any(
+            isinstance(getattr(EvaluatorProfile(evaluator_id="swe"), f.name), BaseAgent)
+            for f in dataclasses.fields(EvaluatorProfile)
+        )
+        assert "handler" not in {f.name for f in dataclasses.fields(EvaluatorProfile)}
 
     @pytest.mark.parametrize("batch_size", [0, -1, True, 2.0])
     def test_batch_size_must_be_positive_int(self, batch_size: object) -> None:
         with pytest.raises(ConfigError, match="evaluator 'swe': batch_size"):
-            EvaluatorSpec(evaluator_id="swe", handler=FixedAgent(), batch_size=batch_size)  # type: ignore[arg-type]
+            EvaluatorProfile(evaluator_id="swe", batch_size=batch_size)  # type: ignore[arg-type]
 
     @pytest.mark.parametrize("bad_id", ["", "has space", "a:b", "-lead"])
     def test_id_must_be_a_stream_safe_name(self, bad_id: str) -> None:
         with pytest.raises(ConfigError, match="evaluator_id"):
-            EvaluatorSpec(evaluator_id=bad_id, handler=FixedAgent())
+            EvaluatorProfile(evaluator_id=bad_id)
 
 
 class TestSamplingParams:
@@ -161,12 +176,12 @@ class TestDatasets:
         )
         assert entry.copies_per_prompt == 4
 
-    def test_task_round_trips_through_json_with_its_dataset_kind(self) -> None:
+    def test_task_round_trips_through_json(self) -> None:
         eval_entry = EvalDatasetConfig(name="aime", path=Path("/a.jsonl"), task_type="m")
         for task in (_task(), _task(dataset=eval_entry)):
             again = Task.model_validate_json(task.model_dump_json())
             assert again == task
-            assert type(again.dataset) is type(task.dataset)
+            assert again.dataset_name == task.dataset_name
 
 
 class TestTask:

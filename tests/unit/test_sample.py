@@ -1,12 +1,10 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
 from engine.agents.base import AgentResult
-from engine.domain import DatasetEntry, SampleStatus, Task, TerminationReason
+from engine.domain import SampleStatus, Task, TerminationReason
 from engine.errors import AgentError
 from engine.sample import Sample
 
@@ -19,7 +17,8 @@ def _task() -> Task:
         group_index=3,
         prompt=[{"role": "user", "content": "fix the bug"}],
         label="django-123",
-        dataset=DatasetEntry(name="swe_gym", path=Path("/d.jsonl"), task_type="swe"),
+        dataset_name="swe_gym",
+        task_type="swe",
         source_line=12,
         metadata={"repo": "django"},
     )

@@ -1,0 +1,40 @@
+"""The binding of an evaluator profile to the agent that runs its samples.
+
+``EvaluatorProfile`` (``engine.domain``) is pure data: the scheduler plans and admits with
+profiles alone and never builds an agent. Only an evaluator worker binds each profile it
+serves to a live ``BaseAgent`` (``engine.config.evaluators.load_evaluators``), which is why
+the binding lives beside the agents and not in the domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.agents.base import BaseAgent
+from engine.domain import EvaluatorProfile
+from engine.errors import ConfigError
+
+__all__ = ["EvaluatorBinding"]
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluatorBinding:
+    """A profile and the agent that runs the samples of its batches."""
+
+    profile: EvaluatorProfile
+    agent: BaseAgent
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.profile, EvaluatorProfile):
+            raise ConfigError(
+                f"an evaluator binding needs an EvaluatorProfile, got {type(self.profile).__name__}"
+            )
+        if not isinstance(self.agent, BaseAgent):
+            raise ConfigError(
+                f"evaluator {self.profile.evaluator_id!r}: the agent must be a BaseAgent, "
+                f"got {type(self.agent).__name__}"
+            )
+
+    @property
+    def evaluator_id(self) -> str:
+        return self.profile.evaluator_id
