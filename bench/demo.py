@@ -66,6 +66,7 @@ from typing import Any
 from engine.actors.aborts import classify_abort
 from engine.actors.evaluator import sample_seed
 from engine.agents.base import EpisodeContext
+from engine.backends.pool import BackendPool
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
 from engine.domain import EvaluatorSpec, overlay
@@ -424,6 +425,7 @@ async def direct_round(
 ) -> RoundResult:
     """The seeds' loop: every sample of ``work`` in one asyncio loop, no events."""
     sem = asyncio.Semaphore(concurrency)
+    backends = BackendPool(sglang_url)  # one pooled client, as an engine worker holds
     request = work.request
     train = request.kind is RolloutKind.TRAIN
     tmp = Path(tempfile.mkdtemp(prefix="direct-", dir=tmp_root))
@@ -435,27 +437,27 @@ async def direct_round(
 
     async def one(ev: TaskFetched, evaluator_id: str) -> tuple[str, Outcome]:
         spec = specs[evaluator_id]
-        handler = spec.handler
         task = task_of(ev)
+        episode = spec.handler.episode(task)
         stopping = overlay(spec.default_stopping, stopping_of(ev))
         sampling = overlay(spec.default_sampling_params, sampling_of(ev))
         async with sem:
             ctx = EpisodeContext(
                 rollout_id=ev.rollout_id, sample_id=ev.sample_id, attempt=1,
-                sglang_url=sglang_url, stopping=stopping, sampling_params=sampling,
-                sandbox_factory=provider, tmp_dir=tmp / f"{ev.index}",
+                stopping=stopping, sampling_params=sampling, tmp_dir=tmp / f"{ev.index}",
+                backends=backends, sandboxes=provider,
                 policy_version=request.policy_version,
                 seed=sample_seed(request.seed, ev.index),
             )
             try:
                 async with asyncio.timeout(stopping.timeout_s):
-                    await handler.init(task, ctx)
+                    await episode.init(ctx)
                     started.append(time.perf_counter() - t0)  # where SampleStarted would be
-                    result = await handler.run(task, ctx)
+                    result = await episode.run(ctx)
                     if result.termination_reason.is_abort:
                         outcome = Outcome(False, 0.0, 0, (), result.termination_reason.value)
                     else:
-                        reward = await handler.eval(task, ctx, result)
+                        reward = await episode.eval(ctx, result)
                         Sample.from_agent_result(
                             task, result, reward, policy_version=request.policy_version,
                             require_tokens=train,
@@ -469,7 +471,7 @@ async def direct_round(
             except Exception as exc:
                 outcome = Outcome(False, 0.0, 0, (), classify_abort(exc).value)
             try:
-                await handler.cleanup(task, ctx)
+                await episode.cleanup(ctx)
             except Exception as exc:
                 if outcome.completed:
                     outcome = Outcome(False, 0.0, 0, (), classify_abort(exc).value)
@@ -483,6 +485,7 @@ async def direct_round(
         elapsed = time.perf_counter() - t0
         cpu = meter.stop()
     finally:
+        await backends.aclose()
         shutil.rmtree(tmp, ignore_errors=True)
     timeline: dict[str, float] = {}
     if started:
