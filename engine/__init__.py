@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "BaseAgent": "engine.agents.base",
     "AgentResult": "engine.agents.base",
     "EpisodeContext": "engine.agents.base",
+    "Episode": "engine.agents.base",
+    "EpisodeAgent": "engine.agents.base",
     "ToolAgent": "engine.agents.tool_agent",
     "ToolAgentConfig": "engine.agents.tool_agent",
     "Sample": "engine.sample",
@@ -44,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     # model backends
     "ModelBackend": "engine.backends.base",
     "GenerationResult": "engine.backends.base",
+    "BackendPool": "engine.backends.pool",
     "SGLangBackend": "engine.backends.sglang",
     "SGLangConfig": "engine.backends.sglang",
     "OpenAIBackend": "engine.backends.openai",
@@ -52,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "TeacherConfig": "engine.backends.teacher",
     # sandboxes
     "Sandbox": "engine.sandbox.base",
+    "SandboxProvider": "engine.sandbox.base",
     "SandboxLimits": "engine.sandbox.base",
     "LocalSandboxProvider": "engine.sandbox.local",
     "LocalSandboxConfig": "engine.sandbox.local",
