@@ -619,9 +619,7 @@ class LabelledProvider:
         self._inner = inner
         self._labels = dict(labels)
 
-    def create(
-        self, *, labels: Mapping[str, str], limits: SandboxLimits | None = None
-    ) -> Sandbox:
+    def create(self, *, labels: Mapping[str, str], limits: SandboxLimits | None = None) -> Sandbox:
         return self._inner.create(labels={**labels, **self._labels}, limits=limits)
 
     async def reap(self, label_selector: Mapping[str, str]) -> int:

@@ -119,6 +119,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, kw_only=True)
 class ToolAgentConfig:
     """What a ``ToolAgent`` offers the model and how it talks to the server and the sandbox.

@@ -40,9 +40,7 @@ class BackendPool:
 
     def __init__(self, default_url: str | None = None, *, build: BackendBuilder = sglang_backend):
         self.default_url = (
-            check_base_url(default_url, what="the worker's model endpoint")
-            if default_url
-            else None
+            check_base_url(default_url, what="the worker's model endpoint") if default_url else None
         )
         self._build = build
         self._backends: dict[str, ModelBackend] = {}
