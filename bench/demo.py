@@ -67,6 +67,7 @@ from engine.actors.aborts import classify_abort
 from engine.actors.evaluator import sample_seed
 from engine.agents.base import EpisodeContext
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.pool import BackendPool
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
 from engine.errors import EngineError
@@ -426,6 +427,7 @@ async def direct_round(
 ) -> RoundResult:
     """The seeds' loop: every sample of ``work`` in one asyncio loop, no events."""
     sem = asyncio.Semaphore(concurrency)
+    backends = BackendPool(sglang_url)  # one pooled client, as an engine worker holds
     request = work.request
     train = request.kind is RolloutKind.TRAIN
     tmp = Path(tempfile.mkdtemp(prefix="direct-", dir=tmp_root))
@@ -437,26 +439,26 @@ async def direct_round(
 
     async def one(ev: TaskFetched, evaluator_id: str) -> tuple[str, Outcome]:
         spec = specs[evaluator_id]
-        handler = spec.agent
         task = task_of(ev)
+        episode = spec.agent.episode(task)
         stopping, sampling = ev.stopping, ev.sampling_params
         async with sem:
             ctx = EpisodeContext(
                 rollout_id=ev.rollout_id, sample_id=ev.sample_id, attempt=1,
-                sglang_url=sglang_url, stopping=stopping, sampling_params=sampling,
-                sandbox_factory=provider, tmp_dir=tmp / f"{ev.index}",
+                stopping=stopping, sampling_params=sampling, tmp_dir=tmp / f"{ev.index}",
+                backends=backends, sandboxes=provider,
                 policy_version=request.policy_version,
                 seed=sample_seed(request.seed, ev.index),
             )
             try:
                 async with asyncio.timeout(stopping.timeout_s):
-                    await handler.init(task, ctx)
+                    await episode.init(ctx)
                     started.append(time.perf_counter() - t0)  # where SampleStarted would be
-                    result = await handler.run(task, ctx)
+                    result = await episode.run(ctx)
                     if result.termination_reason.is_abort:
                         outcome = Outcome(False, 0.0, 0, (), result.termination_reason.value)
                     else:
-                        reward = await handler.eval(task, ctx, result)
+                        reward = await episode.eval(ctx, result)
                         Sample.from_agent_result(
                             task, result, reward, policy_version=request.policy_version,
                             require_tokens=train,
@@ -470,7 +472,7 @@ async def direct_round(
             except Exception as exc:
                 outcome = Outcome(False, 0.0, 0, (), classify_abort(exc).value)
             try:
-                await handler.cleanup(task, ctx)
+                await episode.cleanup(ctx)
             except Exception as exc:
                 if outcome.completed:
                     outcome = Outcome(False, 0.0, 0, (), classify_abort(exc).value)
@@ -484,6 +486,7 @@ async def direct_round(
         elapsed = time.perf_counter() - t0
         cpu = meter.stop()
     finally:
+        await backends.aclose()
         shutil.rmtree(tmp, ignore_errors=True)
     timeline: dict[str, float] = {}
     if started:

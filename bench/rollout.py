@@ -201,15 +201,16 @@ async def inprocess(n_samples: int) -> float:
     async def one(task: Task, sem: asyncio.Semaphore) -> Sample:
         async with sem:
             ctx = EpisodeContext(
-                rollout_id=task.rollout_id, sample_id=task.task_id, attempt=1, sglang_url="",
-                stopping=stopping, sampling_params=sampling, sandbox_factory=None, tmp_dir=tmp,
+                rollout_id=task.rollout_id, sample_id=task.task_id, attempt=1,
+                stopping=stopping, sampling_params=sampling, tmp_dir=tmp,
             )
+            episode = agent.episode(task)
             try:
-                await agent.init(task, ctx)
-                result = await agent.run(task, ctx)
-                reward = await agent.eval(task, ctx, result)
+                await episode.init(ctx)
+                result = await episode.run(ctx)
+                reward = await episode.eval(ctx, result)
             finally:
-                await agent.cleanup(task, ctx)
+                await episode.cleanup(ctx)
             return Sample.from_agent_result(task, result, reward)
 
     t0 = time.perf_counter()

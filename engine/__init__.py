@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "AgentResult": "engine.agents.base",
     "EpisodeContext": "engine.agents.base",
     "EvaluatorBinding": "engine.agents.binding",
+    "Episode": "engine.agents.base",
+    "EpisodeAgent": "engine.agents.base",
     "ToolAgent": "engine.agents.tool_agent",
     "ToolAgentConfig": "engine.agents.tool_agent",
     "Sample": "engine.sample",
@@ -47,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     # model backends
     "ModelBackend": "engine.backends.base",
     "GenerationResult": "engine.backends.base",
+    "BackendPool": "engine.backends.pool",
     "SGLangBackend": "engine.backends.sglang",
     "SGLangConfig": "engine.backends.sglang",
     "OpenAIBackend": "engine.backends.openai",
@@ -55,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "TeacherConfig": "engine.backends.teacher",
     # sandboxes
     "Sandbox": "engine.sandbox.base",
+    "SandboxProvider": "engine.sandbox.base",
     "SandboxLimits": "engine.sandbox.base",
     "LocalSandboxProvider": "engine.sandbox.local",
     "LocalSandboxConfig": "engine.sandbox.local",

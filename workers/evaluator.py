@@ -8,6 +8,10 @@ Reads ``rl:work:{evaluator_id}`` for every evaluator the config defines (or thos
 finished batch on stdout. SIGTERM or SIGINT: no new batches; running ones get
 ``--grace-s`` to finish, the rest stay pending for another worker. Exit status 2: bad
 settings or evaluator config; 1: Redis failed while serving.
+
+The process owns the ports its episodes use: one backend pool (one pooled client per model
+endpoint, the default being ``--sglang-url``) and one sandbox provider (``--sandbox``), both
+built at start, handed to every episode and closed when the worker stops.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import Any
 from engine.actors.evaluator import SampleOutcome
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.pool import BackendPool
 from engine.config.evaluators import load_evaluators
 from engine.errors import ConfigError, LogError
+from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import Settings
 from workers._common import (
     add_common_flags,
@@ -124,18 +130,19 @@ def _select(specs: Mapping[str, EvaluatorBinding], wanted: str | None) -> tuple[
     return ids
 
 
-def _sandbox_provider(kind: str, root: Path | None) -> Any:
+def _sandbox_provider(kind: str, root: Path | None) -> LocalSandboxProvider | None:
     if kind == "none":
         return None
-    from engine.sandbox import LocalSandboxConfig, LocalSandboxProvider
-
     if root is None:
         return LocalSandboxProvider()
     return LocalSandboxProvider(LocalSandboxConfig(root=root.resolve()))
 
 
 async def _serve(
-    args: argparse.Namespace, specs: Mapping[str, EvaluatorBinding], ids: tuple[str, ...]
+    args: argparse.Namespace,
+    specs: Mapping[str, EvaluatorBinding],
+    ids: tuple[str, ...],
+    backends: BackendPool,
 ) -> int:
     log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)
@@ -151,9 +158,9 @@ async def _serve(
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
             grace_s=args.grace_s,
-            sglang_url=args.sglang_url or "",
             tmp_root=args.tmp_dir,
         ),
+        backends=backends,
         sandbox_factory=provider,
         on_task_done=progress.on_task_done,
         on_batch_done=progress.on_batch_done,
@@ -166,10 +173,10 @@ async def _serve(
         logger.error("worker %s: %s", args.worker_id, exc)
         return 1
     finally:
+        await backends.aclose()
         await log.aclose()
-        close = getattr(provider, "close", None)
-        if callable(close):
-            close()
+        if provider is not None:
+            provider.close()
     return 0
 
 
@@ -186,10 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         specs = load_evaluators(args.evaluator_config, args)
         ids = _select(specs, args.evaluators)
+        backends = BackendPool(args.sglang_url or None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, specs, ids))
+    return asyncio.run(_serve(args, specs, ids, backends))
 
 
 if __name__ == "__main__":

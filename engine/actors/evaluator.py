@@ -1,7 +1,9 @@
 """The Evaluator: runs one admitted batch's episodes and records them as events.
 
 One ``Evaluator`` is built per batch delivery (seeds: task-scheduler §4), drains the batch and
-is discarded. It holds no domain logic: the binding's ``BaseAgent`` owns each episode.
+is discarded. It holds no domain logic: the binding's ``BaseAgent`` owns each episode, one
+``Episode`` per attempt (``agent.episode(task)``), and gets the worker's ports through its
+``EpisodeContext``: the backend pool and the sandbox provider, labelled for the attempt.
 
 Per sample, in this order (rollout-engine §3):
 
@@ -44,7 +46,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -54,6 +56,7 @@ import numpy as np
 from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.pool import BackendPool
 from engine.domain import (
     SamplingParams,
     StoppingCriteria,
@@ -77,6 +80,7 @@ from engine.events.catalog import (
 )
 from engine.events.names import StreamNames
 from engine.projections.samples import scalar_reward, task_of
+from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 
 __all__ = [
     "BatchPlan",
@@ -108,7 +112,6 @@ class EpisodeSettings:
     """Worker-level settings every episode of the worker shares."""
 
     worker_id: str
-    sglang_url: str = ""
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
 
@@ -168,7 +171,8 @@ class Evaluator:
         sink: EventSink,
         names: StreamNames,
         settings: EpisodeSettings,
-        sandbox_factory: Any = None,
+        backends: BackendPool | None = None,
+        sandbox_factory: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -177,6 +181,7 @@ class Evaluator:
         self._sink = sink
         self._names = names
         self._settings = settings
+        self._backends = backends
         self._sandbox_factory = sandbox_factory
         self._on_task_done = on_task_done
         self._clock = clock
@@ -300,7 +305,7 @@ class Evaluator:
         task = task_of(ev)
         stopping, sampling = self._generation(ev)
         rec.window_s = stopping.timeout_s
-        handler = self.spec.agent
+        episode = self.spec.agent.episode(task)
         token: str | None = None
         result: AgentResult | None = None
         reward: Reward | None = None
@@ -312,11 +317,11 @@ class Evaluator:
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
                 attempt=attempt,
-                sglang_url=self._settings.sglang_url,
                 stopping=stopping,
                 sampling_params=sampling,
-                sandbox_factory=self._labelled_factory(sample_id, attempt),
                 tmp_dir=tmp,
+                backends=self._backends,
+                sandboxes=self._labelled_factory(sample_id, attempt),
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
                 dagger_beta=self._dagger_beta,
@@ -324,7 +329,7 @@ class Evaluator:
             )
             try:
                 rec.phase = "init"
-                await self._timed(handler.init(task, ctx), rec)
+                await self._timed(episode.init(ctx), rec)
                 token = await self._take_token()
                 if token is not None:
                     rec.node = self.plan.admitted.nodes.get(token, "")
@@ -333,12 +338,12 @@ class Evaluator:
                 ctx = replace(ctx, node=rec.node or None)
                 self._emit([self._started(sample_id, attempt, rec.node)])
                 rec.phase = "run"
-                result = await self._timed(handler.run(task, ctx), rec)
+                result = await self._timed(episode.run(ctx), rec)
                 rec.turns = len(result.turns)
                 rec.agent_reason = result.termination_reason.value
                 self._check_result(task, result)
                 rec.phase = "eval"
-                reward = await self._timed(handler.eval(task, ctx, result), rec)
+                reward = await self._timed(episode.eval(ctx, result), rec)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -347,7 +352,7 @@ class Evaluator:
                 rec.phase = "cleanup"
                 try:
                     async with asyncio.timeout(self._settings.cleanup_timeout_s):
-                        await handler.cleanup(task, ctx)
+                        await episode.cleanup(ctx)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -555,7 +560,7 @@ class Evaluator:
             )
         return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
 
-    def _labelled_factory(self, sample_id: str, attempt: int) -> Any:
+    def _labelled_factory(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandbox_factory is None:
             return None
         return LabelledProvider(
@@ -593,16 +598,15 @@ class LabelledProvider:
     """A sandbox provider that stamps the episode's labels on every sandbox it creates, so
     the worker that claims a dead worker's batch can reap what that worker left running."""
 
-    def __init__(self, inner: Any, labels: Mapping[str, str]) -> None:
+    def __init__(self, inner: SandboxProvider, labels: Mapping[str, str]) -> None:
         self._inner = inner
         self._labels = dict(labels)
 
-    def create(self, *, labels: Mapping[str, str], limits: Any = None) -> Any:
+    def create(self, *, labels: Mapping[str, str], limits: SandboxLimits | None = None) -> Sandbox:
         return self._inner.create(labels={**labels, **self._labels}, limits=limits)
 
     async def reap(self, label_selector: Mapping[str, str]) -> int:
-        result: Awaitable[int] = self._inner.reap(label_selector)
-        return await result
+        return await self._inner.reap(label_selector)
 
 
 def sample_seed(request_seed: int, index: int) -> int:

@@ -41,7 +41,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from engine.actors.evaluator import (
     BatchPlan,
@@ -51,6 +50,7 @@ from engine.actors.evaluator import (
     sandbox_labels,
 )
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.pool import BackendPool
 from engine.errors import LogError
 from engine.events.base import Event
 from engine.events.catalog import (
@@ -66,6 +66,7 @@ from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
 from engine.runtime.rebuild import rebuild
+from engine.sandbox.base import SandboxProvider
 
 __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 
@@ -89,7 +90,6 @@ class WorkerConfig:
     claim_idle_ms: int = 60_000
     block_ms: int | None = None
     grace_s: float = 30.0
-    sglang_url: str = ""
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
     task_cache_rollouts: int = 16
@@ -132,7 +132,8 @@ class EvaluatorWorker:
         specs: Mapping[str, EvaluatorBinding],
         config: WorkerConfig,
         *,
-        sandbox_factory: Any = None,
+        backends: BackendPool | None = None,
+        sandbox_factory: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         on_batch_done: Callable[[BatchReport], None] | None = None,
     ) -> None:
@@ -146,12 +147,12 @@ class EvaluatorWorker:
         self.names = log.names
         self.specs = dict(specs)
         self.config = config
+        self._backends = backends
         self._sandbox_factory = sandbox_factory
         self._on_task_done = on_task_done
         self._on_batch_done = on_batch_done
         self._settings = EpisodeSettings(
             worker_id=config.worker_id,
-            sglang_url=config.sglang_url,
             tmp_root=config.tmp_root,
             cleanup_timeout_s=config.cleanup_timeout_s,
         )
@@ -257,6 +258,7 @@ class EvaluatorWorker:
             sink=self.sink,
             names=self.names,
             settings=self._settings,
+            backends=self._backends,
             sandbox_factory=self._sandbox_factory,
             on_task_done=self._on_task_done,
         )

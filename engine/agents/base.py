@@ -1,16 +1,27 @@
 """The episode contract: one ``BaseAgent`` owns the whole episode of one sample.
 
-The evaluator drives every sample through ``init -> run -> eval -> cleanup``:
+The evaluator makes one ``Episode`` per attempt with ``agent.episode(task)`` and drives it
+through ``init -> run -> eval -> cleanup``:
 
 - ``init`` is lightweight preparation before any placement token is held;
 - ``run`` is the full multi-turn loop and returns an ``AgentResult``;
 - ``eval`` scores that result (a float, or a dict of named scores);
 - ``cleanup`` always runs (a ``finally``), also after a failure, to stop containers.
 
+One agent instance serves many concurrent episodes, so whatever an attempt carries from one
+phase to the next (its sandbox) lives on its ``Episode``, never on the agent. An agent whose
+episodes carry nothing implements the phases on itself (``BaseAgent``; the default episode
+runs them); one whose episodes do subclasses ``EpisodeAgent`` and returns its own ``Episode``.
+
 The evaluator holds one placement token from before ``run`` until after ``cleanup`` and runs
 the whole episode under the evaluator's semaphore. An exception from any phase aborts the
 sample: the evaluator classifies it and substitutes a masked dummy, so agents raise instead of
 returning half-valid results.
+
+What an episode may use besides its task arrives in its ``EpisodeContext``, including the
+worker's ports: ``backends`` (one pooled backend per model endpoint, ``BackendPool``) and
+``sandboxes`` (the worker's ``SandboxProvider``, labelled for this attempt). Agents use them and
+never build or close them: the worker owns both for its whole life.
 
 Token arrays of an ``AgentResult`` obey ``len(loss_mask) == len(response_token_ids)`` and
 ``response_logprobs`` is either empty (not captured, e.g. a black-box scaffold in eval) or of
@@ -23,10 +34,10 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from engine.backends.pool import BackendPool
 from engine.domain import (
     FrozenModel,
     NonNegFloat,
@@ -36,10 +47,14 @@ from engine.domain import (
     Task,
     TerminationReason,
 )
+from engine.errors import AgentError
+from engine.sandbox.base import SandboxProvider
 
 __all__ = [
     "AgentResult",
     "BaseAgent",
+    "Episode",
+    "EpisodeAgent",
     "EpisodeContext",
     "Reward",
     "TurnRecord",
@@ -122,19 +137,18 @@ class EpisodeContext:
     ``attempt`` counts deliveries of the sample from 1; ``seed`` is derived from the rollout
     request, so a re-run attempt can reproduce sampling. Per-iteration knobs (``dagger_beta``,
     ``t_max``) travel here, never in environment variables. ``tmp_dir`` is private to this
-    attempt and removed by the evaluator after ``cleanup``.
+    attempt and removed by the evaluator after ``cleanup``. ``backends`` and ``sandboxes`` are
+    the worker's ports (``None`` where the worker has none; an agent that needs one raises).
     """
 
     rollout_id: str
     sample_id: str
     attempt: int
-    sglang_url: str
     stopping: StoppingCriteria
     sampling_params: SamplingParams
-    # Whatever engine.sandbox exposes to open a sandbox for this episode; typed loosely so
-    # this contract does not depend on a sandbox implementation.
-    sandbox_factory: Any
     tmp_dir: Path
+    backends: BackendPool | None = None
+    sandboxes: SandboxProvider | None = None
     policy_version: int = 0
     seed: int = 0
     node: str | None = None  # the node the sample's placement token lives on
@@ -150,11 +164,41 @@ class EpisodeContext:
             raise ValueError(f"t_max must be non-negative, got {self.t_max}")
 
 
+class Episode(abc.ABC):
+    """One attempt at one sample, made by ``BaseAgent.episode`` and driven by the evaluator.
+
+    Each phase gets the attempt's ``EpisodeContext`` (the same one throughout, except ``node``,
+    set once the placement token is held). State the attempt carries between phases lives here.
+    """
+
+    async def init(self, context: EpisodeContext) -> None:
+        """Prepare the episode before any placement token is held; keep it cheap."""
+        return None
+
+    @abc.abstractmethod
+    async def run(self, context: EpisodeContext) -> AgentResult:
+        """Run the whole multi-turn episode and return its trajectory."""
+
+    @abc.abstractmethod
+    async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
+        """Score ``result``: a float, or a dict of named scores."""
+
+    async def cleanup(self, context: EpisodeContext) -> None:
+        """Release what the episode started; runs after success and after failure alike."""
+        return None
+
+
 class BaseAgent(abc.ABC):
     """An episode handler. Subclasses implement ``run`` and ``eval``; ``init`` and
     ``cleanup`` default to doing nothing. One instance serves many concurrent episodes, so
-    per-episode state belongs in locals or in ``context.tmp_dir``, never on ``self``.
+    per-episode state belongs in locals, in ``context.tmp_dir`` or on an ``Episode``
+    (``EpisodeAgent``), never on ``self``.
     """
+
+    def episode(self, task: Task) -> Episode:
+        """A new episode of ``task`` (one per attempt). This default runs the agent's own
+        phase methods, which suits agents whose episodes carry nothing between phases."""
+        return _AgentPhases(self, task)
 
     async def init(self, task: Task, context: EpisodeContext) -> None:
         """Prepare the episode before any placement token is held; keep it cheap."""
@@ -171,3 +215,54 @@ class BaseAgent(abc.ABC):
     async def cleanup(self, task: Task, context: EpisodeContext) -> None:
         """Release what the episode started; runs after success and after failure alike."""
         return None
+
+
+class EpisodeAgent(BaseAgent):
+    """An agent whose episodes carry state from phase to phase (a sandbox, a session).
+
+    It implements ``episode`` and its ``Episode`` implements the phases, so concurrent episodes
+    of one instance share nothing but what the agent was built with. The phase methods
+    inherited from ``BaseAgent`` have no episode to act on and refuse to run.
+    """
+
+    @abc.abstractmethod
+    def episode(self, task: Task) -> Episode:
+        """A new episode of ``task`` (one per attempt)."""
+
+    def _no_episode(self, phase: str, context: EpisodeContext) -> AgentError:
+        return AgentError(
+            f"sample {context.sample_id}: {type(self).__name__}.{phase} was called on the "
+            f"agent; its phases run on an episode (agent.episode(task).{phase}(context))"
+        )
+
+    async def init(self, task: Task, context: EpisodeContext) -> None:
+        raise self._no_episode("init", context)
+
+    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        raise self._no_episode("run", context)
+
+    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
+        raise self._no_episode("eval", context)
+
+    async def cleanup(self, task: Task, context: EpisodeContext) -> None:
+        raise self._no_episode("cleanup", context)
+
+
+class _AgentPhases(Episode):
+    """The default episode: the agent's own phase methods, applied to one task."""
+
+    def __init__(self, agent: BaseAgent, task: Task) -> None:
+        self._agent = agent
+        self._task = task
+
+    async def init(self, context: EpisodeContext) -> None:
+        await self._agent.init(self._task, context)
+
+    async def run(self, context: EpisodeContext) -> AgentResult:
+        return await self._agent.run(self._task, context)
+
+    async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
+        return await self._agent.eval(self._task, context, result)
+
+    async def cleanup(self, context: EpisodeContext) -> None:
+        await self._agent.cleanup(self._task, context)

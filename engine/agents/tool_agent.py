@@ -2,7 +2,7 @@
 
 One episode, for one sample:
 
-- ``init`` opens the episode's sandbox through ``context.sandbox_factory`` with the labels
+- ``init`` opens the episode's sandbox through ``context.sandboxes`` with the labels
   ``rollout.rollout`` / ``rollout.sample`` / ``rollout.attempt`` (the evaluator's labelled
   provider adds the worker and batch labels), and starts it;
 - ``run`` renders the conversation (system prompt, tools, the task's prompt) with the
@@ -52,9 +52,14 @@ invalid or did not end cleanly), ``response_tokens``, ``generated_tokens``,
 (``tool_nonzero_exit``, ``tool_timeout``, ``tool_pids_limit``, ``tool_memory_limit``,
 ``tool_cpu_limit``, ``tool_disk_limit``, ``tool_signaled``, ``tool_invalid_call``).
 
-State: the one thing an episode carries from ``init`` to ``cleanup`` is its sandbox; the agent
-keeps it in a map keyed by ``(rollout_id, sample_id, attempt)`` (the evaluator hands each phase
-a fresh ``EpisodeContext``), everything else lives in ``run``'s locals.
+State: ``ToolAgent`` holds what every episode shares (config, tokenizer, chat template,
+verifier) and makes one ``ToolEpisode`` per attempt (``agent.episode(task)``); the one thing an
+episode carries from ``init`` to ``cleanup`` is its sandbox, kept on that episode, and
+everything else lives in ``run``'s locals. Concurrent episodes of one agent share nothing else.
+
+Ports: the model backend comes from the worker's ``context.backends`` (the endpoint
+``ToolAgentConfig.sglang_url``, else the worker's default); the agent neither builds nor closes
+backends, and the sandbox provider is the worker's ``context.sandboxes``.
 """
 
 from __future__ import annotations
@@ -63,14 +68,21 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import JsonValue
 
-from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.agents.base import (
+    AgentResult,
+    Episode,
+    EpisodeAgent,
+    EpisodeContext,
+    Reward,
+    TurnRecord,
+)
 from engine.agents.chat_tokens import ChatTokens, Message
 from engine.agents.tools import (
     PythonTool,
@@ -81,7 +93,7 @@ from engine.agents.tools import (
     resolve_call,
 )
 from engine.backends.base import FinishReason, GenerationResult, ModelBackend, ToolCall
-from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
+from engine.backends.sglang import load_tokenizer
 from engine.backends.toolcalls import parse_tool_calls
 from engine.domain import Task, TerminationReason
 from engine.errors import (
@@ -94,10 +106,10 @@ from engine.errors import (
 from engine.sandbox import ExecOutcome, Sandbox, SandboxLimits, classify
 
 __all__ = [
-    "BackendFactory",
     "FinishedEpisode",
     "ToolAgent",
     "ToolAgentConfig",
+    "ToolEpisode",
     "Verdict",
     "Verifier",
     "derive_turn_seed",
@@ -107,17 +119,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BackendFactory = Callable[[str], ModelBackend]
-"""Builds the episode's token-level backend from the SGLang URL (one per episode)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class ToolAgentConfig:
     """What a ``ToolAgent`` offers the model and how it talks to the server and the sandbox.
 
     ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat template
-    (or pass ``tokenizer=`` to ``ToolAgent``). ``sglang_url`` overrides ``context.sglang_url``;
-    ``backend_factory`` replaces the default ``SGLangBackend`` (it must support token ids).
+    (or pass ``tokenizer=`` to ``ToolAgent``). ``sglang_url``: the model endpoint episodes
+    generate on, taken from the worker's ``context.backends`` (``None``: the worker's default
+    endpoint); its backend must support token ids.
     ``answer_pattern``: a regex whose match in a generation ends the episode as ``finish``.
     ``sandbox_limits``: per-episode sandbox limits (``None``: the provider's defaults).
     ``tool_timeout_s``: wall clock per tool call (capped by the sandbox's limits).
@@ -130,7 +140,6 @@ class ToolAgentConfig:
     system_prompt: str | None = None
     tokenizer_path: Path | None = None
     sglang_url: str | None = None
-    backend_factory: BackendFactory | None = None
     answer_pattern: str = r"<answer>(.*?)</answer>"
     sandbox_limits: SandboxLimits | None = None
     tool_timeout_s: float = 30.0
@@ -270,8 +279,8 @@ class _Counts:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
-class ToolAgent(BaseAgent):
-    """The native tool agent (see the module docstring)."""
+class ToolAgent(EpisodeAgent):
+    """The native tool agent (see the module docstring): what its episodes share."""
 
     def __init__(
         self, config: ToolAgentConfig, *, verifier: Verifier, tokenizer: Any | None = None
@@ -290,45 +299,9 @@ class ToolAgent(BaseAgent):
         self.tokenizer = tokenizer
         self.chat = ChatTokens(tokenizer, [tool.schema() for tool in config.tools])
         self._answer = re.compile(config.answer_pattern, re.DOTALL)
-        self._sandboxes: dict[tuple[str, str, int], Sandbox] = {}
 
-    # ------------------------------------------------------------------ lifecycle
-
-    async def init(self, task: Task, context: EpisodeContext) -> None:
-        key = _key(context)
-        if key in self._sandboxes:
-            raise AgentError(
-                f"sample {context.sample_id} attempt {context.attempt} of rollout "
-                f"{context.rollout_id} is already running in this agent"
-            )
-        factory = context.sandbox_factory
-        if factory is None:
-            raise SandboxError(
-                f"sample {context.sample_id}: the tool agent needs a sandbox provider, and the "
-                "worker has none (run it with a sandbox, e.g. --sandbox local)"
-            )
-        sandbox: Sandbox = factory.create(
-            labels=episode_labels(context), limits=self.config.sandbox_limits
-        )
-        # Registered before start, so cleanup stops a sandbox that failed half-way up.
-        self._sandboxes[key] = sandbox
-        await sandbox.start()
-
-    async def cleanup(self, task: Task, context: EpisodeContext) -> None:
-        sandbox = self._sandboxes.pop(_key(context), None)
-        if sandbox is not None:
-            await sandbox.stop()
-
-    def _sandbox(self, context: EpisodeContext, phase: str) -> Sandbox:
-        sandbox = self._sandboxes.get(_key(context))
-        if sandbox is None:
-            raise AgentError(
-                f"sample {context.sample_id} attempt {context.attempt}: {phase} before init "
-                "(no sandbox)"
-            )
-        return sandbox
-
-    # ------------------------------------------------------------------ run
+    def episode(self, task: Task) -> ToolEpisode:
+        return ToolEpisode(self, task)
 
     def initial_messages(self, task: Task) -> list[Message]:
         """The conversation the episode starts from: system prompt and the task's prompt."""
@@ -342,30 +315,23 @@ class ToolAgent(BaseAgent):
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         return messages
 
-    def _backend(self, context: EpisodeContext) -> ModelBackend:
-        url = self.config.sglang_url or context.sglang_url
-        if self.config.backend_factory is not None:
-            backend = self.config.backend_factory(url)
-        else:
-            if not url:
-                raise ConfigError(
-                    f"sample {context.sample_id}: no SGLang URL (neither ToolAgentConfig."
-                    "sglang_url nor the worker's --sglang-url is set)"
-                )
-            backend = SGLangBackend(config=SGLangConfig(url=url), tokenizer=self.tokenizer)
+    def backend(self, context: EpisodeContext) -> ModelBackend:
+        """The worker's backend for this agent's endpoint; ``ConfigError`` if there is none or
+        it cannot return token ids."""
+        if context.backends is None:
+            raise ConfigError(
+                f"sample {context.sample_id}: the tool agent needs a model backend, and the "
+                "worker has none"
+            )
+        try:
+            backend = context.backends.get(self.config.sglang_url)
+        except ConfigError as exc:
+            raise ConfigError(f"sample {context.sample_id}: {exc}") from exc
         if not backend.supports_token_ids:
             raise ConfigError(
                 f"ToolAgent needs a token-level backend, got {type(backend).__name__}"
             )
         return backend
-
-    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
-        sandbox = self._sandbox(context, "run")
-        backend = self._backend(context)
-        try:
-            return await self._loop(task, context, sandbox, backend)
-        finally:
-            await backend.aclose()
 
     async def _loop(
         self, task: Task, context: EpisodeContext, sandbox: Sandbox, backend: ModelBackend
@@ -519,20 +485,65 @@ class ToolAgent(BaseAgent):
             )
         return messages
 
-    # ------------------------------------------------------------------ eval
 
-    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
-        sandbox = self._sandbox(context, "eval")
-        final_text = self.chat.decode(last_generation(result), skip_special_tokens=True)
-        verdict = await self.verifier.verify(
-            task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
+class ToolEpisode(Episode):
+    """One attempt of a ``ToolAgent``: the task and, from ``init`` to ``cleanup``, its sandbox."""
+
+    def __init__(self, agent: ToolAgent, task: Task) -> None:
+        self.agent = agent
+        self.task = task
+        self.sandbox: Sandbox | None = None
+        self._started = False
+
+    async def init(self, context: EpisodeContext) -> None:
+        if self._started:
+            raise AgentError(
+                f"sample {context.sample_id} attempt {context.attempt} of rollout "
+                f"{context.rollout_id}: this episode was already started"
+            )
+        self._started = True
+        provider = context.sandboxes
+        if provider is None:
+            raise SandboxError(
+                f"sample {context.sample_id}: the tool agent needs a sandbox provider, and the "
+                "worker has none (run it with a sandbox, e.g. --sandbox local)"
+            )
+        sandbox = provider.create(
+            labels=episode_labels(context), limits=self.agent.config.sandbox_limits
         )
-        logger.debug("sample %s verdict %s %s", task.task_id, verdict.score, dict(verdict.detail))
+        # Kept before start, so cleanup stops a sandbox that failed half-way up.
+        self.sandbox = sandbox
+        await sandbox.start()
+
+    async def run(self, context: EpisodeContext) -> AgentResult:
+        sandbox = self._sandbox(context, "run")
+        backend = self.agent.backend(context)
+        return await self.agent._loop(self.task, context, sandbox, backend)
+
+    async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
+        sandbox = self._sandbox(context, "eval")
+        agent = self.agent
+        final_text = agent.chat.decode(last_generation(result), skip_special_tokens=True)
+        verdict = await agent.verifier.verify(
+            self.task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
+        )
+        logger.debug(
+            "sample %s verdict %s %s", self.task.task_id, verdict.score, dict(verdict.detail)
+        )
         return verdict.as_reward()
 
+    async def cleanup(self, context: EpisodeContext) -> None:
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is not None:
+            await sandbox.stop()
 
-def _key(context: EpisodeContext) -> tuple[str, str, int]:
-    return (context.rollout_id, context.sample_id, context.attempt)
+    def _sandbox(self, context: EpisodeContext, phase: str) -> Sandbox:
+        if self.sandbox is None:
+            raise AgentError(
+                f"sample {context.sample_id} attempt {context.attempt}: {phase} before init or "
+                "after cleanup (no sandbox)"
+            )
+        return self.sandbox
 
 
 def _tool_message(name: str, content: str) -> Message:

@@ -18,9 +18,9 @@ What ``build_agents`` reads from ``args`` (attributes, or keys when ``args`` is 
   written by ``rollout tinylm init DIR``; the tokenizer and its chat template load from it
   once, shared by both agents;
 - ``sglang_url`` (optional): the SGLang server; without it each episode uses the worker's
-  ``--sglang-url`` (``EpisodeContext.sglang_url``).
+  ``--sglang-url`` (the default endpoint of ``EpisodeContext.backends``).
 
-The sandbox provider is the worker's (``EpisodeContext.sandbox_factory``); per-sample sandbox
+The sandbox provider is the worker's (``EpisodeContext.sandboxes``); per-sample sandbox
 limits are set here. Resources: no GPU (the model server is its own process), a quarter CPU and
 half a GiB per sample, batches of 8, at most 16 (math) / 8 (shell) samples at once per batch.
 Default stopping matches the bundled ``rollout.yaml``.

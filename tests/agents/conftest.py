@@ -9,7 +9,8 @@ and a scripted ``/generate`` at the HTTP transport.
 - ``ScriptedGenerate``: an ``httpx.MockTransport`` handler answering ``/generate`` the way
   SGLang does, with replies scripted as text and tokenized by the real tokenizer (plus the
   end-of-turn token), distinct negative logprobs, the ``max_new_tokens`` cut honoured, and
-  every request recorded. Agents reach it through a real ``SGLangBackend``.
+  every request recorded. Agents reach it through a real ``SGLangBackend`` in a
+  ``BackendPool`` (``script.backends``), the way they reach a worker's.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import pytest
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.tool_agent import ToolAgent
 from engine.agents.tools import PythonTool
+from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.ops.tinylm import init_model
-from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
+from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider, SandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tinylm.corpus import Dialogue
 from tinylm.model import TrainSettings
@@ -114,9 +116,9 @@ def make_task(
 def make_context(
     task: Task,
     *,
-    sandbox_factory: Any,
+    sandboxes: SandboxProvider | None,
+    backends: BackendPool | None,
     tmp_path: Path,
-    sglang_url: str = "http://scripted.invalid",
     max_turns: int = 4,
     max_context_len: int = 1024,
     max_new_tokens: int = 96,
@@ -127,26 +129,27 @@ def make_context(
         rollout_id=task.rollout_id,
         sample_id=task.task_id,
         attempt=attempt,
-        sglang_url=sglang_url,
         stopping=StoppingCriteria(
             max_turns=max_turns, max_context_len=max_context_len, max_new_tokens=max_new_tokens
         ),
         sampling_params=sampling or SamplingParams(temperature=0.0),
-        sandbox_factory=sandbox_factory,
         tmp_dir=tmp_path / f"{task.task_id}-a{attempt}",
+        backends=backends,
+        sandboxes=sandboxes,
     )
 
 
 async def run_episode(
     agent: ToolAgent, task: Task, context: EpisodeContext
 ) -> tuple[AgentResult, Reward]:
-    """init -> run -> eval -> cleanup, as the evaluator drives them."""
-    await agent.init(task, context)
+    """One episode of ``agent``: init -> run -> eval -> cleanup, as the evaluator drives them."""
+    episode = agent.episode(task)
+    await episode.init(context)
     try:
-        result = await agent.run(task, context)
-        reward = await agent.eval(task, context, result)
+        result = await episode.run(context)
+        reward = await episode.eval(context, result)
     finally:
-        await agent.cleanup(task, context)
+        await episode.cleanup(context)
     return result, reward
 
 
@@ -167,6 +170,10 @@ class ScriptedGenerate:
     replies: Sequence[Reply]
     requests: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    backends: BackendPool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backends = BackendPool("http://scripted.invalid", build=self.backend_factory)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/generate", request.url

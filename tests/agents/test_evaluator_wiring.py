@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.actors.evaluator import BatchPlan, EpisodeSettings, Evaluator
+from engine.backends.pool import BackendPool
 from engine.config.evaluators import load_evaluators
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, SampleCompleted, TaskFetched, TurnCompleted
@@ -76,15 +77,17 @@ async def run_one(
         attempts={},
         tokens=(),
     )
-    evaluator = Evaluator(
-        specs[evaluator_id],
-        plan,
-        sink=sink,
-        names=StreamNames("rl"),
-        settings=EpisodeSettings(worker_id="w-agents", sglang_url=server.url, tmp_root=tmp_path),
-        sandbox_factory=provider,
-    )
-    await evaluator.run()
+    async with BackendPool(server.url) as backends:
+        evaluator = Evaluator(
+            specs[evaluator_id],
+            plan,
+            sink=sink,
+            names=StreamNames("rl"),
+            settings=EpisodeSettings(worker_id="w-agents", tmp_root=tmp_path),
+            backends=backends,
+            sandbox_factory=provider,
+        )
+        await evaluator.run()
     assert await provider.find({"rollout.worker": "w-agents"}) == []  # cleanup stopped it
     return sink.events
 

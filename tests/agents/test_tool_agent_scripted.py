@@ -38,7 +38,7 @@ SHELL_CHECK = 'test "$(cat memo.txt)" = "lemon"'
 
 def agent_for(script: ScriptedGenerate, *, shell: bool = False, **overrides: Any) -> ToolAgent:
     base = shell_agent_config() if shell else math_agent_config()
-    config = dataclasses.replace(base, backend_factory=script.backend_factory, **overrides)
+    config = dataclasses.replace(base, **overrides)
     verifier = ShellVerifier() if shell else MathVerifier()
     return ToolAgent(config, verifier=verifier, tokenizer=script.tokenizer)
 
@@ -70,7 +70,9 @@ async def test_series_equals_a_full_rerender(
     agent = agent_for(script)
     task = make_task("What is 6 * 7?", "42")
     result, reward = await run_episode(
-        agent, task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+        agent,
+        task,
+        make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
     )
     assert result.termination_reason is TerminationReason.FINISH
     assert isinstance(reward, dict) and reward["score"] == 1.0
@@ -118,7 +120,9 @@ async def test_answer_without_tool_call_and_plain_stop_finish(
     for text, score in (("<answer>42</answer>", 1.0), ("I think it is 41.", 0.0)):
         script = ScriptedGenerate(tokenizer, [Reply(text)])
         result, reward = await run_episode(
-            agent_for(script), task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+            agent_for(script),
+            task,
+            make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
         )
         assert result.termination_reason is TerminationReason.FINISH
         assert len(result.turns) == 1 and result.turns[0].tool_calls == ()
@@ -139,7 +143,9 @@ async def test_failing_tool_call_is_an_observation(
     )
     task = make_task("What is 0 * 5?", "0")
     result, reward = await run_episode(
-        agent_for(script), task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+        agent_for(script),
+        task,
+        make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
     )
     assert result.termination_reason is TerminationReason.FINISH
     assert isinstance(reward, dict) and reward["score"] == 1.0
@@ -168,7 +174,9 @@ async def test_invalid_tool_calls_get_error_observations(
     result, _ = await run_episode(
         agent_for(script),
         task,
-        make_context(task, sandbox_factory=provider, tmp_path=tmp_path, max_turns=6),
+        make_context(
+            task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path, max_turns=6
+        ),
     )
     assert result.termination_reason is TerminationReason.FINISH
     unknown, bad_args, malformed = observation_texts(result, tokenizer)
@@ -189,7 +197,9 @@ async def test_generation_without_end_token_is_length(
     )
     task = make_task()
     result, _ = await run_episode(
-        agent_for(script), task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+        agent_for(script),
+        task,
+        make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
     )
     assert result.termination_reason is TerminationReason.LENGTH
     check_trajectory(result, script.outputs)
@@ -208,7 +218,13 @@ async def test_budget_never_exceeds_the_context(
     result, _ = await run_episode(
         agent,
         task,
-        make_context(task, sandbox_factory=provider, tmp_path=tmp_path, max_context_len=limit),
+        make_context(
+            task,
+            sandboxes=provider,
+            backends=script.backends,
+            tmp_path=tmp_path,
+            max_context_len=limit,
+        ),
     )
     budgets = [r["sampling_params"]["max_new_tokens"] for r in script.requests]
     lengths = [len(r["input_ids"]) for r in script.requests]
@@ -229,7 +245,8 @@ async def test_seeds_are_derived_per_sample_and_turn(
         task = make_task("What is 1 + 1?", "2", index=index)
         ctx = make_context(
             task,
-            sandbox_factory=provider,
+            sandboxes=provider,
+            backends=script.backends,
             tmp_path=tmp_path,
             sampling=SamplingParams(temperature=0.8, sampling_seed=99),
         )
@@ -250,16 +267,17 @@ async def test_aborted_generation_raises_and_cleanup_stops_the_sandbox(
     script = ScriptedGenerate(tokenizer, [Reply("", finish="abort")])
     agent = agent_for(script)
     task = make_task()
-    ctx = make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
-    await agent.init(task, ctx)
+    ctx = make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path)
+    episode = agent.episode(task)
+    await episode.init(ctx)
     labels = {"rollout.rollout": "r1", "rollout.sample": task.task_id, "rollout.attempt": "1"}
     assert len(await provider.find(labels)) == 1
     with pytest.raises(GenerationAborted):
-        await agent.run(task, ctx)
-    await agent.cleanup(task, ctx)
+        await episode.run(ctx)
+    await episode.cleanup(ctx)
     assert await provider.find(labels) == []
     with pytest.raises(AgentError, match="before init"):
-        await agent.run(task, ctx)
+        await episode.run(ctx)
 
 
 async def test_sandbox_carries_the_episode_and_worker_labels(
@@ -274,8 +292,11 @@ async def test_sandbox_carries_the_episode_and_worker_labels(
             worker="w7", rollout_id="r1", batch_id="r1:b0", sample_id=task.task_id, attempt=3
         ),
     )
-    ctx = make_context(task, sandbox_factory=labelled, tmp_path=tmp_path, attempt=3)
-    await agent.init(task, ctx)
+    ctx = make_context(
+        task, sandboxes=labelled, backends=script.backends, tmp_path=tmp_path, attempt=3
+    )
+    episode = agent.episode(task)
+    await episode.init(ctx)
     try:
         found = await provider.find(
             {
@@ -288,7 +309,7 @@ async def test_sandbox_carries_the_episode_and_worker_labels(
         )
         assert len(found) == 1
     finally:
-        await agent.cleanup(task, ctx)
+        await episode.cleanup(ctx)
     assert await provider.find({"rollout.worker": "w7"}) == []
 
 
@@ -298,10 +319,11 @@ async def test_init_without_a_sandbox_provider_is_a_sandbox_error(
     script = ScriptedGenerate(tokenizer, [])
     agent = agent_for(script)
     task = make_task()
-    ctx = make_context(task, sandbox_factory=None, tmp_path=tmp_path)
+    ctx = make_context(task, sandboxes=None, backends=script.backends, tmp_path=tmp_path)
+    episode = agent.episode(task)
     with pytest.raises(SandboxError, match="sandbox provider"):
-        await agent.init(task, ctx)
-    await agent.cleanup(task, ctx)
+        await episode.init(ctx)
+    await episode.cleanup(ctx)
 
 
 @pytest.mark.parametrize(
@@ -326,7 +348,9 @@ async def test_shell_task_is_checked_in_the_episode_sandbox(
     agent = agent_for(script, shell=True)
     task = make_task(SHELL_TASK, label, task_type="shell")
     result, reward = await run_episode(
-        agent, task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+        agent,
+        task,
+        make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
     )
     assert result.termination_reason is TerminationReason.FINISH
     assert result.turns[0].tool_calls == ("shell",)
@@ -343,7 +367,9 @@ async def test_too_many_calls_in_one_turn_are_refused(
     agent = agent_for(script, max_tool_calls_per_turn=2)
     task = make_task("What is 0?", "0")
     result, _ = await run_episode(
-        agent, task, make_context(task, sandbox_factory=provider, tmp_path=tmp_path)
+        agent,
+        task,
+        make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path),
     )
     [obs] = observation_texts(result, tokenizer)
     assert obs.count("<tool_response>") == 3

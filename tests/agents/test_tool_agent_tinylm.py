@@ -14,10 +14,11 @@ from typing import Any
 
 import httpx
 
-from engine.agents.base import AgentResult
+from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.tool_agent import ToolAgent, ToolAgentConfig
+from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig
-from engine.domain import SamplingParams, TerminationReason
+from engine.domain import SamplingParams, Task, TerminationReason
 from engine.sandbox import LocalSandboxProvider
 from engine.tasks.evaluators import math_agent_config
 from engine.tasks.math import MathVerifier
@@ -44,15 +45,25 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 
 class Harness:
-    def __init__(self, tokenizer: Any, **overrides: Any) -> None:
+    """The math agent and a backend pool on the server whose replies are recorded."""
+
+    def __init__(self, tokenizer: Any, server_url: str, **overrides: Any) -> None:
         self.replies: list[dict[str, Any]] = []
         config = math_agent_config()
         fields = {name: getattr(config, name) for name in ToolAgentConfig.__dataclass_fields__}
-        fields.update(backend_factory=self.backend, **overrides)
+        fields.update(**overrides)
         self.agent = ToolAgent(
             ToolAgentConfig(**fields), verifier=MathVerifier(), tokenizer=tokenizer
         )
         self.tokenizer = tokenizer
+        self.backends = BackendPool(server_url, build=self.backend)
+
+    async def run(self, task: Task, context: EpisodeContext) -> tuple[AgentResult, Reward]:
+        """One episode, then the pool is closed (as the worker closes it when it stops)."""
+        try:
+            return await run_episode(self.agent, task, context)
+        finally:
+            await self.backends.aclose()
 
     def backend(self, url: str) -> SGLangBackend:
         return SGLangBackend(
@@ -78,10 +89,10 @@ def prompt_length(harness: Harness) -> int:
 async def test_math_episode_end_to_end(
     tokenizer: Any, server: TinyLMServer, provider: LocalSandboxProvider, tmp_path: Path
 ) -> None:
-    harness = Harness(tokenizer)
+    harness = Harness(tokenizer, server.url)
     task = make_task()
-    ctx = make_context(task, sandbox_factory=provider, tmp_path=tmp_path, sglang_url=server.url)
-    result, reward = await run_episode(harness.agent, task, ctx)
+    ctx = make_context(task, sandboxes=provider, tmp_path=tmp_path, backends=harness.backends)
+    result, reward = await harness.run(task, ctx)
 
     assert result.termination_reason is TerminationReason.FINISH
     assert isinstance(reward, dict) and reward["score"] == 1.0
@@ -136,12 +147,12 @@ async def test_math_episode_end_to_end(
 async def test_max_turns_stops_before_running_the_tool(
     tokenizer: Any, server: TinyLMServer, provider: LocalSandboxProvider, tmp_path: Path
 ) -> None:
-    harness = Harness(tokenizer)
+    harness = Harness(tokenizer, server.url)
     task = make_task()
     ctx = make_context(
-        task, sandbox_factory=provider, tmp_path=tmp_path, sglang_url=server.url, max_turns=1
+        task, sandboxes=provider, tmp_path=tmp_path, backends=harness.backends, max_turns=1
     )
-    result, reward = await run_episode(harness.agent, task, ctx)
+    result, reward = await harness.run(task, ctx)
     assert result.termination_reason is TerminationReason.MAX_TURNS
     assert len(result.turns) == 1 and result.turns[0].tool_calls == ("python",)
     assert result.metrics["n_tool_calls"] == 0
@@ -153,12 +164,12 @@ async def test_max_turns_stops_before_running_the_tool(
 async def test_per_turn_cap_is_length(
     tokenizer: Any, server: TinyLMServer, provider: LocalSandboxProvider, tmp_path: Path
 ) -> None:
-    harness = Harness(tokenizer)
+    harness = Harness(tokenizer, server.url)
     task = make_task()
     ctx = make_context(
-        task, sandbox_factory=provider, tmp_path=tmp_path, sglang_url=server.url, max_new_tokens=5
+        task, sandboxes=provider, tmp_path=tmp_path, backends=harness.backends, max_new_tokens=5
     )
-    result, _ = await run_episode(harness.agent, task, ctx)
+    result, _ = await harness.run(task, ctx)
     assert result.termination_reason is TerminationReason.LENGTH
     assert [t.finish_reason for t in result.turns] == ["length"]
     assert len(result.response_token_ids) == 5
@@ -168,17 +179,17 @@ async def test_per_turn_cap_is_length(
 async def test_context_exhausted_during_generation_is_max_context(
     tokenizer: Any, server: TinyLMServer, provider: LocalSandboxProvider, tmp_path: Path
 ) -> None:
-    harness = Harness(tokenizer)
+    harness = Harness(tokenizer, server.url)
     task = make_task()
     limit = prompt_length(harness) + 7
     ctx = make_context(
         task,
-        sandbox_factory=provider,
+        sandboxes=provider,
         tmp_path=tmp_path,
-        sglang_url=server.url,
+        backends=harness.backends,
         max_context_len=limit,
     )
-    result, _ = await run_episode(harness.agent, task, ctx)
+    result, _ = await harness.run(task, ctx)
     assert result.termination_reason is TerminationReason.MAX_CONTEXT
     assert harness.replies[0]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(result.prompt_token_ids) + len(result.response_token_ids) == limit
@@ -188,28 +199,27 @@ async def test_context_exhausted_during_generation_is_max_context(
 async def test_observation_that_does_not_fit_is_max_context(
     tokenizer: Any, server: TinyLMServer, provider: LocalSandboxProvider, tmp_path: Path
 ) -> None:
-    probe = Harness(tokenizer)
+    probe = Harness(tokenizer, server.url)
     task = make_task()
-    first, _ = await run_episode(
-        probe.agent,
+    first, _ = await probe.run(
         task,
         make_context(
-            task, sandbox_factory=provider, tmp_path=tmp_path, sglang_url=server.url, max_turns=1
+            task, sandboxes=provider, tmp_path=tmp_path, backends=probe.backends, max_turns=1
         ),
     )
     call_len = len(first.response_token_ids)
 
-    harness = Harness(tokenizer)
+    harness = Harness(tokenizer, server.url)
     limit = len(first.prompt_token_ids) + call_len + 3  # the call fits, its observation not
     ctx = make_context(
         task,
-        sandbox_factory=provider,
+        sandboxes=provider,
         tmp_path=tmp_path,
-        sglang_url=server.url,
+        backends=harness.backends,
         max_context_len=limit,
         attempt=2,
     )
-    result, _ = await run_episode(harness.agent, task, ctx)
+    result, _ = await harness.run(task, ctx)
     assert result.termination_reason is TerminationReason.MAX_CONTEXT
     assert result.response_token_ids == first.response_token_ids
     assert set(result.loss_mask) == {1}
@@ -224,16 +234,16 @@ async def test_seeded_sampling_reproduces_an_episode(
     sampling = SamplingParams(temperature=1.0, top_p=1.0, sampling_seed=1234)
     results: list[AgentResult] = []
     for attempt in (1, 2):
-        harness = Harness(tokenizer)
+        harness = Harness(tokenizer, server.url)
         ctx = make_context(
             task,
-            sandbox_factory=provider,
+            sandboxes=provider,
             tmp_path=tmp_path,
-            sglang_url=server.url,
+            backends=harness.backends,
             sampling=sampling,
             attempt=attempt,
         )
-        result, _ = await run_episode(harness.agent, task, ctx)
+        result, _ = await harness.run(task, ctx)
         check_trajectory(result, harness.generated())
         results.append(result)
     assert results[0].response_token_ids == results[1].response_token_ids

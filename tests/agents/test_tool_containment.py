@@ -39,7 +39,6 @@ def agent_for(script: ScriptedGenerate, **overrides: Any) -> ToolAgent:
     config = dataclasses.replace(
         math_agent_config(),
         tools=(PythonTool(), ShellTool()),
-        backend_factory=script.backend_factory,
         sandbox_limits=LIMITS,
         max_observation_chars=300,
         **overrides,
@@ -66,7 +65,8 @@ async def run_hazard(
         task,
         make_context(
             task,
-            sandbox_factory=provider,
+            sandboxes=provider,
+            backends=script.backends,
             tmp_path=tmp_path,
             max_context_len=2048,
             max_new_tokens=512,

@@ -248,10 +248,8 @@ class TestAgentContract:
             rollout_id="r1",
             sample_id="r1:s0",
             attempt=1,
-            sglang_url="http://127.0.0.1:30000",
             stopping=StoppingCriteria(max_turns=3),
             sampling_params=SamplingParams(temperature=1.0),
-            sandbox_factory=None,
             tmp_dir=tmp_path,
         )
         task = _task()
@@ -264,10 +262,8 @@ class TestAgentContract:
         fields: dict[str, Any] = {
             "rollout_id": "r1",
             "sample_id": "s",
-            "sglang_url": "http://x",
             "stopping": StoppingCriteria(),
             "sampling_params": SamplingParams(),
-            "sandbox_factory": None,
             "tmp_dir": tmp_path,
         }
         with pytest.raises(ValueError, match="attempt counts from 1"):
