@@ -136,7 +136,7 @@ class Sample(FrozenModel):
         task: Task | None = None,
         *,
         reason: TerminationReason | None = None,
-        agent_reason: str | None = None,
+        agent_reason: TerminationReason | str | None = None,
         policy_version: int | None = None,
     ) -> Sample:
         """A zero-gradient stand-in: ``[0, 0]`` tokens, all masked, ``remove_sample=True``.
@@ -147,7 +147,7 @@ class Sample(FrozenModel):
         """
         metadata = _task_metadata(task) if task is not None else {}
         if agent_reason is not None:
-            metadata["termination_reason_agent"] = agent_reason
+            metadata["termination_reason_agent"] = str(agent_reason)
         return cls(
             index=task.index if task is not None else 0,
             group_index=task.group_index if task is not None else 0,
