@@ -77,6 +77,7 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.names import StreamNames
+from engine.projections.rows import SampleRow, sample_row
 from engine.projections.samples import (
     DatasetCache,
     sampling_of,
@@ -92,7 +93,6 @@ __all__ = [
     "EventSink",
     "LabelledProvider",
     "OnTaskDone",
-    "SampleOutcome",
     "sample_seed",
     "sandbox_labels",
 ]
@@ -120,22 +120,8 @@ class EpisodeSettings:
     cleanup_timeout_s: float = 120.0
 
 
-@dataclass(frozen=True, slots=True)
-class SampleOutcome:
-    """What the progress callback hears when a sample reaches its terminal event."""
-
-    rollout_id: str
-    batch_id: str
-    sample_id: str
-    attempt: int
-    completed: bool
-    reward: float
-    reason: str  # the termination reason, or the abort class
-    phase: str
-    elapsed_s: float
-
-
-OnTaskDone = Callable[[SampleOutcome], None]
+OnTaskDone = Callable[[SampleRow], None]
+"""The progress callback: hears each sample's row when it reaches its terminal event."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +148,7 @@ class _Attempt:
     turns: int = 0
     used_s: float = 0.0
     window_s: float | None = None
-    agent_reason: str | None = None
+    agent_reason: TerminationReason | None = None
 
 
 class Evaluator:
@@ -345,7 +331,7 @@ class Evaluator:
                 rec.phase = "run"
                 result = await self._timed(handler.run(task, ctx), rec)
                 rec.turns = len(result.turns)
-                rec.agent_reason = result.termination_reason.value
+                rec.agent_reason = result.termination_reason
                 self._check_result(task, result)
                 rec.phase = "eval"
                 reward = await self._timed(handler.eval(task, ctx, result), rec)
@@ -527,31 +513,15 @@ class Evaluator:
     def _report(self, sample_id: str, attempt: int, rec: _Attempt, terminal: Event) -> None:
         if self._on_task_done is None:
             return
-        if isinstance(terminal, SampleCompleted):
-            outcome = SampleOutcome(
-                rollout_id=terminal.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-                completed=True,
-                reward=terminal.reward,
-                reason=terminal.termination_reason,
-                phase="",
-                elapsed_s=terminal.elapsed_s,
-            )
-        else:
-            assert isinstance(terminal, SampleAborted)
-            outcome = SampleOutcome(
-                rollout_id=terminal.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-                completed=False,
-                reward=0.0,
-                reason=terminal.abort_class.value,
-                phase=terminal.phase,
-                elapsed_s=terminal.elapsed_s,
-            )
+        assert isinstance(terminal, SampleCompleted | SampleAborted)
+        outcome = sample_row(
+            self.plan.tasks.get(sample_id),
+            terminal,
+            attempt=attempt,
+            turns=rec.turns,
+            node=rec.node,
+            batch_id=self.plan.admitted.batch_id,
+        )
         try:
             self._on_task_done(outcome)
         except Exception:  # a progress printer must never fail a sample
@@ -629,11 +599,14 @@ def sample_seed(request_seed: int, index: int) -> int:
     return (request_seed * 1_000_003 + index) % 2**31
 
 
-def _agent_reason_of(exc: BaseException) -> str | None:
+def _agent_reason_of(exc: BaseException) -> TerminationReason | None:
     reason = getattr(exc, "termination_reason", None)
     if isinstance(reason, TerminationReason):
-        return reason.value
-    return reason if isinstance(reason, str) else None
+        return reason
+    try:
+        return TerminationReason(reason) if isinstance(reason, str) else None
+    except ValueError:  # not a reason of the family: nothing to report
+        return None
 
 
 def _float_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) -> float | None:

@@ -8,7 +8,7 @@ that does not decode is archived as it is and skipped on replay, as a live reade
 
 Replay folds the entries with ``RolloutProjection`` up to and including the first
 ``RolloutReady`` -- the state the live finalizer wrote its artifacts from -- and writes the
-artifacts with :func:`engine.projections.summary.write_artifacts`, so the files are
+artifacts with :func:`engine.ops.artifacts.write_artifacts`, so the files are
 byte-identical to the live run's.
 """
 
@@ -28,9 +28,9 @@ from engine.events.base import Envelope
 from engine.events.catalog import RolloutReady
 from engine.events.codec import decode
 from engine.events.log import FIELD, EventLog
+from engine.ops.artifacts import write_artifacts
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection, RolloutState
-from engine.projections.summary import write_artifacts
 
 __all__ = [
     "ARCHIVE_FORMAT",

@@ -29,11 +29,11 @@ from engine.domain import (
     SamplingParams,
     StoppingCriteria,
     Task,
-    TerminationReason,
 )
 from engine.errors import ConfigError, RolloutError
 from engine.events.catalog import TaskFetched
 from engine.projections.rollout import RolloutState, SampleState
+from engine.projections.rows import row_of
 from engine.sample import Sample
 
 __all__ = [
@@ -119,13 +119,6 @@ def sampling_of(ev: TaskFetched) -> SamplingParams:
         raise ConfigError(f"TaskFetched {ev.sample_id}: bad sampling params: {exc}") from None
 
 
-def _reason(value: str | None) -> TerminationReason | None:
-    try:
-        return TerminationReason(value) if value else None
-    except ValueError:
-        return None
-
-
 def _metadata(ev: TaskFetched) -> dict[str, Any]:
     return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
 
@@ -133,19 +126,19 @@ def _metadata(ev: TaskFetched) -> dict[str, Any]:
 def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
     """The trainer's view of one terminal sample (see the module docstring)."""
     task = s.task
+    row = row_of(s)  # identity and outcome, as the summaries see them
     done = s.completed
     if done is None:
-        aborted = s.aborted
         dummy = Sample.masked_dummy(
-            reason=_reason(aborted.abort_class.value) if aborted is not None else None,
-            agent_reason=aborted.agent_reason if aborted is not None else None,
+            reason=row.termination_reason,
+            agent_reason=row.agent_reason,
             policy_version=policy_version,
         )
         return dummy.model_copy(
             update={
-                "index": task.index,
-                "group_index": task.group_index,
-                "sample_id": task.sample_id,
+                "index": row.index,
+                "group_index": row.group_index,
+                "sample_id": row.sample_id,
                 "prompt": task.prompt,
                 "label": task.label,
                 "metadata": {**_metadata(task), **dummy.metadata},
@@ -167,9 +160,9 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
     metadata["attempt"] = done.attempt
     metadata["n_turns"] = done.n_turns
     return Sample(
-        index=task.index,
-        group_index=task.group_index,
-        sample_id=task.sample_id,
+        index=row.index,
+        group_index=row.group_index,
+        sample_id=row.sample_id,
         prompt=task.prompt,
         response=done.response_text,
         label=task.label,
@@ -179,8 +172,8 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
         rollout_log_probs=logprobs,
         teacher_log_probs=teacher,
         reward=reward,
-        status=done.status,
-        termination_reason=_reason(done.termination_reason),
+        status=row.status,
+        termination_reason=row.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
         metadata=metadata,
     )
