@@ -622,9 +622,11 @@ def _int_knob(request: Mapping[str, Any], task: Mapping[str, Any], name: str) ->
 P = TypeVar("P", TokenIds, LogProbs, Mask)
 
 
-def _packed(cls: type[P], values: Sequence[int] | Sequence[float]) -> P:
-    """Pack values ``AgentResult`` already validated (ids >= 0, mask 0/1); numpy refuses an
-    id beyond int32 with ``OverflowError``, which aborts the sample like any error."""
+def _packed(cls: type[P], values: P | Sequence[int] | Sequence[float]) -> P:
+    """The packed array ``AgentResult`` already holds (it packs and validates its arrays:
+    ids >= 0 within int32, mask 0/1), or ``values`` packed."""
+    if isinstance(values, cls):
+        return values
     return cls(np.array(values, dtype=cls.dtype).tobytes())
 
 

@@ -36,6 +36,7 @@ from engine.domain import (
     Task,
     TerminationReason,
 )
+from engine.events.arrays import LogProbs, Mask, TokenIds
 
 __all__ = [
     "AgentResult",
@@ -50,11 +51,11 @@ Reward = float | dict[str, float]
 
 
 def check_response_arrays(
-    response_length: int, loss_mask: tuple[int, ...], logprobs: tuple[float, ...] | None
+    response_length: int, loss_mask: Mask, logprobs: LogProbs | None
 ) -> None:
     """Raise ``ValueError`` unless the per-response-token arrays line up.
 
-    ``logprobs=None`` means "not captured"; an empty tuple for a non-empty response counts as
+    ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
     a mismatch here, callers that allow missing logprobs pass ``None``.
     """
     if len(loss_mask) != response_length:
@@ -65,7 +66,7 @@ def check_response_arrays(
         raise ValueError(
             f"response logprobs have {len(logprobs)} entries for {response_length} response tokens"
         )
-    if any(bit not in (0, 1) for bit in loss_mask):
+    if len(loss_mask) and int(loss_mask.numpy().max()) > 1:
         raise ValueError("loss_mask entries must be 0 or 1")
 
 
@@ -81,12 +82,17 @@ class TurnRecord(FrozenModel):
 
 
 class AgentResult(FrozenModel):
-    """The outcome of ``BaseAgent.run``: the trajectory's tokens and how the episode ended."""
+    """The outcome of ``BaseAgent.run``: the trajectory's tokens and how the episode ended.
 
-    prompt_token_ids: tuple[int, ...] = ()
-    response_token_ids: tuple[int, ...] = ()
-    response_logprobs: tuple[float, ...] = ()
-    loss_mask: tuple[int, ...] = ()
+    The token arrays are packed (``TokenIds`` int32, ``LogProbs`` float32, ``Mask`` uint8),
+    the form they keep until the trainer's ``collate``; the constructor also takes lists,
+    tuples or numpy arrays of numbers and packs them once, here.
+    """
+
+    prompt_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
+    response_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
+    response_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
+    loss_mask: Mask = Field(default_factory=Mask.empty)
     turns: tuple[TurnRecord, ...] = ()
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -94,8 +100,8 @@ class AgentResult(FrozenModel):
 
     @field_validator("prompt_token_ids", "response_token_ids")
     @classmethod
-    def _token_ids_non_negative(cls, ids: tuple[int, ...]) -> tuple[int, ...]:
-        if any(token < 0 for token in ids):
+    def _token_ids_non_negative(cls, ids: TokenIds) -> TokenIds:
+        if len(ids) and int(ids.numpy().min()) < 0:
             raise ValueError("token ids must be non-negative")
         return ids
 
@@ -104,7 +110,7 @@ class AgentResult(FrozenModel):
         check_response_arrays(
             len(self.response_token_ids),
             self.loss_mask,
-            self.response_logprobs if self.response_logprobs else None,
+            self.response_logprobs if len(self.response_logprobs) else None,
         )
         return self
 

@@ -7,13 +7,16 @@ masks uint8. On the wire each array is one msgpack ext value (see ``codec.py``),
 
 The classes are immutable; ``tolist()``, ``numpy()`` (a read-only zero-copy view) and
 ``torch()`` give the usual views. Pydantic fields typed with them accept an instance,
-a list / tuple of numbers, a numpy array or raw bytes of the right width.
+a list / tuple of numbers, a numpy array or raw bytes of the right width. An array equals
+another of its class with the same bytes, and a list / tuple / numpy array that packs to
+those bytes (so ``ids == (1, 2)`` reads as it should; hashes agree only between arrays).
+Indexing gives a Python number, slicing an array of the same class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 from pydantic import GetCoreSchemaHandler
@@ -84,12 +87,19 @@ class PackedArray:
     def __iter__(self) -> Any:
         return iter(self.tolist())
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return type(self)(self.numpy()[index].tobytes())
         return self.numpy()[index].item()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedArray):
             return type(self) is type(other) and self._data == other._data
+        if isinstance(other, list | tuple | np.ndarray):
+            try:
+                return self._data == type(self).from_values(other)._data
+            except (ValueError, TypeError, OverflowError):
+                return False
         return NotImplemented
 
     def __hash__(self) -> int:
@@ -179,7 +189,10 @@ def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
     return array
 
 
-def concat(parts: Sequence[PackedArray]) -> PackedArray:
+_P = TypeVar("_P", bound=PackedArray)
+
+
+def concat(parts: Sequence[_P]) -> _P:
     """Concatenate arrays of one class."""
     if not parts:
         raise ValueError("concat needs at least one array")

@@ -31,6 +31,7 @@ from engine.domain import (
     Task,
 )
 from engine.errors import ConfigError, RolloutError
+from engine.events.arrays import LogProbs, concat
 from engine.events.catalog import TaskFetched
 from engine.projections.rollout import RolloutState, SampleState
 from engine.projections.rows import row_of
@@ -144,15 +145,13 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
                 "metadata": {**_metadata(task), **dummy.metadata},
             }
         )
-    prompt_ids = done.prompt_ids.tolist()
-    response_ids = done.response_ids.tolist()
-    loss_mask = tuple(done.loss_mask.tolist())
-    logprobs = tuple(done.logprobs.tolist()) if len(done.logprobs) else None
-    teacher: tuple[float, ...] | None = None
+    # The arrays stay packed: the sample takes the event's bytes, no per-token conversion.
+    loss_mask = done.loss_mask
+    teacher: LogProbs | None = None
     if s.teacher is not None:
-        teacher = tuple(s.teacher.teacher_logprobs.tolist())
+        teacher = s.teacher.teacher_logprobs
         if len(s.teacher.action_mask):
-            loss_mask = tuple(s.teacher.action_mask.tolist())
+            loss_mask = s.teacher.action_mask
     reward: float | dict[str, float] = float(done.reward)
     if done.reward_detail:
         reward = {str(k): float(v) for k, v in done.reward_detail.items()}
@@ -166,10 +165,10 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
         prompt=task.prompt,
         response=done.response_text,
         label=task.label,
-        tokens=(*prompt_ids, *response_ids),
-        response_length=len(response_ids),
+        tokens=concat([done.prompt_ids, done.response_ids]),
+        response_length=len(done.response_ids),
         loss_mask=loss_mask,
-        rollout_log_probs=logprobs,
+        rollout_log_probs=done.logprobs if len(done.logprobs) else None,
         teacher_log_probs=teacher,
         reward=reward,
         status=row.status,

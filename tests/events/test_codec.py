@@ -264,3 +264,12 @@ def test_an_outcome_outside_the_family_is_refused_by_name(
     assert decode_fast(raw) is None  # the compiled path declines, the reference names it
     with pytest.raises(DecodeError, match=f"SampleAborted v1 does not validate: {field}"):
         decode(raw)
+
+
+def test_a_packed_array_equals_the_values_it_packs() -> None:
+    ids = TokenIds.from_values([1, 2, 3])
+    assert ids == (1, 2, 3) and ids == [1, 2, 3] and ids == np.array([1, 2, 3])
+    assert ids != (1, 2) and ids != (1, 2, 2**40) and ids != Mask.from_values([1, 2, 3])
+    assert LogProbs.from_values([-0.1]) == (-0.1,)  # compared at the array's float32 width
+    assert ids[1:] == TokenIds.from_values([2, 3]) and isinstance(ids[1:], TokenIds)
+    assert ids[-1] == 3
