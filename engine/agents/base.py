@@ -66,8 +66,18 @@ def check_response_arrays(
         raise ValueError(
             f"response logprobs have {len(logprobs)} entries for {response_length} response tokens"
         )
-    if len(loss_mask) and int(loss_mask.numpy().max()) > 1:
+    if loss_mask.data.translate(None, _BITS):  # anything left is neither 0 nor 1
         raise ValueError("loss_mask entries must be 0 or 1")
+
+
+_BITS = b"\x00\x01"
+_NON_NEGATIVE_TOP_BYTES = bytes(range(128))
+
+
+def _has_negative(ids: TokenIds) -> bool:
+    # int32 little-endian: a value is negative iff its top byte (every 4th, from 3) has the
+    # sign bit set; one C pass over the bytes, no array built.
+    return bool(ids.data[3::4].translate(None, _NON_NEGATIVE_TOP_BYTES))
 
 
 class TurnRecord(FrozenModel):
@@ -101,7 +111,7 @@ class AgentResult(FrozenModel):
     @field_validator("prompt_token_ids", "response_token_ids")
     @classmethod
     def _token_ids_non_negative(cls, ids: TokenIds) -> TokenIds:
-        if len(ids) and int(ids.numpy().min()) < 0:
+        if _has_negative(ids):
             raise ValueError("token ids must be non-negative")
         return ids
 

@@ -33,6 +33,7 @@ class PackedArray:
 
     __slots__ = ("_data",)
     dtype: ClassVar[np.dtype[Any]]
+    itemsize: ClassVar[int]
     typecode: ClassVar[str]  # the ``array`` module's code for ``dtype``
     ext_code: ClassVar[int]
 
@@ -52,13 +53,13 @@ class PackedArray:
             # (integral floats, out-of-range values) takes the numpy path, which accepts
             # or names the problem.
             try:
-                packed = array.array(cls.typecode, values)
+                native = array.array(cls.typecode, values)
             except (TypeError, OverflowError):
                 pass
             else:
                 if _SWAP:
-                    packed.byteswap()
-                return cls(packed.tobytes())
+                    native.byteswap()
+                return cls(native.tobytes())
         if isinstance(values, np.ndarray):
             arr = values
         else:
@@ -91,7 +92,7 @@ class PackedArray:
         return self._data
 
     def __len__(self) -> int:
-        return len(self._data) // self.dtype.itemsize
+        return len(self._data) // self.itemsize
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """A read-only zero-copy view."""
@@ -173,6 +174,7 @@ class TokenIds(PackedArray):
 
     __slots__ = ()
     dtype = np.dtype("<i4")
+    itemsize = dtype.itemsize
     typecode = "i"
     ext_code = 1
 
@@ -182,6 +184,7 @@ class LogProbs(PackedArray):
 
     __slots__ = ()
     dtype = np.dtype("<f4")
+    itemsize = dtype.itemsize
     typecode = "f"
     ext_code = 2
 
@@ -191,6 +194,7 @@ class Mask(PackedArray):
 
     __slots__ = ()
     dtype = np.dtype("u1")
+    itemsize = dtype.itemsize
     typecode = "B"
     ext_code = 3
 
