@@ -29,9 +29,11 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.errors import RolloutFailed
+from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.catalog import (
     FilterSpec,
     RolloutKind,
@@ -168,43 +170,60 @@ class RolloutClient:
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad samples into a batch of tensors (see the module docstring)."""
+    """Right-pad samples into a batch of tensors (see the module docstring).
+
+    Each field is built as one numpy array and handed to torch once: the samples' packed
+    arrays are joined (bytes, no per-token Python objects) and scattered into the padded
+    batch with one boolean-mask assignment in row-major order, which is exactly "row i,
+    positions 0..n_i" for the tokens and "row i, its response positions" for the rest.
+    """
     if not samples:
         raise ValueError("collate needs at least one sample")
     batch = len(samples)
-    width = max(len(s.tokens) for s in samples)
-    tokens = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width), dtype=torch.float32)
-    logprobs = torch.zeros((batch, width), dtype=torch.float32)
-    with_teacher = all(s.teacher_log_probs is not None for s in samples)
-    teacher = torch.zeros((batch, width), dtype=torch.float32) if with_teacher else None
-    for row, s in enumerate(samples):
-        n = len(s.tokens)
-        start = n - s.response_length
-        tokens[row, :n] = torch.tensor(s.tokens, dtype=torch.long)
-        attention[row, :n] = 1
-        if s.response_length:
-            loss_mask[row, start:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            if s.rollout_log_probs is not None:
-                logprobs[row, start:n] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-            if teacher is not None and s.teacher_log_probs is not None:
-                teacher[row, start:n] = torch.tensor(s.teacher_log_probs, dtype=torch.float32)
+    lengths = np.fromiter((len(s.tokens) for s in samples), dtype=np.int64, count=batch)
+    responses = np.fromiter((s.response_length for s in samples), dtype=np.int64, count=batch)
+    width = int(lengths.max())
+    position = np.arange(width, dtype=np.int64)
+    valid = position < lengths[:, None]
+    response = valid & (position >= (lengths - responses)[:, None])
+
+    tokens = np.full((batch, width), pad_token_id, dtype=np.int64)
+    tokens[valid] = _joined(TokenIds, [s.tokens for s in samples])
+    loss_mask = np.zeros((batch, width), dtype=np.float32)
+    loss_mask[response] = _joined(Mask, [s.loss_mask for s in samples])
+    logprobs = np.zeros((batch, width), dtype=np.float32)
+    logprobs[response] = _joined(
+        LogProbs, [_or_zeros(s.rollout_log_probs, s.response_length) for s in samples]
+    )
     out = {
-        "tokens": tokens,
-        "attention_mask": attention,
-        "loss_mask": loss_mask,
-        "rollout_log_probs": logprobs,
-        "rewards": torch.tensor([scalar_reward(s.reward) for s in samples], dtype=torch.float32),
-        "response_lengths": torch.tensor([s.response_length for s in samples], dtype=torch.long),
-        "prompt_lengths": torch.tensor(
-            [len(s.tokens) - s.response_length for s in samples], dtype=torch.long
+        "tokens": torch.from_numpy(tokens),
+        "attention_mask": torch.from_numpy(valid.astype(np.int64)),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "rollout_log_probs": torch.from_numpy(logprobs),
+        "rewards": torch.from_numpy(
+            np.array([scalar_reward(s.reward) for s in samples], dtype=np.float32)
         ),
-        "remove_sample": torch.tensor([s.remove_sample for s in samples], dtype=torch.bool),
+        "response_lengths": torch.from_numpy(responses),
+        "prompt_lengths": torch.from_numpy(lengths - responses),
+        "remove_sample": torch.from_numpy(
+            np.fromiter((s.remove_sample for s in samples), dtype=np.bool_, count=batch)
+        ),
     }
-    if teacher is not None:
-        out["teacher_log_probs"] = teacher
+    teachers = [s.teacher_log_probs for s in samples]
+    if all(t is not None for t in teachers):
+        teacher = np.zeros((batch, width), dtype=np.float32)
+        teacher[response] = _joined(LogProbs, [t for t in teachers if t is not None])
+        out["teacher_log_probs"] = torch.from_numpy(teacher)
     return out
+
+
+def _joined(kind: type[PackedArray], arrays: Sequence[PackedArray]) -> np.ndarray[Any, Any]:
+    """The arrays' values end to end, as one read-only numpy array of ``kind``'s dtype."""
+    return np.frombuffer(b"".join(a.data for a in arrays), dtype=kind.dtype)
+
+
+def _or_zeros(array: LogProbs | None, n: int) -> PackedArray:
+    return array if array is not None else LogProbs(bytes(LogProbs.dtype.itemsize * n))
 
 
 class SyncRolloutClient:

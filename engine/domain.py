@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -39,6 +38,7 @@ from pydantic import (
 )
 
 from engine.errors import ConfigError
+from engine.outcomes import SampleStatus, TerminationReason
 
 __all__ = [
     "Batch",
@@ -115,52 +115,6 @@ def check_prompt(value: object) -> str | list[ChatMessage]:
 
 
 Prompt = Annotated[str | list[ChatMessage], BeforeValidator(check_prompt)]
-
-
-class SampleStatus(StrEnum):
-    """Lifecycle of one sample, named as the trainer (slime's ``Sample.Status``) knows them."""
-
-    PENDING = "pending"
-    COMPLETED = "completed"  # the episode ended on its own terms
-    TRUNCATED = "truncated"  # a stopping criterion ended the episode
-    ABORTED = "aborted"  # a classified failure; the sample is a masked dummy
-    FAILED = "failed"  # the episode or its scoring failed and no trajectory is kept; never trained
-
-
-class TerminationReason(StrEnum):
-    """Why an episode ended: the agent's own reasons, then the abort classes (seed §4)."""
-
-    FINISH = "finish"  # the agent or the model declared the task done
-    LENGTH = "length"  # the last generation hit its token budget
-    MAX_TURNS = "max_turns"
-    MAX_CONTEXT = "max_context"  # the context window is full
-    AGENT_TIMEOUT = "agent_timeout"  # the episode window elapsed
-    INFRA_CONN = "infra_conn"  # the model server could not be reached or aborted
-    INFRA_SANDBOX = "infra_sandbox"  # the sandbox failed
-    INFRA_OTHER = "infra_other"  # anything else, including dead-lettered deliveries
-
-    @property
-    def is_abort(self) -> bool:
-        return self in _ABORT_REASONS
-
-    @property
-    def status(self) -> SampleStatus:
-        """The sample status an episode ending for this reason gets."""
-        if self is TerminationReason.FINISH:
-            return SampleStatus.COMPLETED
-        if self.is_abort:
-            return SampleStatus.ABORTED
-        return SampleStatus.TRUNCATED
-
-
-_ABORT_REASONS = frozenset(
-    {
-        TerminationReason.AGENT_TIMEOUT,
-        TerminationReason.INFRA_CONN,
-        TerminationReason.INFRA_SANDBOX,
-        TerminationReason.INFRA_OTHER,
-    }
-)
 
 
 class Resource(FrozenModel):

@@ -5,6 +5,11 @@ Field names follow slime's ``Sample`` (``tokens``, ``response_length``, ``loss_m
 against slime reads ours unchanged. Unlike slime's, the record is frozen: later stages derive a
 new one with ``model_copy(update=...)`` instead of editing it in place.
 
+Token-level fields are packed arrays (``TokenIds`` int32, ``Mask`` uint8, ``LogProbs``
+float32; see ``engine.events.arrays``), the form they have in the log: rebuilding a sample
+from its events copies bytes, not numbers, and ``collate`` fills each batch tensor from them
+in one pass. The constructor also accepts lists, tuples or numpy arrays and packs them.
+
 Invariants, checked at construction: ``tokens`` is the prompt's tokens followed by the
 response's, so ``response_length <= len(tokens)``; ``loss_mask`` has one 0/1 entry per response
 token; ``rollout_log_probs`` and ``teacher_log_probs``, when present, too.
@@ -21,7 +26,7 @@ from typing import Annotated
 
 from pydantic import Field, JsonValue, Strict, model_validator
 
-from engine.agents.base import AgentResult, check_response_arrays
+from engine.agents.result import AgentResult, check_response_arrays
 from engine.domain import (
     FrozenModel,
     NonNegInt,
@@ -31,10 +36,14 @@ from engine.domain import (
     TerminationReason,
 )
 from engine.errors import AgentError
+from engine.events.arrays import LogProbs, Mask, TokenIds, concat
 
 __all__ = ["DUMMY_TOKENS", "Sample"]
 
 DUMMY_TOKENS: tuple[int, int] = (0, 0)
+_DUMMY_IDS = TokenIds.from_values(DUMMY_TOKENS)
+_DUMMY_MASK = Mask.from_values([0] * len(DUMMY_TOKENS))
+_DUMMY_LOGPROBS = LogProbs.from_values([0.0] * len(DUMMY_TOKENS))
 
 _Score = Annotated[float, Strict()]
 
@@ -48,11 +57,11 @@ class Sample(FrozenModel):
     prompt: Prompt = ""
     response: str = ""
     label: JsonValue = None
-    tokens: tuple[int, ...]
+    tokens: TokenIds
     response_length: NonNegInt
-    loss_mask: tuple[int, ...]
-    rollout_log_probs: tuple[float, ...] | None = None
-    teacher_log_probs: tuple[float, ...] | None = None
+    loss_mask: Mask
+    rollout_log_probs: LogProbs | None = None
+    teacher_log_probs: LogProbs | None = None
     reward: _Score | dict[str, _Score] = 0.0
     status: SampleStatus = SampleStatus.PENDING
     termination_reason: TerminationReason | None = None
@@ -96,13 +105,13 @@ class Sample(FrozenModel):
         """
         where = f"task {task.task_id} (dataset {task.dataset_name!r})"
         # tokens = prompt + response by construction; the response arrays are checked below.
-        tokens = result.prompt_token_ids + result.response_token_ids
+        tokens = concat([result.prompt_token_ids, result.response_token_ids])
         response_length = len(result.response_token_ids)
-        logprobs: tuple[float, ...] | None = result.response_logprobs
+        logprobs: LogProbs | None = result.response_logprobs
         if require_tokens:
             if response_length == 0:
                 raise AgentError(f"{where}: the agent returned no response tokens to train on")
-        elif not result.response_logprobs:
+        elif not len(result.response_logprobs):
             logprobs = None
         try:
             check_response_arrays(response_length, result.loss_mask, logprobs)
@@ -136,7 +145,7 @@ class Sample(FrozenModel):
         task: Task | None = None,
         *,
         reason: TerminationReason | None = None,
-        agent_reason: str | None = None,
+        agent_reason: TerminationReason | str | None = None,
         policy_version: int | None = None,
     ) -> Sample:
         """A zero-gradient stand-in: ``[0, 0]`` tokens, all masked, ``remove_sample=True``.
@@ -147,17 +156,17 @@ class Sample(FrozenModel):
         """
         metadata = _task_metadata(task) if task is not None else {}
         if agent_reason is not None:
-            metadata["termination_reason_agent"] = agent_reason
+            metadata["termination_reason_agent"] = str(agent_reason)
         return cls(
             index=task.index if task is not None else 0,
             group_index=task.group_index if task is not None else 0,
             sample_id=task.task_id if task is not None else "",
             prompt=task.prompt if task is not None else "",
             label=task.label if task is not None else None,
-            tokens=DUMMY_TOKENS,
+            tokens=_DUMMY_IDS,
             response_length=len(DUMMY_TOKENS),
-            loss_mask=(0,) * len(DUMMY_TOKENS),
-            rollout_log_probs=(0.0,) * len(DUMMY_TOKENS),
+            loss_mask=_DUMMY_MASK,
+            rollout_log_probs=_DUMMY_LOGPROBS,
             reward=0.0,
             status=SampleStatus.ABORTED,
             termination_reason=reason,

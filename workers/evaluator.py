@@ -24,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.actors.evaluator import SampleOutcome
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool
 from engine.config.evaluators import load_evaluators
 from engine.errors import ConfigError, LogError
+from engine.projections.rows import SampleRow
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import Settings
 from workers._common import (
@@ -100,12 +100,13 @@ class Progress:
         self.aborted = 0
         self.by_reason: dict[str, int] = {}
 
-    def on_task_done(self, outcome: SampleOutcome) -> None:
+    def on_task_done(self, outcome: SampleRow) -> None:
         if outcome.completed:
             self.completed += 1
         else:
             self.aborted += 1
-        self.by_reason[outcome.reason] = self.by_reason.get(outcome.reason, 0) + 1
+        reason = outcome.termination_reason or ""
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
 
     def on_batch_done(self, report: BatchReport) -> None:
         if self.quiet:

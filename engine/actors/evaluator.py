@@ -79,6 +79,7 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.names import StreamNames
+from engine.projections.rows import SampleRow, sample_row
 from engine.projections.samples import scalar_reward, task_of
 from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 
@@ -89,7 +90,6 @@ __all__ = [
     "EventSink",
     "LabelledProvider",
     "OnTaskDone",
-    "SampleOutcome",
     "sample_seed",
     "sandbox_labels",
 ]
@@ -116,22 +116,8 @@ class EpisodeSettings:
     cleanup_timeout_s: float = 120.0
 
 
-@dataclass(frozen=True, slots=True)
-class SampleOutcome:
-    """What the progress callback hears when a sample reaches its terminal event."""
-
-    rollout_id: str
-    batch_id: str
-    sample_id: str
-    attempt: int
-    completed: bool
-    reward: float
-    reason: str  # the termination reason, or the abort class
-    phase: str
-    elapsed_s: float
-
-
-OnTaskDone = Callable[[SampleOutcome], None]
+OnTaskDone = Callable[[SampleRow], None]
+"""The progress callback: hears each sample's row when it reaches its terminal event."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +143,7 @@ class _Attempt:
     turns: int = 0
     used_s: float = 0.0
     window_s: float | None = None
-    agent_reason: str | None = None
+    agent_reason: TerminationReason | None = None
 
 
 class Evaluator:
@@ -340,7 +326,7 @@ class Evaluator:
                 rec.phase = "run"
                 result = await self._timed(episode.run(ctx), rec)
                 rec.turns = len(result.turns)
-                rec.agent_reason = result.termination_reason.value
+                rec.agent_reason = result.termination_reason
                 self._check_result(task, result)
                 rec.phase = "eval"
                 reward = await self._timed(episode.eval(ctx, result), rec)
@@ -515,31 +501,15 @@ class Evaluator:
     def _report(self, sample_id: str, attempt: int, rec: _Attempt, terminal: Event) -> None:
         if self._on_task_done is None:
             return
-        if isinstance(terminal, SampleCompleted):
-            outcome = SampleOutcome(
-                rollout_id=terminal.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-                completed=True,
-                reward=terminal.reward,
-                reason=terminal.termination_reason,
-                phase="",
-                elapsed_s=terminal.elapsed_s,
-            )
-        else:
-            assert isinstance(terminal, SampleAborted)
-            outcome = SampleOutcome(
-                rollout_id=terminal.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-                completed=False,
-                reward=0.0,
-                reason=terminal.abort_class.value,
-                phase=terminal.phase,
-                elapsed_s=terminal.elapsed_s,
-            )
+        assert isinstance(terminal, SampleCompleted | SampleAborted)
+        outcome = sample_row(
+            self.plan.tasks.get(sample_id),
+            terminal,
+            attempt=attempt,
+            turns=rec.turns,
+            node=rec.node,
+            batch_id=self.plan.admitted.batch_id,
+        )
         try:
             self._on_task_done(outcome)
         except Exception:  # a progress printer must never fail a sample
@@ -616,11 +586,14 @@ def sample_seed(request_seed: int, index: int) -> int:
     return (request_seed * 1_000_003 + index) % 2**31
 
 
-def _agent_reason_of(exc: BaseException) -> str | None:
+def _agent_reason_of(exc: BaseException) -> TerminationReason | None:
     reason = getattr(exc, "termination_reason", None)
     if isinstance(reason, TerminationReason):
-        return reason.value
-    return reason if isinstance(reason, str) else None
+        return reason
+    try:
+        return TerminationReason(reason) if isinstance(reason, str) else None
+    except ValueError:  # not a reason of the family: nothing to report
+        return None
 
 
 def _float_knob(knobs: Mapping[str, Any], name: str) -> float | None:
@@ -638,9 +611,11 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
 P = TypeVar("P", TokenIds, LogProbs, Mask)
 
 
-def _packed(cls: type[P], values: Sequence[int] | Sequence[float]) -> P:
-    """Pack values ``AgentResult`` already validated (ids >= 0, mask 0/1); numpy refuses an
-    id beyond int32 with ``OverflowError``, which aborts the sample like any error."""
+def _packed(cls: type[P], values: P | Sequence[int] | Sequence[float]) -> P:
+    """The packed array ``AgentResult`` already holds (it packs and validates its arrays:
+    ids >= 0 within int32, mask 0/1), or ``values`` packed."""
+    if isinstance(values, cls):
+        return values
     return cls(np.array(values, dtype=cls.dtype).tobytes())
 
 

@@ -31,7 +31,7 @@ Contract
   and tested directly; the shell only reads, appends and acks.
 * With ``out_dir`` set, the rollout's artifacts (``summary.json``, eval details, placement
   log, samples) are written to ``out_dir/<rollout id>/`` by
-  :func:`engine.projections.summary.write_artifacts` from the state folded up to and
+  :func:`engine.actors.artifacts.write_artifacts` from the state folded up to and
   including the ``RolloutReady`` -- the same function and the same events ``rollout replay``
   uses, so the bytes are identical.
 """
@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.actors.artifacts import write_artifacts
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
 from engine.events.base import Envelope
@@ -61,7 +62,7 @@ from engine.events.catalog import (
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
-from engine.projections.summary import FailureClass, eval_metrics, sample_rows, write_artifacts
+from engine.projections.summary import FailureClass, eval_metrics, sample_rows
 from engine.runtime.consumer import Delivery, GroupConsumer
 
 __all__ = [

@@ -35,18 +35,9 @@ import abc
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
-
+from engine.agents.result import AgentResult, Reward, TurnRecord, check_response_arrays
 from engine.backends.pool import BackendPool
-from engine.domain import (
-    FrozenModel,
-    NonNegFloat,
-    NonNegInt,
-    SamplingParams,
-    StoppingCriteria,
-    Task,
-    TerminationReason,
-)
+from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.errors import AgentError
 from engine.sandbox.base import SandboxProvider
 
@@ -60,73 +51,6 @@ __all__ = [
     "TurnRecord",
     "check_response_arrays",
 ]
-
-Reward = float | dict[str, float]
-
-
-def check_response_arrays(
-    response_length: int, loss_mask: tuple[int, ...], logprobs: tuple[float, ...] | None
-) -> None:
-    """Raise ``ValueError`` unless the per-response-token arrays line up.
-
-    ``logprobs=None`` means "not captured"; an empty tuple for a non-empty response counts as
-    a mismatch here, callers that allow missing logprobs pass ``None``.
-    """
-    if len(loss_mask) != response_length:
-        raise ValueError(
-            f"loss_mask has {len(loss_mask)} entries for {response_length} response tokens"
-        )
-    if logprobs is not None and len(logprobs) != response_length:
-        raise ValueError(
-            f"response logprobs have {len(logprobs)} entries for {response_length} response tokens"
-        )
-    if any(bit not in (0, 1) for bit in loss_mask):
-        raise ValueError("loss_mask entries must be 0 or 1")
-
-
-class TurnRecord(FrozenModel):
-    """What one turn of an episode did, for summaries and diagnostics."""
-
-    index: NonNegInt
-    prompt_tokens: NonNegInt
-    response_tokens: NonNegInt
-    tool_calls: tuple[str, ...] = ()  # names of the tools called this turn
-    elapsed_s: NonNegFloat = 0.0
-    finish_reason: str | None = None  # the backend's, e.g. "stop", "length", "tool_calls"
-
-
-class AgentResult(FrozenModel):
-    """The outcome of ``BaseAgent.run``: the trajectory's tokens and how the episode ended."""
-
-    prompt_token_ids: tuple[int, ...] = ()
-    response_token_ids: tuple[int, ...] = ()
-    response_logprobs: tuple[float, ...] = ()
-    loss_mask: tuple[int, ...] = ()
-    turns: tuple[TurnRecord, ...] = ()
-    termination_reason: TerminationReason
-    metrics: dict[str, float] = Field(default_factory=dict)
-    text: str = ""
-
-    @field_validator("prompt_token_ids", "response_token_ids")
-    @classmethod
-    def _token_ids_non_negative(cls, ids: tuple[int, ...]) -> tuple[int, ...]:
-        if any(token < 0 for token in ids):
-            raise ValueError("token ids must be non-negative")
-        return ids
-
-    @model_validator(mode="after")
-    def _arrays_line_up(self) -> AgentResult:
-        check_response_arrays(
-            len(self.response_token_ids),
-            self.loss_mask,
-            self.response_logprobs if self.response_logprobs else None,
-        )
-        return self
-
-    @property
-    def has_logprobs(self) -> bool:
-        """Whether the policy's logprobs were captured for every response token."""
-        return len(self.response_logprobs) == len(self.response_token_ids) > 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -238,7 +238,7 @@ def last_generation(result: AgentResult) -> tuple[int, ...]:
     start = end
     while start > 0 and result.loss_mask[start - 1] == 1:
         start -= 1
-    return result.response_token_ids[start:end]
+    return tuple(result.response_token_ids.tolist()[start:end])
 
 
 @dataclass

@@ -4,7 +4,9 @@ Which stream each event goes to is in DESIGN.md ("Streams"). Field conventions:
 ``rollout_id`` / ``sample_id`` / ``attempt`` identify work; a sample attempt is
 ``(sample_id, attempt)`` and folds ignore duplicates and stale attempts. Token-level arrays
 are packed (``TokenIds``, ``LogProbs``, ``Mask``). Free-form JSON values (prompts, labels,
-metrics) are plain msgpack-able Python values.
+metrics) are plain msgpack-able Python values. Outcomes are the enums of
+:mod:`engine.outcomes`; on the wire they are their string values, and a value outside the
+family does not decode (the entry goes to the dead letters).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.domain import SamplingParams, StoppingCriteria
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event, upcaster
+from engine.outcomes import AbortClass, SampleStatus, TerminationReason
 
 JSON = Any
 
@@ -61,15 +64,6 @@ class Record(BaseModel):
 class RolloutKind(StrEnum):
     TRAIN = "train"
     EVAL = "eval"
-
-
-class AbortClass(StrEnum):
-    """How a failed sample is bucketed (seeds: classify_abort)."""
-
-    AGENT_TIMEOUT = "agent_timeout"
-    INFRA_CONN = "infra_conn"
-    INFRA_SANDBOX = "infra_sandbox"
-    INFRA_OTHER = "infra_other"
 
 
 # ---------------------------------------------------------------- control stream
@@ -325,8 +319,8 @@ class SampleCompleted(Event):
     loss_mask: Mask
     reward: float = 0.0
     reward_detail: dict[str, JSON] = Field(default_factory=dict)
-    status: str = "completed"
-    termination_reason: str = ""
+    status: SampleStatus = SampleStatus.COMPLETED
+    termination_reason: TerminationReason | None = None
     response_text: str = ""
     n_turns: int = 0
     elapsed_s: float = 0.0
@@ -343,7 +337,7 @@ class SampleAborted(Event):
     attempt: int = 0
     abort_class: AbortClass
     error: str = ""
-    agent_reason: str | None = None
+    agent_reason: TerminationReason | None = None  # the agent's own, when it returned one
     phase: str = ""
     elapsed_s: float = 0.0
     window_s: float | None = None

@@ -8,7 +8,7 @@ that does not decode is archived as it is and skipped on replay, as a live reade
 
 Replay folds the entries with ``RolloutProjection`` up to and including the first
 ``RolloutReady`` -- the state the live finalizer wrote its artifacts from -- and writes the
-artifacts with :func:`engine.projections.summary.write_artifacts`, so the files are
+artifacts with :func:`engine.actors.artifacts.write_artifacts`, so the files are
 byte-identical to the live run's.
 """
 
@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from engine.actors.artifacts import write_artifacts
 from engine.errors import DecodeError, RolloutError
 from engine.events.base import Envelope
 from engine.events.catalog import RolloutReady
@@ -29,7 +30,6 @@ from engine.events.codec import decode
 from engine.events.log import EventLog, RawEntry
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection, RolloutState
-from engine.projections.summary import write_artifacts
 
 __all__ = [
     "ARCHIVE_FORMAT",

@@ -24,10 +24,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.domain import Task, TerminationReason
+from engine.domain import Task
 from engine.errors import ConfigError, RolloutError
+from engine.events.arrays import LogProbs, concat
 from engine.events.catalog import TaskFetched
 from engine.projections.rollout import RolloutState, SampleState
+from engine.projections.rows import row_of
 from engine.sample import Sample
 
 __all__ = [
@@ -67,11 +69,6 @@ def task_of(ev: TaskFetched) -> Task:
         ) from None
 
 
-def _reason(value: str | None) -> TerminationReason | None:
-    try:
-        return TerminationReason(value) if value else None
-    except ValueError:
-        return None
 
 
 def _metadata(ev: TaskFetched) -> dict[str, Any]:
@@ -90,33 +87,31 @@ def _metadata(ev: TaskFetched) -> dict[str, Any]:
 def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
     """The trainer's view of one terminal sample (see the module docstring)."""
     task = s.task
+    row = row_of(s)  # identity and outcome, as the summaries see them
     done = s.completed
     if done is None:
-        aborted = s.aborted
         dummy = Sample.masked_dummy(
-            reason=_reason(aborted.abort_class.value) if aborted is not None else None,
-            agent_reason=aborted.agent_reason if aborted is not None else None,
+            reason=row.termination_reason,
+            agent_reason=row.agent_reason,
             policy_version=policy_version,
         )
         return dummy.model_copy(
             update={
-                "index": task.index,
-                "group_index": task.group_index,
-                "sample_id": task.sample_id,
+                "index": row.index,
+                "group_index": row.group_index,
+                "sample_id": row.sample_id,
                 "prompt": task.prompt,
                 "label": task.label,
                 "metadata": {**_metadata(task), **dummy.metadata},
             }
         )
-    prompt_ids = done.prompt_ids.tolist()
-    response_ids = done.response_ids.tolist()
-    loss_mask = tuple(done.loss_mask.tolist())
-    logprobs = tuple(done.logprobs.tolist()) if len(done.logprobs) else None
-    teacher: tuple[float, ...] | None = None
+    # The arrays stay packed: the sample takes the event's bytes, no per-token conversion.
+    loss_mask = done.loss_mask
+    teacher: LogProbs | None = None
     if s.teacher is not None:
-        teacher = tuple(s.teacher.teacher_logprobs.tolist())
+        teacher = s.teacher.teacher_logprobs
         if len(s.teacher.action_mask):
-            loss_mask = tuple(s.teacher.action_mask.tolist())
+            loss_mask = s.teacher.action_mask
     reward: float | dict[str, float] = float(done.reward)
     if done.reward_detail:
         reward = {str(k): float(v) for k, v in done.reward_detail.items()}
@@ -124,20 +119,20 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
     metadata["attempt"] = done.attempt
     metadata["n_turns"] = done.n_turns
     return Sample(
-        index=task.index,
-        group_index=task.group_index,
-        sample_id=task.sample_id,
+        index=row.index,
+        group_index=row.group_index,
+        sample_id=row.sample_id,
         prompt=task.prompt,
         response=done.response_text,
         label=task.label,
-        tokens=(*prompt_ids, *response_ids),
-        response_length=len(response_ids),
+        tokens=concat([done.prompt_ids, done.response_ids]),
+        response_length=len(done.response_ids),
         loss_mask=loss_mask,
-        rollout_log_probs=logprobs,
+        rollout_log_probs=done.logprobs if len(done.logprobs) else None,
         teacher_log_probs=teacher,
         reward=reward,
-        status=done.status,
-        termination_reason=_reason(done.termination_reason),
+        status=row.status,
+        termination_reason=row.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
         metadata=metadata,
     )

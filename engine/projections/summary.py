@@ -1,12 +1,16 @@
 """Summaries of a finished rollout: failure classes, eval metrics and the eval artifacts.
 
-Everything here is a pure function of a folded :class:`RolloutState` (no clock, no I/O
-except :func:`write_artifacts`), so the live finalizer and ``rollout replay`` produce the
-same bytes from the same events. Output bytes are deterministic: keys sorted, compact
-separators, floats rounded to 6 decimals (:func:`dumps`), rows in sample-index order.
+Everything here is a pure function of a folded :class:`RolloutState` (no clock, no I/O):
+the artifacts are computed as bytes (:func:`render_artifacts`) and written by
+:func:`engine.actors.artifacts.write_artifacts`, which the live finalizer and ``rollout replay``
+both call, so they produce the same bytes from the same events. Output bytes are
+deterministic: keys sorted, compact separators, floats rounded to 6 decimals (:func:`dumps`),
+rows in sample-index order.
 
-Failure classes (seeds: ``classify_termination(reward, reason)``). Every sample falls in
-exactly one of eight classes; the first matching rule wins:
+Failure classes (seeds: ``classify_termination(reward, reason)``; the derivation lives with
+the outcome family in :mod:`engine.outcomes`). Every sample falls in exactly one of eight
+classes, read off its :class:`~engine.projections.rows.SampleRow`; the first matching rule
+wins:
 
 =====================  =====================================================================
 class                  rule
@@ -37,16 +41,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
-from engine.events.catalog import AbortClass
-from engine.projections.rollout import RolloutState, SampleState
+from engine.outcomes import FailureClass, TerminationReason
+from engine.projections.rollout import RolloutState
+from engine.projections.rows import SampleRow, sample_rows
 
 __all__ = [
     "ARTIFACT_FILES",
@@ -61,40 +63,18 @@ __all__ = [
     "placement_log",
     "render_artifacts",
     "sample_rows",
-    "write_artifacts",
 ]
 
 
-class FailureClass(StrEnum):
-    """The eight outcome classes of the termination taxonomy (see the module docstring)."""
-
-    SUCCESS = "success"
-    WRONG_ANSWER = "wrong_answer"
-    TRUNCATED_TURNS = "truncated_turns"
-    TRUNCATED_CONTEXT = "truncated_context"
-    AGENT_TIMEOUT = "agent_timeout"
-    INFRA_CONN = "infra_conn"
-    INFRA_SANDBOX = "infra_sandbox"
-    INFRA_OTHER = "infra_other"
+def classify_termination(reward: float, reason: TerminationReason | str | None) -> FailureClass:
+    """Fold an outcome into its failure class; aborts win over the reward. A reason outside
+    the family counts as no reason (the reward alone decides)."""
+    if reason is not None and not isinstance(reason, TerminationReason):
+        reason = _REASONS.get(reason)
+    return FailureClass.of(reward, reason)
 
 
-_ABORTS = {c.value: FailureClass(c.value) for c in AbortClass}
-_TRUNCATED = {
-    "max_turns": FailureClass.TRUNCATED_TURNS,
-    "max_context": FailureClass.TRUNCATED_CONTEXT,
-    "length": FailureClass.TRUNCATED_CONTEXT,
-}
-
-
-def classify_termination(reward: float, reason: str | None) -> FailureClass:
-    """Fold an outcome into its failure class; aborts win over the reward."""
-    if reason is not None and reason in _ABORTS:
-        return _ABORTS[reason]
-    if reward > 0:
-        return FailureClass.SUCCESS
-    if reason is not None and reason in _TRUNCATED:
-        return _TRUNCATED[reason]
-    return FailureClass.WRONG_ANSWER
+_REASONS = {r.value: r for r in TerminationReason}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -107,115 +87,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         miss *= 1.0 - k / i
     return 1.0 - miss
-
-
-# ---------------------------------------------------------------- per-sample rows
-
-
-@dataclass(frozen=True, slots=True)
-class SampleRow:
-    """One sample's outcome as the summaries see it."""
-
-    sample_id: str
-    index: int
-    group_index: int
-    dataset: str
-    task_type: str
-    reward: float
-    failure_class: FailureClass
-    status: str
-    termination_reason: str | None
-    agent_reason: str | None
-    abort_class: str | None
-    error: str
-    phase: str
-    attempt: int
-    turns: int
-    response_length: int
-    elapsed_s: float
-    window_s: float | None
-    node: str
-
-    @property
-    def correct(self) -> bool:
-        return self.failure_class is FailureClass.SUCCESS
-
-
-def _row(s: SampleState) -> SampleRow:
-    task = s.task
-    done, aborted = s.completed, s.aborted
-    if done is not None:
-        return SampleRow(
-            sample_id=task.sample_id,
-            index=task.index,
-            group_index=task.group_index,
-            dataset=task.dataset,
-            task_type=task.task_type,
-            reward=float(done.reward),
-            failure_class=classify_termination(done.reward, done.termination_reason or None),
-            status=done.status,
-            termination_reason=done.termination_reason or None,
-            agent_reason=None,
-            abort_class=None,
-            error="",
-            phase="",
-            attempt=done.attempt,
-            turns=done.n_turns or len(s.turns),
-            response_length=len(done.response_ids),
-            elapsed_s=done.elapsed_s,
-            window_s=None,
-            node=s.started.node if s.started is not None else "",
-        )
-    if aborted is not None:
-        return SampleRow(
-            sample_id=task.sample_id,
-            index=task.index,
-            group_index=task.group_index,
-            dataset=task.dataset,
-            task_type=task.task_type,
-            reward=0.0,
-            failure_class=classify_termination(0.0, aborted.abort_class.value),
-            status="aborted",
-            termination_reason=aborted.abort_class.value,
-            agent_reason=aborted.agent_reason,
-            abort_class=aborted.abort_class.value,
-            error=aborted.error,
-            phase=aborted.phase,
-            attempt=aborted.attempt,
-            turns=aborted.turns,
-            response_length=0,
-            elapsed_s=aborted.elapsed_s,
-            window_s=aborted.window_s,
-            node=aborted.node,
-        )
-    # Not terminal (a summary of a rollout still running): counted as infra_other so the
-    # per-dataset totals always add up.
-    return SampleRow(
-        sample_id=task.sample_id,
-        index=task.index,
-        group_index=task.group_index,
-        dataset=task.dataset,
-        task_type=task.task_type,
-        reward=0.0,
-        failure_class=FailureClass.INFRA_OTHER,
-        status="pending",
-        termination_reason=None,
-        agent_reason=None,
-        abort_class=None,
-        error="no terminal event",
-        phase="",
-        attempt=max(s.attempt, 0),
-        turns=len(s.turns),
-        response_length=0,
-        elapsed_s=0.0,
-        window_s=None,
-        node=s.started.node if s.started is not None else "",
-    )
-
-
-def sample_rows(state: RolloutState) -> list[SampleRow]:
-    """Every sample's row, in sample-index order."""
-    return [_row(s) for s in state.ordered()]
 
 
 # ---------------------------------------------------------------- metrics
@@ -345,10 +216,10 @@ def eval_details(state: RolloutState) -> list[dict[str, Any]]:
             "task_type": r.task_type,
             "reward": r.reward,
             "class": r.failure_class.value,
-            "status": r.status,
-            "termination_reason": r.termination_reason,
-            "agent_reason": r.agent_reason,
-            "abort_class": r.abort_class,
+            "status": r.status.value,
+            "termination_reason": _value(r.termination_reason),
+            "agent_reason": _value(r.agent_reason),
+            "abort_class": _value(r.abort_class),
             "error": r.error,
             "phase": r.phase,
             "attempt": r.attempt,
@@ -360,6 +231,10 @@ def eval_details(state: RolloutState) -> list[dict[str, Any]]:
         }
         for r in sample_rows(state)
     ]
+
+
+def _value(member: StrEnum | None) -> str | None:
+    return None if member is None else member.value
 
 
 def placement_log(state: RolloutState) -> list[dict[str, Any]]:
@@ -401,17 +276,3 @@ def render_artifacts(state: RolloutState) -> dict[str, bytes]:
         "placement.jsonl": _jsonl(placement_log(state)),
         "samples.jsonl": _jsonl(s.model_dump(mode="json") for s in samples),
     }
-
-
-def write_artifacts(state: RolloutState, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write :func:`render_artifacts` into ``out_dir`` atomically (tmp file + rename)."""
-    directory = Path(out_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
-    for name, data in render_artifacts(state).items():
-        path = directory / name
-        tmp = directory / f".{name}.tmp-{os.getpid()}"
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        written[name] = path
-    return written

@@ -33,6 +33,7 @@ from engine.agents.tools import PythonTool
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
+from engine.events.arrays import LogProbs
 from engine.ops.tinylm import init_model
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider, SandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
@@ -244,7 +245,8 @@ def check_trajectory(
     assert len(gen_runs) == len(generated), (runs, [len(g[0]) for g in generated])
     for (s, e), (ids, logprobs) in zip(gen_runs, generated, strict=True):
         assert list(result.response_token_ids[s:e]) == ids
-        assert list(result.response_logprobs[s:e]) == logprobs
+        # packed as float32, the precision the log keeps (SGLang's own)
+        assert result.response_logprobs[s:e] == LogProbs.from_values(logprobs)
     for bit, s, e in runs:
         if bit == 0:
             assert set(result.response_logprobs[s:e]) == {0.0}

@@ -12,9 +12,11 @@ from pydantic import BaseModel
 
 from engine.errors import DecodeError, EventError, SchemaVersionError, UnknownEventType
 from engine.events import (
+    AbortClass,
     Event,
     LogProbs,
     Mask,
+    SampleAborted,
     SampleCompleted,
     TokenIds,
     decode,
@@ -23,6 +25,8 @@ from engine.events import (
     upcaster,
 )
 from engine.events.arrays import PackedArray, from_wire
+from engine.events.fastpath import decode_fast
+from engine.outcomes import SampleStatus, TerminationReason
 from tests.events.examples import example_events
 
 
@@ -214,3 +218,58 @@ def test_unencodable_values_are_refused_naming_the_event() -> None:
                              logprobs=[], loss_mask=[], metrics=bad)
         with pytest.raises(EventError, match="cannot encode SampleCompleted"):
             encode(ev)
+
+
+# ---------------------------------------------------------------- outcome enums
+
+
+def _outcome_wire(**changes: Any) -> bytes:
+    fields = {
+        "type": "SampleAborted", "producer": "", "causation": None, "rollout_id": "r",
+        "sample_id": "s", "attempt": 1, "abort_class": "infra_conn", "error": "",
+        "agent_reason": "max_turns", "phase": "run", "elapsed_s": 0.0, "window_s": None,
+        "node": "", "turns": 0,
+    }
+    fields.update(changes)
+    fields["v"] = 1
+    out: bytes = msgpack.packb(fields, use_bin_type=True)
+    return out
+
+
+def test_outcomes_travel_as_their_strings_and_decode_as_enums() -> None:
+    raw = _outcome_wire()
+    ev = decode(raw)
+    assert decode_fast(raw) == ev  # the compiled path reads enum fields too
+    assert isinstance(ev, SampleAborted)
+    assert ev.abort_class is AbortClass.INFRA_CONN
+    assert ev.agent_reason is TerminationReason.MAX_TURNS
+    assert encode(ev) == raw  # the same bytes an older engine wrote
+    done = decode(encode(SampleCompleted(
+        rollout_id="r", sample_id="s", prompt_ids=[], response_ids=[], logprobs=[],
+        loss_mask=[], status="truncated", termination_reason="length")))
+    assert isinstance(done, SampleCompleted)
+    assert done.status is SampleStatus.TRUNCATED
+    assert done.termination_reason is TerminationReason.LENGTH
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"abort_class": "infra_cosmic_ray"}, "abort_class"),
+     ({"agent_reason": "stop"}, "agent_reason")],
+)
+def test_an_outcome_outside_the_family_is_refused_by_name(
+    changes: dict[str, Any], field: str
+) -> None:
+    raw = _outcome_wire(**changes)
+    assert decode_fast(raw) is None  # the compiled path declines, the reference names it
+    with pytest.raises(DecodeError, match=f"SampleAborted v1 does not validate: {field}"):
+        decode(raw)
+
+
+def test_a_packed_array_equals_the_values_it_packs() -> None:
+    ids = TokenIds.from_values([1, 2, 3])
+    assert ids == (1, 2, 3) and ids == [1, 2, 3] and ids == np.array([1, 2, 3])
+    assert ids != (1, 2) and ids != (1, 2, 2**40) and ids != Mask.from_values([1, 2, 3])
+    assert LogProbs.from_values([-0.1]) == (-0.1,)  # compared at the array's float32 width
+    assert ids[1:] == TokenIds.from_values([2, 3]) and isinstance(ids[1:], TokenIds)
+    assert ids[-1] == 3

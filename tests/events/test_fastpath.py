@@ -91,7 +91,7 @@ def _random_sample(rng: np.random.Generator, i: int) -> SampleCompleted:
         response_ids=rng.integers(0, 150_000, n, dtype=np.int32),
         logprobs=-rng.random(n, dtype=np.float32), loss_mask=rng.integers(0, 2, n, np.uint8),
         reward=float(rng.normal()), reward_detail=detail, status="completed",
-        termination_reason="stop" if i % 2 else "", response_text="ok " * (i % 7),
+        termination_reason="max_turns" if i % 2 else None, response_text="ok " * (i % 7),
         n_turns=i % 5, elapsed_s=float(rng.random()), policy_version=i,
         metrics=detail if i % 3 else {}, causation=None if i % 2 else f"rl:s@{i}-0",
         producer="p",

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 from math import comb
+from pathlib import Path
 
 import pytest
 
+from engine.actors.artifacts import write_artifacts
 from engine.events import (
     AbortClass,
     Envelope,
@@ -24,17 +26,21 @@ from engine.events import (
     TokenIds,
     TurnCompleted,
 )
+from engine.outcomes import TerminationReason
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import (
+    ARTIFACT_FILES,
     FailureClass,
     build_summary,
     classify_termination,
     dumps,
+    eval_details,
     eval_metrics,
     pass_at_k,
     placement_log,
     render_artifacts,
+    sample_rows,
 )
 
 
@@ -213,3 +219,29 @@ def test_dumps_sorts_keys_and_rounds() -> None:
     assert dumps({"b": 1 / 3, "a": [-0.0, 2]}) == '{"a":[0.0,2],"b":0.333333}'
     with pytest.raises(ValueError):
         dumps({"x": float("nan")})
+
+
+def test_written_artifacts_are_the_rendered_bytes(tmp_path: Path) -> None:
+    state = _eval_rollout()
+    written = write_artifacts(state, tmp_path / "out")
+    rendered = render_artifacts(state)
+    assert sorted(written) == sorted(ARTIFACT_FILES) == sorted(rendered)
+    for name, path in written.items():
+        assert path.read_bytes() == rendered[name]
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
+def test_one_row_per_sample_feeds_summary_details_and_samples() -> None:
+    state = _eval_rollout()
+    rows = sample_rows(state)
+    details = eval_details(state)
+    samples = [json.loads(line) for line in
+               render_artifacts(state)["samples.jsonl"].decode().splitlines()]
+    assert [r.sample_id for r in rows] == [d["sample_id"] for d in details]
+    assert [s["sample_id"] for s in samples] == [r.sample_id for r in rows]
+    aborted = rows[8]
+    assert aborted.aborted and aborted.abort_class is AbortClass.INFRA_SANDBOX
+    assert aborted.termination_reason is TerminationReason.INFRA_SANDBOX
+    assert details[8]["termination_reason"] == samples[8]["termination_reason"] == "infra_sandbox"
+    assert samples[8]["status"] == details[8]["status"] == aborted.status == "aborted"
+    assert rows[7].completed and rows[7].failure_class is FailureClass.TRUNCATED_TURNS

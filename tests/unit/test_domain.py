@@ -25,6 +25,7 @@ from engine.domain import (
     task_id_for,
 )
 from engine.errors import ConfigError
+from engine.outcomes import AbortClass, FailureClass
 from tests.unit.fakes import FixedAgent
 
 
@@ -162,6 +163,43 @@ class TestTerminationReason:
         assert TerminationReason.AGENT_TIMEOUT.status is SampleStatus.ABORTED
         assert TerminationReason.INFRA_SANDBOX.is_abort
         assert not TerminationReason.LENGTH.is_abort
+
+
+class TestOutcomeFamily:
+    """Termination reason -> abort class -> failure class, and the status: one family."""
+
+    def test_abort_classes_are_exactly_the_abort_reasons(self) -> None:
+        aborts = {r for r in TerminationReason if r.is_abort}
+        assert {c.reason for c in AbortClass} == aborts
+        for reason in TerminationReason:
+            cls = reason.abort_class
+            assert (cls is not None) == reason.is_abort
+            if cls is not None:
+                assert cls.value == reason.value and cls.reason is reason
+                assert reason.status is SampleStatus.ABORTED
+
+    def test_every_abort_is_its_own_failure_class_whatever_the_reward(self) -> None:
+        for cls in AbortClass:
+            assert cls.failure_class.value == cls.value
+            assert cls.reason.failure_class(1.0) is cls.failure_class
+
+    def test_agent_reasons_fold_by_reward(self) -> None:
+        assert TerminationReason.MAX_TURNS.failure_class(0.5) is FailureClass.SUCCESS
+        assert TerminationReason.MAX_TURNS.failure_class(0.0) is FailureClass.TRUNCATED_TURNS
+        assert TerminationReason.LENGTH.failure_class(0.0) is FailureClass.TRUNCATED_CONTEXT
+        assert TerminationReason.FINISH.failure_class(0.0) is FailureClass.WRONG_ANSWER
+        assert FailureClass.of(0.0, None) is FailureClass.WRONG_ANSWER
+        assert FailureClass.of(1.0, None).correct
+
+    def test_wire_strings_are_unchanged(self) -> None:
+        # archives store these strings; renaming one would orphan old events
+        assert [r.value for r in TerminationReason] == [
+            "finish", "length", "max_turns", "max_context",
+            "agent_timeout", "infra_conn", "infra_sandbox", "infra_other",
+        ]
+        assert [s.value for s in SampleStatus] == [
+            "pending", "completed", "truncated", "aborted", "failed",
+        ]
 
 
 class TestDatasets:

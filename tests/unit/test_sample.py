@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from engine.agents.base import AgentResult
 from engine.domain import SampleStatus, Task, TerminationReason
 from engine.errors import AgentError
+from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.sample import Sample
 
 
@@ -114,3 +115,24 @@ def test_sample_invariants(fields: dict[str, object], message: str) -> None:
     Sample.model_validate(base)
     with pytest.raises(ValidationError, match=message):
         Sample.model_validate({**base, **fields})
+
+
+def test_token_arrays_stay_packed_from_the_agent_result_to_the_sample() -> None:
+    result = _result()
+    assert isinstance(result.response_token_ids, TokenIds)
+    assert isinstance(result.loss_mask, Mask) and isinstance(result.response_logprobs, LogProbs)
+    sample = Sample.from_agent_result(_task(), result, 1.0)
+    assert isinstance(sample.tokens, TokenIds) and isinstance(sample.loss_mask, Mask)
+    assert isinstance(sample.rollout_log_probs, LogProbs)
+    assert sample.rollout_log_probs.data is result.response_logprobs.data  # no copy, no list
+    assert sample.tokens.data == result.prompt_token_ids.data + result.response_token_ids.data
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"loss_mask": (1, 2)}, "0 or 1"), ({"response_token_ids": (20, -1)}, "non-negative"),
+     ({"loss_mask": (1,)}, "1 entries for 2")],
+)
+def test_agent_result_still_refuses_bad_arrays(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        _result(**overrides)

@@ -1,0 +1,96 @@
+"""What an episode hands back to the engine: the trajectory's packed token arrays, how the
+episode ended and what each turn did. Pure records: this module imports no backend, sandbox or
+HTTP client, so the sample path (``engine.sample``, the projections) can use it without them.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from engine.domain import FrozenModel, NonNegFloat, NonNegInt
+from engine.events.arrays import LogProbs, Mask, TokenIds
+from engine.outcomes import TerminationReason
+
+__all__ = ["AgentResult", "Reward", "TurnRecord", "check_response_arrays"]
+
+Reward = float | dict[str, float]
+
+
+def check_response_arrays(
+    response_length: int, loss_mask: Mask, logprobs: LogProbs | None
+) -> None:
+    """Raise ``ValueError`` unless the per-response-token arrays line up.
+
+    ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
+    a mismatch here, callers that allow missing logprobs pass ``None``.
+    """
+    if len(loss_mask) != response_length:
+        raise ValueError(
+            f"loss_mask has {len(loss_mask)} entries for {response_length} response tokens"
+        )
+    if logprobs is not None and len(logprobs) != response_length:
+        raise ValueError(
+            f"response logprobs have {len(logprobs)} entries for {response_length} response tokens"
+        )
+    if loss_mask.data.translate(None, _BITS):  # anything left is neither 0 nor 1
+        raise ValueError("loss_mask entries must be 0 or 1")
+
+
+_BITS = b"\x00\x01"
+_NON_NEGATIVE_TOP_BYTES = bytes(range(128))
+
+
+def _has_negative(ids: TokenIds) -> bool:
+    # int32 little-endian: a value is negative iff its top byte (every 4th, from 3) has the
+    # sign bit set; one C pass over the bytes, no array built.
+    return bool(ids.data[3::4].translate(None, _NON_NEGATIVE_TOP_BYTES))
+
+
+class TurnRecord(FrozenModel):
+    """What one turn of an episode did, for summaries and diagnostics."""
+
+    index: NonNegInt
+    prompt_tokens: NonNegInt
+    response_tokens: NonNegInt
+    tool_calls: tuple[str, ...] = ()  # names of the tools called this turn
+    elapsed_s: NonNegFloat = 0.0
+    finish_reason: str | None = None  # the backend's, e.g. "stop", "length", "tool_calls"
+
+
+class AgentResult(FrozenModel):
+    """The outcome of ``BaseAgent.run``: the trajectory's tokens and how the episode ended.
+
+    The token arrays are packed (``TokenIds`` int32, ``LogProbs`` float32, ``Mask`` uint8),
+    the form they keep until the trainer's ``collate``; the constructor also takes lists,
+    tuples or numpy arrays of numbers and packs them once, here.
+    """
+
+    prompt_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
+    response_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
+    response_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
+    loss_mask: Mask = Field(default_factory=Mask.empty)
+    turns: tuple[TurnRecord, ...] = ()
+    termination_reason: TerminationReason
+    metrics: dict[str, float] = Field(default_factory=dict)
+    text: str = ""
+
+    @field_validator("prompt_token_ids", "response_token_ids")
+    @classmethod
+    def _token_ids_non_negative(cls, ids: TokenIds) -> TokenIds:
+        if _has_negative(ids):
+            raise ValueError("token ids must be non-negative")
+        return ids
+
+    @model_validator(mode="after")
+    def _arrays_line_up(self) -> AgentResult:
+        check_response_arrays(
+            len(self.response_token_ids),
+            self.loss_mask,
+            self.response_logprobs if len(self.response_logprobs) else None,
+        )
+        return self
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the policy's logprobs were captured for every response token."""
+        return len(self.response_logprobs) == len(self.response_token_ids) > 0

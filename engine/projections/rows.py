@@ -1,0 +1,158 @@
+"""One sample's outcome, in one record: the per-sample view every reader shares.
+
+``SampleRow`` is what the summaries count (``summary.json``), what ``eval_details.jsonl``
+lists, what the evaluator's progress callback hears when a sample ends, and where the trainer
+sample (``samples.jsonl``) takes its identity and outcome from. It is derived in one place,
+:func:`sample_row`, from the sample's ``TaskFetched`` and its terminal event:
+
+* completed: the reward, the status and termination reason the event carries, its class
+  (:meth:`TerminationReason.failure_class`), the response length;
+* aborted: reward 0, status ``aborted``, the abort class as the termination reason (its
+  :attr:`AbortClass.reason`) and the failure class, the agent's own reason and diagnostics;
+* not terminal (a summary of a rollout still running): status ``pending``, counted as
+  ``infra_other`` with error ``"no terminal event"`` so per-dataset totals always add up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
+from engine.outcomes import AbortClass, FailureClass, SampleStatus, TerminationReason
+from engine.projections.rollout import RolloutState, SampleState
+
+__all__ = ["SampleRow", "row_of", "sample_row", "sample_rows"]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """One sample's outcome (see the module docstring)."""
+
+    rollout_id: str
+    sample_id: str
+    index: int
+    group_index: int
+    dataset: str
+    task_type: str
+    reward: float
+    failure_class: FailureClass
+    status: SampleStatus
+    termination_reason: TerminationReason | None
+    agent_reason: TerminationReason | None
+    abort_class: AbortClass | None
+    error: str
+    phase: str
+    attempt: int
+    turns: int
+    response_length: int
+    elapsed_s: float
+    window_s: float | None
+    node: str
+    batch_id: str = ""
+
+    @property
+    def correct(self) -> bool:
+        return self.failure_class.correct
+
+    @property
+    def completed(self) -> bool:
+        """The sample ended with a trajectory (``SampleCompleted``)."""
+        return self.status is not SampleStatus.ABORTED and self.status is not SampleStatus.PENDING
+
+    @property
+    def aborted(self) -> bool:
+        return self.status is SampleStatus.ABORTED
+
+
+def sample_row(
+    task: TaskFetched | None,
+    terminal: SampleCompleted | SampleAborted | None,
+    *,
+    sample_id: str = "",
+    attempt: int = 0,
+    turns: int = 0,
+    node: str = "",
+    batch_id: str = "",
+) -> SampleRow:
+    """The row of one sample. ``attempt``, ``turns`` and ``node`` are what is known besides
+    the terminal event (the current attempt, the turns recorded, where it started); an abort
+    carries its own. ``task`` is None only when the sample's ``TaskFetched`` is missing."""
+    if task is not None:
+        sample_id, rollout_id = task.sample_id, task.rollout_id
+    elif terminal is not None:
+        sample_id, rollout_id = terminal.sample_id, terminal.rollout_id
+    else:
+        rollout_id = ""
+    pending = SampleRow(
+        rollout_id=rollout_id,
+        sample_id=sample_id,
+        index=task.index if task is not None else 0,
+        group_index=task.group_index if task is not None else 0,
+        dataset=task.dataset if task is not None else "",
+        task_type=task.task_type if task is not None else "",
+        reward=0.0,
+        failure_class=FailureClass.INFRA_OTHER,
+        status=SampleStatus.PENDING,
+        termination_reason=None,
+        agent_reason=None,
+        abort_class=None,
+        error="no terminal event",
+        phase="",
+        attempt=attempt,
+        turns=turns,
+        response_length=0,
+        elapsed_s=0.0,
+        window_s=None,
+        node=node,
+        batch_id=batch_id,
+    )
+    if isinstance(terminal, SampleCompleted):
+        reason = terminal.termination_reason
+        return replace(
+            pending,
+            reward=float(terminal.reward),
+            failure_class=FailureClass.of(terminal.reward, reason),
+            status=terminal.status,
+            termination_reason=reason,
+            error="",
+            attempt=terminal.attempt,
+            turns=terminal.n_turns or turns,
+            response_length=len(terminal.response_ids),
+            elapsed_s=terminal.elapsed_s,
+        )
+    if isinstance(terminal, SampleAborted):
+        abort = terminal.abort_class
+        return replace(
+            pending,
+            failure_class=abort.failure_class,
+            status=SampleStatus.ABORTED,
+            termination_reason=abort.reason,
+            agent_reason=terminal.agent_reason,
+            abort_class=abort,
+            error=terminal.error,
+            phase=terminal.phase,
+            attempt=terminal.attempt,
+            turns=terminal.turns,
+            elapsed_s=terminal.elapsed_s,
+            window_s=terminal.window_s,
+            node=terminal.node,
+        )
+    return pending
+
+
+def row_of(s: SampleState) -> SampleRow:
+    """The row of a folded sample."""
+    started = s.started
+    return sample_row(
+        s.task,
+        s.terminal,
+        attempt=max(s.attempt, 0),
+        turns=len(s.turns),
+        node=started.node if started is not None else "",
+        batch_id=started.batch_id if started is not None else "",
+    )
+
+
+def sample_rows(state: RolloutState) -> list[SampleRow]:
+    """Every sample's row, in sample-index order."""
+    return [row_of(s) for s in state.ordered()]
