@@ -18,9 +18,9 @@ from engine.events import (
     BatchSealed,
     Envelope,
     Event,
-    EventLog,
     NodeDecl,
     PoolDeclared,
+    RedisEventLog,
     TokenAcquired,
     TokenGrant,
     TokenReleased,
@@ -334,7 +334,7 @@ async def test_real_admission_carries_each_tokens_gpus_to_the_placement_log(
         fresh_client_log(redis_factory, "s0"), config, load_specs(gpu_config), cluster
     )
     engine = Engine(
-        lambda: EventLog(redis_factory(), producer="test", block_ms=100, max_deliveries=3),
+        lambda: RedisEventLog(redis_factory(), producer="test", block_ms=100, max_deliveries=3),
         load_evaluators(gpu_config, None),
     )
     out = tmp_path / "out"
