@@ -16,8 +16,9 @@ Contract
   from a consumer idle past ``claim_idle_ms``) is planned from the folded rollout stream:
   only samples without a terminal event run, each as ``attempt = previous attempt + 1``;
   the tokens are those the pool projection says the batch still holds (a ``LiveFold`` of
-  ``rl:pool``, refreshed only for recoveries); and the sandbox provider (when one is configured) reaps whatever the previous workers
-  left running for the batch (selected by the labels of :func:`sandbox_labels`).
+  ``rl:pool``, refreshed only for recoveries); and the sandbox provider (when one is
+  configured) reaps whatever the previous workers left running for the batch (selected by
+  the labels of :func:`sandbox_labels`).
 * An entry dead-lettered for too many deliveries aborts its non-terminal samples as
   ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds. The
   entry is acked only after those events are in Redis; a worker dying in between leaves it
