@@ -9,7 +9,8 @@ from typing import Any
 from engine.errors import LogUnavailable
 from engine.events import EventLog, RolloutFailed
 from engine.events.log import DeadEntry
-from engine.runtime.consumer import Backoff, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
+from engine.runtime.loop import HandBack, serve
 
 S = "rl:test:consumer"
 
@@ -201,3 +202,50 @@ async def test_a_stop_during_a_read_hands_back_what_it_delivered(log: EventLog) 
     finally:
         stop_wait.cancel()
         await c.aclose()
+
+
+async def test_serve_acks_returns_releases_failures_and_hands_back_on_stop(
+    log: EventLog,
+) -> None:
+    # r-ok is handled (acked); r-bad raises (left pending, as a further delivery after the
+    # idle window); r-slow is still running at the stop (cancelled past the grace period)
+    # and r-back gives up itself with HandBack: both are handed back, not charged.
+    for rid in ("r-ok", "r-bad", "r-slow", "r-back"):
+        await log.append(S, RolloutFailed(rollout_id=rid, reason="x"))
+    c = consumer(log)
+    stop = asyncio.Event()
+    seen: list[str] = []
+    running = 0
+    peak = 0
+
+    async def handle(d: Delivery) -> None:
+        nonlocal running, peak
+        ev = d.env.event
+        assert isinstance(ev, RolloutFailed)
+        running += 1
+        peak = max(peak, running)
+        seen.append(ev.rollout_id)
+        try:
+            if ev.rollout_id == "r-bad":
+                raise ValueError("boom")
+            if ev.rollout_id == "r-slow":
+                stop.set()
+                await asyncio.Event().wait()
+            if ev.rollout_id == "r-back":
+                raise HandBack
+        finally:
+            running -= 1
+
+    served = await asyncio.wait_for(serve(c, stop, handle, capacity=2, grace_s=0.05), 10)
+    assert peak <= 2 and (served.handled, served.failed) == (1, 1)
+    redis: Any = log.redis
+    pending = {
+        e["message_id"].decode(): e["times_delivered"]
+        for e in await redis.xpending_range(S, "g", "-", "+", 10)
+    }
+    ids = {env.event.rollout_id: env.id for env in await log.read_all(S)}  # type: ignore[attr-defined]
+    assert ids["r-ok"] not in pending and pending[ids["r-bad"]] == 1
+    handed = [rid for rid in ("r-slow", "r-back") if rid in seen]
+    assert handed and served.handed_back == len(handed)
+    for rid in handed:
+        assert pending[ids[rid]] == 0

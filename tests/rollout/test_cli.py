@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.ops import cli
 from engine.events import EventLog, RolloutKind
+from engine.ops import cli
 from engine.projections.summary import ARTIFACT_FILES
 from tests.redis_server import RedisServer
 from tests.rollout.conftest import Engine, start_rollout
