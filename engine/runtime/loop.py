@@ -87,7 +87,7 @@ async def serve(
             served.failed += 1
             logger.error(
                 "%s: entry %s of %s failed, left pending for a retry: %r",
-                consumer.consumer, d.env.id, d.env.stream, exc,
+                consumer.consumer, d.env.id, d.env.stream, exc, exc_info=exc,
             )
             consumer.release(d)
             return
