@@ -100,7 +100,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True, slots=True)
 class BatchReport:
-    """What the ``on_batch_done`` callback hears when a batch is acked."""
+    """What the ``on_batch_done`` callback hears when a batch is done: its events are in
+    Redis and the runtime acks the entry next."""
 
     rollout_id: str
     batch_id: str

@@ -319,6 +319,12 @@ class GroupConsumer:
                     "window instead): %s", self.consumer, len(ids), stream, exc,
                 )
 
+    def take_backlog(self) -> list[Delivery]:
+        """Entries read (own pending, claimed) but not handed out yet: a stopping actor
+        hands them back with its unfinished work."""
+        backlog, self._backlog = self._backlog, []
+        return [d for d in backlog if d.key not in self._in_flight]
+
     def unreleased(self) -> list[Delivery]:
         """Deliveries fetched but neither acked nor released."""
         return list(self._in_flight.values())

@@ -18,7 +18,8 @@ decision and effects for one delivery) and, where a dead entry stands for work t
 * Stop: no new fetch; ``on_stopping`` runs (e.g. close a gate so waiting handlers give up);
   running handlers get ``grace_s`` seconds (``None``: as long as they take); the rest are
   cancelled; ``before_hand_back`` runs (e.g. flush what the finished work emitted); then
-  every unfinished delivery is handed back (claimable at once, not counted as a delivery).
+  every unfinished delivery, and every entry read but not handed out yet, is handed back
+  (claimable at once, not counted as a delivery).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ async def serve(
             with contextlib.suppress(LogError):
                 await before_hand_back()
         served.handed_back = len(handed)
-        await consumer.hand_back(handed)
+        await consumer.hand_back([*handed, *consumer.take_backlog()])
     finally:
         stop_wait.cancel()
         for task in active:
