@@ -13,6 +13,8 @@ Contract
 * A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
   failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
   to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.
+* It runs on the actor runtime (``engine.runtime.loop.serve``), one request at a time; a
+  stop hands the request in progress back.
 * The entry is acked only after its events are in Redis; a redelivered request skips the
   samples already scored, so a crash costs at most the scoring in flight.
 """
@@ -20,7 +22,6 @@ Contract
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from engine.events.log import EventLog
 from engine.projections.rollout import RolloutProjection, SampleState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.loop import serve
 from engine.runtime.rebuild import rebuild
 
 __all__ = [
@@ -125,38 +127,17 @@ class CaptureWorker:
         self.failed_rollouts = 0
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve capture requests one at a time until ``stop``."""
-        stop = stop or asyncio.Event()
-        await self.consumer.start()
-        stop_wait = asyncio.get_running_loop().create_task(stop.wait())
+        """Serve capture requests one at a time until ``stop`` (the one in progress is
+        then handed back)."""
         try:
-            while not stop.is_set():
-                fetched = await self.consumer.fetch_or_stop(1, stop_wait)
-                if fetched is None:
-                    break
-                deliveries, _dead = fetched
-                for d in deliveries:
-                    work = asyncio.get_running_loop().create_task(self._handle(d))
-                    await asyncio.wait([work, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                    if not work.done():  # stopping: hand the request back
-                        work.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await work
-                        await self.consumer.hand_back([d])
-                        break
-                    if work.exception() is not None:
-                        logger.error("capture of %s failed: %r", d.env.id, work.exception())
-                        self.consumer.release(d)
+            await serve(self.consumer, stop or asyncio.Event(), self._handle, capacity=1)
         finally:
-            stop_wait.cancel()
             await self.sink.aclose()
-            await self.consumer.aclose()
 
     async def _handle(self, d: Delivery) -> None:
         ev = d.env.event
         if isinstance(ev, CaptureRequested):
             await self.capture(ev, causation=d.env.ref)
-        await self.consumer.ack(d)
 
     async def capture(self, request: CaptureRequested, *, causation: str | None = None) -> int:
         """Score the request's samples; returns how many were scored now."""

@@ -34,6 +34,8 @@ tokens with logprobs; a result without them is aborted as ``infra_other``.
 Cancellation (shutdown past the grace period) is not a failure: a cancelled sample emits
 nothing, keeps its token with the batch, and is re-run by the worker that claims the batch.
 
+The outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
+
 Events go through an ``EventSink`` (the worker's group-commit appender): emitting never
 waits for Redis, order is preserved, and the worker flushes before it acks the batch.
 """
@@ -51,9 +53,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
-from engine.actors.aborts import classify_abort, describe_exception
+from engine.actors.outcomes import (
+    Attempt as _Attempt,
+)
+from engine.actors.outcomes import (
+    ReportedAbort as _ReportedAbort,
+)
+from engine.actors.outcomes import (
+    aborted_event,
+    completed_events,
+)
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool
@@ -61,13 +70,10 @@ from engine.domain import (
     SamplingParams,
     StoppingCriteria,
     Task,
-    TerminationReason,
 )
 from engine.errors import AgentError, EpisodeTimeout
-from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
 from engine.events.catalog import (
-    AbortClass,
     BatchAdmitted,
     RolloutKind,
     RolloutRequested,
@@ -76,11 +82,10 @@ from engine.events.catalog import (
     SampleStarted,
     TaskFetched,
     TokenReleased,
-    TurnCompleted,
 )
 from engine.events.names import StreamNames
 from engine.projections.rows import SampleRow, sample_row
-from engine.projections.samples import scalar_reward, task_of
+from engine.projections.samples import task_of
 from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 
 __all__ = [
@@ -131,19 +136,6 @@ class BatchPlan:
     attempts: Mapping[str, int]
     tokens: tuple[str, ...]
     causation: str | None = None
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """Mutable diagnostics of one running attempt (local to one coroutine)."""
-
-    phase: str = "init"
-    node: str = ""
-    gpu: int | None = None
-    turns: int = 0
-    used_s: float = 0.0
-    window_s: float | None = None
-    agent_reason: TerminationReason | None = None
 
 
 class Evaluator:
@@ -421,80 +413,29 @@ class Evaluator:
         result: AgentResult,
         reward: Reward | None,
     ) -> list[Event]:
-        reason = result.termination_reason
-        detail: dict[str, Any] = {}
-        if isinstance(reward, Mapping):
-            detail = {str(k): float(v) for k, v in reward.items()}
-            score = scalar_reward(detail)
-        elif isinstance(reward, int | float) and not isinstance(reward, bool):
-            score = float(reward)
-        else:
-            raise AgentError(
-                f"task {task.task_id}: eval must return a float or a dict of floats, "
-                f"got {type(reward).__name__}"
-            )
-        ad = self.plan.admitted
-        turns = [
-            TurnCompleted(
-                rollout_id=ad.rollout_id,
-                sample_id=task.task_id,
-                attempt=attempt,
-                turn=t.index,
-                node=rec.node,
-                gpu=rec.gpu,
-                prompt_tokens=t.prompt_tokens,
-                response_tokens=t.response_tokens,
-                tool_calls=list(t.tool_calls),
-                elapsed_s=t.elapsed_s,
-                causation=self.plan.causation,
-            )
-            for t in result.turns
-        ]
-        done = SampleCompleted(
-            rollout_id=ad.rollout_id,
+        events = completed_events(
+            rollout_id=self.plan.admitted.rollout_id,
             sample_id=task.task_id,
             attempt=attempt,
-            prompt_ids=_packed(TokenIds, result.prompt_token_ids),
-            response_ids=_packed(TokenIds, result.response_token_ids),
-            logprobs=_packed(LogProbs, result.response_logprobs),
-            loss_mask=_packed(Mask, result.loss_mask),
-            reward=score,
-            reward_detail=detail,
-            status=reason.status.value,
-            termination_reason=reason.value,
-            response_text=result.text,
-            n_turns=len(result.turns),
-            elapsed_s=rec.used_s,
+            rec=rec,
+            result=result,
+            reward=reward,
             policy_version=self._policy_version,
-            metrics=dict(result.metrics),
             causation=self.plan.causation,
         )
         self.completed += 1
-        return [*turns, done]
+        return events
 
     def _aborted(
         self, sample_id: str, attempt: int, rec: _Attempt, exc: BaseException
     ) -> SampleAborted:
-        if isinstance(exc, _ReportedAbort):
-            abort_class = AbortClass(exc.reason.value)
-            error = f"the agent ended the episode with {exc.reason.value}"
-        else:
-            abort_class = classify_abort(exc)
-            error = describe_exception(exc)
-        agent_reason = rec.agent_reason or _agent_reason_of(exc)
         self.aborted += 1
-        return SampleAborted(
+        return aborted_event(
             rollout_id=self.plan.admitted.rollout_id,
             sample_id=sample_id,
             attempt=attempt,
-            abort_class=abort_class,
-            error=error,
-            agent_reason=agent_reason,
-            phase=rec.phase,
-            elapsed_s=rec.used_s,
-            window_s=rec.window_s,
-            node=rec.node,
-            turns=rec.turns,
+            rec=rec,
+            exc=exc,
             causation=self.plan.causation,
         )
 
@@ -545,14 +486,6 @@ class Evaluator:
         )
 
 
-class _ReportedAbort(Exception):
-    """The agent returned an abort reason instead of raising."""
-
-    def __init__(self, reason: TerminationReason) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
-
-
 def sandbox_labels(
     *, worker: str, rollout_id: str, batch_id: str, sample_id: str = "", attempt: int = 0
 ) -> dict[str, str]:
@@ -586,16 +519,6 @@ def sample_seed(request_seed: int, index: int) -> int:
     return (request_seed * 1_000_003 + index) % 2**31
 
 
-def _agent_reason_of(exc: BaseException) -> TerminationReason | None:
-    reason = getattr(exc, "termination_reason", None)
-    if isinstance(reason, TerminationReason):
-        return reason
-    try:
-        return TerminationReason(reason) if isinstance(reason, str) else None
-    except ValueError:  # not a reason of the family: nothing to report
-        return None
-
-
 def _float_knob(knobs: Mapping[str, Any], name: str) -> float | None:
     """A number knob of the rollout request (``None`` when unset or not a number)."""
     value = knobs.get(name)
@@ -606,17 +529,6 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
     """An integer knob of the rollout request (``None`` when unset or not an integer)."""
     value = knobs.get(name)
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-P = TypeVar("P", TokenIds, LogProbs, Mask)
-
-
-def _packed(cls: type[P], values: P | Sequence[int] | Sequence[float]) -> P:
-    """The packed array ``AgentResult`` already holds (it packs and validates its arrays:
-    ids >= 0 within int32, mask 0/1), or ``values`` packed."""
-    if isinstance(values, cls):
-        return values
-    return cls(np.array(values, dtype=cls.dtype).tobytes())
 
 
 def _safe(name: str) -> str:

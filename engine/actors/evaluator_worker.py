@@ -8,13 +8,17 @@ Contract
 * Tasks come from folding the rollout stream: the worker keeps, per rollout (an LRU of
   ``task_cache_rollouts``), the ``TaskFetched`` events and the request copy, and reads
   further only when a batch names a sample it has not seen.
+* The worker runs on the actor runtime (``engine.runtime.loop.serve``); what to re-run,
+  which tokens to reuse and what to abort are pure functions of the folds
+  (:mod:`engine.actors.recovery`), tested without Redis.
 * A fresh delivery runs every sample of the batch as attempt 1 with the batch's tokens.
   A *redelivered* batch (this consumer's own pending entry after a restart, or one claimed
   from a consumer idle past ``claim_idle_ms``) is planned from the folded rollout stream:
   only samples without a terminal event run, each as ``attempt = previous attempt + 1``;
-  the tokens are those of the admission minus the ones already released on ``rl:pool``;
-  and the sandbox provider (when one is configured) reaps whatever the previous workers
-  left running for the batch (selected by the labels of :func:`sandbox_labels`).
+  the tokens are those the pool projection says the batch still holds (a ``LiveFold`` of
+  ``rl:pool``, refreshed only for recoveries); and the sandbox provider (when one is
+  configured) reaps whatever the previous workers left running for the batch (selected by
+  the labels of :func:`sandbox_labels`).
 * An entry dead-lettered for too many deliveries aborts its non-terminal samples as
   ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds. The
   entry is acked only after those events are in Redis; a worker dying in between leaves it
@@ -26,16 +30,15 @@ Contract
 * A batch is acked only after every sample of it has a terminal event *in Redis* (the
   group-commit appender is flushed first), so an acked batch never needs running again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
-  ``grace_s`` to finish; the rest are cancelled and left pending -- samples that finished
-  are recorded, the others re-run on the worker that claims the batch. Work is never
-  dropped.
+  ``grace_s`` to finish; the rest are cancelled and handed back (claimable at once, not
+  counted as a delivery) -- samples that finished are recorded, the others re-run on the
+  worker that claims the batch. Work is never dropped.
 
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -49,22 +52,19 @@ from engine.actors.evaluator import (
     OnTaskDone,
     sandbox_labels,
 )
+from engine.actors.recovery import dead_letter_events, plan_recovery
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool
-from engine.errors import LogError
+from engine.errors import ConfigError
 from engine.events.base import Event
-from engine.events.catalog import (
-    AbortClass,
-    BatchAdmitted,
-    RolloutRequested,
-    SampleAborted,
-    TaskFetched,
-    TokenReleased,
-)
+from engine.events.catalog import BatchAdmitted, RolloutRequested, TaskFetched
 from engine.events.log import DeadEntry, EventLog
+from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.live import LiveFold
+from engine.runtime.loop import serve
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
 
@@ -73,11 +73,6 @@ __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 logger = logging.getLogger(__name__)
 
 GROUP = "evaluators"
-
-# How far before a work entry's id the pool is scanned for the batch's releases: ids of
-# different streams come from one clock, this only absorbs a clock step back.
-_POOL_SCAN_MARGIN_MS = 60_000
-
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -104,7 +99,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True, slots=True)
 class BatchReport:
-    """What the ``on_batch_done`` callback hears when a batch is acked."""
+    """What the ``on_batch_done`` callback hears when a batch is done: its events are in
+    Redis and the runtime acks the entry next."""
 
     rollout_id: str
     batch_id: str
@@ -169,6 +165,9 @@ class EvaluatorWorker:
             ack_dead=False,  # settled once _abort_dead has the aborts in Redis
             limit_own_pending=True,  # a worker crash-looping on a batch aborts it
         )
+        # The pool as far as recoveries needed it: which tokens a batch still holds.
+        self._pool = LiveFold(log, self.names.pool, PoolProjection())
+        self._pool_lock = asyncio.Lock()
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -176,67 +175,19 @@ class EvaluatorWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve batches until ``stop`` is set, then shut down as the module docstring says."""
-        stop = stop or asyncio.Event()
-        await self.consumer.start()
-        active: dict[asyncio.Task[None], Delivery] = {}
-        stop_wait = asyncio.get_running_loop().create_task(stop.wait())
         try:
-            while not stop.is_set():
-                free = self.config.max_batches - len(active)
-                if free <= 0:
-                    await asyncio.wait([*active, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                    self._reap_finished(active)
-                    continue
-                fetched = await self.consumer.fetch_or_stop(free, stop_wait)
-                if fetched is None:
-                    break
-                deliveries, dead = fetched
-                await self.consumer.handle_dead(dead, self._abort_dead)
-                for d in deliveries:
-                    task = asyncio.get_running_loop().create_task(self._run_delivery(d))
-                    active[task] = d
-                self._reap_finished(active)
-            await self._shutdown(active)
-        finally:
-            stop_wait.cancel()
-            await self.sink.aclose()
-            await self.consumer.aclose()
-
-    def _reap_finished(self, active: dict[asyncio.Task[None], Delivery]) -> None:
-        for task in [t for t in active if t.done()]:
-            d = active.pop(task)
-            if task.cancelled():
-                continue
-            exc = task.exception()
-            if exc is not None:
-                logger.error(
-                    "worker %s: batch entry %s failed, left pending for a retry: %r",
-                    self.config.worker_id,
-                    d.env.id,
-                    exc,
-                )
-                self.consumer.release(d)
-
-    async def _shutdown(self, active: dict[asyncio.Task[None], Delivery]) -> None:
-        running = sum(1 for task in active if not task.done())
-        handed: list[Delivery] = []
-        if active:
-            logger.info(
-                "worker %s stopping: %d running batches get %.1f s to finish",
-                self.config.worker_id,
-                running,
-                self.config.grace_s,
+            served = await serve(
+                self.consumer,
+                stop or asyncio.Event(),
+                self._run_delivery,
+                on_dead=self._abort_dead,
+                capacity=self.config.max_batches,
+                grace_s=self.config.grace_s,
+                before_hand_back=self.sink.flush,  # what finished is in Redis first
             )
-            _done, pending = await asyncio.wait(list(active), timeout=self.config.grace_s)
-            handed = [active[task] for task in pending]
-            for task in pending:
-                task.cancel()
-            self.batches_handed_back += len(handed)
-            await asyncio.gather(*pending, return_exceptions=True)
-            self._reap_finished(active)
-        with contextlib.suppress(LogError):
-            await self.sink.flush()  # what finished is in Redis before anyone takes over
-        await self.consumer.hand_back(handed)
+            self.batches_handed_back += served.handed_back
+        finally:
+            await self.sink.aclose()
 
     # ------------------------------------------------------------------ one batch
 
@@ -244,13 +195,12 @@ class EvaluatorWorker:
         ev = d.env.event
         if not isinstance(ev, BatchAdmitted):
             logger.warning("ignoring %s on work stream %s", ev.type, d.env.stream)
-            await self.consumer.ack(d)
-            return
+            return  # acked
         spec = self.specs.get(ev.evaluator_id)
         if spec is None:  # the stream names the id, so only a hand-written entry gets here
-            logger.error("no evaluator %r for batch %s; leaving it", ev.evaluator_id, ev.batch_id)
-            self.consumer.release(d)
-            return
+            raise ConfigError(
+                f"no evaluator {ev.evaluator_id!r} for batch {ev.batch_id}; leaving it pending"
+            )
         plan = await (self._recovery_plan(d, ev) if d.redelivered else self._fresh_plan(d, ev))
         evaluator = Evaluator(
             spec,
@@ -263,8 +213,7 @@ class EvaluatorWorker:
             on_task_done=self._on_task_done,
         )
         await evaluator.run()
-        await self.sink.flush()
-        await self.consumer.ack(d)
+        await self.sink.flush()  # every terminal event in Redis before the runtime acks
         self.batches_done += 1
         if self._on_batch_done is not None:
             self._on_batch_done(
@@ -293,36 +242,31 @@ class EvaluatorWorker:
 
     async def _recovery_plan(self, d: Delivery, ev: BatchAdmitted) -> BatchPlan:
         state = await self._fold(ev.rollout_id)
-        run_ids = _not_terminal(state, ev.sample_ids)
-        attempts = {
-            sid: max(state.samples[sid].attempt, 0) + 1 for sid in run_ids if sid in state.samples
-        }
-        released, all_released = await self._released_tokens(d.env.id, ev)
-        tokens = () if all_released else tuple(t for t in ev.token_ids if t not in released)
-        if run_ids and ev.token_ids and not tokens:
+        plan = plan_recovery(state, await self._pool_now(), ev)
+        if plan.run_ids and ev.token_ids and not plan.tokens:
             logger.warning(
                 "batch %s: %d samples to re-run but every token was released; running ungated",
                 ev.batch_id,
-                len(run_ids),
+                len(plan.run_ids),
             )
-        await self._reap_previous(state, ev, run_ids)
+        await self._reap_previous(ev, plan.reap_workers)
         logger.info(
             "worker %s recovers batch %s (delivery %d): %d of %d samples to re-run, "
             "%d tokens held",
             self.config.worker_id,
             ev.batch_id,
             d.deliveries,
-            len(run_ids),
+            len(plan.run_ids),
             len(ev.sample_ids),
-            len(tokens),
+            len(plan.tokens),
         )
         return BatchPlan(
             admitted=ev,
             request=state.request,
             tasks={sid: s.task for sid, s in state.samples.items()},
-            run_ids=tuple(run_ids),
-            attempts=attempts,
-            tokens=tokens,
+            run_ids=plan.run_ids,
+            attempts=plan.attempts,
+            tokens=plan.tokens,
             causation=d.env.ref,
         )
 
@@ -330,37 +274,15 @@ class EvaluatorWorker:
         folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
         return folded.state
 
-    async def _released_tokens(self, entry_id: str, ev: BatchAdmitted) -> tuple[set[str], bool]:
-        """Tokens of the batch already released on the pool (and whether all were)."""
-        ms = int(entry_id.partition("-")[0])
-        after = f"{max(ms - _POOL_SCAN_MARGIN_MS, 0)}-0"
-        released: set[str] = set()
-        for env in await self.log.read_all(self.names.pool, after=after):
-            rel = env.event
-            if (
-                isinstance(rel, TokenReleased)
-                and rel.rollout_id == ev.rollout_id
-                and rel.batch_id == ev.batch_id
-            ):
-                if rel.token_ids is None:
-                    return set(ev.token_ids), True
-                released.update(rel.token_ids)
-        return released, False
+    async def _pool_now(self) -> PoolState:
+        """The pool folded up to now (only recoveries and dead letters ask)."""
+        async with self._pool_lock:
+            await self._pool.refresh()
+        return self._pool.state
 
-    async def _reap_previous(
-        self, state: RolloutState, ev: BatchAdmitted, run_ids: Sequence[str]
-    ) -> None:
+    async def _reap_previous(self, ev: BatchAdmitted, workers: Sequence[str]) -> None:
         if self._sandbox_factory is None:
             return
-        workers = sorted(
-            {
-                s.started.worker
-                for sid in run_ids
-                if (s := state.samples.get(sid)) is not None
-                and s.started is not None
-                and s.started.worker
-            }
-        )
         for worker in workers:
             selector = sandbox_labels(worker=worker, rollout_id=ev.rollout_id, batch_id=ev.batch_id)
             try:
@@ -408,52 +330,24 @@ class EvaluatorWorker:
         if not isinstance(ev, BatchAdmitted):
             return  # nothing it stood for can be aborted
         state = await self._fold(ev.rollout_id)
-        run_ids = _not_terminal(state, ev.sample_ids)
-        await self._reap_previous(state, ev, run_ids)
+        settle = dead_letter_events(
+            state,
+            await self._pool_now(),
+            ev,
+            entry_id=entry.id,
+            error=entry.error,
+            causation=f"{entry.stream}@{entry.id}",
+        )
+        await self._reap_previous(ev, settle.reap_workers)
         stream = self.names.rollout(ev.rollout_id)
-        causation = f"{entry.stream}@{entry.id}"
-        items: list[tuple[str, Event]] = [
-            (
-                stream,
-                SampleAborted(
-                    rollout_id=ev.rollout_id,
-                    sample_id=sid,
-                    attempt=max(state.samples[sid].attempt, 1) if sid in state.samples else 1,
-                    abort_class=AbortClass.INFRA_OTHER,
-                    error=f"work entry {entry.id} dead-lettered: {entry.error}",
-                    phase="delivery",
-                    causation=causation,
-                ),
-            )
-            for sid in run_ids
-        ]
-        released, all_released = await self._released_tokens(entry.id, ev)
-        held = [] if all_released else [t for t in ev.token_ids if t not in released]
-        if held:
-            items.append(
-                (
-                    self.names.pool,
-                    TokenReleased(
-                        rollout_id=ev.rollout_id,
-                        batch_id=ev.batch_id,
-                        token_ids=held,
-                        reason="dead_letter",
-                        causation=causation,
-                    ),
-                )
-            )
+        items: list[tuple[str, Event]] = [(stream, abort) for abort in settle.aborts]
+        if settle.release is not None:
+            items.append((self.names.pool, settle.release))
         self.sink.emit(items)
         await self.sink.flush()  # in Redis before the consumer settles (acks) the entry
         logger.warning(
             "batch %s dead-lettered after %d deliveries: %d samples aborted as infra_other",
             ev.batch_id,
             entry.deliveries,
-            len(run_ids),
+            len(settle.aborts),
         )
-
-
-def _not_terminal(state: RolloutState, sample_ids: Sequence[str]) -> list[str]:
-    """Samples of the batch without a terminal event (unknown ids included: they abort)."""
-    return [
-        sid for sid in sample_ids if (s := state.samples.get(sid)) is None or not s.done
-    ]

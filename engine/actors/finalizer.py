@@ -25,6 +25,9 @@ Contract
   it kept dying or failing) is dead-lettered and its rollout gets ``RolloutFailed`` with
   the reason, by compare-and-append, unless it was decided meanwhile; the trainer's wait
   ends with that error instead of never. The entry is acked only after that.
+* It runs on the actor runtime (``engine.runtime.loop.serve``): a stop hands the requests
+  it follows back. Whether a decision is worth computing is read from the counters of
+  ``RolloutProjection`` (terminal and scored samples, the ``CaptureRequested`` guard).
 * At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
   blocking read); further requests wait in the group.
 * The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
@@ -48,7 +51,6 @@ from pathlib import Path
 from engine.actors.artifacts import write_artifacts
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
-from engine.events.base import Envelope
 from engine.events.catalog import (
     CaptureRequested,
     FilterSpec,
@@ -56,14 +58,13 @@ from engine.events.catalog import (
     RolloutKind,
     RolloutReady,
     RolloutRequested,
-    SampleAborted,
     SampleCompleted,
-    TeacherScored,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows
 from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.loop import serve
 
 __all__ = [
     "Finalizer",
@@ -72,6 +73,7 @@ __all__ = [
     "decide_capture",
     "decide_ready",
     "ready_metrics",
+    "worth_deciding",
 ]
 
 logger = logging.getLogger(__name__)
@@ -209,40 +211,38 @@ class FinalizerConfig:
 Outcome = RolloutReady | RolloutFailed
 
 
+def worth_deciding(state: RolloutState) -> bool:
+    """A cheap test, from the fold's counters, that a decision may be due: every planned
+    sample is terminal and, once a capture was asked for, as many samples are scored as
+    it asked for. :func:`decide_capture` and :func:`decide_ready` then check in full."""
+    planned = state.planned
+    if planned is None or state.n_terminal < planned.n_samples:
+        return False
+    return state.capture is None or state.n_scored >= len(state.capture.sample_ids)
+
+
 class _Follower:
-    """Folds one rollout stream and keeps the counters that make the checks cheap."""
+    """One rollout stream folded with blocking reads (no sleep-polling)."""
 
-    def __init__(self, rollout_id: str) -> None:
-        self.rollout_id = rollout_id
-        self.projection = RolloutProjection()
-        self.state = self.projection.initial()
+    def __init__(self, log: EventLog, stream: str) -> None:
+        self._log = log
+        self.stream = stream
+        self._projection = RolloutProjection()
+        self.state = self._projection.initial()
         self.position = EMPTY_ID
-        self.terminals = 0
-        self.capture_asked = False
-        self.kept: list[str] | None = None  # fixed once every sample is terminal
-        self.unscored = 0
 
-    def apply(self, env: Envelope) -> bool:
-        """Fold one entry; True once the rollout is decided (stop folding there)."""
-        ev = env.event
-        self.state = self.projection.evolve(self.state, env)
-        if isinstance(ev, SampleCompleted | SampleAborted):
-            self.terminals += 1
-        elif isinstance(ev, CaptureRequested):
-            self.capture_asked = True
-        elif isinstance(ev, TeacherScored) and self.unscored:
-            self.unscored -= 1
-        return self.state.ready is not None or self.state.failed is not None
-
-    def worth_deciding(self) -> bool:
-        planned = self.state.planned
-        if planned is None or self.terminals < planned.n_samples:
-            return False
-        if not self.state.all_terminal():
-            return False
-        if self.kept is None:
-            self.kept, _ = apply_filters(self.state)
-        return True
+    async def read(self) -> bool:
+        """Fold what the next read returns (blocking when there is nothing yet); returns
+        whether it read anything. Folding stops at the entry that decides the rollout, so
+        ``position`` is then that entry (what replay folds up to)."""
+        envs, position = await self._log.read_after(self.stream, self.position)
+        for env in envs:
+            self.state = self._projection.evolve(self.state, env)
+            if self.state.decided:
+                self.position = env.id
+                return True
+        self.position = position
+        return bool(envs)
 
 
 class Finalizer:
@@ -269,37 +269,29 @@ class Finalizer:
             block_ms=config.block_ms,
             ack_dead=False,  # settled once the rollout has its RolloutFailed
         )
-        self._following: dict[str, asyncio.Task[None]] = {}
+        self._following: set[str] = set()
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Follow requested rollouts until ``stop``; unfinished ones stay pending."""
-        stop = stop or asyncio.Event()
-        await self.consumer.start()
-        stop_wait = asyncio.get_running_loop().create_task(stop.wait())
+        """Follow requested rollouts until ``stop``; unfinished ones are handed back."""
+        await serve(
+            self.consumer,
+            stop or asyncio.Event(),
+            self._serve,
+            on_dead=self._fail_dead,
+            capacity=self.config.max_rollouts,
+        )
+
+    async def _serve(self, d: Delivery) -> None:
+        ev = d.env.event
+        if not isinstance(ev, RolloutRequested):
+            return  # ready/failed/policy events are not ours to act on: acked
+        if ev.rollout_id in self._following:
+            return  # a duplicate request: one follower is enough
+        self._following.add(ev.rollout_id)
         try:
-            while not stop.is_set():
-                free = self.config.max_rollouts - len(self._following)
-                if free <= 0:
-                    await asyncio.wait(
-                        [*self._following.values(), stop_wait],
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    continue
-                fetched = await self.consumer.fetch_or_stop(free, stop_wait)
-                if fetched is None:
-                    break
-                deliveries, dead = fetched
-                await self.consumer.handle_dead(dead, self._fail_dead)
-                for d in deliveries:
-                    await self._dispatch(d)
+            await self.follow(ev.rollout_id)
         finally:
-            stop_wait.cancel()
-            tasks = list(self._following.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.consumer.hand_back(self.consumer.unreleased())
-            await self.consumer.aclose()
+            self._following.discard(ev.rollout_id)
 
     async def _fail_dead(self, entry: DeadEntry) -> None:
         """A request handed out more than ``max_deliveries`` times (its finalizers kept
@@ -307,112 +299,65 @@ class Finalizer:
         error naming why instead of waiting forever. A rollout decided meanwhile keeps its
         outcome. The consumer settles (acks) the entry once this has returned."""
         ev = entry.event
-        if isinstance(ev, RolloutRequested) and ev.rollout_id not in self._following:
-            stream = self.names.rollout(ev.rollout_id)
-            f = _Follower(ev.rollout_id)
-            while True:
-                envs, position = await self.log.read_after(stream, f.position)
-                if any(f.apply(env) for env in envs):
-                    break
-                f.position = position
-                if envs:
-                    continue
-                failed = RolloutFailed(
-                    rollout_id=ev.rollout_id,
-                    reason=(
-                        f"finalizing gave up: request {entry.stream}@{entry.id} {entry.error}"
-                    ),
-                    causation=f"{entry.stream}@{entry.id}",
+        if not isinstance(ev, RolloutRequested) or ev.rollout_id in self._following:
+            return
+        f = _Follower(self.log, self.names.rollout(ev.rollout_id))
+        failed = RolloutFailed(
+            rollout_id=ev.rollout_id,
+            reason=f"finalizing gave up: request {entry.stream}@{entry.id} {entry.error}",
+            causation=f"{entry.stream}@{entry.id}",
+        )
+        while not f.state.decided:
+            if await f.read():
+                continue  # caught up only once a read returns nothing
+            try:
+                await self.log.append_if_last(
+                    f.stream, failed, f.position, also=[(self.names.control, failed)]
                 )
-                try:
-                    await self.log.append_if_last(
-                        stream, failed, f.position, also=[(self.names.control, failed)]
-                    )
-                except AppendConflict:
-                    continue  # something was appended: fold it and look again
-                logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
-                break
-
-    async def _dispatch(self, d: Delivery) -> None:
-        ev = d.env.event
-        if not isinstance(ev, RolloutRequested):
-            await self.consumer.ack(d)  # ready/failed/policy events are not ours to act on
+            except AppendConflict:
+                continue  # something was appended: fold it and look again
+            logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
             return
-        if ev.rollout_id in self._following:
-            await self.consumer.ack(d)  # a duplicate request: one follower is enough
-            return
-        task = asyncio.get_running_loop().create_task(self._follow_and_ack(ev.rollout_id, d))
-        self._following[ev.rollout_id] = task
-
-    async def _follow_and_ack(self, rollout_id: str, d: Delivery) -> None:
-        try:
-            await self.follow(rollout_id)
-        except asyncio.CancelledError:
-            raise  # a stop: run() hands the request back
-        except Exception:
-            logger.exception("finalizer: following rollout %s failed; left pending", rollout_id)
-            self.consumer.release(d)
-            return
-        finally:
-            self._following.pop(rollout_id, None)
-        await self.consumer.ack(d)
 
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
-        stream = self.names.rollout(rollout_id)
-        f = _Follower(rollout_id)
-        decided_at: str | None = None
-        while decided_at is None:
-            envs, position = await self.log.read_after(stream, f.position)
-            for env in envs:
-                if f.apply(env):
-                    decided_at = env.id
-                    break
-            f.position = position if decided_at is None else decided_at
-            if decided_at is None and f.worth_deciding():
-                await self._decide(f, stream)
-        return self._finish(f)
+        f = _Follower(self.log, self.names.rollout(rollout_id))
+        while not f.state.decided:
+            await f.read()
+            if not f.state.decided and worth_deciding(f.state):
+                await self._decide(f)
+        return self._finish(rollout_id, f.state)
 
-    async def _decide(self, f: _Follower, stream: str) -> None:
-        if _needs_teacher(f.state):
-            if f.capture_asked and f.unscored > 0:
-                return  # still waiting for TeacherScored; counted down as they arrive
-            assert f.kept is not None
-            f.unscored = len(_unscored(f.state, f.kept))
-            if f.unscored:
-                if not f.capture_asked:
-                    request = decide_capture(f.state, top_k=self.config.top_k)
-                    if request is not None:
-                        await self._append(
-                            stream, request, f.position, (self.names.capture, request)
-                        )
-                return
+    async def _decide(self, f: _Follower) -> None:
+        capture = decide_capture(f.state, top_k=self.config.top_k)
+        if capture is not None:
+            if f.state.capture is None:  # asked once; then wait for its TeacherScored
+                await self._append(f, capture, (self.names.capture, capture))
+            return
         ready = decide_ready(f.state)
         if ready is not None:
-            await self._append(stream, ready, f.position, (self.names.control, ready))
+            await self._append(f, ready, (self.names.control, ready))
 
     async def _append(
         self,
-        stream: str,
+        f: _Follower,
         event: CaptureRequested | RolloutReady,
-        position: str,
         also: tuple[str, CaptureRequested | RolloutReady],
     ) -> None:
         try:
-            await self.log.append_if_last(stream, event, position, also=[also])
+            await self.log.append_if_last(f.stream, event, f.position, also=[also])
         except AppendConflict:
             # Someone appended meanwhile (a late event, another finalizer): the next read
             # picks it up and the decision is taken again on the newer state.
-            logger.debug("finalizer: %s on %s lost a race; refolding", event.type, stream)
+            logger.debug("finalizer: %s on %s lost a race; refolding", event.type, f.stream)
 
-    def _finish(self, f: _Follower) -> Outcome:
-        state = f.state
+    def _finish(self, rollout_id: str, state: RolloutState) -> Outcome:
         if state.ready is not None:
             if self.config.out_dir is not None:
-                write_artifacts(state, self.config.out_dir / f.rollout_id)
+                write_artifacts(state, self.config.out_dir / rollout_id)
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
-                f.rollout_id,
+                rollout_id,
                 len(state.ready.sample_ids),
                 len(state.ready.dropped_sample_ids),
                 " (dummy)" if state.ready.dummy else "",
@@ -421,5 +366,5 @@ class Finalizer:
                 self._on_ready(state.ready)
             return state.ready
         assert state.failed is not None
-        logger.warning("rollout %s failed: %s", f.rollout_id, state.failed.reason)
+        logger.warning("rollout %s failed: %s", rollout_id, state.failed.reason)
         return state.failed

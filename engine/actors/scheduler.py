@@ -12,7 +12,9 @@ Event flow (seeds task-scheduler §1-3; DESIGN.md "Streams")
    entries being worked on are kept alive every ``heartbeat_ms``; a stopped scheduler hands
    its unfinished entries back (claimable at once, not counted as a delivery). A request
    delivered past the log's ``max_deliveries`` gets ``RolloutFailed`` before it is acked.
-   Other event types on ``rl:control`` are acked and ignored.
+   Other event types on ``rl:control`` are acked and ignored. All of this is the actor
+   runtime's (``GroupConsumer`` and ``serve``, :mod:`engine.runtime`), which every actor
+   shares; dead requests are held (``ack_dead=False``) and settled once failed.
 3. Plan (``Planner``, pure) and write it atomically and exclusively: one compare-and-append
    on ``rl:data`` (expected = the last id folded) appends ``DataCursorAdvanced`` and, in the
    same step (``also``), the first events of ``rl:{rollout:<id>}``: the copy of the request
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -54,7 +55,7 @@ from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
-from engine.errors import AppendConflict, ConfigError, LogError, PlacementError
+from engine.errors import AppendConflict, ConfigError, PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
@@ -67,7 +68,9 @@ from engine.events.log import DeadEntry, EventLog
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
 from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.runtime.consumer import Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
+from engine.runtime.loop import HandBack, serve
 
 __all__ = [
     "SCHEDULER_GROUP",
@@ -147,13 +150,24 @@ class Scheduler:
         self.declaration = declaration_for(layout)
         self.gate = PoolGate(log)
         self._data = LiveFold(log, log.names.data, DataCursorProjection())
-        self._inflight: dict[str, asyncio.Task[None]] = {}
-        self._handed_back: list[str] = []  # requests a stop leaves unfinished
+        self.consumer = GroupConsumer(
+            log,
+            group=config.group,
+            consumer=config.scheduler_id,
+            streams=[log.names.control],
+            heartbeat_ms=config.heartbeat_ms,
+            claim_idle_ms=config.claim_idle_ms,
+            block_ms=config.block_ms,
+            ack_dead=False,  # settled once the rollout has its RolloutFailed
+        )
         self._rollout_locks: dict[str, _RolloutLock] = {}
         self._started = False
-        self._stopping = asyncio.Event()
         self.requests_handled = 0
-        self.claim_rounds = 0
+
+    @property
+    def claim_rounds(self) -> int:
+        """How many times this scheduler has looked for idle entries to claim."""
+        return self.consumer.claim_rounds
 
     @property
     def control(self) -> str:
@@ -166,7 +180,7 @@ class Scheduler:
         check_deadlock(self.planner.specs.values(), pool_of(self.declaration))
         await self.gate.declare(self.declaration)
         check_deadlock(self.planner.specs.values(), self.gate.state)
-        await self.log.ensure_group(self.control, self.config.group, start="0")
+        await self.consumer.ensure_groups()
         self._started = True
 
     # ------------------------------------------------------------ serving
@@ -175,133 +189,43 @@ class Scheduler:
         """Serve until ``stop`` is set; in-flight rollouts are handed back (pending, and
         claimable at once by another scheduler, or resumed by this one on a restart).
 
-        Stopping is cooperative: the loops finish their current blocking read (at most
-        ``block_ms``), rollouts waiting for capacity give up their wait, a plan being
-        written finishes its current append. Nothing is cancelled in the middle of a Redis
-        command, which redis-py does not survive reliably.
+        Stopping is cooperative: the current blocking read finishes (at most ``block_ms``),
+        rollouts waiting for capacity give up their wait, a plan being written finishes
+        its current append. Nothing is cancelled in the middle of a Redis command, which
+        redis-py does not survive reliably.
         """
         if not self._started:
             await self.start()
-        self._stopping = asyncio.Event()
-        tasks = [
-            asyncio.create_task(self.gate.watch(), name="pool-watch"),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
-            asyncio.create_task(self._consume(), name="consume"),
-        ]
-        stopper = asyncio.create_task(stop.wait(), name="stop")
-        failure: BaseException | None = None
+        halt = asyncio.Event()  # the stop, or the pool watch failing
+        watch = asyncio.create_task(self.gate.watch(), name="pool-watch")
+        watch.add_done_callback(lambda _t: halt.set())
+        relay = asyncio.create_task(_relay(stop, halt), name="stop")
         try:
-            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stopper and not task.cancelled():
-                    failure = failure or task.exception()
+            await serve(
+                self.consumer,
+                halt,
+                self._serve,
+                on_dead=self._give_up,
+                grace_s=None,
+                on_stopping=self.gate.close,
+            )
         finally:
-            stopper.cancel()
-            self._stopping.set()
+            relay.cancel()
             await self.gate.close()
-            await asyncio.gather(stopper, *tasks, return_exceptions=True)
-            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
-            await self._hand_back()
+            await asyncio.gather(relay, watch, return_exceptions=True)
+        failure = None if watch.cancelled() else watch.exception()
         if failure is not None:
             raise failure
 
-    async def _consume(self) -> None:
-        cfg = self.config
-        own = await self.log.read_group(
-            cfg.group, cfg.scheduler_id, [self.control], pending=True, count=10_000
-        )
-        for env in own:
-            self._dispatch(env)
-        claim_every = cfg.claim_idle_ms / 2000.0
-        next_claim = time.monotonic()
-        while not self._stopping.is_set():
-            now = time.monotonic()
-            if now >= next_claim:
-                await self._claim()
-                next_claim = now + claim_every
-            wait_ms = max(1, min(cfg.block_ms, int((next_claim - now) * 1000)))
-            envs = await self.log.read_group(
-                cfg.group, cfg.scheduler_id, [self.control], count=100, block_ms=wait_ms
-            )
-            if self._stopping.is_set():
-                # Delivered but not started: handed back with the unfinished ones.
-                self._handed_back.extend(env.id for env in envs)
-                return
-            for env in envs:
-                self._dispatch(env)
-
-    async def _claim(self) -> None:
-        cfg = self.config
-        self.claim_rounds += 1
-        # Dead requests stay pending until their RolloutFailed is written, so a scheduler
-        # dying in between leaves them to be failed by the next claim.
-        claimed = await self.log.claim_idle(
-            self.control,
-            cfg.group,
-            cfg.scheduler_id,
-            min_idle_ms=cfg.claim_idle_ms,
-            ack_dead=False,
-        )
-        for dead in claimed.dead:
-            try:
-                await self._give_up(dead)
-            except LogError as exc:  # left pending: a later claim gives up on it again
-                logger.error("giving up on request %s failed: %s", dead.id, exc)
-                continue
-            await self.log.ack(self.control, cfg.group, dead.id)
-        for env in claimed.entries:
-            self._dispatch(env)
-
-    async def _heartbeat(self) -> None:
-        cfg = self.config
-        while True:
-            try:
-                await asyncio.wait_for(self._stopping.wait(), cfg.heartbeat_ms / 1000.0)
-                return
-            except TimeoutError:
-                pass
-            ids = list(self._inflight)
-            if ids:
-                await self.log.keep_alive(self.control, cfg.group, cfg.scheduler_id, ids)
-
-    def _dispatch(self, env: Envelope) -> None:
-        if env.id in self._inflight:
-            return
-        task = asyncio.create_task(self._serve(env), name=f"request-{env.id}")
-        self._inflight[env.id] = task
-
-    async def _serve(self, env: Envelope) -> None:
+    async def _serve(self, d: Delivery) -> None:
+        ev = d.env.event
+        if not isinstance(ev, RolloutRequested):
+            return  # acked and ignored
         try:
-            ev = env.event
-            if not isinstance(ev, RolloutRequested):
-                await self.log.ack(self.control, self.config.group, env.id)
-                return
-            await self.handle(env, ev)
-            await self.log.ack(self.control, self.config.group, env.id)
-        except GateClosed:
-            logger.info("stopping: request %s handed back", env.ref)
-            self._handed_back.append(env.id)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # Left pending: the claim of idle entries retries it (here or elsewhere) and
-            # dead-letters it after max_deliveries.
-            logger.exception("request %s failed; left pending for a retry", env.ref)
-        finally:
-            self._inflight.pop(env.id, None)
-
-    async def _hand_back(self) -> None:
-        """Give back the requests this stop leaves unfinished: another scheduler can take
-        them at once, and the stop does not count as a delivery (``EventLog.hand_back``)."""
-        if not self._handed_back:
-            return
-        cfg = self.config
-        try:
-            await self.log.hand_back(self.control, cfg.group, cfg.scheduler_id, self._handed_back)
-        except LogError as exc:
-            logger.warning("handing back %d requests failed (claimable after the idle "
-                           "window instead): %s", len(self._handed_back), exc)
-        self._handed_back = []
+            await self.handle(d.env, ev)
+        except GateClosed as exc:
+            logger.info("stopping: request %s handed back", d.env.ref)
+            raise HandBack from exc
 
     async def _give_up(self, dead: DeadEntry) -> None:
         ev = dead.event
@@ -465,3 +389,8 @@ def _planned_batches(state: RolloutState) -> list[BatchSealed]:
             f"but the rollout stream has {len(batches)} BatchSealed"
         )
     return batches
+
+
+async def _relay(stop: asyncio.Event, halt: asyncio.Event) -> None:
+    await stop.wait()
+    halt.set()

@@ -3,7 +3,7 @@
 ``rl:{rollout:<id>}`` starts with a copy of the ``RolloutRequested`` (so an archived stream is
 self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch and one
 ``RolloutPlanned`` (the plan is complete), the samples' lifecycle events, optional
-``TeacherScored`` and finally ``RolloutReady``.
+``CaptureRequested`` and ``TeacherScored`` and finally ``RolloutReady``.
 
 Idempotence rules (at-least-once delivery, crashed workers):
 * a duplicate ``TaskFetched`` / ``BatchSealed`` (same id) is ignored;
@@ -11,7 +11,11 @@ Idempotence rules (at-least-once delivery, crashed workers):
 * the first terminal event (``SampleCompleted`` or ``SampleAborted``) of a sample wins; any
   later terminal, whatever its attempt, is a duplicate and ignored;
 * ``TeacherScored`` counts only for the attempt that produced the terminal trajectory;
-* the first ``RolloutReady`` wins.
+* the first ``CaptureRequested`` and the first ``RolloutReady`` win.
+
+Counters kept by the fold, so that a follower can tell cheaply whether deciding is worth
+it: ``n_terminal`` (samples with a terminal event) and ``n_scored`` (samples with their
+``TeacherScored``).
 
 Performance note: folding a 100k-sample rollout must stay linear, so the state is an
 accumulator that ``evolve`` updates in place and returns. The fold owns it: take
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
+    CaptureRequested,
     RolloutFailed,
     RolloutPlanned,
     RolloutReady,
@@ -76,7 +81,10 @@ class RolloutState:
     planned: RolloutPlanned | None = None
     ready: RolloutReady | None = None
     failed: RolloutFailed | None = None
+    capture: CaptureRequested | None = None
     event_count: int = 0
+    n_terminal: int = 0
+    n_scored: int = 0
 
     def copy(self) -> RolloutState:
         return replace(self, samples=dict(self.samples), batches=dict(self.batches))
@@ -87,7 +95,12 @@ class RolloutState:
 
     @property
     def n_done(self) -> int:
-        return sum(1 for s in self.samples.values() if s.done)
+        return self.n_terminal
+
+    @property
+    def decided(self) -> bool:
+        """The rollout has its outcome: ``RolloutReady`` or ``RolloutFailed``."""
+        return self.ready is not None or self.failed is not None
 
     def pending(self, sample_ids: Iterable[str] | None = None) -> list[str]:
         """Sample ids (of those given, or all) that have no terminal event yet."""
@@ -138,6 +151,7 @@ class RolloutProjection:
                 state.samples[ev.sample_id] = replace(
                     s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
                 )
+                state.n_terminal += 1
         elif isinstance(ev, TeacherScored):
             s = state.samples.get(ev.sample_id)
             if (
@@ -147,6 +161,7 @@ class RolloutProjection:
                 and s.teacher is None
             ):
                 state.samples[ev.sample_id] = replace(s, teacher=ev)
+                state.n_scored += 1
         elif isinstance(ev, BatchSealed):
             state.batches.setdefault(ev.batch_id, ev)
         elif isinstance(ev, RolloutPlanned):
@@ -162,4 +177,7 @@ class RolloutProjection:
         elif isinstance(ev, RolloutFailed):
             if state.failed is None:
                 state.failed = ev
+        elif isinstance(ev, CaptureRequested):
+            if state.capture is None:
+                state.capture = ev
         return state

@@ -22,6 +22,12 @@ pending, claimable at once, and not counted as a delivery). A heartbeat task ref
 idle time of in-flight entries every ``heartbeat_ms``, so a live consumer's work is never
 claimed; it must be well below ``claim_idle_ms``. An entry that a claim returns while it is
 already in flight here is skipped, so nothing runs twice in one process.
+
+``fetch_or_stop`` is what an actor's loop calls (see :mod:`engine.runtime.loop`). A stop
+never cancels a Redis command (redis-py does not reliably survive a cancelled read): the
+read in progress finishes, at most ``block_ms`` later, and whatever it delivered is handed
+back at once. A read that fails (Redis unavailable) is retried after a capped exponential
+:class:`Backoff`, which resets on the next successful read; one place for every actor.
 """
 
 from __future__ import annotations
@@ -37,9 +43,36 @@ from engine.errors import LogError
 from engine.events.base import Envelope
 from engine.events.log import DeadEntry, EventLog
 
-__all__ = ["Delivery", "GroupConsumer"]
+__all__ = ["Backoff", "Delivery", "GroupConsumer"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Pauses between failed attempts: ``first_s``, then ``factor`` times longer each time,
+    never more than ``max_s``; ``reset()`` (a success) starts again from ``first_s``."""
+
+    first_s: float = 1.0
+    max_s: float = 30.0
+    factor: float = 2.0
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_s <= 0 or self.max_s < self.first_s or self.factor < 1:
+            raise ValueError(
+                f"backoff needs 0 < first_s <= max_s and factor >= 1, got first_s="
+                f"{self.first_s}, max_s={self.max_s}, factor={self.factor}"
+            )
+
+    def next_pause(self) -> float:
+        """The pause after one more failure."""
+        pause = min(self.first_s * self.factor ** min(self.failures, 64), self.max_s)
+        self.failures += 1
+        return pause
+
+    def reset(self) -> None:
+        self.failures = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +103,7 @@ class GroupConsumer:
         block_ms: int | None = None,
         ack_dead: bool = True,
         limit_own_pending: bool = False,
+        backoff: Backoff | None = None,
     ) -> None:
         if heartbeat_ms >= claim_idle_ms:
             raise ValueError(
@@ -93,14 +127,21 @@ class GroupConsumer:
         self._next_claim = 0.0
         self._claim_every_s = max(claim_idle_ms / 2000.0, 0.05)
         self._heartbeat: asyncio.Task[None] | None = None
+        self.backoff = backoff or Backoff()
+        self.claim_rounds = 0
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def start(self) -> None:
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on every stream (an existing group is kept)."""
         for stream in self.streams:
             await self.log.ensure_group(stream, self.group)
+
+    async def start(self) -> None:
+        """Ensure the groups and start the heartbeat."""
+        await self.ensure_groups()
         if self._heartbeat is None:
             self._heartbeat = asyncio.get_running_loop().create_task(
                 self._beat(), name=f"heartbeat-{self.group}"
@@ -136,8 +177,12 @@ class GroupConsumer:
             self._next_claim = time.monotonic() + self._claim_every_s
             await self._claim(count)
         if not self._backlog and not self._dead:
+            block_ms = self.block_ms
+            if block_ms > 0:  # wake for the next claim round rather than sleep through it
+                until_claim = int((self._next_claim - time.monotonic()) * 1000)
+                block_ms = max(1, min(block_ms, until_claim))
             for env in await self.log.read_group(
-                self.group, self.consumer, self.streams, count=count, block_ms=self.block_ms
+                self.group, self.consumer, self.streams, count=count, block_ms=block_ms
             ):
                 self._backlog.append(Delivery(env))
         out: list[Delivery] = []
@@ -151,27 +196,39 @@ class GroupConsumer:
         return out, dead
 
     async def fetch_or_stop(
-        self, count: int, stop_wait: asyncio.Task[object], *, retry_pause_s: float = 1.0
+        self, count: int, stop_wait: asyncio.Task[object]
     ) -> tuple[list[Delivery], list[DeadEntry]] | None:
         """``fetch(count)``, unless ``stop_wait`` (a task waiting on the caller's stop
-        event) finishes first: then the read is cancelled and None comes back. A read
-        that fails (redis unavailable) is logged and comes back empty after a pause of
-        ``retry_pause_s`` (cut short by a stop), so the caller's loop carries on."""
+        event) finishes first: then the read is let finish (never cancelled), what it
+        delivered is handed back, and None comes back. A read that fails (Redis
+        unavailable) is logged and comes back empty after the next backoff pause (cut
+        short by a stop), so the caller's loop carries on and reconnects."""
         fetch = asyncio.get_running_loop().create_task(self.fetch(count))
         await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if not fetch.done():
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, LogError):
-                await fetch
+            try:
+                deliveries, dead = await fetch
+            except LogError:
+                return None
+            for entry in dead:
+                self.drop_dead(entry)  # pending: a later claim hands it out again
+            await self.hand_back(deliveries)
             return None
         try:
-            return fetch.result()
+            fetched = fetch.result()
         except LogError as exc:
-            logger.error("%s: reading %s failed: %s", self.consumer, ", ".join(self.streams), exc)
-            await asyncio.wait([stop_wait], timeout=retry_pause_s)
+            pause = self.backoff.next_pause()
+            logger.error(
+                "%s: reading %s failed (retrying in %.1f s): %s",
+                self.consumer, ", ".join(self.streams), pause, exc,
+            )
+            await asyncio.wait([stop_wait], timeout=pause)
             return [], []
+        self.backoff.reset()
+        return fetched
 
     async def _claim(self, count: int) -> None:
+        self.claim_rounds += 1
         for stream in self.streams:
             result = await self.log.claim_idle(
                 stream,
@@ -261,6 +318,12 @@ class GroupConsumer:
                     "%s: handing back %d entries of %s failed (claimable after the idle "
                     "window instead): %s", self.consumer, len(ids), stream, exc,
                 )
+
+    def take_backlog(self) -> list[Delivery]:
+        """Entries read (own pending, claimed) but not handed out yet: a stopping actor
+        hands them back with its unfinished work."""
+        backlog, self._backlog = self._backlog, []
+        return [d for d in backlog if d.key not in self._in_flight]
 
     def unreleased(self) -> list[Delivery]:
         """Deliveries fetched but neither acked nor released."""

@@ -1,13 +1,16 @@
-"""GroupConsumer: fetching until a stop, failed reads, dead entries held until settled."""
+"""GroupConsumer: fetching until a stop, failed reads and their backoff, dead entries held
+until settled."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from engine.errors import LogUnavailable
 from engine.events import EventLog, RolloutFailed
 from engine.events.log import DeadEntry
-from engine.runtime.consumer import GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
+from engine.runtime.loop import HandBack, serve
 
 S = "rl:test:consumer"
 
@@ -51,7 +54,8 @@ async def test_fetch_or_stop_returns_none_once_stopped(log: EventLog) -> None:
 
 
 async def test_a_failed_read_comes_back_empty_after_a_pause(log: EventLog) -> None:
-    c = consumer(log)
+    # The first pause is 0.2 s; the next one (30 s) is cut short by the stop.
+    c = consumer(log, backoff=Backoff(first_s=0.2, factor=150, max_s=30))
     calls = 0
 
     async def unavailable(count: int) -> object:
@@ -65,11 +69,11 @@ async def test_a_failed_read_comes_back_empty_after_a_pause(log: EventLog) -> No
     try:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        assert await c.fetch_or_stop(10, stop_wait, retry_pause_s=0.2) == ([], [])
+        assert await c.fetch_or_stop(10, stop_wait) == ([], [])
         assert loop.time() - t0 >= 0.19 and calls == 1
         stop.set()  # a stop cuts the pause short
         t0 = loop.time()
-        assert await c.fetch_or_stop(10, stop_wait, retry_pause_s=30) == ([], [])
+        assert await c.fetch_or_stop(10, stop_wait) == ([], [])
         assert loop.time() - t0 < 5
     finally:
         stop_wait.cancel()
@@ -131,3 +135,117 @@ async def test_handle_dead_settles_after_the_handler_and_leaves_failures_pending
     finally:
         stop_wait.cancel()
         await c.aclose()
+
+
+def test_backoff_grows_to_its_cap_and_resets_on_success() -> None:
+    b = Backoff(first_s=0.5, max_s=3.0)
+    assert [b.next_pause() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    b.reset()
+    assert b.next_pause() == 0.5
+    for _ in range(10_000):  # no overflow however long Redis stays away
+        b.next_pause()
+    assert b.next_pause() == 3.0
+
+
+async def test_reads_back_off_while_redis_is_away_and_reset_once_it_is_back(
+    log: EventLog,
+) -> None:
+    c = consumer(log, backoff=Backoff(first_s=0.01, max_s=0.04))
+    await c.start()
+    real_fetch = c.fetch
+    failing = 3
+
+    async def flaky(count: int) -> object:
+        nonlocal failing
+        if failing:
+            failing -= 1
+            raise LogUnavailable("redis unavailable during XREADGROUP g: refused")
+        return await real_fetch(count)
+
+    c.fetch = flaky  # type: ignore[method-assign,assignment]
+    stop_wait = asyncio.create_task(asyncio.Event().wait())
+    try:
+        for _ in range(3):
+            assert await c.fetch_or_stop(10, stop_wait) == ([], [])
+        assert c.backoff.failures == 3
+        await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+        fetched = await c.fetch_or_stop(10, stop_wait)
+        assert fetched is not None and len(fetched[0]) == 1
+        assert c.backoff.failures == 0
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
+
+
+async def test_a_stop_during_a_read_hands_back_what_it_delivered(log: EventLog) -> None:
+    # The stop does not cancel the read: the entry it delivers is handed back (claimable
+    # at once, and not counted as a delivery) instead of stranded until the idle window.
+    c = consumer(log)
+    await c.start()
+    stop = asyncio.Event()
+    stop_wait = asyncio.create_task(stop.wait())
+    real_fetch = c.fetch
+
+    async def slow(count: int) -> object:
+        stop.set()
+        await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+        return await real_fetch(count)
+
+    c.fetch = slow  # type: ignore[method-assign,assignment]
+    try:
+        assert await c.fetch_or_stop(10, stop_wait) is None
+        redis: Any = log.redis
+        (entry,) = await redis.xpending_range(S, "g", "-", "+", 10)
+        assert entry["times_delivered"] == 0
+        taken = await log.claim_idle(S, "g", "peer", min_idle_ms=60_000)
+        assert [e.event.type for e in taken.entries] == ["RolloutFailed"]
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
+
+
+async def test_serve_acks_returns_releases_failures_and_hands_back_on_stop(
+    log: EventLog,
+) -> None:
+    # r-ok is handled (acked); r-bad raises (left pending, as a further delivery after the
+    # idle window); r-slow is still running at the stop (cancelled past the grace period)
+    # and r-back gives up itself with HandBack: both are handed back, not charged.
+    for rid in ("r-ok", "r-bad", "r-slow", "r-back"):
+        await log.append(S, RolloutFailed(rollout_id=rid, reason="x"))
+    c = consumer(log)
+    stop = asyncio.Event()
+    seen: list[str] = []
+    running = 0
+    peak = 0
+
+    async def handle(d: Delivery) -> None:
+        nonlocal running, peak
+        ev = d.env.event
+        assert isinstance(ev, RolloutFailed)
+        running += 1
+        peak = max(peak, running)
+        seen.append(ev.rollout_id)
+        try:
+            if ev.rollout_id == "r-bad":
+                raise ValueError("boom")
+            if ev.rollout_id == "r-slow":
+                stop.set()
+                await asyncio.Event().wait()
+            if ev.rollout_id == "r-back":
+                raise HandBack
+        finally:
+            running -= 1
+
+    served = await asyncio.wait_for(serve(c, stop, handle, capacity=2, grace_s=0.05), 10)
+    assert peak <= 2 and (served.handled, served.failed) == (1, 1)
+    redis: Any = log.redis
+    pending = {
+        e["message_id"].decode(): e["times_delivered"]
+        for e in await redis.xpending_range(S, "g", "-", "+", 10)
+    }
+    ids = {env.event.rollout_id: env.id for env in await log.read_all(S)}  # type: ignore[attr-defined]
+    assert ids["r-ok"] not in pending and pending[ids["r-bad"]] == 1
+    handed = [rid for rid in ("r-slow", "r-back") if rid in seen]
+    assert handed and served.handed_back == len(handed)
+    for rid in handed:
+        assert pending[ids[rid]] == 0

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -62,10 +63,23 @@ async def test_finalizers_in_one_group_share_the_requests(engine: Engine, log: E
 async def test_a_finalizer_follows_a_bounded_number_of_rollouts(
     engine: Engine, log: EventLog
 ) -> None:
-    engine.start_worker()
-    engine.start_finalizer("f1", max_rollouts=1)  # the others wait in the group
+    # Three requests wait in the group before the finalizer starts, and no worker runs, so
+    # no rollout can end: a finalizer bounded to one takes exactly one of them (one read
+    # of the group would otherwise take all three at once) and the others stay undelivered.
     for rid in ("x", "y", "z"):
         await start_rollout(log, rid, n_prompts=1)
+    control = log.names.control
+    await log.ensure_group(control, "finalizers")
+    finalizer = engine.start_finalizer("f1", max_rollouts=1)
+    while await log.pending_count(control, "finalizers") == 0:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # several block windows: time for a second fetch to happen
+    redis: Any = log.redis
+    pending = await redis.xpending_range(control, "finalizers", "-", "+", 10)
+    assert len(pending) == 1 and pending[0]["consumer"].decode() == "f1"
+    assert len(finalizer._following) == 1
+    # With a worker the rollouts end and the waiting requests are followed one by one.
+    engine.start_worker()
     client = RolloutClient(log)
     for rid in ("x", "y", "z"):
         await asyncio.wait_for(client.wait_ready(rid), 30)

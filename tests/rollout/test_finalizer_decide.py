@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.actors.finalizer import apply_filters, decide_capture, decide_ready
+from engine.actors.finalizer import apply_filters, decide_capture, decide_ready, worth_deciding
 from engine.events import (
     AbortClass,
     Envelope,
@@ -150,3 +150,28 @@ def test_teacher_lane_waits_for_kept_samples_scores() -> None:
 
 def test_no_capture_without_teacher_capture() -> None:
     assert decide_capture(_state([*_plan(1, 1), _done(0, 1.0)])) is None
+
+
+def test_the_fold_counts_what_makes_a_decision_worth_computing() -> None:
+    # The rollout fold keeps the capture request and counts terminal and scored samples;
+    # worth_deciding reads only those (the finalizer keeps no counters of its own).
+    events = [*_plan(1, 3, teacher_capture=True), _done(0, 1.0), _done(1, 0.0)]
+    state = _state(events)
+    assert (state.n_terminal, state.n_scored, state.capture) == (2, 0, None)
+    assert not worth_deciding(state)
+    events.append(_abort(2))
+    events.append(_abort(2))  # a duplicate terminal counts once
+    state = _state(events)
+    assert state.n_terminal == state.n_done == 3 and worth_deciding(state)
+    capture = decide_capture(state)
+    assert capture is not None
+    events.append(capture)
+    events.append(capture.model_copy(update={"sample_ids": [_sid(0)]}))  # the first wins
+    state = _state(events)
+    assert state.capture == capture and not worth_deciding(state)  # waiting for 2 scores
+    for i in (0, 1, 0):  # a repeated score counts once
+        events.append(TeacherScored(rollout_id=RID, sample_id=_sid(i), attempt=1,
+                                    teacher_logprobs=LogProbs.from_values([-0.5, -0.5])))
+        state = _state(events)
+        assert worth_deciding(state) == (state.n_scored == 2)
+    assert state.n_scored == 2 and decide_ready(state) is not None

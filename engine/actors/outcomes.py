@@ -1,0 +1,162 @@
+"""A sample attempt's outcome as events: pure functions of what the attempt produced.
+
+The ``Evaluator`` runs an episode and keeps an :class:`Attempt` record (phase, node, turns,
+time used); when the episode ends, exactly one of these decides what goes to the log:
+
+* :func:`completed_events` -- one ``TurnCompleted`` per turn of the agent's result, then
+  ``SampleCompleted`` (the reward scalarised; a reward that is neither a float nor a dict of
+  floats raises ``AgentError``, which the caller turns into an abort in phase ``eval``);
+* :func:`aborted_event` -- ``SampleAborted`` with the abort class (the agent's own reason
+  when it returned one, :func:`classify_abort` otherwise) and the attempt's diagnostics.
+
+What the progress callback hears about a terminal event is the one per-sample view,
+:func:`engine.projections.rows.sample_row`.
+
+No clock, no I/O: the tests drive them with hand-built results and exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.actors.aborts import classify_abort, describe_exception
+from engine.agents.base import AgentResult, Reward
+from engine.domain import TerminationReason
+from engine.errors import AgentError
+from engine.events.base import Event
+from engine.events.catalog import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
+from engine.projections.samples import scalar_reward
+
+__all__ = [
+    "Attempt",
+    "ReportedAbort",
+    "aborted_event",
+    "completed_events",
+]
+
+
+@dataclass(slots=True)
+class Attempt:
+    """Diagnostics of one running attempt (local to one coroutine, filled as it runs)."""
+
+    phase: str = "init"
+    node: str = ""
+    gpu: int | None = None
+    turns: int = 0
+    used_s: float = 0.0
+    window_s: float | None = None
+    agent_reason: TerminationReason | None = None
+
+
+class ReportedAbort(Exception):  # noqa: N818 -- the agent's verdict, not our error
+    """The agent returned an abort reason instead of raising."""
+
+    def __init__(self, reason: TerminationReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+def completed_events(
+    *,
+    rollout_id: str,
+    sample_id: str,
+    attempt: int,
+    rec: Attempt,
+    result: AgentResult,
+    reward: Reward | None,
+    policy_version: int,
+    causation: str | None,
+) -> list[Event]:
+    """``TurnCompleted`` per turn, then ``SampleCompleted`` (see the module docstring)."""
+    reason = result.termination_reason
+    detail: dict[str, Any] = {}
+    if isinstance(reward, Mapping):
+        detail = {str(k): float(v) for k, v in reward.items()}
+        score = scalar_reward(detail)
+    elif isinstance(reward, int | float) and not isinstance(reward, bool):
+        score = float(reward)
+    else:
+        raise AgentError(
+            f"task {sample_id}: eval must return a float or a dict of floats, "
+            f"got {type(reward).__name__}"
+        )
+    turns: list[Event] = [
+        TurnCompleted(
+            rollout_id=rollout_id,
+            sample_id=sample_id,
+            attempt=attempt,
+            turn=t.index,
+            node=rec.node,
+            gpu=rec.gpu,
+            prompt_tokens=t.prompt_tokens,
+            response_tokens=t.response_tokens,
+            tool_calls=list(t.tool_calls),
+            elapsed_s=t.elapsed_s,
+            causation=causation,
+        )
+        for t in result.turns
+    ]
+    done = SampleCompleted(
+        rollout_id=rollout_id,
+        sample_id=sample_id,
+        attempt=attempt,
+        prompt_ids=result.prompt_token_ids,
+        response_ids=result.response_token_ids,
+        logprobs=result.response_logprobs,
+        loss_mask=result.loss_mask,
+        reward=score,
+        reward_detail=detail,
+        status=reason.status,
+        termination_reason=reason,
+        response_text=result.text,
+        n_turns=len(result.turns),
+        elapsed_s=rec.used_s,
+        policy_version=policy_version,
+        metrics=dict(result.metrics),
+        causation=causation,
+    )
+    return [*turns, done]
+
+
+def aborted_event(
+    *,
+    rollout_id: str,
+    sample_id: str,
+    attempt: int,
+    rec: Attempt,
+    exc: BaseException,
+    causation: str | None,
+) -> SampleAborted:
+    """The ``SampleAborted`` of an attempt that ended with ``exc`` in ``rec.phase``."""
+    if isinstance(exc, ReportedAbort):
+        abort_class = AbortClass(exc.reason.value)
+        error = f"the agent ended the episode with {exc.reason.value}"
+    else:
+        abort_class = classify_abort(exc)
+        error = describe_exception(exc)
+    return SampleAborted(
+        rollout_id=rollout_id,
+        sample_id=sample_id,
+        attempt=attempt,
+        abort_class=abort_class,
+        error=error,
+        agent_reason=rec.agent_reason or _agent_reason_of(exc),
+        phase=rec.phase,
+        elapsed_s=rec.used_s,
+        window_s=rec.window_s,
+        node=rec.node,
+        turns=rec.turns,
+        causation=causation,
+    )
+
+
+def _agent_reason_of(exc: BaseException) -> TerminationReason | None:
+    reason = getattr(exc, "termination_reason", None)
+    if isinstance(reason, TerminationReason):
+        return reason
+    try:
+        return TerminationReason(reason) if isinstance(reason, str) else None
+    except ValueError:  # not a reason of the family: nothing to report
+        return None

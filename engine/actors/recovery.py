@@ -1,0 +1,136 @@
+"""What a worker does with a batch someone may already have run: pure decisions.
+
+A *redelivered* batch (a restart's own pending entry, or one claimed from a dead worker)
+and a *dead-lettered* one are decided from two folds, never from scans of the log:
+
+* the rollout stream (``RolloutState``): which of the batch's samples have a terminal
+  event, the attempt each reached, and which workers started them;
+* the placement pool (``PoolState``): which of the batch's tokens it still holds.
+
+:func:`plan_recovery` re-runs only the samples without a terminal event, each as
+``attempt = previous attempt + 1`` (1 when it never started), with the tokens the batch
+still holds, and names the workers whose sandboxes for the batch are to be reaped.
+:func:`dead_letter_events` aborts the same samples as ``infra_other`` (phase
+``delivery``) and releases what the batch still holds; repeating it after a crash
+repeats events the folds ignore.
+
+A batch the pool has no acquisition for (an admission written without one, as by hand)
+keeps every admitted token: nothing can have released them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.events.catalog import AbortClass, BatchAdmitted, SampleAborted, TokenReleased
+from engine.projections.placement import PoolState
+from engine.projections.rollout import RolloutState
+
+__all__ = [
+    "DeadLetterAborts",
+    "Recovery",
+    "dead_letter_events",
+    "held_tokens",
+    "not_terminal",
+    "plan_recovery",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """How to run a batch again: samples, their attempts, tokens, sandboxes to reap."""
+
+    run_ids: tuple[str, ...]
+    attempts: dict[str, int]
+    tokens: tuple[str, ...]
+    reap_workers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterAborts:
+    """The events that settle a dead-lettered batch: aborts first, then the release."""
+
+    aborts: tuple[SampleAborted, ...]
+    release: TokenReleased | None
+    reap_workers: tuple[str, ...]
+
+
+def not_terminal(state: RolloutState, sample_ids: Sequence[str]) -> list[str]:
+    """Samples of the batch without a terminal event (unknown ids included: they abort)."""
+    return [sid for sid in sample_ids if (s := state.samples.get(sid)) is None or not s.done]
+
+
+def held_tokens(pool: PoolState, admitted: BatchAdmitted) -> tuple[str, ...]:
+    """The batch's admitted tokens the pool still holds, in admission order."""
+    if not pool.has_acquired(admitted.rollout_id, admitted.batch_id):
+        return tuple(admitted.token_ids)
+    held = pool.held_by(admitted.rollout_id, admitted.batch_id)
+    return tuple(t for t in admitted.token_ids if t in held)
+
+
+def _workers(state: RolloutState, run_ids: Sequence[str]) -> tuple[str, ...]:
+    """Workers that started any of ``run_ids`` (their sandboxes may still run)."""
+    return tuple(
+        sorted(
+            {
+                s.started.worker
+                for sid in run_ids
+                if (s := state.samples.get(sid)) is not None
+                and s.started is not None
+                and s.started.worker
+            }
+        )
+    )
+
+
+def plan_recovery(state: RolloutState, pool: PoolState, admitted: BatchAdmitted) -> Recovery:
+    """The re-run of a redelivered batch (see the module docstring)."""
+    run_ids = not_terminal(state, admitted.sample_ids)
+    attempts = {
+        sid: max(state.samples[sid].attempt, 0) + 1 for sid in run_ids if sid in state.samples
+    }
+    return Recovery(
+        run_ids=tuple(run_ids),
+        attempts=attempts,
+        tokens=held_tokens(pool, admitted) if admitted.token_ids else (),
+        reap_workers=_workers(state, run_ids),
+    )
+
+
+def dead_letter_events(
+    state: RolloutState,
+    pool: PoolState,
+    admitted: BatchAdmitted,
+    *,
+    entry_id: str,
+    error: str,
+    causation: str,
+) -> DeadLetterAborts:
+    """Abort the batch's unfinished samples and release its tokens (module docstring)."""
+    run_ids = not_terminal(state, admitted.sample_ids)
+    aborts = tuple(
+        SampleAborted(
+            rollout_id=admitted.rollout_id,
+            sample_id=sid,
+            attempt=max(state.samples[sid].attempt, 1) if sid in state.samples else 1,
+            abort_class=AbortClass.INFRA_OTHER,
+            error=f"work entry {entry_id} dead-lettered: {error}",
+            phase="delivery",
+            causation=causation,
+        )
+        for sid in run_ids
+    )
+    held = list(held_tokens(pool, admitted))
+    release = (
+        TokenReleased(
+            rollout_id=admitted.rollout_id,
+            batch_id=admitted.batch_id,
+            token_ids=held,
+            reason="dead_letter",
+            causation=causation,
+        )
+        if held
+        else None
+    )
+    return DeadLetterAborts(aborts=aborts, release=release, reap_workers=_workers(state, run_ids))
