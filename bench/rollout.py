@@ -190,7 +190,7 @@ async def inprocess(n_samples: int) -> float:
     """Samples/s of the seeds' architecture: one asyncio loop, no events."""
     agent = ZeroLatencyAgent()
     tasks = [
-        Task(task_id=f"t{i}", rollout_id="inproc", index=i, group_index=i // PER_PROMPT,
+        Task(sample_id=f"t{i}", rollout_id="inproc", index=i, group_index=i // PER_PROMPT,
              prompt=f"q{i // PER_PROMPT}", label=str(i), dataset_name="bench", task_type="fast",
              source_line=1)
         for i in range(n_samples)
@@ -201,7 +201,7 @@ async def inprocess(n_samples: int) -> float:
     async def one(task: Task, sem: asyncio.Semaphore) -> Sample:
         async with sem:
             ctx = EpisodeContext(
-                rollout_id=task.rollout_id, sample_id=task.task_id, attempt=1,
+                rollout_id=task.rollout_id, sample_id=task.sample_id, attempt=1,
                 stopping=stopping, sampling_params=sampling, tmp_dir=tmp,
             )
             episode = agent.episode(task)

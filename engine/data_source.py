@@ -45,7 +45,7 @@ from engine.domain import (
     NonNegInt,
     Task,
     check_prompt,
-    task_id_for,
+    sample_id_for,
 )
 from engine.errors import ConfigError
 
@@ -300,7 +300,7 @@ def build_eval_tasks(
 
 def _task(record: PromptRecord, rollout_id: str, index: int, group_index: int) -> Task:
     return Task(
-        task_id=task_id_for(rollout_id, index),
+        sample_id=sample_id_for(rollout_id, index),
         rollout_id=rollout_id,
         index=index,
         group_index=group_index,

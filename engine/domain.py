@@ -64,7 +64,7 @@ __all__ = [
     "check_identifier",
     "check_prompt",
     "overlay",
-    "task_id_for",
+    "sample_id_for",
 ]
 
 
@@ -279,7 +279,7 @@ DatasetConfig = Annotated[DatasetEntry | EvalDatasetConfig, Field(discriminator=
 """Either kind of dataset; ``kind`` tells them apart when a task is decoded from an event."""
 
 
-def task_id_for(rollout_id: str, index: int) -> str:
+def sample_id_for(rollout_id: str, index: int) -> str:
     """The sample id of the ``index``-th sample of a rollout (stable across replays)."""
     return f"{rollout_id}:s{index}"
 
@@ -299,7 +299,7 @@ class Task(FrozenModel):
     are resolved into the sample's ``TaskFetched`` and are not part of the task.
     """
 
-    task_id: StrictStr
+    sample_id: StrictStr
     rollout_id: StrictStr
     index: NonNegInt
     group_index: NonNegInt
@@ -327,7 +327,7 @@ class Batch(FrozenModel):
             if task.task_type != self.task_type:
                 raise ValueError(
                     f"batch {self.batch_id} of task type {self.task_type!r} holds task "
-                    f"{task.task_id} of task type {task.task_type!r}"
+                    f"{task.sample_id} of task type {task.task_type!r}"
                 )
         return self
 

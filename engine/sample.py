@@ -103,7 +103,7 @@ class Sample(FrozenModel):
         become ``rollout_log_probs=None``. Raises ``AgentError`` naming the task when the
         token arrays do not line up.
         """
-        where = f"task {task.task_id} (dataset {task.dataset_name!r})"
+        where = f"task {task.sample_id} (dataset {task.dataset_name!r})"
         # tokens = prompt + response by construction; the response arrays are checked below.
         tokens = concat([result.prompt_token_ids, result.response_token_ids])
         response_length = len(result.response_token_ids)
@@ -124,7 +124,7 @@ class Sample(FrozenModel):
         return cls(
             index=task.index,
             group_index=task.group_index,
-            sample_id=task.task_id,
+            sample_id=task.sample_id,
             prompt=task.prompt,
             response=result.text,
             label=task.label,
@@ -160,7 +160,7 @@ class Sample(FrozenModel):
         return cls(
             index=task.index if task is not None else 0,
             group_index=task.group_index if task is not None else 0,
-            sample_id=task.task_id if task is not None else "",
+            sample_id=task.sample_id if task is not None else "",
             prompt=task.prompt if task is not None else "",
             label=task.label if task is not None else None,
             tokens=_DUMMY_IDS,

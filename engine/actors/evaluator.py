@@ -400,7 +400,7 @@ class Evaluator:
             raise _ReportedAbort(result.termination_reason)
         if self._train and not result.has_logprobs:
             raise AgentError(
-                f"task {task.task_id} (dataset {task.dataset_name!r}): a training sample needs "
+                f"task {task.sample_id} (dataset {task.dataset_name!r}): a training sample needs "
                 f"response tokens with one logprob each, got {len(result.response_token_ids)} "
                 f"tokens and {len(result.response_logprobs)} logprobs"
             )
@@ -415,7 +415,7 @@ class Evaluator:
     ) -> list[Event]:
         events = completed_events(
             rollout_id=self.plan.admitted.rollout_id,
-            sample_id=task.task_id,
+            sample_id=task.sample_id,
             attempt=attempt,
             rec=rec,
             result=result,

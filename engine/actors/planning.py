@@ -12,7 +12,7 @@
   training cursor. ``request.n_samples_per_prompt`` overrides the datasets' group size
   (``n_samples_per_prompt`` / ``n_samples_per_eval_prompt``).
 * **distribute / batch**: groups are expanded to samples with ids
-  ``engine.domain.task_id_for(rollout_id, index)`` and batched by the ``BatchingStrategy``
+  ``engine.domain.sample_id_for(rollout_id, index)`` and batched by the ``BatchingStrategy``
   (default ``fifo_batching``); each batch's evaluator is ``resolve_profile(task_type)``.
 * **cascade**: stopping criteria and sampling params resolve field by field from the
   request's ``stopping`` / ``sampling_params`` (the coarsest level, where the seed has CLI
@@ -306,7 +306,7 @@ class Planner:
                 out.append(
                     TaskFetched(
                         rollout_id=rid,
-                        sample_id=task.task_id,
+                        sample_id=task.sample_id,
                         index=task.index,
                         group_index=task.group_index,
                         prompt=task.prompt,
@@ -329,7 +329,7 @@ class Planner:
                     batch_id=batch.batch_id,
                     seq=seq,
                     evaluator_id=spec_of[batch.task_type].evaluator_id,
-                    sample_ids=[task.task_id for task in batch.tasks],
+                    sample_ids=[task.sample_id for task in batch.tasks],
                 )
             )
         planned = RolloutPlanned(
@@ -341,7 +341,7 @@ class Planner:
         return Plan(
             request=request,
             cursor=advanced,
-            sample_ids=tuple(task.task_id for task in tasks),
+            sample_ids=tuple(task.sample_id for task in tasks),
             batches=tuple(sealed),
             planned=planned,
             make_tasks=make_tasks,
@@ -358,11 +358,11 @@ class Planner:
                 raise ConfigError(f"{where} returned batch id {batch.batch_id!r} twice")
             batch_ids.add(batch.batch_id)
             for task in batch.tasks:
-                if task.task_id in seen:
-                    raise ConfigError(f"{where} placed sample {task.task_id!r} in two batches")
-                seen.add(task.task_id)
+                if task.sample_id in seen:
+                    raise ConfigError(f"{where} placed sample {task.sample_id!r} in two batches")
+                seen.add(task.sample_id)
         if len(seen) != len(tasks):
-            missing = [t.task_id for t in tasks if t.task_id not in seen][:5]
+            missing = [t.sample_id for t in tasks if t.sample_id not in seen][:5]
             raise ConfigError(
                 f"{where} placed {len(seen)} of {len(tasks)} samples (missing e.g. {missing})"
             )

@@ -528,7 +528,7 @@ class ToolEpisode(Episode):
             self.task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
         )
         logger.debug(
-            "sample %s verdict %s %s", self.task.task_id, verdict.score, dict(verdict.detail)
+            "sample %s verdict %s %s", self.task.sample_id, verdict.score, dict(verdict.detail)
         )
         return verdict.as_reward()
 

@@ -51,7 +51,7 @@ def task_of(ev: TaskFetched) -> Task:
     """The ``Task`` a ``TaskFetched`` stands for (its settings stay on the event)."""
     try:
         return Task(
-            task_id=ev.sample_id,
+            sample_id=ev.sample_id,
             rollout_id=ev.rollout_id,
             index=ev.index,
             group_index=ev.group_index,

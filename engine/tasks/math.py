@@ -142,7 +142,7 @@ def label_text(task: Task) -> str:
     label = task.label
     if isinstance(label, bool) or label is None:
         raise ConfigError(
-            f"math task {task.task_id} (dataset {task.dataset_name!r}, line "
+            f"math task {task.sample_id} (dataset {task.dataset_name!r}, line "
             f"{task.source_line}): the label must be the answer as a string or number, "
             f"got {label!r}"
         )
@@ -150,7 +150,7 @@ def label_text(task: Task) -> str:
         return repr(label) if isinstance(label, float) else str(label)
     if not isinstance(label, str) or not label.strip():
         raise ConfigError(
-            f"math task {task.task_id} (dataset {task.dataset_name!r}, line "
+            f"math task {task.sample_id} (dataset {task.dataset_name!r}, line "
             f"{task.source_line}): the label must be a non-empty string or a number, "
             f"got {label!r}"
         )

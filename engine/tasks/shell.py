@@ -30,7 +30,7 @@ def check_command(task: Task) -> str:
     label = task.label
     if not isinstance(label, str) or not label.strip() or "\0" in label:
         raise ConfigError(
-            f"shell task {task.task_id} (dataset {task.dataset_name!r}, line "
+            f"shell task {task.sample_id} (dataset {task.dataset_name!r}, line "
             f"{task.source_line}): the label must be a non-empty sh command line, got {label!r}"
         )
     return label

@@ -102,7 +102,7 @@ def make_task(
     prompt: str = MATH_QUESTION, label: str = "42", task_type: str = "math", index: int = 0
 ) -> Task:
     return Task(
-        task_id=f"r1:s{index}",
+        sample_id=f"r1:s{index}",
         rollout_id="r1",
         index=index,
         group_index=index,
@@ -128,13 +128,13 @@ def make_context(
 ) -> EpisodeContext:
     return EpisodeContext(
         rollout_id=task.rollout_id,
-        sample_id=task.task_id,
+        sample_id=task.sample_id,
         attempt=attempt,
         stopping=StoppingCriteria(
             max_turns=max_turns, max_context_len=max_context_len, max_new_tokens=max_new_tokens
         ),
         sampling_params=sampling or SamplingParams(temperature=0.0),
-        tmp_dir=tmp_path / f"{task.task_id}-a{attempt}",
+        tmp_dir=tmp_path / f"{task.sample_id}-a{attempt}",
         backends=backends,
         sandboxes=sandboxes,
     )

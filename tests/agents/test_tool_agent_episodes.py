@@ -90,12 +90,12 @@ async def test_two_concurrent_episodes_on_one_agent_do_not_interfere(
     alpha = make_task("What is 17 + 25?", "42", index=0)
     beta = make_task("What is 9 * 11?", "99", index=1)
     scripts = {
-        alpha.task_id: episode_script(tokenizer, "alpha", "17 + 25", "42"),
-        beta.task_id: episode_script(tokenizer, "beta", "9 * 11", "99"),
+        alpha.sample_id: episode_script(tokenizer, "alpha", "17 + 25", "42"),
+        beta.sample_id: episode_script(tokenizer, "beta", "9 * 11", "99"),
     }
     route = LockstepRoute(
         [
-            (agent.chat.prompt_ids(agent.initial_messages(task)), scripts[task.task_id])
+            (agent.chat.prompt_ids(agent.initial_messages(task)), scripts[task.sample_id])
             for task in (alpha, beta)
         ]
     )
@@ -121,8 +121,8 @@ async def test_two_concurrent_episodes_on_one_agent_do_not_interfere(
         assert result.termination_reason is TerminationReason.FINISH
         assert isinstance(reward, dict) and reward["score"] == 1.0
         assert [t.tool_calls for t in result.turns] == [("python",), ("python",), ()]
-        check_trajectory(result, scripts[task.task_id].outputs)
-        assert await provider.find({"rollout.sample": task.task_id}) == []
+        check_trajectory(result, scripts[task.sample_id].outputs)
+        assert await provider.find({"rollout.sample": task.sample_id}) == []
     # Each episode read back what it wrote in its own sandbox, never the other's.
     seen_a, seen_b = (observed(r, tokenizer) for r in (result_a, result_b))
     assert "\n42\n" in seen_a and "\nalpha\n" in seen_a and "beta" not in seen_a
@@ -138,10 +138,10 @@ async def test_phases_run_on_the_episode_not_on_the_agent(
     ctx = make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path)
     with pytest.raises(AgentError, match=r"agent\.episode\(task\)\.init"):
         await agent.init(task, ctx)
-    assert await provider.find({"rollout.sample": task.task_id}) == []
+    assert await provider.find({"rollout.sample": task.sample_id}) == []
     episode = agent.episode(task)
     await episode.init(ctx)
     with pytest.raises(AgentError, match="already started"):
         await episode.init(ctx)
     await episode.cleanup(ctx)
-    assert await provider.find({"rollout.sample": task.task_id}) == []
+    assert await provider.find({"rollout.sample": task.sample_id}) == []

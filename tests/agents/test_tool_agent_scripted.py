@@ -251,7 +251,7 @@ async def test_seeds_are_derived_per_sample_and_turn(
             sampling=SamplingParams(temperature=0.8, sampling_seed=99),
         )
         await run_episode(agent_for(script), task, ctx)
-        sent[task.task_id] = [r["sampling_params"]["sampling_seed"] for r in script.requests]
+        sent[task.sample_id] = [r["sampling_params"]["sampling_seed"] for r in script.requests]
         assert all(r["sampling_params"]["temperature"] == 0.8 for r in script.requests)
     assert sent == {
         sid: [derive_turn_seed(99, episode_seed=0, sample_id=sid, turn=t) for t in (0, 1)]
@@ -270,7 +270,7 @@ async def test_aborted_generation_raises_and_cleanup_stops_the_sandbox(
     ctx = make_context(task, sandboxes=provider, backends=script.backends, tmp_path=tmp_path)
     episode = agent.episode(task)
     await episode.init(ctx)
-    labels = {"rollout.rollout": "r1", "rollout.sample": task.task_id, "rollout.attempt": "1"}
+    labels = {"rollout.rollout": "r1", "rollout.sample": task.sample_id, "rollout.attempt": "1"}
     assert len(await provider.find(labels)) == 1
     with pytest.raises(GenerationAborted):
         await episode.run(ctx)
@@ -289,7 +289,7 @@ async def test_sandbox_carries_the_episode_and_worker_labels(
     labelled = LabelledProvider(
         provider,
         sandbox_labels(
-            worker="w7", rollout_id="r1", batch_id="r1:b0", sample_id=task.task_id, attempt=3
+            worker="w7", rollout_id="r1", batch_id="r1:b0", sample_id=task.sample_id, attempt=3
         ),
     )
     ctx = make_context(
@@ -302,7 +302,7 @@ async def test_sandbox_carries_the_episode_and_worker_labels(
             {
                 "rollout.worker": "w7",
                 "rollout.rollout": "r1",
-                "rollout.sample": task.task_id,
+                "rollout.sample": task.sample_id,
                 "rollout.attempt": "3",
                 MANAGED_LABEL: "1",
             }

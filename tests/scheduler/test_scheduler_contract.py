@@ -21,7 +21,7 @@ from engine.actors.scheduler import SCHEDULER_GROUP, Scheduler
 from engine.config.layout import ClusterLayout
 from engine.config.rollout import load_rollout_config
 from engine.data_source import MultiDataSource
-from engine.domain import EvaluatorProfile, task_id_for
+from engine.domain import EvaluatorProfile, sample_id_for
 from engine.errors import LogUnavailable
 from engine.events import (
     BatchAdmitted,
@@ -196,7 +196,7 @@ async def test_plan_order_batching_and_data_cursor(redis_factory: ClientFactory,
         "BatchSealed"
     ] * n_batches + ["RolloutPlanned"]
     tasks = of_type(envs, TaskFetched)
-    assert [t.sample_id for t in tasks] == [task_id_for("r1", i) for i in range(8)]
+    assert [t.sample_id for t in tasks] == [sample_id_for("r1", i) for i in range(8)]
     assert [t.group_index for t in tasks] == [0, 0, 1, 1, 2, 2, 3, 3]
 
     # Both rollouts together served exactly what one fetch from the first cursor serves

@@ -20,7 +20,7 @@ from engine.domain import (
     SamplingParams,
     StoppingCriteria,
     Task,
-    task_id_for,
+    sample_id_for,
 )
 from engine.errors import ConfigError
 
@@ -28,7 +28,7 @@ from engine.errors import ConfigError
 def _tasks(types: str, rollout_id: str = "r1", first_index: int = 0) -> list[Task]:
     return [
         Task(
-            task_id=task_id_for(rollout_id, first_index + i),
+            sample_id=sample_id_for(rollout_id, first_index + i),
             rollout_id=rollout_id,
             index=first_index + i,
             group_index=first_index + i,

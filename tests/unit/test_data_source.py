@@ -115,7 +115,7 @@ class TestGroups:
             (13, 5, "a", 1), (14, 5, "a", 1), (15, 5, "a", 1),
             (16, 6, "b", 0),
         ]  # fmt: skip
-        assert tasks[0].task_id == "r9:s10"
+        assert tasks[0].sample_id == "r9:s10"
         assert tasks[0].task_type == "a"
         assert tasks[0].source_line == 1
         assert (tasks[0].dataset_name, tasks[0].task_type) == (
@@ -160,7 +160,7 @@ class TestEval:
             ("a", 1, 1),
         ]  # fmt: skip
         assert [t.index for t in tasks] == list(range(8))
-        assert tasks[0].task_id == "eval-3:s0"
+        assert tasks[0].sample_id == "eval-3:s0"
         assert (tasks[0].dataset_name, tasks[0].task_type) == ("a", "m")
 
 

@@ -22,7 +22,7 @@ from engine.domain import (
     Task,
     TerminationReason,
     overlay,
-    task_id_for,
+    sample_id_for,
 )
 from engine.errors import ConfigError
 from engine.outcomes import AbortClass, FailureClass
@@ -39,7 +39,7 @@ def _task(index: int = 0, dataset: DatasetConfig | None = None, **overrides: obj
     """A task of ``dataset`` (default ``_dataset()``): its name and task type."""
     dataset = _dataset() if dataset is None else dataset
     fields: dict[str, object] = {
-        "task_id": task_id_for("r1", index),
+        "sample_id": sample_id_for("r1", index),
         "rollout_id": "r1",
         "index": index,
         "group_index": index,

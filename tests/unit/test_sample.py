@@ -12,7 +12,7 @@ from engine.sample import Sample
 
 def _task() -> Task:
     return Task(
-        task_id="r1:s7",
+        sample_id="r1:s7",
         rollout_id="r1",
         index=7,
         group_index=3,
