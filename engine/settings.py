@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from engine.config.messages import explain, unknown_key_message
 from engine.domain import FrozenModel, check_identifier
 from engine.errors import ConfigError
+from engine.messages import explain, unknown_key_message
 
 __all__ = ["ENV_PREFIX", "LogLevel", "Settings"]
 

@@ -48,7 +48,6 @@ from engine.batching import (
     resolve_sampling_params,
     resolve_stopping,
 )
-from engine.config.messages import explain
 from engine.config.rollout import RolloutConfig
 from engine.data_source import (
     DataCursor,
@@ -75,6 +74,7 @@ from engine.events.catalog import (
     RolloutRequested,
     TaskFetched,
 )
+from engine.messages import explain
 from engine.projections.data_cursor import DataState
 
 __all__ = ["Plan", "Planner"]

@@ -4,9 +4,8 @@ naming the file (or variable), the entry and the key.
 - ``engine.config.rollout``: the rollout YAML (training and eval datasets);
 - ``engine.config.evaluators``: the Python file exposing ``evaluator_profiles(args)`` and
   ``build_agents(args)``;
-- ``engine.config.layout``: the cluster layout (inline JSON or a file);
-- ``engine.config.messages``: shared phrasing of validation errors.
+- ``engine.config.layout``: the cluster layout (inline JSON or a file).
 
-Environment variables are declared in ``engine.settings``. The package does not re-export its
-modules so that ``engine.settings`` can use ``messages`` without an import cycle.
+Validation errors are phrased by ``engine.messages`` (shared with ``engine.settings``, where
+every environment variable is declared).
 """

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from engine.config.messages import explain, unknown_key_message
 from engine.domain import FrozenModel, NonNegInt, PosFloat
 from engine.errors import ConfigError
+from engine.messages import explain, unknown_key_message
 
 __all__ = ["ClusterLayout", "NodeSpec", "parse_cluster_layout"]
 

@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import ValidationError
 
-from engine.config.messages import explain, unknown_key_message
 from engine.domain import DatasetEntry, EvalDatasetConfig, FrozenModel, check_identifier
 from engine.errors import ConfigError
+from engine.messages import explain, unknown_key_message
 from engine.settings import Settings
 
 __all__ = ["RolloutConfig", "load_rollout_config", "parse_rollout_config"]
