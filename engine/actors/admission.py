@@ -41,12 +41,13 @@ restarts, gated or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from engine.domain import EvaluatorProfile
-from engine.errors import AppendConflict, DeadlockError
+from engine.errors import AppendConflict, DeadlockError, LogError
 from engine.events.base import Envelope
 from engine.events.catalog import BatchAdmitted, BatchSealed, PoolDeclared, TokenAcquired
 from engine.events.log import EventLog
@@ -58,6 +59,7 @@ from engine.projections.placement import (
     max_tokens_for,
     try_acquire_batch,
 )
+from engine.runtime.consumer import Backoff
 from engine.runtime.live import LiveFold
 
 __all__ = [
@@ -209,20 +211,43 @@ class PoolGate:
         if self._fold.apply([env]):
             await self._changed_now()
 
-    async def watch(self) -> None:
+    async def watch(self, *, backoff: Backoff | None = None) -> None:
         """Fold new ``rl:pool`` entries as they are appended, until ``close()``.
 
         A blocking read past the stream's last id wakes it; the tail is then folded. It
         stops between reads rather than by cancellation: cancelling redis-py in the middle
-        of a blocking read can leave the task stuck in the socket read.
+        of a blocking read can leave the task stuck in the socket read. A read that fails
+        (Redis unreachable) is retried after the runtime's backoff (``Backoff``: growing
+        pauses, reset by a read that succeeds), so an outage pauses admissions instead of
+        stopping the scheduler.
         """
+        backoff = backoff or Backoff()
         while not self._closed:
-            last = await self._log.last_id(self.stream)
-            # Everything up to ``last`` is read by this refresh (dead letters included).
-            await self.refresh(at_least=last)
-            if self._closed:
-                return
-            await self._log.tail({self.stream: last}, count=1)
+            try:
+                last = await self._log.last_id(self.stream)
+                # Everything up to ``last`` is read by this refresh (dead letters included).
+                await self.refresh(at_least=last)
+                if self._closed:
+                    return
+                await self._log.tail({self.stream: last}, count=1)
+            except LogError as exc:
+                pause = backoff.next_pause()
+                logger.warning(
+                    "pool watch: reading %s failed, retrying in %.1f s: %s", self.stream, pause, exc
+                )
+                await self._pause_unless_closed(pause)
+                continue
+            backoff.reset()
+
+    async def _pause_unless_closed(self, seconds: float) -> None:
+        """Sleep ``seconds``, cut short by ``close()``."""
+
+        async def closed() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._closed)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closed(), seconds)
 
     async def close(self) -> None:
         """Stop ``watch`` after its current read and make waiting ``admit`` calls raise
