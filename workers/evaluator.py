@@ -162,7 +162,7 @@ async def _serve(
             tmp_root=args.tmp_dir,
         ),
         backends=backends,
-        sandbox_factory=provider,
+        sandboxes=provider,
         on_task_done=progress.on_task_done,
         on_batch_done=progress.on_batch_done,
     )

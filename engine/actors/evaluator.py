@@ -150,7 +150,7 @@ class Evaluator:
         names: StreamNames,
         settings: EpisodeSettings,
         backends: BackendPool | None = None,
-        sandbox_factory: SandboxProvider | None = None,
+        sandboxes: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -160,7 +160,7 @@ class Evaluator:
         self._names = names
         self._settings = settings
         self._backends = backends
-        self._sandbox_factory = sandbox_factory
+        self._sandboxes = sandboxes
         self._on_task_done = on_task_done
         self._clock = clock
         self._sem = asyncio.Semaphore(spec.profile.resource.concurrency)
@@ -472,10 +472,10 @@ class Evaluator:
         return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
 
     def _labelled_factory(self, sample_id: str, attempt: int) -> LabelledProvider | None:
-        if self._sandbox_factory is None:
+        if self._sandboxes is None:
             return None
         return LabelledProvider(
-            self._sandbox_factory,
+            self._sandboxes,
             sandbox_labels(
                 worker=self._settings.worker_id,
                 rollout_id=self.plan.admitted.rollout_id,

@@ -129,7 +129,7 @@ class EvaluatorWorker:
         config: WorkerConfig,
         *,
         backends: BackendPool | None = None,
-        sandbox_factory: SandboxProvider | None = None,
+        sandboxes: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         on_batch_done: Callable[[BatchReport], None] | None = None,
     ) -> None:
@@ -144,7 +144,7 @@ class EvaluatorWorker:
         self.specs = dict(specs)
         self.config = config
         self._backends = backends
-        self._sandbox_factory = sandbox_factory
+        self._sandboxes = sandboxes
         self._on_task_done = on_task_done
         self._on_batch_done = on_batch_done
         self._settings = EpisodeSettings(
@@ -209,7 +209,7 @@ class EvaluatorWorker:
             names=self.names,
             settings=self._settings,
             backends=self._backends,
-            sandbox_factory=self._sandbox_factory,
+            sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
         )
         await evaluator.run()
@@ -281,12 +281,12 @@ class EvaluatorWorker:
         return self._pool.state
 
     async def _reap_previous(self, ev: BatchAdmitted, workers: Sequence[str]) -> None:
-        if self._sandbox_factory is None:
+        if self._sandboxes is None:
             return
         for worker in workers:
             selector = sandbox_labels(worker=worker, rollout_id=ev.rollout_id, batch_id=ev.batch_id)
             try:
-                n = await self._sandbox_factory.reap(selector)
+                n = await self._sandboxes.reap(selector)
             except Exception as exc:  # reaping is best effort; the batch still runs
                 logger.warning(
                     "reaping sandboxes of %s for %s failed: %s", worker, ev.batch_id, exc

@@ -85,7 +85,7 @@ async def run_one(
             names=StreamNames("rl"),
             settings=EpisodeSettings(worker_id="w-agents", tmp_root=tmp_path),
             backends=backends,
-            sandbox_factory=provider,
+            sandboxes=provider,
         )
         await evaluator.run()
     assert await provider.find({"rollout.worker": "w-agents"}) == []  # cleanup stopped it

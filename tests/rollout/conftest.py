@@ -61,7 +61,7 @@ class Engine:
             "block_ms": BLOCK_MS,
             "grace_s": 5.0,
         }
-        extra = {k: overrides.pop(k) for k in list(overrides) if k in ("sandbox_factory",)}
+        extra = {k: overrides.pop(k) for k in list(overrides) if k in ("sandboxes",)}
         config.update(overrides)
         return EvaluatorWorker(self.make_log(), self.specs, WorkerConfig(**config), **extra)
 

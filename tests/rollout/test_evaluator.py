@@ -228,7 +228,7 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
     await wait_state(log, "r4", only_hung_left)
     stop_a.set()
     provider = RecordingProvider()
-    engine.start_worker("wB", sandbox_factory=provider)
+    engine.start_worker("wB", sandboxes=provider)
     await asyncio.wait_for(RolloutClient(log).wait_ready("r4"), 30)
 
     stream = log.names.rollout("r4")
