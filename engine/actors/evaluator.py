@@ -299,7 +299,7 @@ class Evaluator:
                 sampling_params=sampling,
                 tmp_dir=tmp,
                 backends=self._backends,
-                sandboxes=self._labelled_factory(sample_id, attempt),
+                sandboxes=self._labelled_sandboxes(sample_id, attempt),
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
                 dagger_beta=self._dagger_beta,
@@ -471,7 +471,7 @@ class Evaluator:
             )
         return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
 
-    def _labelled_factory(self, sample_id: str, attempt: int) -> LabelledProvider | None:
+    def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandboxes is None:
             return None
         return LabelledProvider(
