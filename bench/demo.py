@@ -17,7 +17,7 @@ What runs (one machine, one run):
   It runs exactly the tasks of the engine round before it: the ``TaskFetched`` events of that
   rollout (prompt, label, dataset, and the stopping and sampling params the planner
   resolved), each routed to the evaluator its ``BatchSealed`` names,
-  with the per-sample seed the evaluator derives (``engine.actors.evaluator.sample_seed``), so
+  with the per-sample seed the evaluator derives (``engine.actors.batch_run.sample_seed``), so
   both arms ask the server for the same generations (the bench counts the samples whose
   tokens came out identical). Per sample: ``init -> run -> eval ->
   cleanup`` inside the episode window and ``Sample.from_agent_result`` (the seeds' loop),
@@ -64,7 +64,7 @@ from types import FrameType
 from typing import Any
 
 from engine.actors.aborts import classify_abort
-from engine.actors.evaluator import sample_seed
+from engine.actors.batch_run import sample_seed
 from engine.agents.base import EpisodeContext
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool

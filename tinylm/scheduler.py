@@ -37,7 +37,7 @@ import torch
 from tinylm.runtime import Chunk, TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
-__all__ = ["GenerateOutput", "GenerateRequest", "Pending", "Scheduler", "SchedulerClosed"]
+__all__ = ["GenerateOutput", "GenerateRequest", "Pending", "GenerationScheduler", "SchedulerClosed"]
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _top(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist(), strict=True))
 
 
-class Scheduler:
+class GenerationScheduler:
     """Continuous batching over a ``TinyLMRuntime`` (see the module docstring)."""
 
     def __init__(

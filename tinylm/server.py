@@ -43,8 +43,8 @@ from tinylm.sampling import LogprobMode, SamplingParams
 from tinylm.scheduler import (
     GenerateOutput,
     GenerateRequest,
+    GenerationScheduler,
     Pending,
-    Scheduler,
     SchedulerClosed,
 )
 
@@ -122,7 +122,7 @@ class TinyLMServer:
         runtime = TinyLMRuntime.load(
             root, max_slots=config.max_running_requests, max_len=config.max_context
         )
-        self.scheduler = Scheduler(
+        self.scheduler = GenerationScheduler(
             runtime,
             self.tokenizer,
             eos_token_ids=_eos_ids(root, self.hf_tokenizer),

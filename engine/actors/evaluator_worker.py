@@ -1,4 +1,4 @@
-"""The evaluator worker: consumes admitted batches and runs each through an ``Evaluator``.
+"""The evaluator worker: consumes admitted batches and runs each as a ``BatchRun``.
 
 Contract
 --------
@@ -45,10 +45,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.actors.evaluator import (
+from engine.actors.batch_run import (
     BatchPlan,
+    BatchRun,
     EpisodeSettings,
-    Evaluator,
     OnTaskDone,
     sandbox_labels,
 )
@@ -202,7 +202,7 @@ class EvaluatorWorker:
                 f"no evaluator {ev.evaluator_id!r} for batch {ev.batch_id}; leaving it pending"
             )
         plan = await (self._recovery_plan(d, ev) if d.redelivered else self._fresh_plan(d, ev))
-        evaluator = Evaluator(
+        evaluator = BatchRun(
             spec,
             plan,
             sink=self.sink,

@@ -1,6 +1,6 @@
 """A sample attempt's outcome as events: pure functions of what the attempt produced.
 
-The ``Evaluator`` runs an episode and keeps an :class:`Attempt` record (phase, node, turns,
+The ``BatchRun`` runs an episode and keeps an :class:`Attempt` record (phase, node, turns,
 time used); when the episode ends, exactly one of these decides what goes to the log:
 
 * :func:`completed_events` -- one ``TurnCompleted`` per turn of the agent's result, then

@@ -1,5 +1,5 @@
-"""The bundled evaluators run by the real ``Evaluator`` actor: the tinylm server over sockets, the
-local sandbox through the worker's labelled provider, events out.
+"""The bundled evaluators run by a worker's real ``BatchRun``: the tinylm server over sockets,
+the local sandbox through the worker's labelled provider, events out.
 
 This pins the contract between the bundled evaluator config (profiles bound to agents, as a
 worker loads them) and the evaluator: the episode context it
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.actors.evaluator import BatchPlan, EpisodeSettings, Evaluator
+from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings
 from engine.backends.pool import BackendPool
 from engine.config.evaluators import load_evaluators
 from engine.events.base import Event
@@ -78,7 +78,7 @@ async def run_one(
         tokens=(),
     )
     async with BackendPool(server.url) as backends:
-        evaluator = Evaluator(
+        evaluator = BatchRun(
             specs[evaluator_id],
             plan,
             sink=sink,

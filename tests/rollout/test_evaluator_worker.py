@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.actors.evaluator import sample_seed
+from engine.actors.batch_run import sample_seed
 from engine.actors.evaluator_worker import EvaluatorWorker
 from engine.client import RolloutClient
 from engine.events import (

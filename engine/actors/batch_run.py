@@ -1,6 +1,6 @@
-"""The Evaluator: runs one admitted batch's episodes and records them as events.
+"""A batch run: one admitted batch's episodes, run and recorded as events.
 
-One ``Evaluator`` is built per batch delivery (seeds: task-scheduler §4), drains the batch and
+One ``BatchRun`` is built per batch delivery (seeds: task-scheduler §4), drains the batch and
 is discarded. It holds no domain logic: the binding's ``BaseAgent`` owns each episode, one
 ``Episode`` per attempt (``agent.episode(task)``), and gets the worker's ports through its
 ``EpisodeContext``: the backend pool and the sandbox provider, labelled for the attempt.
@@ -91,7 +91,7 @@ from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 __all__ = [
     "BatchPlan",
     "EpisodeSettings",
-    "Evaluator",
+    "BatchRun",
     "EventSink",
     "LabelledProvider",
     "OnTaskDone",
@@ -138,7 +138,7 @@ class BatchPlan:
     causation: str | None = None
 
 
-class Evaluator:
+class BatchRun:
     """Runs one ``BatchPlan`` (see the module docstring)."""
 
     def __init__(
