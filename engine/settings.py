@@ -25,6 +25,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from engine.domain import FrozenModel, check_identifier
 from engine.errors import ConfigError
+from engine.events import RedisSettings
 from engine.messages import explain, unknown_key_message
 
 __all__ = ["ENV_PREFIX", "LogLevel", "Settings"]
@@ -98,6 +99,28 @@ class Settings(FrozenModel):
         description="Deliveries after which an entry is dead-lettered and its samples are "
         "aborted as infra_other.",
     )
+    # -- security (docs/security.md) ----------------------------------------------------
+    sandbox_require_isolation: bool = Field(
+        False,
+        description="Evaluator workers refuse to start unless local sandboxes get their own "
+        "network namespace and uid (unset: they start and log a warning).",
+    )
+    redis_username: str | None = Field(
+        None, description="ACL user of the Redis connection (unset: the URL's, else default)."
+    )
+    redis_password_file: Path | None = Field(
+        None,
+        description="File holding the Redis password (keep it mode 0600; unset: the URL's).",
+    )
+    redis_tls_ca_file: Path | None = Field(
+        None, description="CA certificate that signs the Redis server's (rediss:// URLs)."
+    )
+    redis_tls_cert_file: Path | None = Field(
+        None, description="Client certificate for Redis TLS (when the server asks for one)."
+    )
+    redis_tls_key_file: Path | None = Field(
+        None, description="Private key of redis_tls_cert_file."
+    )
 
     @field_validator("stream_prefix")
     @classmethod
@@ -146,6 +169,37 @@ class Settings(FrozenModel):
                 f"{env_name(key)} {problem}" if key else problem for key, problem in explain(exc)
             ]
             raise ConfigError("environment: " + "; ".join(problems)) from None
+
+    def redis(self, *, url: str | None = None, block_ms: int | None = None) -> RedisSettings:
+        """Connection settings for the engine's own processes: ``url`` (default
+        ``redis_url``) plus the credentials and TLS files set here. Reads the password file;
+        ``ConfigError`` names it when it cannot."""
+        password: str | None = None
+        if self.redis_password_file is not None:
+            try:
+                password = self.redis_password_file.read_text().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"{env_name('redis_password_file')}: cannot read "
+                    f"{self.redis_password_file}: {exc.strerror}"
+                ) from exc
+            if not password:
+                raise ConfigError(
+                    f"{env_name('redis_password_file')}: {self.redis_password_file} is empty"
+                )
+
+        def path(value: Path | None) -> str | None:
+            return None if value is None else str(value)
+
+        return RedisSettings(
+            url=url or self.redis_url,
+            block_ms=self.block_ms if block_ms is None else block_ms,
+            username=self.redis_username,
+            password=password,
+            tls_ca_file=path(self.redis_tls_ca_file),
+            tls_cert_file=path(self.redis_tls_cert_file),
+            tls_key_file=path(self.redis_tls_key_file),
+        )
 
     @classmethod
     def describe(cls) -> str:

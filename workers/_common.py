@@ -17,7 +17,7 @@ import sys
 from engine.errors import ConfigError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
-from engine.events.redis_log import RedisSettings, open_log
+from engine.events.redis_log import open_log
 from engine.settings import Settings
 
 __all__ = [
@@ -79,7 +79,8 @@ def setup_logging(level: str) -> None:
 
 
 def make_log(args: argparse.Namespace, producer: str) -> EventLog:
-    settings = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
+    # Credentials and TLS files come from the environment (ROLLOUT_REDIS_*), never argv.
+    settings = Settings.from_env().redis(url=args.redis_url, block_ms=args.block_ms)
     return open_log(
         settings,
         names=StreamNames(args.prefix),

@@ -85,6 +85,13 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         default=None,
         help="directory of the local sandboxes (workers that reap each other share it)",
     )
+    add(
+        "--require-isolation",
+        action=argparse.BooleanOptionalAction,
+        default=settings.sandbox_require_isolation,
+        help="refuse to start unless local sandboxes get their own network namespace and uid "
+        "(default: ROLLOUT_SANDBOX_REQUIRE_ISOLATION)",
+    )
     add("--quiet", action="store_true", help="no progress lines")
     return parser
 
@@ -131,12 +138,28 @@ def _select(specs: Mapping[str, EvaluatorBinding], wanted: str | None) -> tuple[
     return ids
 
 
-def _sandbox_provider(kind: str, root: Path | None) -> LocalSandboxProvider | None:
+def _sandbox_provider(
+    kind: str, root: Path | None, *, require_isolation: bool = False
+) -> LocalSandboxProvider | None:
+    """The worker's provider; says at start, loudly when it falls short, how sandboxes are
+    contained. ``ConfigError`` when isolation is required and this machine cannot give it."""
     if kind == "none":
         return None
-    if root is None:
-        return LocalSandboxProvider()
-    return LocalSandboxProvider(LocalSandboxConfig(root=root.resolve()))
+    options: dict[str, Any] = {"require_isolation": require_isolation}
+    if root is not None:
+        options["root"] = root.resolve()
+    provider = LocalSandboxProvider(LocalSandboxConfig(**options))
+    containment = provider.containment
+    if containment.isolated:
+        logger.info("sandboxes: %s", containment.describe())
+    else:
+        logger.warning(
+            "SANDBOXES ARE NOT ISOLATED: agent commands can reach what this worker can "
+            "(Redis, the model server's admin endpoints): %s. Set "
+            "ROLLOUT_SANDBOX_REQUIRE_ISOLATION=1 to refuse to start like this.",
+            containment.describe(),
+        )
+    return provider
 
 
 async def _serve(
@@ -144,10 +167,10 @@ async def _serve(
     specs: Mapping[str, EvaluatorBinding],
     ids: tuple[str, ...],
     backends: BackendPool,
+    provider: LocalSandboxProvider | None,
 ) -> int:
     log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)
-    provider = _sandbox_provider(args.sandbox, args.sandbox_root)
     worker = EvaluatorWorker(
         log,
         specs,
@@ -194,11 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         specs = load_evaluators(args.evaluator_config, args)
         ids = _select(specs, args.evaluators)
+        provider = _sandbox_provider(
+            args.sandbox, args.sandbox_root, require_isolation=args.require_isolation
+        )
         backends = BackendPool(args.sglang_url or None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, specs, ids, backends))
+    return asyncio.run(_serve(args, specs, ids, backends, provider))
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
         plan_chunk=args.plan_chunk,
     )
     names = StreamNames(args.prefix)
-    redis = RedisSettings(url=args.redis_url, block_ms=args.block_ms)
+    redis = settings.redis(url=args.redis_url, block_ms=args.block_ms)
     return _Components(Planner(rollout, profiles), layout, config, redis, names)
 
 

@@ -22,7 +22,7 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,7 +30,7 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.errors import AppendConflict, DecodeError, LogError, LogUnavailable
+from engine.errors import AppendConflict, ConfigError, DecodeError, LogError, LogUnavailable
 from engine.events.base import Envelope, Event
 from engine.events.catalog import DeadLetter
 from engine.events.codec import decode, encode
@@ -103,21 +103,68 @@ HAND_BACK_IDLE_MS = 10**10
 
 @dataclass(frozen=True, slots=True)
 class RedisSettings:
-    """Connection settings; ``socket_timeout`` always exceeds the longest blocking read."""
+    """Connection settings; ``socket_timeout`` always exceeds the longest blocking read.
+
+    Credentials: ``username``/``password`` when set, else those of the URL
+    (``redis://user:password@host:port/db``). TLS: a ``rediss://`` URL; ``tls_ca_file`` is the
+    CA that signed the server's certificate (unset: the system's), ``tls_cert_file`` +
+    ``tls_key_file`` a client certificate for servers that ask for one. The server's
+    certificate is always verified; the TLS knobs on a ``redis://`` URL are refused.
+    """
 
     url: str = "redis://127.0.0.1:6379/0"
     block_ms: int = 2000
     connect_timeout_s: float = 5.0
     socket_margin_s: float = 5.0
     max_connections: int = 64
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        tls_knobs = [
+            name
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+            if getattr(self, name) is not None
+        ]
+        if tls_knobs and not self.url.startswith("rediss://"):
+            raise ConfigError(
+                f"RedisSettings: {', '.join(tls_knobs)} set but the URL is not rediss:// "
+                f"(got {_redact(self.url)!r})"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("RedisSettings: tls_cert_file and tls_key_file go together")
 
     @property
     def socket_timeout_s(self) -> float:
         return self.block_ms / 1000.0 + self.socket_margin_s
 
 
+def _redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
 def connect(settings: RedisSettings) -> aioredis.Redis:
     """A client whose socket timeout outlives every BLOCK and that never retries blindly."""
+    auth: dict[str, Any] = {}
+    if settings.username is not None:
+        auth["username"] = settings.username
+    if settings.password is not None:
+        auth["password"] = settings.password
+    if settings.url.startswith("rediss://"):
+        auth.update(ssl_cert_reqs="required", ssl_check_hostname=False)
+        if settings.tls_ca_file is not None:
+            auth["ssl_ca_certs"] = settings.tls_ca_file
+        if settings.tls_cert_file is not None:
+            auth.update(ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
     return aioredis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout_s,
@@ -127,6 +174,7 @@ def connect(settings: RedisSettings) -> aioredis.Redis:
         decode_responses=False,
         max_connections=settings.max_connections,
         health_check_interval=30,
+        **auth,
     )
 
 

@@ -8,6 +8,7 @@ implement ``SandboxProvider``.
 from engine.sandbox.base import (
     MANAGED_LABEL,
     SANDBOX_ID_LABEL,
+    Endpoint,
     ExecOutcome,
     ExecResult,
     KillReason,
@@ -33,6 +34,7 @@ __all__ = [
     "DockerSandbox",
     "DockerSandboxConfig",
     "DockerSandboxProvider",
+    "Endpoint",
     "ExecOutcome",
     "ExecResult",
     "KillReason",

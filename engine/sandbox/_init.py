@@ -9,7 +9,9 @@ one per provider. Why a process of its own:
   ``RLIMIT_NPROC`` and its ``pids.max`` and exhaust pids in the long run. The supervisor is a
   subreaper (``PR_SET_CHILD_SUBREAPER``) and reaps everything that lands on it.
 * **Containment in the right order**, in a small single-threaded process where ``fork`` is safe:
-  the child joins the exec's cgroups (needs root, so first), sets the rlimits
+  the child enters the sandbox's network namespace (``setns``; or makes a new one with only
+  loopback up, for the process that holds a sandbox's namespace), joins the exec's cgroups
+  (needs root, so first), sets the rlimits
   (``RLIMIT_NPROC`` before ``setuid``), drops to the sandbox uid/gid with no supplementary
   groups, sets ``no_new_privs`` so setuid binaries cannot regain privileges, restores the
   signal dispositions Python ignores (SIGPIPE, SIGXFSZ), ``chdir`` s and execs the command.
@@ -38,16 +40,22 @@ from __future__ import annotations
 import array
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import resource
 import select
 import signal
 import socket
+import struct
 import sys
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
 _FDS_PER_REQUEST = 4
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -58,8 +66,45 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}, {value}): {os.strerror(err)}")
 
 
+def _loopback_up() -> None:
+    """Bring ``lo`` up in the (new, empty) network namespace: 127.0.0.1 and nothing else."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+
+
+def _network(spec: dict[str, object]) -> None:
+    """``new_netns``: unshare a network namespace; ``netns``: join the one a holder keeps."""
+    if spec.get("new_netns"):
+        if _LIBC.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+        _loopback_up()
+        return
+    netns = spec.get("netns")
+    if not isinstance(netns, dict):
+        return
+    path = f"/proc/{int(netns['pid'])}/ns/net"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(exc.errno, f"the sandbox's network namespace ({path}) is gone") from exc
+    try:
+        # The holder's pid could have been reused by a process in another namespace (the
+        # host's): only the namespace recorded at creation, by inode, may be joined.
+        if os.fstat(fd).st_ino != int(netns["ino"]):
+            raise OSError(errno.ESRCH, f"the sandbox's network namespace ({path}) is gone")
+        if _LIBC.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _setup(spec: dict[str, object]) -> None:
     """Containment of one command, in the child, in the order the kernel needs."""
+    _network(spec)
     cgroup_procs = spec.get("cgroup_procs", [])
     assert isinstance(cgroup_procs, list)
     for path in cgroup_procs:

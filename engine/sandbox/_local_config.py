@@ -2,13 +2,15 @@
 
 :func:`plan_containment` runs once per provider: it decides who commands run as (a dedicated uid
 per sandbox, ``nobody``, or the worker's own uid -- see :mod:`engine.sandbox.local`) from the
-worker's euid and the user namespace's uid map, and which cgroups are usable
-(:mod:`engine.sandbox._cgroup`).
+worker's euid and the user namespace's uid map, which cgroups are usable
+(:mod:`engine.sandbox._cgroup`), and whether sandboxes can get a network namespace of their own
+(it tries ``unshare(CLONE_NEWNET)`` in a throwaway process).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -46,6 +48,12 @@ class LocalSandboxConfig:
     sandbox markers are added). ``python``: the interpreter that runs the supervisor.
     ``drain_grace_s``: after a command exits, how long to keep reading output that its
     background processes still write.
+    ``network``: ``"auto"`` gives each sandbox a network namespace of its own (loopback only, no
+    route out; see :mod:`engine.sandbox.local`) when the machine allows it and runs commands on
+    the host's network otherwise (``Containment`` says so); ``"required"`` refuses to run
+    without one; ``"off"`` shares the host's network on purpose.
+    ``require_isolation``: refuse to start (``ConfigError``) unless commands get both their own
+    network namespace and a uid other than the worker's.
     """
 
     root: Path = field(default_factory=_default_root)
@@ -60,6 +68,8 @@ class LocalSandboxConfig:
     python: str = sys.executable
     drain_grace_s: float = 1.0
     default_limits: SandboxLimits = field(default_factory=SandboxLimits)
+    network: Literal["auto", "off", "required"] = "auto"
+    require_isolation: bool = False
 
     def __post_init__(self) -> None:
         if not self.root.is_absolute():
@@ -87,6 +97,13 @@ class Containment:
     identity: Identity
     cgroup: CgroupLayout | None
     notes: str = ""
+    network: bool = False
+    """Whether each sandbox gets a network namespace of its own (loopback only)."""
+
+    @property
+    def isolated(self) -> bool:
+        """Commands can neither reach the host's network nor act as the worker's uid."""
+        return self.network and self.identity != "inherit"
 
     def describe(self) -> str:
         who = {
@@ -95,8 +112,39 @@ class Containment:
             "inherit": "the worker's own uid",
         }[self.identity]
         groups = self.cgroup.describe() if self.cgroup else "no cgroups"
-        text = f"commands run as {who}; {groups}"
+        net = (
+            "a network namespace per sandbox (loopback only)"
+            if self.network
+            else "the HOST'S NETWORK (they can reach every loopback service)"
+        )
+        text = f"commands run as {who}; {groups}; {net}"
         return f"{text} ({self.notes})" if self.notes else text
+
+
+_PROBE = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.unshare(0x40000000) != 0:\n"
+    "    sys.exit(os.strerror(ctypes.get_errno()))\n"
+)
+
+
+def probe_network_namespace(python: str) -> str | None:
+    """``None`` when a process may ``unshare(CLONE_NEWNET)`` here, else the reason it may not."""
+    try:
+        done = subprocess.run(
+            [python, "-I", "-S", "-c", _PROBE],
+            capture_output=True,
+            timeout=30,
+            env={"PATH": DEFAULT_PATH},
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"could not probe for network namespaces with {python}: {exc}"
+    if done.returncode == 0:
+        return None
+    why = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return f"unshare(CLONE_NEWNET) refused: {why[-1] if why else done.returncode}"
 
 
 def _mapped(map_file: str, first: int, count: int) -> bool:
@@ -156,7 +204,21 @@ def plan_containment(config: LocalSandboxConfig) -> Containment:
             raise ConfigError(f"LocalSandboxConfig.cgroups='required' but {reason}")
         if reason:
             notes.append(reason)
-    return Containment(identity, layout, "; ".join(notes))
+    network = False
+    if config.network != "off":
+        refused = probe_network_namespace(config.python)
+        if refused is not None and config.network == "required":
+            raise ConfigError(f"LocalSandboxConfig.network='required' but {refused}")
+        if refused is not None:
+            notes.append(refused)
+        network = refused is None
+    containment = Containment(identity, layout, "; ".join(notes), network)
+    if config.require_isolation and not containment.isolated:
+        raise ConfigError(
+            "sandbox isolation is required (LocalSandboxConfig.require_isolation) but this "
+            f"machine gives: {containment.describe()}"
+        )
+    return containment
 
 
 def check_env(env: Mapping[str, str], what: str) -> None:

@@ -185,6 +185,28 @@ class Supervisor:
         pid = await pending.started
         return Spawned(pid, pending.exited)
 
+    async def spawn_detached(
+        self, *, argv: Sequence[str], env: dict[str, str], spec: dict[str, object]
+    ) -> int:
+        """Start a process with no I/O that nobody waits for (it is killed by marker or pgid);
+        returns its pid once it has exec'd, or raises ``SandboxError`` with the setup error."""
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        diag_r, diag_w = os.pipe()
+        try:
+            fds = [null, null, null, diag_w]
+            spawned = await self.spawn(argv=argv, env=env, spec=spec, fds=fds)
+        except BaseException:
+            os.close(diag_r)
+            raise
+        finally:
+            os.close(null)
+            os.close(diag_w)
+        spawned.exited.add_done_callback(_retrieve)
+        setup_error = await asyncio.to_thread(_read_all, diag_r)
+        if setup_error:
+            raise SandboxError(setup_error)
+        return spawned.pid
+
     def close(self) -> None:
         """Stop accepting commands; the supervisor exits once its children are gone."""
         with self._lock:
@@ -194,6 +216,11 @@ class Supervisor:
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+
+
+def _retrieve(future: asyncio.Future[int]) -> None:
+    if not future.cancelled():
+        future.exception()  # nobody waits for a detached process: its end is not an error
 
 
 class Capture(asyncio.Protocol):

@@ -22,6 +22,11 @@ Contract every backend keeps (the contract suite in ``tests/sandbox`` checks it)
   that leaves the working directory -- ``..``, an absolute path elsewhere, a symlink pointing
   out -- raises :class:`~engine.errors.SandboxEscape` naming the path. ``write_file`` creates
   missing parent directories.
+* Network: commands reach no network but the sandbox's own loopback (Docker:
+  ``network_mode=none``; local: a network namespace per sandbox where the machine allows it,
+  see ``LocalSandboxProvider.containment``). ``await sandbox.expose(Endpoint(port=...,
+  target=...))`` after ``start`` makes exactly one service outside reachable at
+  ``127.0.0.1:port`` inside, relayed by the worker; nothing else of the host becomes reachable.
 * ``stop`` kills every process of the sandbox and removes everything it allocated. It is
   idempotent; afterwards ``exec`` and the file calls raise ``SandboxError``.
 """
@@ -42,6 +47,7 @@ from engine.errors import ConfigError, SandboxError, SandboxLimitExceeded, Sandb
 __all__ = [
     "MANAGED_LABEL",
     "SANDBOX_ID_LABEL",
+    "Endpoint",
     "ExecOutcome",
     "ExecResult",
     "KillReason",
@@ -187,6 +193,46 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.killed_by is None and not self.timed_out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """One service outside a sandbox that its commands may reach at ``127.0.0.1:port`` inside.
+
+    ``target`` is ``"HOST:PORT"`` (TCP, connected to from the worker's network) or
+    ``"unix:/path"`` (a Unix socket of the worker's machine).
+    """
+
+    port: int
+    target: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not (
+            1 <= self.port <= 65535
+        ):
+            raise ConfigError(f"Endpoint.port must be in 1..65535, got {self.port!r}")
+        if self.unix_path is None:
+            _ = self.host_port  # validates
+
+    @property
+    def unix_path(self) -> str | None:
+        if self.target.startswith("unix:"):
+            path = self.target[len("unix:") :]
+            if not path.startswith("/"):
+                raise ConfigError(
+                    f"Endpoint.target {self.target!r}: the Unix path must be absolute"
+                )
+            return path
+        return None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.target.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(
+                f"Endpoint.target must be 'HOST:PORT' or 'unix:/path', got {self.target!r}"
+            )
+        return host.strip("[]"), int(port)
 
 
 def classify(result: ExecResult) -> ExecOutcome:
@@ -370,6 +416,12 @@ class Sandbox(Protocol):
     async def read_file(self, path: str) -> bytes: ...
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+
+    async def expose(self, endpoint: Endpoint) -> str:
+        """Make ``endpoint.target`` reachable at ``127.0.0.1:endpoint.port`` inside (after
+        ``start``); returns that address. ``SandboxError`` when this sandbox has no network of
+        its own to put it in (then its commands already share the host's network)."""
+        ...
 
     async def stop(self) -> None: ...
 

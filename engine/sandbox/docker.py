@@ -45,9 +45,11 @@ from typing import Any, Literal
 from engine.errors import ConfigError, SandboxError
 from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_member, translate
 from engine.sandbox._docker_files import ArchiveFiles
+from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
 from engine.sandbox.base import (
     MANAGED_LABEL,
     SANDBOX_ID_LABEL,
+    Endpoint,
     ExecResult,
     SandboxLimits,
     attribute_end,
@@ -164,6 +166,7 @@ class DockerSandbox:
         self._config = config
         self._workdir = posixpath.normpath(config.workdir)
         self._container: Any = None
+        self._forwarders: list[Forwarder] = []
         self._files: ArchiveFiles | None = None
         self._state: Literal["new", "running", "failed", "stopped"] = "new"
         self._failure = ""
@@ -302,11 +305,39 @@ class DockerSandbox:
             )
         return output.decode("utf-8", "replace")
 
+    async def expose(self, endpoint: Endpoint) -> str:
+        """Forward ``127.0.0.1:endpoint.port`` in the container's network namespace to
+        ``endpoint.target``. Needs the daemon on this machine and a root worker: the worker
+        joins the namespace through the container's init pid (``/proc/PID/ns/net``)."""
+        container = self._require_running(f"expose {endpoint.target}")
+        try:
+            await asyncio.to_thread(container.reload)
+            pid = int(container.attrs["State"]["Pid"])
+            netns = NetnsRef.of(pid)
+        except Exception as exc:
+            raise SandboxError(
+                f"sandbox {self._id}: cannot reach the container's network namespace to expose "
+                f"{endpoint.target} (the daemon must run on this machine and the worker as "
+                f"root): {exc}"
+            ) from exc
+        forwarder = Forwarder(endpoint)
+        listener = await listen_inside(netns, endpoint.port)
+        try:
+            await forwarder.start(listener)
+        except BaseException:
+            listener.close()
+            raise
+        self._forwarders.append(forwarder)
+        return f"127.0.0.1:{endpoint.port}"
+
     async def stop(self) -> None:
         async with self._lock:
             if self._state == "stopped":
                 return
             self._state = "stopped"
+            forwarders, self._forwarders = self._forwarders, []
+            for forwarder in forwarders:
+                await forwarder.close()
             await self._remove_container()
 
     async def _remove_container(self) -> None:

@@ -27,6 +27,15 @@ credentials), ``cwd`` in the working directory, and these limits:
 * **disk** -- ``RLIMIT_FSIZE`` per file when ``limits.disk_mb`` is set.
 * **wall clock** -- on timeout the command's processes are SIGKILLed: its cgroup, its process
   group and every process carrying its exec marker (descendants that called ``setsid`` too).
+* **network** -- each sandbox gets a network namespace of its own (``LocalSandboxConfig.network``,
+  default ``"auto"``): only a loopback interface, no route anywhere, so commands cannot reach
+  the engine's Redis, the model server or any other service of the host, on loopback or not.
+  A small root process (the *namespace holder*, which the sandbox uid cannot signal) keeps the
+  namespace alive for the sandbox's life; every command ``setns`` es into it before dropping
+  privileges, so commands of one sandbox share their loopback (a server started by one command
+  answers the next) while sandboxes never share one. ``expose(Endpoint(...))`` forwards one
+  port inside to one service outside (see ``_forward``). Where the machine refuses
+  ``unshare(CLONE_NEWNET)``, commands share the host's network and ``containment`` says so.
 
 ``stop()`` and ``reap()`` kill everything of the sandbox -- its uid's processes when it has a
 dedicated uid, its cgroups, everything carrying its marker, its recorded process groups -- then
@@ -54,6 +63,7 @@ from typing import Literal
 from engine.errors import ConfigError, SandboxError
 from engine.sandbox import _procs
 from engine.sandbox._cgroup import CgroupCounters, SandboxCgroup
+from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
 from engine.sandbox._local_config import (
     NOBODY,
     Containment,
@@ -73,6 +83,7 @@ from engine.sandbox._spawn import Supervisor, run_command
 from engine.sandbox.base import (
     MANAGED_LABEL,
     SANDBOX_ID_LABEL,
+    Endpoint,
     ExecResult,
     SandboxLimits,
     attribute_end,
@@ -116,6 +127,8 @@ class LocalSandbox:
             created_at=time.time(),
         )
         self._cgroup: SandboxCgroup | None = None
+        self._netns: NetnsRef | None = None
+        self._forwarders: list[Forwarder] = []
         self._exec_count = 0
         self._created = False
         self._start_lock = asyncio.Lock()
@@ -153,6 +166,12 @@ class LocalSandbox:
     def cgroup(self) -> SandboxCgroup | None:
         return self._cgroup
 
+    @property
+    def network_namespace(self) -> str | None:
+        """``/proc/PID/ns/net`` of the sandbox's own network namespace, or ``None`` when its
+        commands share the host's network."""
+        return None if self._netns is None else self._netns.path
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -163,6 +182,8 @@ class LocalSandbox:
                 raise SandboxError(f"sandbox {self._id} is {self._state} and cannot start again")
             try:
                 await asyncio.to_thread(self._allocate)
+                if self._containment.network:
+                    await self._hold_network_namespace()
             except BaseException as exc:
                 if self._created:
                     await destroy(self._record, uids_dir=self._uids_dir, root=self._config.root)
@@ -210,6 +231,53 @@ class LocalSandbox:
                     raise SandboxError(f"sandbox {self._id}: {exc}") from exc
         self._record.save()
 
+    async def _hold_network_namespace(self) -> None:
+        """Start the root process that keeps this sandbox's network namespace alive."""
+        environment = {
+            "PATH": "/usr/bin:/bin",
+            _procs.SANDBOX_MARKER: self._id,
+            _procs.EXEC_MARKER: f"{self._id}/netns",
+        }
+        spawned = await self._supervisor.spawn_detached(
+            argv=[self._config.python, "-I", "-S", "-c", _HOLD],
+            env=environment,
+            spec={"new_netns": True, "cwd": "/", "no_new_privs": True},
+        )
+        self._record.pgids.append(spawned)
+        await asyncio.to_thread(self._record.save)
+        try:
+            netns = NetnsRef.of(spawned)
+        except OSError as exc:
+            raise SandboxError(
+                f"sandbox {self._id}: its network namespace holder died: {exc}"
+            ) from exc
+        if netns.ino == os.stat("/proc/self/ns/net").st_ino:
+            raise SandboxError(f"sandbox {self._id}: the holder did not get a network namespace")
+        self._netns = netns
+
+    async def expose(self, endpoint: Endpoint) -> str:
+        self._require_running(f"expose {endpoint.target}")
+        if self._netns is None:
+            raise SandboxError(
+                f"sandbox {self._id} has no network namespace of its own (its commands share "
+                f"the host's network: {self._containment.describe()}), so there is no inside "
+                f"to expose {endpoint.target} in"
+            )
+        forwarder = Forwarder(endpoint)
+        listener = await listen_inside(self._netns, endpoint.port)
+        try:
+            await forwarder.start(listener)
+        except BaseException:
+            listener.close()
+            raise
+        self._forwarders.append(forwarder)
+        return f"127.0.0.1:{endpoint.port}"
+
+    async def _close_forwarders(self) -> None:
+        forwarders, self._forwarders = self._forwarders, []
+        for forwarder in forwarders:
+            await forwarder.close()
+
     def _check_traversable(self, root: Path) -> None:
         for directory in [root, *root.parents]:
             if not directory.stat().st_mode & stat.S_IXOTH:
@@ -227,6 +295,7 @@ class LocalSandbox:
                 self._state = "stopped"
                 return
             self._state = "stopping"
+            await self._close_forwarders()
             on_disk = await asyncio.to_thread(SandboxRecord.load, self._dir)
             if on_disk is None:
                 # Reaped by someone else: the uid may belong to a newer sandbox by now, so only
@@ -363,6 +432,7 @@ class LocalSandbox:
                 "gid": self._record.gid,
                 "cwd": self.workdir,
                 "no_new_privs": True,
+                "netns": None if self._netns is None else self._netns.to_json(),
             },
             before=before,
         )
@@ -452,11 +522,16 @@ class LocalSandbox:
         await _procs.kill_until_gone(find)
 
 
+_HOLD = "import signal\nwhile True:\n    signal.pause()\n"
+"""What the namespace holder runs: nothing, until it is killed with the sandbox."""
+
+
 class LocalSandboxProvider:
     """Creates :class:`LocalSandbox` es under ``config.root`` and reaps them by label.
 
-    Construction inspects the machine once (uid maps, cgroups); ``containment`` reports what it
-    found. Several workers on one machine may share a root: uids are claimed with lock files.
+    Construction inspects the machine once (uid maps, cgroups, network namespaces);
+    ``containment`` reports what it found. Several workers on one machine may share a root:
+    uids are claimed with lock files.
     """
 
     def __init__(self, config: LocalSandboxConfig | None = None) -> None:
