@@ -43,7 +43,7 @@ from engine.events import (
     open_log,
 )
 from engine.events.ids import EMPTY_ID
-from engine.ops.embedded import EmbeddedRedis, start_redis
+from engine.ops.embedded import EmbeddedRedis, redact, start_redis
 
 TASKS = Path(__file__).resolve().parents[1] / "tasks"  # engine/tasks
 ROLLOUT_YAML = TASKS / "rollout.yaml"
@@ -84,6 +84,10 @@ class Stack:
         fh = open(log_path, "wb")  # closed in stop()
         self.logs.append(fh)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+        if self.redis is not None:
+            # The URL holds the engine user's password: the environment, unlike argv, is not
+            # readable by other users (sandboxes) in /proc.
+            env["ROLLOUT_REDIS_URL"] = self.redis.engine_url
         proc = subprocess.Popen(
             [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
@@ -145,25 +149,27 @@ def start_stack(args: argparse.Namespace) -> Stack:
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
     stack.redis = start_redis()
-    say(f"redis     {stack.redis.kind} at {stack.redis.url}")
+    say(f"redis     {stack.redis.kind} at {redact(stack.redis.engine_url)}")
+    if not stack.redis.authenticated:
+        say("redis     WARNING: the fakeredis fallback has no authentication (see "
+            "docs/security.md); install redis-server for ACL users")
     model_dir = workdir / "tinylm"
     ensure_model(model_dir, args.train_steps)
     from engine.ops.tinylm import spawn_server
 
     stack.server = spawn_server(model_dir)
     say(f"policy    tinylm server at {stack.server.url}")
-    common = ["--redis-url", stack.redis.url]
     evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
     # The scheduler reads only the evaluator profiles: it needs no model.
-    stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
+    stack.spawn("scheduler", ["-m", "workers.scheduler",
                               "--rollout-config", str(ROLLOUT_YAML),
                               "--evaluator-config", str(EVALUATORS),
                               "--scheduler-id", "demo-scheduler"])
     for i in range(args.workers):
-        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
+        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *evaluator,
                                     "--sglang-url", stack.server.url,
                                     "--worker-id", f"demo-worker-{i}"])
-    stack.spawn("finalizer", ["-m", "workers.finalizer", *common,
+    stack.spawn("finalizer", ["-m", "workers.finalizer",
                               "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
     say(f"processes scheduler, {args.workers} evaluator workers, finalizer "
         f"(logs in {workdir / 'logs'})")
@@ -277,7 +283,7 @@ async def run_rollout(
 
 async def run(args: argparse.Namespace, stack: Stack) -> None:
     assert stack.redis is not None
-    log = open_log(RedisSettings(url=stack.redis.url, block_ms=500), names=StreamNames(),
+    log = open_log(RedisSettings(url=stack.redis.trainer_url, block_ms=500), names=StreamNames(),
                    producer="demo")
     try:
         await run_rollout(stack, log, args, RolloutKind.TRAIN, iteration=0)

@@ -1,23 +1,60 @@
-"""An embedded Redis for the demo, the benches and the tests.
+"""An embedded Redis for the demo, the benches and the tests: authenticated by default.
 
 ``start_redis()`` runs a real ``redis-server`` on a free loopback port when the binary
 exists (persistence off, its own temp dir), else fakeredis's TCP server in a thread, so the
-demo needs nothing beyond ``pip install``. Either way the caller gets a ``redis://`` URL
-and a ``stop()`` that leaves no process or thread behind.
+demo needs nothing beyond ``pip install``. Either way the caller gets URLs and a ``stop()``
+that leaves no process or thread behind.
+
+Access control of a real ``redis-server`` (one set of fresh passwords per server, never on a
+command line: they go in a ``0600`` config file in the server's ``0700`` folder, as SHA-256
+hashes):
+
+* ``default`` -- the admin: every command and key (tests flush with it). ``url``.
+* ``engine`` -- what the engine's processes need: every command but the ``@dangerous`` ones
+  (``FLUSHALL``, ``CONFIG``, ``KEYS``, ``SHUTDOWN``, ``ACL``, ``MONITOR`` ...), on the keys of
+  the stack's stream prefix only. ``engine_url``.
+* ``trainer`` -- the trainer's client: it may append to ``<prefix>:control`` and read every
+  key of the prefix, nothing else (no trimming, acking, deleting, no other stream).
+  ``trainer_url``.
+
+A URL carries its user's password (``redis://user:password@127.0.0.1:port/0``): hand it to the
+engine's processes in their environment (``ROLLOUT_REDIS_URL``), never in argv, which every
+local user can read in ``/proc/PID/cmdline``. ``tls=`` serves TLS only (``rediss://`` URLs).
+
+The fakeredis fallback enforces none of this: fakeredis's TCP server has no ``requirepass``
+or ACL enforcement that a client could not bypass, so its URLs carry no password and anyone
+who can connect to the port has full access. ``EmbeddedRedis.authenticated`` says which kind
+you got; the demo prints a warning for the fallback. It binds loopback like the real server,
+and sandboxes with a network namespace of their own cannot reach it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from engine.errors import LogUnavailable
+from engine.errors import ConfigError, LogUnavailable
+
+__all__ = [
+    "EmbeddedRedis",
+    "RedisTls",
+    "free_port",
+    "redact",
+    "start_fake_redis",
+    "start_redis",
+    "start_redis_server",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,27 +63,99 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(port: int) -> bool:
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and terminals)."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    return f"{scheme}://{credentials.partition(':')[0]}:***@{host}"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTls:
+    """Files of a TLS-only server: its certificate and key, and the CA clients verify it with."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.check_hostname = False  # the certificate names the stack, not 127.0.0.1
+        return context
+
+
+def _command(*parts: bytes) -> bytes:
+    out = b"*%d\r\n" % len(parts)
+    for part in parts:
+        out += b"$%d\r\n%s\r\n" % (len(part), part)
+    return out
+
+
+def _ping(port: int, password: str | None = None, tls: RedisTls | None = None) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as raw:
+            conn = raw if tls is None else tls.client_context().wrap_socket(raw)
+            try:
+                if password is not None:
+                    conn.sendall(_command(b"AUTH", b"default", password.encode()))
+                    if not conn.recv(64).startswith(b"+OK"):
+                        return False
+                conn.sendall(_command(b"PING"))
+                return conn.recv(16).startswith(b"+PONG")
+            finally:
+                if conn is not raw:
+                    conn.close()
+    except (OSError, ssl.SSLError):
         return False
+
+
+USERS = ("default", "engine", "trainer")
 
 
 @dataclass
 class EmbeddedRedis:
     kind: Literal["redis-server", "fakeredis"]
     port: int
+    passwords: dict[str, str] = field(default_factory=dict, repr=False)
+    """Password of each ACL user (empty for fakeredis: no authentication)."""
+    prefix: str = "rl"
+    tls: RedisTls | None = None
     _proc: subprocess.Popen[bytes] | None = None
     _workdir: str | None = None
     _thread: threading.Thread | None = None
     _server: object | None = field(default=None, repr=False)
 
     @property
+    def authenticated(self) -> bool:
+        return bool(self.passwords)
+
+    def url_for(self, user: str) -> str:
+        """The URL of ``user`` (one of ``USERS``), password included."""
+        scheme = "rediss" if self.tls is not None else "redis"
+        if not self.passwords:
+            return f"{scheme}://127.0.0.1:{self.port}/0"
+        if user not in self.passwords:
+            raise ConfigError(
+                f"embedded redis has no user {user!r}; it has {sorted(self.passwords)}"
+            )
+        return f"{scheme}://{user}:{self.passwords[user]}@127.0.0.1:{self.port}/0"
+
+    @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The admin's URL (every command): for tests and tools, not for agents."""
+        return self.url_for("default")
+
+    @property
+    def engine_url(self) -> str:
+        """The URL the engine's processes use: no ``@dangerous`` command, only its prefix."""
+        return self.url_for("engine")
+
+    @property
+    def trainer_url(self) -> str:
+        """The trainer client's URL: append to the control stream, read the rest."""
+        return self.url_for("trainer")
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -76,35 +185,90 @@ class EmbeddedRedis:
         self.stop()
 
 
-def start_redis_server(binary: str = "redis-server", *, appendonly: bool = False) -> EmbeddedRedis:
-    """A real redis-server on a free port; raises FileNotFoundError when not installed."""
+def _acl_rules(prefix: str) -> dict[str, str]:
+    """What each user may do (after ``reset``: no keys, no channels, no commands)."""
+    keys = f"~{prefix}:*"
+    return {
+        "default": "~* &* +@all",
+        "engine": f"{keys} &* +@all -@dangerous",
+        "trainer": (
+            f"%R~{prefix}:* %W~{prefix}:control resetchannels -@all "
+            "+xadd +xread +xrange +xrevrange +xlen +get +exists +type +scan "
+            "+ping +hello +auth +select +client|setname +client|getname"
+        ),
+    }
+
+
+def _write_config(
+    workdir: str, port: int, prefix: str, passwords: dict[str, str], tls: RedisTls | None,
+    appendonly: bool,
+) -> str:
+    lines = [
+        "bind 127.0.0.1",
+        'save ""',
+        f"appendonly {'yes' if appendonly else 'no'}",
+        f"dir {workdir}",
+        "protected-mode yes",
+    ]
+    if tls is None:
+        lines.append(f"port {port}")
+    else:
+        lines += [
+            "port 0",
+            f"tls-port {port}",
+            f"tls-cert-file {tls.cert_file}",
+            f"tls-key-file {tls.key_file}",
+            f"tls-ca-cert-file {tls.ca_file}",
+            "tls-auth-clients no",
+        ]
+    for user, rules in _acl_rules(prefix).items():
+        digest = hashlib.sha256(passwords[user].encode()).hexdigest()
+        lines.append(f"user {user} reset on #{digest} {rules}")
+    path = os.path.join(workdir, "redis.conf")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return path
+
+
+def start_redis_server(
+    binary: str = "redis-server",
+    *,
+    appendonly: bool = False,
+    prefix: str = "rl",
+    tls: RedisTls | None = None,
+) -> EmbeddedRedis:
+    """A real redis-server on a free port with fresh ACL users (see the module docstring);
+    raises FileNotFoundError when not installed."""
     path = shutil.which(binary)
     if path is None:
         raise FileNotFoundError(binary)
-    workdir = tempfile.mkdtemp(prefix="rollout-redis-")
+    passwords = {user: secrets.token_urlsafe(24) for user in USERS}
     for _attempt in range(5):
+        workdir = tempfile.mkdtemp(prefix="rollout-redis-")  # mode 0700
         port = free_port()
+        config = _write_config(workdir, port, prefix, passwords, tls, appendonly)
         proc = subprocess.Popen(
-            [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if appendonly else "no", "--dir", workdir,
-             "--protected-mode", "no"],
+            [path, config],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and proc.poll() is None:
-            if _ping(port):
-                return EmbeddedRedis("redis-server", port, _proc=proc, _workdir=workdir)
+            if _ping(port, passwords["default"], tls):
+                return EmbeddedRedis(
+                    "redis-server", port, passwords, prefix, tls, _proc=proc, _workdir=workdir
+                )
             time.sleep(0.05)
         proc.kill()
         proc.wait()
-    shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     raise LogUnavailable(f"redis-server ({path}) did not start on a free port")
 
 
 def start_fake_redis() -> EmbeddedRedis:
-    """fakeredis's TCP server (Redis 7 semantics) in a background thread."""
+    """fakeredis's TCP server (Redis 7 semantics) in a background thread; no authentication."""
     from fakeredis import TcpFakeServer
 
     port = free_port()

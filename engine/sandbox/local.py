@@ -167,6 +167,11 @@ class LocalSandbox:
         return self._cgroup
 
     @property
+    def network_holder_pid(self) -> int | None:
+        """The root process that keeps the sandbox's network namespace (``None``: none)."""
+        return None if self._netns is None else self._netns.pid
+
+    @property
     def network_namespace(self) -> str | None:
         """``/proc/PID/ns/net`` of the sandbox's own network namespace, or ``None`` when its
         commands share the host's network."""

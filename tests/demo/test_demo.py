@@ -61,6 +61,15 @@ def test_demo_runs_train_and_eval_and_says_where_things_are(demo_run: tuple[Path
     assert (workdir / "archives" / f"{train.name}.rollout").is_file()
 
 
+def test_demo_redis_is_authenticated_and_its_password_stays_off_the_terminal(
+    demo_run: tuple[Path, str],
+) -> None:
+    _, out = demo_run
+    line = next(line for line in out.splitlines() if line.startswith("redis "))
+    assert "redis-server at redis://engine:***@127.0.0.1:" in line, line
+    assert "WARNING" not in line
+
+
 def test_demo_leaves_no_process_behind(demo_run: tuple[Path, str]) -> None:
     workdir, _ = demo_run
     assert _processes_mentioning(str(workdir)) == []

@@ -39,10 +39,12 @@ SMALL = dataclasses.replace(TEST_LIMITS, max_procs=32, cpu_time_s=5, wall_timeou
 
 
 def sandbox_processes(box: LocalSandbox) -> set[int]:
-    """Live processes of the sandbox, by its uid (dedicated mode) or by its marker."""
+    """Live processes of the sandbox's commands, by its uid (dedicated mode) or by its marker
+    (not the root process holding its network namespace, which lives as long as the sandbox)."""
     own_uid = box.uid if box.path.exists() and _dedicated(box) else None
     marker = _procs.marker(_procs.SANDBOX_MARKER, box.id)
-    return _procs.find_processes(uid=own_uid, env_entry=marker)
+    found = _procs.find_processes(uid=own_uid, env_entry=marker)
+    return found - {box.network_holder_pid} if box.network_holder_pid else found
 
 
 def _dedicated(box: LocalSandbox) -> bool:
