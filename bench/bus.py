@@ -145,7 +145,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         out[f"{name}_raw_per_s"] = round(raw_rate)
         out[f"{name}_ratio"] = round(ratio, 3)
         print(f"{name:16s} engine {eng_rate:10.0f}/s   raw {raw_rate:10.0f}/s   ratio {ratio:.3f}")
-    out["redis_benchmark_xadd_per_s"] = redis_benchmark(server.port, len(blobs[0]))
+    out["redis_benchmark_xadd_per_s"] = redis_benchmark(
+        server.port, len(blobs[0]), server.passwords.get("default")
+    )
     await client.aclose()
     server.stop()
     return out
@@ -161,13 +163,14 @@ def _parser_name(client: object) -> str:
     return "hiredis" if "Hiredis" in parser.__name__ else "python"
 
 
-def redis_benchmark(port: int, size: int) -> float | None:
+def redis_benchmark(port: int, size: int, password: str | None = None) -> float | None:
     binary = shutil.which("redis-benchmark")
     if binary is None:
         return None
     payload = "x" * size
+    auth = ["--user", "default", "-a", password] if password else []  # a throwaway server
     proc = subprocess.run(
-        [binary, "-p", str(port), "-n", "20000", "-P", "64", "-q",
+        [binary, "-p", str(port), *auth, "-n", "20000", "-P", "64", "-q",
          "XADD", "rb:bench", "*", "e", payload],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -74,7 +75,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="intra-op threads for the forward (default 1: a tiny model loses to thread sync)",
     )
     srv.add_argument("--log-level", default="warning")
+    for flag, env in (("--api-key-file", API_KEY_ENV), ("--admin-api-key-file", ADMIN_KEY_ENV)):
+        srv.add_argument(
+            flag,
+            type=Path,
+            default=None,
+            help=f"file holding the {flag[2:-5].replace('-', ' ')} (as SGLang's "
+            f"{flag[:-5]}; also ${env}; never on the command line, which every local user "
+            "can read)",
+        )
     return parser
+
+
+API_KEY_ENV = "TINYLM_API_KEY"
+ADMIN_KEY_ENV = "TINYLM_ADMIN_API_KEY"
+
+
+def _key(path: Path | None, env: str) -> str | None:
+    if path is not None:
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the key file {path}: {exc.strerror}") from exc
+        if not key:
+            raise ConfigError(f"the key file {path} is empty")
+        return key
+    return os.environ.get(env) or None
 
 
 def _prompts(args: argparse.Namespace, given: SystemPrompts | None) -> SystemPrompts:
@@ -119,6 +145,8 @@ def main(argv: list[str] | None = None, *, system_prompts: SystemPrompts | None 
             max_context=args.context_length,
             logprob_mode=LogprobMode(args.logprobs),
             served_model_name=args.served_model_name,
+            api_key=_key(args.api_key_file, API_KEY_ENV),
+            admin_api_key=_key(args.admin_api_key_file, ADMIN_KEY_ENV),
         )
         return serve(config, out=lambda line: print(line, flush=True))
     except ConfigError as exc:

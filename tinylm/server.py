@@ -11,6 +11,11 @@ Routes (JSON over HTTP/1.1 with keep-alive, stdlib ``ThreadingHTTPServer``):
   own reply is a normal 200 whose ``finish_reason`` has ``type: "abort"``.
 - ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``.
 
+Access: the server binds ``127.0.0.1`` unless ``host`` says otherwise. ``api_key`` and
+``admin_api_key`` work as SGLang's ``--api-key`` / ``--admin-api-key`` (``auth.py``): with an
+admin key, only its holder may call the admin routes (``/abort_request`` and the weight,
+pause and cache routes); a request without the right ``Authorization: Bearer`` key gets 401.
+
 Errors are JSON ``{"object": "error", "message", "type", "code"}`` with status 400 (bad request:
 the message names the field), 404, 411, 500 or 503 (shutting down). A request whose client
 disconnects is aborted. ``close()`` aborts everything in flight, lets those replies go out,
@@ -31,11 +36,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tinylm.auth import allowed
 from tinylm.chat import ChatError, chat_completion
 from tinylm.errors import ConfigError
 from tinylm.runtime import TinyLMRuntime
@@ -68,6 +74,8 @@ class ServerConfig:
     logprob_mode: LogprobMode = LogprobMode.ORIGINAL
     served_model_name: str | None = None
     keepalive_timeout_s: float = 120.0
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -424,6 +432,15 @@ class _Handler(BaseHTTPRequestHandler):
                     body = json.loads(raw) if raw else None
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+            config = self.server.app.config
+            if not allowed(
+                self.command,
+                self.path,
+                self.headers.get("Authorization"),
+                api_key=config.api_key,
+                admin_api_key=config.admin_api_key,
+            ):
+                raise BadRequest(f"{self.path} needs a valid 'Authorization: Bearer' key", 401)
             status, reply = self.server.app.handle(self.command, self.path, body, self._client_gone)
         except BadRequest as exc:
             status, reply = exc.status, _error(str(exc), exc.status)
@@ -449,6 +466,7 @@ class _Handler(BaseHTTPRequestHandler):
 def _error(message: str, status: int) -> dict[str, Any]:
     kinds = {
         400: "BadRequestError",
+        401: "Unauthorized",
         404: "NotFoundError",
         411: "LengthRequired",
         503: "ServiceUnavailable",
