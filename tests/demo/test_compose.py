@@ -41,8 +41,8 @@ ENGINE = ("scheduler", "evaluator", "capture", "finalizer", "tinylm")
 
 def test_services_and_profiles(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"redis", "sglang", *ENGINE}
-    assert "--appendonly" in services["redis"]["command"]
+    assert set(services) == {"redis", "redis-secret", "sglang", *ENGINE}
+    assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert services["sglang"]["profiles"] == ["gpu"]
     assert services["tinylm"]["profiles"] == ["cpu"]
     gpu = services["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -59,6 +59,34 @@ def test_engine_services_use_declared_settings_only(config: dict[str, Any]) -> N
         assert used, name
         assert used <= declared, (name, used - declared)
         Settings.from_env({k: str(v) for k, v in env.items()})  # values parse too
+
+
+def _mount(volume: Any) -> tuple[str, bool]:
+    """(source, read-only) of a volume in either form docker-compose prints."""
+    if isinstance(volume, str):
+        parts = volume.split(":")
+        return parts[0], parts[-1] == "ro"
+    return str(volume["source"]), bool(volume.get("read_only"))
+
+
+def test_redis_needs_the_stacks_generated_password(config: dict[str, Any]) -> None:
+    services = config["services"]
+    redis = services["redis"]
+    command = " ".join(redis["command"])
+    assert "--requirepass" in command and "cat /run/rollout-secrets/redis.password)" in command
+    assert redis["depends_on"]["redis-secret"]["condition"] == "service_completed_successfully"
+    assert "umask 077" in " ".join(services["redis-secret"]["command"])
+    for name in ENGINE:
+        service = services[name]
+        assert service["environment"]["ROLLOUT_REDIS_PASSWORD_FILE"] == (
+            "/run/rollout-secrets/redis.password"
+        )
+        assert "@" not in service["environment"]["ROLLOUT_REDIS_URL"]  # no password in a URL
+        mounts = [_mount(v) for v in service["volumes"]]
+        assert ("redis-secrets", True) in mounts, (name, service["volumes"])
+    evaluator = services["evaluator"]
+    assert evaluator["environment"]["ROLLOUT_SANDBOX_REQUIRE_ISOLATION"] == "1"
+    assert "SYS_ADMIN" in evaluator["cap_add"]
 
 
 def test_engine_commands_are_real_subcommands_with_real_flags(config: dict[str, Any]) -> None:
