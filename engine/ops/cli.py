@@ -28,7 +28,7 @@ from pathlib import Path
 from engine.errors import EngineError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
-from engine.events.redis_log import RedisSettings, open_log
+from engine.events.redis_log import open_log
 
 __all__ = ["main"]
 
@@ -103,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
-    settings = RedisSettings(url=args.redis_url, block_ms=block_ms)
+    from engine.settings import Settings
+
+    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL from the flag.
+    settings = Settings.from_env().redis(url=args.redis_url, block_ms=block_ms)
     return open_log(settings, names=StreamNames(args.prefix), producer="cli")
 
 
