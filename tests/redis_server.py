@@ -1,4 +1,9 @@
-"""Real redis-server for the integration tests (see engine.ops.embedded)."""
+"""Real redis-server for the integration tests (see engine.ops.embedded).
+
+It requires authentication like every Redis the engine starts: ``RedisServer.url`` is the
+admin user's URL, password included; ``engine_url`` and ``trainer_url`` are the
+least-privilege users (tests/security/test_redis_auth.py).
+"""
 
 from __future__ import annotations
 
