@@ -99,7 +99,8 @@ async def test_documented_tool_call_reply() -> None:
     assert str(request.url) == "http://api.test/v1/chat/completions"
     assert request.headers["authorization"] == "Bearer sk-test"
     body = json.loads(request.content)
-    assert body["model"] == "m" and body["max_tokens"] == 64 and body["seed"] == 3
+    assert body["model"] == "m" and body["max_completion_tokens"] == 64 and body["seed"] == 3
+    assert "max_tokens" not in body
     assert (
         body["temperature"] == 0.5 and body["tools"][0]["function"]["name"] == "get_current_weather"
     )
@@ -172,7 +173,10 @@ def test_sampling_params_translate_or_are_refused_by_name() -> None:
             "top_k": -1,
             "no_stop_trim": False,
         }
-    ) == {"max_tokens": 5, "seed": 1, "top_p": 0.9, "stop": ["x"]}
+    ) == {"max_completion_tokens": 5, "seed": 1, "top_p": 0.9, "stop": ["x"]}
+    assert to_chat_params({"max_new_tokens": 5}, max_tokens_field="max_tokens") == {
+        "max_tokens": 5
+    }
     with pytest.raises(ValueError, match="top_k=5 has no chat-completions equivalent"):
         to_chat_params({"top_k": 5})
     with pytest.raises(ValueError, match="unknown sampling parameter 'temprature'"):
@@ -252,11 +256,19 @@ async def test_tinylm_refuses_what_it_cannot_do(tinylm_server: TinyLMServer) -> 
         assert (
             bad.status_code == 400 and "messages must be a non-empty list" in bad.json()["message"]
         )
+        # SGLang serves these; tinylm cannot, and says so by name instead of dropping them.
+        refused = (("return_hidden_states", True), ("regex", "a+"), ("frequency_penalty", 1.0))
+        for field, value in refused:
+            bad = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}], field: value},
+            )
+            assert bad.status_code == 400 and field in bad.json()["message"]
         bad = await client.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            json={"messages": [{"role": "user", "content": "x"}], "temprature": 0},
         )
-        assert bad.status_code == 400 and "logprobs" in bad.json()["message"]
+        assert bad.status_code == 400 and "temprature" in bad.json()["message"]
         bad = await client.post(
             "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}
         )
