@@ -316,12 +316,14 @@ def chat_completion(
     except Exception as exc:  # jinja errors, bad message shapes
         raise ChatError(f"messages could not be rendered with the chat template: {exc}") from exc
     # A forced call starts the turn the way the template writes one; the model writes the rest.
-    forced = ""
+    forced = lookahead = ""
     if choice == "required":
-        forced = OPEN + '\n{"name": "'
+        first = ((tools or [{}])[0].get("function") or {}).get("name") or "f"
+        forced, lookahead = OPEN + '\n{"name": "', f'{first}", "arguments": {{"'
     elif choice is not None and choice != "none":
         forced = OPEN + "\n" + json.dumps({"name": choice})[:-1] + ', "arguments": '
-    input_ids = encode(prompt + prefix + forced)
+        lookahead = '{"'
+    input_ids, forced = _aligned(prompt + prefix, forced, lookahead, encode, decode)
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, str) and rid):
         raise ChatError(f"rid must be a non-empty string, got {rid!r}")
@@ -358,6 +360,37 @@ def chat_completion(
         )
     return ChatReply(events=tuple(sse_events(head, choices, outputs, usage if include_usage
                                              else None)))  # fmt: skip
+
+
+def _aligned(
+    prompt: str,
+    forced: str,
+    lookahead: str,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[Sequence[int]], str],
+) -> tuple[list[int], str]:
+    """Prompt ids ending with as much of ``forced`` as ends on a token boundary.
+
+    Cut mid-token, a forced prefix tokenizes unlike the same text inside a whole call (BPE
+    merges across the cut), and the model continues from ids it never saw. So the forced text
+    is tokenized together with what usually follows it (``lookahead``) and cut back to the last
+    token that ends within it; returns those ids and the forced text they carry.
+    """
+    if not forced:
+        return encode(prompt), ""
+    ids = encode(prompt + forced + lookahead)
+    target = len(prompt) + len(forced)
+    low, high = 0, len(ids)  # decode(ids[:low]) fits; find the longest prefix that does
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(decode(ids[:mid])) <= target:
+            low = mid
+        else:
+            high = mid - 1
+    text = decode(ids[:low])
+    if not text.startswith(prompt):  # the forced text merged into the prompt: force nothing
+        return encode(prompt), ""
+    return ids[:low], text[len(prompt) :]
 
 
 def _choice(
