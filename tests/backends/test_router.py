@@ -9,6 +9,7 @@ not installed.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import socket
 import subprocess
@@ -116,3 +117,33 @@ def test_the_openai_sdk_streams_through_the_router(router: str) -> None:
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_compose_puts_the_router_in_front_and_seeds_are_honoured() -> None:
+    """compose.yaml's `router` profile, and the SGLang flag per-sample seeds need."""
+    import yaml
+
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose not installed")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [binary, "-f", str(root / "compose.yaml"), "--profile", "router", "--profile", "gpu",
+         "config"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=root,
+        env={"PATH": "/usr/bin:/bin", "SGLANG_WORKER_URLS": "http://g1:30000 http://g2:30000",
+             "ROLLOUT_SGLANG_URL": "http://router:30000"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    router = services["router"]["command"]
+    router = shlex.split(router) if isinstance(router, str) else router
+    at = router.index("--worker-urls")
+    assert router[at + 1 : at + 3] == ["http://g1:30000", "http://g2:30000"]
+    assert services["evaluator"]["environment"]["ROLLOUT_SGLANG_URL"] == "http://router:30000"
+    # SGLang uses sampling_params.sampling_seed only with deterministic inference
+    # (sglang/srt/sampling/sampling_batch_info.py: enable_deterministic_inference).
+    sglang = services["sglang"]["command"]
+    assert "--enable-deterministic-inference" in (
+        shlex.split(sglang) if isinstance(sglang, str) else sglang
+    )
