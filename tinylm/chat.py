@@ -37,23 +37,29 @@ a malformed call; it is then returned as text, visible to the client.
 
 ``stream=true`` answers ``text/event-stream`` chunks in SGLang's order
 (``_generate_chat_stream``): per choice a first chunk with ``role: "assistant"`` and empty
-content, the content (one chunk per token, with its logprobs) or the tool calls, then a chunk
-with an empty delta and the ``finish_reason`` (and ``matched_stop``); a ``usage`` chunk with no
-choices when ``stream_options.include_usage`` is set; then ``data: [DONE]``. tinylm generates
-the whole answer before the first chunk is sent.
+content, the content (with its logprobs) or the tool calls, then a chunk with an empty delta and
+the ``finish_reason`` (and ``matched_stop``); a ``usage`` chunk with no choices when
+``stream_options.include_usage`` is set; then ``data: [DONE]``. A single plain answer (``n=1``,
+no tools, no stop strings) is streamed while it is generated, a chunk per decoded piece of text
+(a token that ends inside a UTF-8 character waits for the next). Otherwise the answer is
+generated whole first, because its text is only final then (a stop string is cut off, tool
+calls are parsed), and sent as the same chunks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tinylm.sampling import SamplingParams
-from tinylm.scheduler import GenerateOutput, GenerateRequest
+from tinylm.scheduler import GenerateOutput, GenerateRequest, TokenEvent
 from tinylm.toolcalls import OPEN, split_tool_calls
+
+Follow = Iterator[tuple[list[TokenEvent], GenerateOutput | None]]
 
 __all__ = ["ChatError", "ChatReply", "chat_completion", "sse_events"]
 
@@ -122,7 +128,7 @@ class ChatReply:
     """A chat completion: one JSON ``body``, or the SSE ``events`` of a streamed one."""
 
     body: dict[str, Any] | None = None
-    events: tuple[str, ...] | None = None
+    events: Iterable[str] | None = None
 
 
 def _check_fields(body: dict[str, Any]) -> None:
@@ -279,8 +285,14 @@ def chat_completion(
     new_rid: Callable[[], str],
     run: Callable[[list[GenerateRequest]], list[GenerateOutput]],
     model_name: str,
+    decode_text: Callable[[Sequence[int], bool], str] | None = None,
+    follow: Callable[[GenerateRequest], Follow] | None = None,
 ) -> ChatReply:
-    """Serve one chat completion; ``ChatError`` for a request that cannot be served."""
+    """Serve one chat completion; ``ChatError`` for a request that cannot be served.
+
+    ``decode`` shows one token as logprobs name it; ``run`` generates requests to the end;
+    ``follow`` (with ``decode_text(ids, skip_special_tokens)``) submits one ``stream`` request
+    and yields its tokens as they come: without both, streams are generated whole first."""
     _check_fields(body)
     stream = _flag(body, "stream", False)
     include_usage = _stream_options(body, stream)
@@ -341,8 +353,27 @@ def chat_completion(
         )
         for i in range(n)
     ]
-    outputs = run(requests)
     created = int(time.time())
+    head = {"id": f"chatcmpl-{base}", "created": created, "model": model_name}
+    if (
+        stream
+        and n == 1
+        and not tools
+        and not sampling.stop
+        and follow is not None
+        and decode_text is not None
+    ):
+        live = dataclasses.replace(requests[0], stream=True)
+        tokens = follow(live)  # submitted now: a refused request is still a 400
+        return ChatReply(
+            events=_live_events(
+                head, tokens, prefix=forced, prompt_tokens=len(input_ids),
+                decode=decode, decode_text=lambda ids: decode_text(
+                    ids, sampling.skip_special_tokens),
+                want_logprobs=want_logprobs, include_usage=include_usage,
+            )
+        )  # fmt: skip
+    outputs = run(requests)
     choices = [
         _choice(i, out, forced, tools, f"call_{base}_{i}_", decode if want_logprobs else None)
         for i, out in enumerate(outputs)
@@ -353,7 +384,6 @@ def chat_completion(
         "completion_tokens": completion_tokens,
         "total_tokens": len(input_ids) + completion_tokens,
     }
-    head = {"id": f"chatcmpl-{base}", "created": created, "model": model_name}
     if not stream:
         return ChatReply(
             body={**head, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -514,3 +544,67 @@ def sse_events(
         events.append(_chunk(head, [], usage=usage))
     events.append("data: [DONE]\n\n")
     return events
+
+
+def _token_logprob(event: TokenEvent, decode: Callable[[Sequence[int]], str]) -> dict[str, Any]:
+    token = decode([event.token_id])
+    top = [
+        {"token": decode([tid]), "bytes": list(decode([tid]).encode()), "logprob": lp}
+        for lp, tid in event.top or ()
+    ]
+    return {"token": token, "bytes": list(token.encode()), "logprob": event.logprob,
+            "top_logprobs": top}  # fmt: skip
+
+
+def _live_events(
+    head: dict[str, Any],
+    tokens: Follow,
+    *,
+    prefix: str,
+    prompt_tokens: int,
+    decode: Callable[[Sequence[int]], str],
+    decode_text: Callable[[Sequence[int]], str],
+    want_logprobs: bool,
+    include_usage: bool,
+) -> Iterator[str]:
+    """A plain single answer streamed as it is generated (see the module docstring)."""
+
+    def delta(d: dict[str, Any], logprobs: Any = None) -> str:
+        choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": None}
+        return _chunk(head, [choice])
+
+    yield delta({"role": "assistant", "content": ""})
+    ids: list[int] = []
+    unsent: list[dict[str, Any]] = []  # logprobs of tokens whose text is not out yet
+    sent = ""
+    output: GenerateOutput | None = None
+    try:
+        for events, output in tokens:
+            ids.extend(e.token_id for e in events)
+            if want_logprobs:
+                unsent.extend(_token_logprob(e, decode) for e in events)
+            text = prefix + (output.text if output is not None else decode_text(ids))
+            if output is None and text.endswith("\ufffd"):
+                continue  # the last token ends inside a character
+            if len(text) > len(sent) and text.startswith(sent):
+                piece, sent = text[len(sent) :], text
+                yield delta({"content": piece}, {"content": unsent} if want_logprobs else None)
+                unsent = []
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+    if output is None:  # the client went away: the request was aborted, nobody to tell
+        return
+    if unsent:  # e.g. the stop token, whose text is not part of the answer
+        yield delta({"content": ""}, {"content": unsent})
+    finish = output.meta_info["finish_reason"]
+    choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish["type"],
+              "matched_stop": finish.get("matched")}  # fmt: skip
+    yield _chunk(head, [choice])
+    if include_usage:
+        completion = len(output.output_ids)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion}  # fmt: skip
+        yield _chunk(head, [], usage=usage)
+    yield "data: [DONE]\n\n"

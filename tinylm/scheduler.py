@@ -51,7 +51,14 @@ import torch
 from tinylm.runtime import Chunk, TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
-__all__ = ["GenerateOutput", "GenerateRequest", "Pending", "GenerationScheduler", "SchedulerClosed"]
+__all__ = [
+    "GenerateOutput",
+    "GenerateRequest",
+    "GenerationScheduler",
+    "Pending",
+    "SchedulerClosed",
+    "TokenEvent",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +84,16 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    stream: bool = False  # publish each sampled token on the Pending as it is drawn
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One sampled token of a streamed request, with its logprob (and top-k) when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[float, int], ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,10 +121,27 @@ class Pending:
         self._done = threading.Event()
         self._output: GenerateOutput | None = None
         self._error: str | None = None
+        self._tokens: list[TokenEvent] = []
+        self._progress_cv = threading.Condition()
 
     def _resolve(self, output: GenerateOutput | None, error: str | None = None) -> None:
-        self._output, self._error = output, error
-        self._done.set()
+        with self._progress_cv:
+            self._output, self._error = output, error
+            self._done.set()
+            self._progress_cv.notify_all()
+
+    def _publish(self, event: TokenEvent) -> None:
+        with self._progress_cv:
+            self._tokens.append(event)
+            self._progress_cv.notify_all()
+
+    def progress(self, seen: int, timeout: float) -> tuple[list[TokenEvent], bool]:
+        """Tokens published after the first ``seen`` (waiting up to ``timeout`` for one), and
+        whether the request has finished. Only a ``stream`` request publishes tokens."""
+        with self._progress_cv:
+            if len(self._tokens) <= seen and not self._done.is_set():
+                self._progress_cv.wait(timeout)
+            return self._tokens[seen:], self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> GenerateOutput:
         """Block until finished; ``TimeoutError`` if ``timeout`` passes first."""
@@ -363,6 +397,14 @@ class GenerationScheduler:
             seq.out_logprobs.append(float(logprobs[token]))
             if req.top_logprobs_num > 0:
                 seq.out_top.append(_top(logprobs, req.top_logprobs_num))
+        if req.stream:
+            seq.pending._publish(
+                TokenEvent(
+                    token,
+                    seq.out_logprobs[-1] if req.return_logprob else None,
+                    tuple(seq.out_top[-1]) if req.return_logprob and req.top_logprobs_num else None,
+                )
+            )
         params = req.sampling
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish = {"type": "stop", "matched": token}

@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,6 +56,7 @@ from tinylm.scheduler import (
     GenerationScheduler,
     Pending,
     SchedulerClosed,
+    TokenEvent,
 )
 
 __all__ = ["READY_PREFIX", "ServerConfig", "TinyLMServer", "serve", "start_server"]
@@ -93,11 +94,15 @@ class ServerConfig:
             ) from exc
 
 
+Follow = Iterator[tuple[list[TokenEvent], GenerateOutput | None]]
+
+
 @dataclass(frozen=True)
 class EventStream:
-    """A ``text/event-stream`` reply: the SSE events, written in HTTP chunks."""
+    """A ``text/event-stream`` reply: the SSE events, each written as an HTTP chunk as soon as
+    it is produced (an iterator may still be generating)."""
 
-    events: Sequence[str]
+    events: Iterable[str]
 
 
 class BadRequest(ValueError):
@@ -390,6 +395,35 @@ class TinyLMServer:
                     self._abort_all(pendings, "client disconnected")
         return [p.wait() for p in pendings]
 
+    def _follow(self, req: GenerateRequest, client_gone: Callable[[], bool]) -> Follow:
+        """Submit a ``stream`` request now (so a bad one is refused before any reply is sent);
+        the returned iterator yields its tokens as they are drawn, then the output."""
+        try:
+            pending = self.scheduler.submit(req)
+        except SchedulerClosed as exc:
+            raise BadRequest(str(exc), 503) from exc
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        return self._progress(pending, client_gone)
+
+    def _progress(self, pending: Pending, client_gone: Callable[[], bool]) -> Follow:
+        seen, finished = 0, False
+        try:
+            while True:
+                events, done = pending.progress(seen, _POLL_S)
+                seen += len(events)
+                if done:
+                    finished = True
+                    yield events, pending.wait()
+                    return
+                if events:
+                    yield events, None
+                elif client_gone():
+                    return
+        finally:
+            if not finished:  # the client left, or the reply could not be written
+                self.scheduler.abort(pending.rid, message="client disconnected")
+
     def _abort_all(self, pendings: Sequence[Pending], message: str = "batch refused") -> None:
         for p in pendings:
             self.scheduler.abort(p.rid, message=message)
@@ -401,8 +435,12 @@ class TinyLMServer:
                 tokenizer=self.hf_tokenizer,
                 encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids,
                 decode=lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=False),
+                decode_text=lambda ids, skip: self.tokenizer.decode(
+                    list(ids), skip_special_tokens=skip
+                ),
                 new_rid=self.scheduler.new_rid,
                 run=lambda reqs: self._run(reqs, client_gone),
+                follow=lambda req: self._follow(req, client_gone),
                 model_name=self.model_name,
             )
         except ChatError as exc:
@@ -529,7 +567,22 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         except OSError:
-            self.close_connection = True
+            self.close_connection = True  # the client went away: stop generating for it
+        except Exception as exc:  # headers are out: end the stream with SGLang's error event
+            log.exception("tinylm: streaming %s failed", self.path)
+            error = json.dumps(_error(f"internal error: {exc!r}", 500))
+            try:
+                for event in (f"data: {error}\n\n", "data: [DONE]\n\n"):
+                    data = event.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True
+        finally:
+            close = getattr(reply.events, "close", None)
+            if close is not None:
+                close()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)

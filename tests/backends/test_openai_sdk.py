@@ -10,12 +10,14 @@ shape it does not accept fails here.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.backends.conftest import MATH_QUESTION
+from tests.backends.test_tinylm_server import wait_until
 from tinylm.corpus import PYTHON_TOOL
 from tinylm.server import TinyLMServer
 
@@ -101,11 +103,13 @@ def test_streamed_logprobs_come_per_token(tinylm_server: TinyLMServer) -> None:
             extra_body={"ignore_eos": True},
         )
     )
-    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(content) == 4
-    for chunk in content:
-        [entry] = chunk.choices[0].logprobs.content  # type: ignore[union-attr]
-        assert entry.token == chunk.choices[0].delta.content
+    with_logprobs = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    entries = [e for c in with_logprobs for e in c.choices[0].logprobs.content or []]  # type: ignore[union-attr]
+    assert len(entries) == 4 and all(e.logprob <= 0 for e in entries)
+    # Each piece of text comes with the logprobs of the tokens that wrote it.
+    for chunk in with_logprobs:
+        tokens = "".join(e.token for e in chunk.choices[0].logprobs.content or [])  # type: ignore[union-attr]
+        assert chunk.choices[0].delta.content in (tokens, "") or "\ufffd" in tokens
 
 
 def test_developer_role_and_content_parts(tinylm_server: TinyLMServer) -> None:
@@ -248,3 +252,52 @@ def test_a_named_tool_choice_forces_the_call_even_on_an_untrained_model(
     assert [c.function.name for c in calls] == ["python"] or (message.content or "").startswith(
         '<tool_call>\n{"name": "python"'
     )
+
+
+def test_a_plain_stream_is_sent_while_it_is_generated(tinylm_server: TinyLMServer) -> None:
+    """Chunks leave before generation ends: the forward is held after a few steps, and the
+    first content still arrives; closing the stream then aborts the request."""
+    runtime = tinylm_server.scheduler._runtime
+    forward, calls, release = runtime.forward, [0], threading.Event()
+
+    def held(chunks: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 4:
+            release.wait(60)
+        return forward(chunks)
+
+    body = {
+        "model": "tinylm",
+        "messages": USER,
+        "max_tokens": 100_000,  # the whole context: thousands of steps if nobody stops it
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "rid": "live-stream",
+    }
+    runtime.forward = held  # type: ignore[method-assign]
+    try:
+        with httpx.Client(base_url=tinylm_server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+                assert reply.headers["content-type"].startswith("text/event-stream")
+                lines = reply.iter_lines()
+                content = ""
+                for line in lines:
+                    if not line.startswith("data: {"):
+                        continue
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    content += delta.get("content") or ""
+                    if content:
+                        break
+                # Held inside its forward, the request cannot have finished.
+                assert content and "live-stream" in tinylm_server.scheduler.running_rids()
+        steps = tinylm_server.scheduler.steps
+    finally:
+        runtime.forward = forward  # type: ignore[method-assign]
+        release.set()
+    wait_until(
+        lambda: "live-stream" not in tinylm_server.scheduler.running_rids(),
+        "the abort of the abandoned stream",
+    )
+    # Aborted within a few tokens of the client leaving, far from the end of the context.
+    assert tinylm_server.scheduler.steps - steps < tinylm_server.scheduler.max_context // 2
