@@ -14,9 +14,10 @@ back, so the tokens the model emitted are the tokens training sees.
   that was sent); other finish types map to ``stop`` / ``length``, anything unknown to
   ``error:<type>``.
 - ``sampling_params["n"] > 1`` makes SGLang answer a list of ``n`` results: ``generate_samples``
-  returns them all (``generate`` itself returns one result, so it refuses ``n > 1``). With a
-  ``rid``, SGLang names the samples ``{rid}_{i}``-style ids of its own; ``abort(rid)`` matches
-  rids by prefix on the server.
+  returns them all (``generate`` itself returns one result, so it refuses ``n > 1``). SGLang
+  0.5.23 gives each parallel sample a fresh uuid as its rid (``TokenizerManager.
+  _handle_batch_request``), so ``abort(rid)`` does not reach them there; tinylm names them
+  ``{rid}_{i}``, which it does. ``abort(rid)`` matches rids by prefix on both.
 - ``score`` force-decodes a fixed response (one greedy step over ``prompt + response`` with
   ``logprob_start_len = len(prompt) - 1``, the teacher's Role-B payload of inference-backend §3)
   and returns the logprob, and optionally the top-k, of every response token. An aborted
