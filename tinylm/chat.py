@@ -271,9 +271,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         return False
     if not isinstance(options, dict):
         raise ChatError(f"stream_options must be an object, got {options!r}")
-    if not stream:
-        raise ChatError("stream_options is only allowed when stream is true")
-    return bool(options.get("include_usage"))
+    return stream and bool(options.get("include_usage"))  # SGLang ignores it without stream
 
 
 def chat_completion(
