@@ -13,10 +13,24 @@ thread owns the ``TinyLMRuntime`` (and so the KV cache) and loops:
 
 Output mirrors SGLang's ``/generate`` (``GenerateOutput.meta_info``): logprob entries are
 ``[logprob, token_id, text_or_null]`` triples; ``input_token_logprobs`` covers prompt positions
-``logprob_start_len .. prompt_len - 1`` with ``null`` for position 0 (nothing predicts it);
-``finish_reason`` is ``{"type": "stop", "matched": id_or_str}``, ``{"type": "length",
-"length": n}`` or ``{"type": "abort", "message": ...}``. An aborted request (``abort``, or the
-scheduler closing) resolves with what it had generated so far and an abort finish reason.
+``logprob_start_len .. prompt_len - 1`` and its first entry (the token at ``logprob_start_len``)
+has a ``null`` logprob, as SGLang 0.5.23 writes it
+(``managers/scheduler_components/logprob_result_processor.py``,
+``_process_input_token_logprobs``: ``[None] + input_token_logprobs[:-1]``; the same for
+``input_top_logprobs``); ``finish_reason`` is ``{"type": "stop", "matched": id_or_str}``,
+``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
+
+An aborted request (``abort``, or the scheduler closing) resolves with what it had generated so
+far and an abort finish reason. ``abort(rid)`` aborts every request whose rid *starts with*
+``rid``, as SGLang's ``Scheduler.abort_request`` does (``req.rid.startswith(recv_req.rid)``). A
+request aborted while still queued is answered as SGLang's ``TokenizerManager._handle_abort_req``
+answers it: ``meta_info`` has ``id``, ``finish_reason`` (message ``Abort in waiting queue`` for an
+``/abort_request``), ``e2e_latency`` and ``completion_tokens`` (0), but no ``prompt_tokens`` or
+``cached_tokens``.
+
+Only ids the tokenizer can decode are ever sampled or reported: the model's vocabulary is padded
+past the tokenizer's size (``init_model`` rounds it up to a multiple of 64, as real checkpoints
+do), and the spare logits are cut off before sampling and ``log_softmax``.
 """
 
 from __future__ import annotations
@@ -37,11 +51,22 @@ import torch
 from tinylm.runtime import Chunk, TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
-__all__ = ["GenerateOutput", "GenerateRequest", "Pending", "GenerationScheduler", "SchedulerClosed"]
+__all__ = [
+    "GenerateOutput",
+    "GenerateRequest",
+    "GenerationScheduler",
+    "Pending",
+    "SchedulerClosed",
+    "TokenEvent",
+]
 
 log = logging.getLogger(__name__)
 
 LogprobEntry = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
+
+
+ABORT_MESSAGE = "aborted by /abort_request"
+QUEUED_ABORT_MESSAGE = "Abort in waiting queue"  # SGLang's TokenizerManager._handle_abort_req
 
 
 class SchedulerClosed(RuntimeError):
@@ -59,6 +84,16 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    stream: bool = False  # publish each sampled token on the Pending as it is drawn
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One sampled token of a streamed request, with its logprob (and top-k) when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[float, int], ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +121,27 @@ class Pending:
         self._done = threading.Event()
         self._output: GenerateOutput | None = None
         self._error: str | None = None
+        self._tokens: list[TokenEvent] = []
+        self._progress_cv = threading.Condition()
 
     def _resolve(self, output: GenerateOutput | None, error: str | None = None) -> None:
-        self._output, self._error = output, error
-        self._done.set()
+        with self._progress_cv:
+            self._output, self._error = output, error
+            self._done.set()
+            self._progress_cv.notify_all()
+
+    def _publish(self, event: TokenEvent) -> None:
+        with self._progress_cv:
+            self._tokens.append(event)
+            self._progress_cv.notify_all()
+
+    def progress(self, seen: int, timeout: float) -> tuple[list[TokenEvent], bool]:
+        """Tokens published after the first ``seen`` (waiting up to ``timeout`` for one), and
+        whether the request has finished. Only a ``stream`` request publishes tokens."""
+        with self._progress_cv:
+            if len(self._tokens) <= seen and not self._done.is_set():
+                self._progress_cv.wait(timeout)
+            return self._tokens[seen:], self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> GenerateOutput:
         """Block until finished; ``TimeoutError`` if ``timeout`` passes first."""
@@ -143,6 +195,10 @@ class GenerationScheduler:
     ) -> None:
         self._runtime = runtime
         self._tok = tokenizer  # a ``tokenizers.Tokenizer``: its methods are safe across threads
+        # Ids at or past this are padding rows of the embedding: never sampled (module docstring).
+        self.decodable = min(
+            int(tokenizer.get_vocab_size(with_added_tokens=True)), runtime.shape.vocab_size
+        )
         self._eos = frozenset(eos_token_ids)
         self._mode = logprob_mode
         self._max_prefill = max_prefill_tokens
@@ -210,8 +266,12 @@ class GenerationScheduler:
             self._inbox.put(("submit", seq))
         return seq.pending
 
-    def abort(self, rid: str | None = None, *, message: str = "aborted by /abort_request") -> None:
-        """Abort request ``rid``, or every request when ``rid`` is None (unknown rids: no-op)."""
+    def abort(self, rid: str | None = None, *, message: str = ABORT_MESSAGE) -> None:
+        """Abort every request whose rid starts with ``rid``, or all when ``rid`` is None.
+
+        Prefix matching is SGLang's (see the module docstring): aborting ``x_1`` also aborts
+        ``x_10``. Unknown rids are a no-op.
+        """
         self._inbox.put(("abort", (rid, message)))
 
     def close(self, timeout: float = 10.0) -> None:
@@ -254,9 +314,12 @@ class GenerationScheduler:
             elif kind == "abort":
                 rid, message = payload
                 for seq in [*self._waiting, *self._running]:
-                    if rid is None or seq.req.rid == rid:
+                    if rid is None or seq.req.rid.startswith(rid):
+                        queued = seq in self._waiting
+                        if queued and message == ABORT_MESSAGE:
+                            message = QUEUED_ABORT_MESSAGE
                         seq.finish = {"type": "abort", "message": message}
-                        self._finish(seq)
+                        self._finish(seq, queued=queued)
             elif kind == "close":
                 for seq in [*self._waiting, *self._running]:
                     seq.finish = {"type": "abort", "message": "server is shutting down"}
@@ -294,7 +357,8 @@ class GenerationScheduler:
         """First prompt position whose logits the prefill must return (None: the last only)."""
         req = seq.req
         if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
-            return max(req.logprob_start_len - 1, 0)  # position i is predicted by row i - 1
+            # Row i predicts token i + 1; the entry at logprob_start_len itself is null.
+            return req.logprob_start_len
         return None
 
     def _step(self) -> None:
@@ -314,7 +378,7 @@ class GenerationScheduler:
             return
         self.steps += 1
         for seq, rows in zip(list(self._running), logits, strict=True):
-            self._advance(seq, rows)
+            self._advance(seq, rows[:, : self.decodable])
 
     def _advance(self, seq: _Seq, rows: torch.Tensor) -> None:
         req = seq.req
@@ -333,6 +397,14 @@ class GenerationScheduler:
             seq.out_logprobs.append(float(logprobs[token]))
             if req.top_logprobs_num > 0:
                 seq.out_top.append(_top(logprobs, req.top_logprobs_num))
+        if req.stream:
+            seq.pending._publish(
+                TokenEvent(
+                    token,
+                    seq.out_logprobs[-1] if req.return_logprob else None,
+                    tuple(seq.out_top[-1]) if req.return_logprob and req.top_logprobs_num else None,
+                )
+            )
         params = req.sampling
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish = {"type": "stop", "matched": token}
@@ -349,8 +421,8 @@ class GenerationScheduler:
         lsm = torch.log_softmax(rows, dim=-1)
         k = seq.req.top_logprobs_num
         for i in range(start, len(prompt)):
-            if i == 0:  # nothing predicts the first token
-                seq.in_logprobs.append((None, prompt[0]))
+            if i == start:  # SGLang leaves the first scored position empty (module docstring)
+                seq.in_logprobs.append((None, prompt[i]))
                 seq.in_top.append(None)
             else:
                 row = lsm[i - 1 - first]
@@ -381,14 +453,14 @@ class GenerationScheduler:
         self._release(seq)
         seq.pending._resolve(None, error)
 
-    def _finish(self, seq: _Seq) -> None:
+    def _finish(self, seq: _Seq, *, queued: bool = False) -> None:
         self._release(seq)
         try:
-            seq.pending._resolve(self._output(seq))
+            seq.pending._resolve(self._output(seq, queued=queued))
         except Exception as exc:  # pragma: no cover - decoding a finished request failed
             seq.pending._resolve(None, repr(exc))
 
-    def _output(self, seq: _Seq) -> GenerateOutput:
+    def _output(self, seq: _Seq, *, queued: bool = False) -> GenerateOutput:
         req, finish = seq.req, seq.finish
         assert finish is not None
         params = req.sampling
@@ -407,6 +479,8 @@ class GenerationScheduler:
             "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - seq.started,
         }
+        if queued:  # SGLang's reply for a request that never left the waiting queue
+            del meta["prompt_tokens"], meta["cached_tokens"]
         if req.return_logprob:
             # An abort can land between sampling a token and recording its logprob.
             meta["input_token_logprobs"] = self._triples(seq.in_logprobs, req)

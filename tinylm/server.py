@@ -6,10 +6,18 @@ Routes (JSON over HTTP/1.1 with keep-alive, stdlib ``ThreadingHTTPServer``):
   batch and returns a list), ``sampling_params`` (see ``sampling.py``), ``rid``,
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``.
   The reply is ``{"text", "output_ids", "meta_info"}`` as SGLang writes it (``scheduler.py``).
-- ``POST /v1/chat/completions``: OpenAI chat (``chat.py``), tool calls included.
-- ``POST /abort_request``: ``{"rid": ...}`` or ``{"abort_all": true}``; the aborted request's
-  own reply is a normal 200 whose ``finish_reason`` has ``type: "abort"``.
-- ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``.
+  As in SGLang 0.5.23 (``managers/io_struct.py``, ``GenerateReqInput``): a batch given one
+  string ``rid`` names its requests ``{rid}_{i}`` (``_normalize_rid``), and
+  ``sampling_params.n > 1`` turns even a single prompt into a batch (``_handle_parallel_sampling``)
+  whose reply is a list of ``batch * n`` results, the ``n`` samples of each prompt together
+  (``TokenizerManager._handle_batch_request``). SGLang gives each parallel sample a fresh uuid;
+  here they are ``{rid}_{i}`` too, so ``/abort_request`` with ``rid`` still reaches them.
+- ``POST /v1/chat/completions``: OpenAI chat (``chat.py``), tool calls and ``stream`` included.
+- ``POST /abort_request``: ``{"rid": ...}`` aborts every request whose rid starts with it (SGLang's
+  prefix match), ``{"abort_all": true}`` all of them; the aborted request's own reply is a
+  normal 200 whose ``finish_reason`` has ``type: "abort"``.
+- ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``,
+  ``/v1/models/{id}``.
 
 Access: the server binds ``127.0.0.1`` unless ``host`` says otherwise. ``api_key`` and
 ``admin_api_key`` work as SGLang's ``--api-key`` / ``--admin-api-key`` (``auth.py``): with an
@@ -28,6 +36,7 @@ Port 0 binds a free port; ``TinyLMServer.url`` (and the ready line ``serve`` pri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import select
@@ -35,7 +44,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -52,6 +62,7 @@ from tinylm.scheduler import (
     GenerationScheduler,
     Pending,
     SchedulerClosed,
+    TokenEvent,
 )
 
 __all__ = ["READY_PREFIX", "ServerConfig", "TinyLMServer", "serve", "start_server"]
@@ -89,6 +100,17 @@ class ServerConfig:
                 f"logprob_mode must be one of {[m.value for m in LogprobMode]}, "
                 f"got {self.logprob_mode!r}"
             ) from exc
+
+
+Follow = Iterator[tuple[list[TokenEvent], GenerateOutput | None]]
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A ``text/event-stream`` reply: the SSE events, each written as an HTTP chunk as soon as
+    it is produced (an iterator may still be generating)."""
+
+    events: Iterable[str]
 
 
 class BadRequest(ValueError):
@@ -214,10 +236,12 @@ class TinyLMServer:
                 "forward_steps": self.scheduler.steps,
             }
         if route == ("GET", "/v1/models"):
-            return 200, {
-                "object": "list",
-                "data": [{"id": self.model_name, "object": "model", "owned_by": "tinylm"}],
-            }
+            return 200, {"object": "list", "data": [self._model_card()]}
+        if route[0] == "GET" and route[1].startswith("/v1/models/"):
+            model_id = urllib.parse.unquote(route[1][len("/v1/models/") :])
+            if model_id != self.model_name:
+                raise BadRequest(f"the model {model_id!r} does not exist", 404)
+            return 200, self._model_card()
         if route == ("POST", "/generate"):
             return 200, self._generate(_object(body), client_gone)
         if route == ("POST", "/v1/chat/completions"):
@@ -225,6 +249,17 @@ class TinyLMServer:
         if route == ("POST", "/abort_request"):
             return self._abort(_object(body))
         raise BadRequest(f"no route for {method} {path}", 404)
+
+    def _model_card(self) -> dict[str, Any]:
+        # SGLang's ModelCard (entrypoints/openai/protocol.py): id, object, created, owned_by, root
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tinylm",
+            "root": self.model_name,
+            "max_model_len": self.scheduler.max_context,
+        }
 
     def _model_info(self) -> dict[str, Any]:
         return {
@@ -269,11 +304,31 @@ class TinyLMServer:
             if not all(isinstance(t, str) for t in texts):
                 raise BadRequest("text must be a string or a list of strings")
             prompts = [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        n = _parallel_samples(body.get("sampling_params"))
         size = len(prompts) if batch else None
         requests = [self._request(body, i, size, p) for i, p in enumerate(prompts)]
+        if n > 1:
+            requests = self._expand(requests, n, body.get("rid"))
         outputs = self._run(requests, client_gone)
         replies = [o.to_json() for o in outputs]
-        return replies if batch else replies[0]
+        return replies if batch or n > 1 else replies[0]
+
+    def _expand(
+        self, requests: list[GenerateRequest], n: int, rid: Any
+    ) -> list[GenerateRequest]:
+        """``n`` samples of each request, prompt-major, named ``{rid}_{j}`` (module docstring)."""
+        out: list[GenerateRequest] = []
+        for req in requests:
+            for _ in range(n):
+                j = len(out)
+                if isinstance(rid, list):
+                    name = f"{req.rid}_{j % n}"
+                elif isinstance(rid, str):
+                    name = f"{rid}_{j}"
+                else:
+                    name = self.scheduler.new_rid()
+                out.append(dataclasses.replace(req, rid=name))
+        return out
 
     def _request(
         self, body: dict[str, Any], i: int, batch: int | None, ids: list[int]
@@ -283,10 +338,11 @@ class TinyLMServer:
             if batch is not None and isinstance(body.get("sampling_params"), list)
             else "sampling_params"
         )
+        raw_sampling = _field(body, "sampling_params", i, batch, None)
+        if isinstance(raw_sampling, dict) and "n" in raw_sampling:
+            raw_sampling = {k: v for k, v in raw_sampling.items() if k != "n"}  # see _expand
         try:
-            sampling = SamplingParams.from_json(
-                _field(body, "sampling_params", i, batch, None), where=where
-            )
+            sampling = SamplingParams.from_json(raw_sampling, where=where)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         rid = _field(body, "rid", i, batch, None)
@@ -295,7 +351,7 @@ class TinyLMServer:
         elif not isinstance(rid, str) or not rid:
             raise BadRequest(f"rid must be a non-empty string, got {rid!r}")
         elif batch is not None and not isinstance(body.get("rid"), list):
-            rid = f"{rid}-{i}"
+            rid = f"{rid}_{i}"  # SGLang's GenerateReqInput._normalize_rid
         return_logprob = _field(body, "return_logprob", i, batch, False)
         start = _field(body, "logprob_start_len", i, batch, -1)
         top_k = _field(body, "top_logprobs_num", i, batch, 0)
@@ -347,22 +403,74 @@ class TinyLMServer:
                     self._abort_all(pendings, "client disconnected")
         return [p.wait() for p in pendings]
 
+    def _follow(self, req: GenerateRequest, client_gone: Callable[[], bool]) -> Follow:
+        """Submit a ``stream`` request now (so a bad one is refused before any reply is sent);
+        the returned iterator yields its tokens as they are drawn, then the output."""
+        try:
+            pending = self.scheduler.submit(req)
+        except SchedulerClosed as exc:
+            raise BadRequest(str(exc), 503) from exc
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        return self._progress(pending, client_gone)
+
+    def _progress(self, pending: Pending, client_gone: Callable[[], bool]) -> Follow:
+        seen, finished = 0, False
+        try:
+            while True:
+                events, done = pending.progress(seen, _POLL_S)
+                seen += len(events)
+                if done:
+                    finished = True
+                    yield events, pending.wait()
+                    return
+                if events:
+                    yield events, None
+                elif client_gone():
+                    return
+        finally:
+            if not finished:  # the client left, or the reply could not be written
+                self.scheduler.abort(pending.rid, message="client disconnected")
+
     def _abort_all(self, pendings: Sequence[Pending], message: str = "batch refused") -> None:
         for p in pendings:
             self.scheduler.abort(p.rid, message=message)
 
-    def _chat(self, body: dict[str, Any], client_gone: Callable[[], bool]) -> dict[str, Any]:
+    def _chat(self, body: dict[str, Any], client_gone: Callable[[], bool]) -> Any:
         try:
-            return chat_completion(
+            reply = chat_completion(
                 body,
                 tokenizer=self.hf_tokenizer,
                 encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids,
+                decode=lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=False),
+                decode_text=lambda ids, skip: self.tokenizer.decode(
+                    list(ids), skip_special_tokens=skip
+                ),
                 new_rid=self.scheduler.new_rid,
-                run=lambda req: self._run([req], client_gone)[0],
+                run=lambda reqs: self._run(reqs, client_gone),
+                follow=lambda req: self._follow(req, client_gone),
                 model_name=self.model_name,
             )
         except ChatError as exc:
             raise BadRequest(str(exc)) from exc
+        return reply.body if reply.events is None else EventStream(reply.events)
+
+
+def _parallel_samples(raw: Any) -> int:
+    """``sampling_params.n`` (the same in every item of a list, as SGLang requires)."""
+    items = raw if isinstance(raw, list) else [raw]
+    values = {item.get("n", 1) if isinstance(item, dict) else 1 for item in items}
+    if len(values) > 1:
+        raise BadRequest(
+            "sampling_params.n must be the same for every item of a batch, got "
+            f"{sorted(map(repr, values))}"
+        )
+    n = values.pop() if values else 1
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"sampling_params.n must be an integer >= 1, got {n!r}")
+    return n
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -447,6 +555,9 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:
             log.exception("tinylm: %s %s failed", self.command, self.path)
             status, reply = 500, _error(f"internal error: {exc!r}", 500)
+        if isinstance(reply, EventStream):
+            self._send_events(status, reply)
+            return
         payload = b"" if reply is None else json.dumps(reply).encode()
         try:
             self.send_response(status)
@@ -458,6 +569,37 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()  # before ``close`` may count this request as answered
         except OSError:
             self.close_connection = True  # the client went away; nobody to tell
+
+    def _send_events(self, status: int, reply: EventStream) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in reply.events:
+                data = event.encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True  # the client went away: stop generating for it
+        except Exception as exc:  # headers are out: end the stream with SGLang's error event
+            log.exception("tinylm: streaming %s failed", self.path)
+            error = json.dumps(_error(f"internal error: {exc!r}", 500))
+            try:
+                for event in (f"data: {error}\n\n", "data: [DONE]\n\n"):
+                    data = event.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True
+        finally:
+            close = getattr(reply.events, "close", None)
+            if close is not None:
+                close()
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)

@@ -12,6 +12,12 @@ settings or evaluator config; 1: Redis failed while serving.
 The process owns the ports its episodes use: one backend pool (one pooled client per model
 endpoint, the default being ``--sglang-url``) and one sandbox provider (``--sandbox``), both
 built at start, handed to every episode and closed when the worker stops.
+
+``--sglang-url`` may name several policy servers (repeat it, or separate URLs with commas;
+``ROLLOUT_SGLANG_URL`` takes a comma-separated list too). The pool then keeps each trajectory
+on one server, the least loaded when its first turn starts (``engine/backends/pool.py``), and
+``build_agents(args)`` sees ``args.sglang_urls`` (all of them) and ``args.sglang_url`` set only
+when there is exactly one, so agents that take it leave the choice to the pool.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
 from engine.agents.binding import EvaluatorBinding
-from engine.backends.pool import BackendPool
+from engine.backends.pool import BackendPool, parse_urls
 from engine.config.evaluators import load_evaluators
 from engine.errors import ConfigError, LogError
 from engine.projections.rows import SampleRow
@@ -65,7 +71,13 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     )
     add("--max-batches", type=int, default=4, help="batches run at once by this process")
     add("--grace-s", type=float, default=30.0, help="time running batches get on SIGTERM")
-    add("--sglang-url", default=settings.sglang_url or "", help="student SGLang server/router")
+    add(
+        "--sglang-url",
+        action="append",
+        default=None,
+        help="student SGLang server or router; repeat it or separate URLs with commas for "
+        "several servers (each trajectory stays on one; default: ROLLOUT_SGLANG_URL)",
+    )
     add(
         "--model-dir",
         type=Path,
@@ -204,6 +216,15 @@ async def _serve(
     return 0
 
 
+def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
+    """Resolve ``--sglang-url`` (repeated, comma-separated, else ``ROLLOUT_SGLANG_URL``) into
+    ``args.sglang_urls``; ``args.sglang_url`` keeps the URL only when there is exactly one."""
+    urls = list(parse_urls(args.sglang_url or settings.sglang_url))
+    args.sglang_urls = urls
+    args.sglang_url = urls[0] if len(urls) == 1 else None
+    return urls
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings()
     if settings is None:
@@ -215,12 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.evaluator_config is None:
         parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
     try:
+        policy_urls(args, settings)
         specs = load_evaluators(args.evaluator_config, args)
         ids = _select(specs, args.evaluators)
         provider = _sandbox_provider(
             args.sandbox, args.sandbox_root, require_isolation=args.require_isolation
         )
-        backends = BackendPool(args.sglang_url or None)
+        backends = BackendPool(args.sglang_urls)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -291,6 +291,12 @@ class BatchRun:
         failed_phase = ""
         async with self._sem:
             tmp = self._tmp_dir(sample_id, attempt)
+            # One trajectory, one policy server (BackendPool.bind), released after cleanup.
+            backends = (
+                self._backends.bind(f"{ev.rollout_id}/{sample_id}/{attempt}")
+                if self._backends is not None
+                else None
+            )
             ctx = EpisodeContext(
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
@@ -298,7 +304,7 @@ class BatchRun:
                 stopping=stopping,
                 sampling_params=sampling,
                 tmp_dir=tmp,
-                backends=self._backends,
+                backends=backends,
                 sandboxes=self._labelled_sandboxes(sample_id, attempt),
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
@@ -340,6 +346,8 @@ class BatchRun:
                         logger.warning("cleanup of %s failed after an abort: %s", sample_id, exc)
                 finally:
                     _remove_dir(tmp)
+                    if backends is not None:
+                        backends.release()
         if failure is None and result is not None:
             try:
                 return self._finished(task, attempt, rec, result, reward), token

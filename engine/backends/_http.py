@@ -12,13 +12,19 @@ here, naming the URL:
   ``BackendUnavailable``;
 - a reply that is not valid HTTP, is cut short, or whose body is not JSON:
   ``BackendProtocolError``;
-- a non-2xx status: ``BackendHTTPError`` (carries URL, status and the body).
+- a non-2xx status: ``BackendHTTPError`` (carries URL, status and the body). A client built with
+  a ``StatusRetry`` first retries a 429 or 5xx reply (``OpenAIBackend`` does: hosted APIs answer
+  rate limits and overload that way and expect a retry): it waits what ``Retry-After`` asks
+  (seconds or an HTTP date), else ``backoff_s * 2**attempt``, never more than ``cap_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +39,48 @@ from engine.errors import (
     ConfigError,
 )
 
-__all__ = ["HTTPSettings", "JSONClient", "check_base_url"]
+__all__ = ["HTTPSettings", "JSONClient", "StatusRetry", "check_base_url", "retry_after_s"]
+
+log = logging.getLogger(__name__)
+
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusRetry:
+    """How often and how long to retry a 429 / 5xx reply (see the module docstring)."""
+
+    retries: int = 4
+    backoff_s: float = 0.5
+    cap_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff_s < 0 or self.cap_s < 0:
+            raise ConfigError(
+                f"StatusRetry: retries, backoff_s and cap_s must be >= 0, got {self}"
+            )
+
+    def delay_s(self, attempt: int, retry_after: str | None, *, now: float | None = None) -> float:
+        """Seconds to wait before retry number ``attempt + 1``."""
+        asked = retry_after_s(retry_after, now=now)
+        wait = asked if asked is not None else self.backoff_s * (2**attempt)
+        return min(max(wait, 0.0), self.cap_s)
+
+
+def retry_after_s(value: str | None, *, now: float | None = None) -> float | None:
+    """A ``Retry-After`` header in seconds (delta-seconds or HTTP date); None if absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - (time.time() if now is None else now), 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,9 +137,11 @@ class JSONClient:
         settings: HTTPSettings,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        status_retry: StatusRetry | None = None,
     ) -> None:
         self.base_url = base_url
         self.settings = settings
+        self.status_retry = status_retry
         self._transport = transport
         self._headers = dict(headers or {})
         self._client: httpx.AsyncClient | None = None
@@ -125,6 +174,30 @@ class JSONClient:
         return await self._request("GET", path, None)
 
     async def _request(self, method: str, path: str, payload: Any) -> Any:
+        retry = self.status_retry
+        attempt = 0
+        while True:
+            response = await self._send(method, path, payload)
+            if (
+                retry is None
+                or response.status_code not in RETRIED_STATUSES
+                or attempt >= retry.retries
+            ):
+                return self._decode(method, response)
+            delay = retry.delay_s(attempt, response.headers.get("retry-after"))
+            log.warning(
+                "%s %s answered HTTP %d; retry %d/%d in %.1fs",
+                method,
+                response.url,
+                response.status_code,
+                attempt + 1,
+                retry.retries,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _send(self, method: str, path: str, payload: Any) -> httpx.Response:
         url = self.base_url + path
         client = self._get_client()
         attempts = self.settings.connect_retries + 1
@@ -161,6 +234,10 @@ class JSONClient:
                 ) from exc
             except httpx.HTTPError as exc:  # pragma: no cover - every transport error is above
                 raise BackendError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        return response
+
+    def _decode(self, method: str, response: httpx.Response) -> Any:
+        url = str(response.request.url)
         if not response.is_success:
             raise BackendHTTPError(url, response.status_code, response.text)
         if not response.content:

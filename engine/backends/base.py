@@ -102,7 +102,9 @@ class GenerationResult:
     ``token_ids`` and ``logprobs`` are set by token-level backends only and always have the same
     length; ``logprobs[i]`` is the log-probability the server assigned to ``token_ids[i]`` when it
     sampled it. ``tool_calls`` is set by chat backends when the server parsed structured calls.
-    ``finish_reason`` is a ``FinishReason`` value or ``error:<what>``.
+    ``finish_reason`` is a ``FinishReason`` value or ``error:<what>``. Chat backends also keep
+    ``refusal`` (the model declined; OpenAI's ``message.refusal``) and ``reasoning_content``
+    (the thinking a reasoning parser split off, as SGLang and others return it).
     """
 
     text: str
@@ -111,6 +113,8 @@ class GenerationResult:
     tool_calls: tuple[ToolCall, ...] | None = None
     finish_reason: str = FinishReason.STOP
     usage: Usage | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) != (self.logprobs is None):

@@ -6,14 +6,21 @@ go in; text, structured ``tool_calls`` and ``usage`` come back. There are no tok
 ``NotImplementedError``.
 
 ``sampling_params`` uses the engine's (SGLang) names, translated here: ``max_new_tokens`` ->
-``max_tokens``, ``sampling_seed`` -> ``seed``; ``temperature``, ``top_p``, ``stop`` pass
+``max_completion_tokens`` (the OpenAI API's current name, which reasoning models require and
+SGLang and vLLM accept; ``OpenAIConfig.max_tokens_field="max_tokens"`` for a server that only
+knows the older one), ``sampling_seed`` -> ``seed``; ``temperature``, ``top_p``, ``stop`` pass
 through. A parameter with no chat-API equivalent is refused by name unless it is at its neutral
 value, so the same ``sampling_params`` never silently means different things on two backends.
 
+A 429 or 5xx reply is retried (``OpenAIConfig.status_retry``: 4 retries by default, waiting what
+``Retry-After`` asks, else an exponential backoff, capped at 30 s; see ``_http.py``) before it
+raises ``BackendHTTPError``; ``status_retry=None`` turns that off.
+
 Reply handling: ``choices[0].message.content`` (``null`` allowed), ``tool_calls`` (arguments
-kept as the JSON text the model wrote), ``finish_reason`` (``stop``, ``length``,
-``tool_calls``; SGLang's ``abort`` gives an empty aborted result; anything else
-``error:<reason>``) and ``usage``. A reply of another shape raises ``BackendProtocolError``.
+kept as the JSON text the model wrote), ``refusal`` and ``reasoning_content`` (kept on the
+result), ``finish_reason`` (``stop``, ``length``, ``tool_calls``; SGLang's ``abort`` gives an
+empty aborted result; anything else ``error:<reason>``) and ``usage``. A reply of another shape
+raises ``BackendProtocolError``.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
-from engine.backends._http import HTTPSettings, JSONClient, check_base_url
+from engine.backends._http import HTTPSettings, JSONClient, StatusRetry, check_base_url
 from engine.backends.base import (
     FinishReason,
     GenerationResult,
@@ -33,16 +40,16 @@ from engine.backends.base import (
     Usage,
     error_finish_reason,
 )
-from engine.errors import BackendProtocolError
+from engine.errors import BackendProtocolError, ConfigError
 
 __all__ = ["OpenAIBackend", "OpenAIConfig", "to_chat_params"]
 
-_RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
+_RENAMED = {"max_new_tokens": "max_completion_tokens", "sampling_seed": "seed"}
 _PASSED = {
     "temperature",
     "top_p",
     "stop",
-    "max_tokens",
+    "max_completion_tokens",
     "seed",
     "presence_penalty",
     "frequency_penalty",
@@ -61,24 +68,39 @@ _NEUTRAL: dict[str, Any] = {
 
 @dataclass(frozen=True, kw_only=True)
 class OpenAIConfig:
-    """``base_url`` ends before ``/chat/completions``, e.g. ``http://host:30000/v1``."""
+    """``base_url`` ends before ``/chat/completions``, e.g. ``http://host:30000/v1``.
+
+    ``max_tokens_field`` names the length limit sent (module docstring); ``status_retry`` is
+    how 429 / 5xx replies are retried (None: not at all).
+    """
 
     base_url: str
     model: str
     api_key: str | None = field(default=None, repr=False)
     http: HTTPSettings = field(default_factory=HTTPSettings)
+    max_tokens_field: Literal["max_completion_tokens", "max_tokens"] = "max_completion_tokens"
+    status_retry: StatusRetry | None = field(default_factory=StatusRetry)
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "base_url", check_base_url(self.base_url, what="OpenAIConfig.base_url")
         )
+        if self.max_tokens_field not in ("max_completion_tokens", "max_tokens"):
+            raise ConfigError(
+                "OpenAIConfig.max_tokens_field must be 'max_completion_tokens' or 'max_tokens', "
+                f"got {self.max_tokens_field!r}"
+            )
 
 
-def to_chat_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
+def to_chat_params(
+    sampling_params: Mapping[str, Any], *, max_tokens_field: str = "max_completion_tokens"
+) -> dict[str, Any]:
     """Engine sampling params as chat fields; ``ValueError`` names an untranslatable one."""
     out: dict[str, Any] = {}
     for key, value in sampling_params.items():
         name = _RENAMED.get(key, key)
+        if name in ("max_tokens", "max_completion_tokens"):
+            name = "max_completion_tokens"
         if name in _PASSED:
             if value is not None:
                 out[name] = value
@@ -89,6 +111,8 @@ def to_chat_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
                 )
         else:
             raise ValueError(f"unknown sampling parameter {key!r}")
+    if max_tokens_field != "max_completion_tokens" and "max_completion_tokens" in out:
+        out[max_tokens_field] = out.pop("max_completion_tokens")
     return out
 
 
@@ -103,7 +127,11 @@ class OpenAIBackend:
         self.config = config
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
         self._http = JSONClient(
-            base_url=config.base_url, settings=config.http, transport=transport, headers=headers
+            base_url=config.base_url,
+            settings=config.http,
+            transport=transport,
+            headers=headers,
+            status_retry=config.status_retry,
         )
         self._url = config.base_url + "/chat/completions"
 
@@ -128,7 +156,7 @@ class OpenAIBackend:
         payload: dict[str, Any] = {
             "model": self.config.model,
             "messages": [dict(m) for m in messages],
-            **to_chat_params(sampling_params),
+            **to_chat_params(sampling_params, max_tokens_field=self.config.max_tokens_field),
         }
         if tools:
             payload["tools"] = [dict(t) for t in tools]
@@ -154,6 +182,8 @@ class OpenAIBackend:
             raise self._fail("choices[0].message.content", "a string or null", content)
         calls = self._tool_calls(message.get("tool_calls"))
         usage = self._usage(body.get("usage"))
+        refusal = self._optional_text(message, "refusal")
+        reasoning = self._optional_text(message, "reasoning_content")
         reason = choice.get("finish_reason")
         if reason == FinishReason.ABORT:
             return GenerationResult(text="", finish_reason=FinishReason.ABORT, usage=usage)
@@ -169,7 +199,15 @@ class OpenAIBackend:
             tool_calls=calls,
             finish_reason=finish or error_finish_reason(str(reason)),
             usage=usage,
+            refusal=refusal,
+            reasoning_content=reasoning,
         )
+
+    def _optional_text(self, message: dict[str, Any], key: str) -> str | None:
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._fail(f"choices[0].message.{key}", "a string or null", value)
+        return value
 
     def _tool_calls(self, raw: Any) -> tuple[ToolCall, ...] | None:
         if raw is None or raw == []:

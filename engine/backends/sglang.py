@@ -9,8 +9,15 @@ back, so the tokens the model emitted are the tokens training sees.
 - ``messages`` are accepted too when a tokenizer is configured: they are rendered with its chat
   template (``add_generation_prompt``) and tokenized here, then sent as ``input_ids``.
 - A reply whose ``finish_reason.type`` is ``abort`` becomes an empty result with
-  ``finish_reason="abort"`` (the sample is dropped upstream); other finish types map to
-  ``stop`` / ``length``, anything unknown to ``error:<type>``.
+  ``finish_reason="abort"`` (the sample is dropped upstream), also when the request was aborted
+  while queued and SGLang's reply has no ``prompt_tokens`` (the usage then counts the prompt
+  that was sent); other finish types map to ``stop`` / ``length``, anything unknown to
+  ``error:<type>``.
+- ``sampling_params["n"] > 1`` makes SGLang answer a list of ``n`` results: ``generate_samples``
+  returns them all (``generate`` itself returns one result, so it refuses ``n > 1``). SGLang
+  0.5.23 gives each parallel sample a fresh uuid as its rid (``TokenizerManager.
+  _handle_batch_request``), so ``abort(rid)`` does not reach them there; tinylm names them
+  ``{rid}_{i}``, which it does. ``abort(rid)`` matches rids by prefix on both.
 - ``score`` force-decodes a fixed response (one greedy step over ``prompt + response`` with
   ``logprob_start_len = len(prompt) - 1``, the teacher's Role-B payload of inference-backend §3)
   and returns the logprob, and optionally the top-k, of every response token. An aborted
@@ -32,7 +39,12 @@ import httpx
 
 from engine.backends._http import HTTPSettings, JSONClient, check_base_url
 from engine.backends.base import FinishReason, GenerationResult, Usage, error_finish_reason
-from engine.backends.sglang_protocol import SGLangReply, parse_generate_reply
+from engine.backends.sglang_protocol import (
+    SGLangReply,
+    parallel_samples,
+    parse_batch_reply,
+    parse_generate_reply,
+)
 from engine.errors import BackendProtocolError, ConfigError, GenerationAborted
 
 __all__ = ["ForceDecodeScore", "SGLangBackend", "SGLangConfig", "load_tokenizer"]
@@ -139,6 +151,31 @@ class SGLangBackend:
         rid: str | None = None,
     ) -> GenerationResult:
         """Sample a continuation; ``tools`` only matter with ``messages`` (they are rendered)."""
+        if parallel_samples(sampling_params, url=self._generate_url) > 1:
+            raise ValueError(
+                "SGLangBackend.generate returns one result; use generate_samples for "
+                "sampling_params.n > 1"
+            )
+        (result,) = await self.generate_samples(
+            input_ids=input_ids,
+            messages=messages,
+            tools=tools,
+            sampling_params=sampling_params,
+            rid=rid,
+        )
+        return result
+
+    async def generate_samples(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+        rid: str | None = None,
+    ) -> list[GenerationResult]:
+        """``sampling_params["n"]`` (default 1) samples of one prompt, in SGLang's order."""
+        n = parallel_samples(sampling_params, url=self._generate_url)
         if (input_ids is None) == (messages is None):
             raise ValueError("SGLangBackend.generate needs exactly one of input_ids and messages")
         ids = (
@@ -153,8 +190,19 @@ class SGLangBackend:
         }
         if rid is not None:
             payload["rid"] = rid
-        reply = await self.generate_raw(payload)
-        usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+        if n == 1:
+            replies = [await self.generate_raw(payload)]
+        else:
+            body = await self._http.post("/generate", payload)
+            replies = parse_batch_reply(body, url=self._generate_url, size=n, logprobs=True)
+        return [self._result(reply, len(ids)) for reply in replies]
+
+    @staticmethod
+    def _result(reply: SGLangReply, prompt_len: int) -> GenerationResult:
+        usage = Usage(
+            prompt_tokens=prompt_len if reply.prompt_tokens is None else reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens,
+        )
         if reply.finish_type == FinishReason.ABORT:
             return GenerationResult(
                 text="", token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT, usage=usage

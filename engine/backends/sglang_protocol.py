@@ -18,10 +18,21 @@ The shape (sgl-project/sglang, ``python/sglang/srt/managers/tokenizer_manager.py
         "output_top_logprobs": [[[logprob, token_id, text | null], ...], ...]}}
 
 ``input_token_logprobs`` covers prompt positions ``logprob_start_len .. P - 1`` (so
-``P == logprob_start_len + len(input_token_logprobs)``), and position 0 has a null logprob since
-nothing predicts the first token. A batch request returns a list of such objects. Text in the
-triples is null unless ``return_text_in_logprobs`` was set. ``finish_reason`` is null while a
-streamed request is still running; a finished reply always has one.
+``P == logprob_start_len + len(input_token_logprobs)``), and its first entry (the token at
+``logprob_start_len``) has a null logprob: SGLang 0.5.23 writes ``[None] +
+input_token_logprobs[:-1]`` (``managers/scheduler_components/logprob_result_processor.py``,
+``_process_input_token_logprobs``), and ``input_top_logprobs`` starts with null the same way. A
+batch request returns a list of such objects, and so does a single prompt with
+``sampling_params.n > 1`` (``managers/io_struct.py``, ``_handle_parallel_sampling``: ``n``
+results per prompt, the samples of one prompt together). Text in the triples is null unless
+``return_text_in_logprobs`` was set. ``finish_reason`` is null while a streamed request is still
+running; a finished reply always has one.
+
+A request aborted while still queued is answered by ``TokenizerManager._handle_abort_req``
+(``managers/tokenizer_manager.py``) with ``meta_info = {"id", "finish_reason": {"type":
+"abort", "message": "Abort in waiting queue"}, "e2e_latency", "completion_tokens": 0, ...}``:
+no ``prompt_tokens``. That reply parses as an abort with ``prompt_tokens=None``; every other
+reply must carry ``prompt_tokens``.
 
 Anything else is a ``BackendProtocolError`` naming the URL, the field and what was found.
 """
@@ -35,7 +46,13 @@ from typing import Any
 
 from engine.errors import BackendProtocolError
 
-__all__ = ["SGLangReply", "TopLogprobs", "parse_batch_reply", "parse_generate_reply"]
+__all__ = [
+    "SGLangReply",
+    "TopLogprobs",
+    "parallel_samples",
+    "parse_batch_reply",
+    "parse_generate_reply",
+]
 
 TopLogprobs = tuple[tuple[tuple[float, int], ...] | None, ...]
 
@@ -51,7 +68,7 @@ class SGLangReply:
     input_top_logprobs: TopLogprobs | None
     output_top_logprobs: TopLogprobs | None
     finish_reason: Mapping[str, Any]
-    prompt_tokens: int
+    prompt_tokens: int | None  # None only for a request aborted in the waiting queue
     completion_tokens: int
     rid: str | None
 
@@ -132,10 +149,14 @@ def parse_generate_reply(
     text = obj.get("text", "")
     if not isinstance(text, str):
         raise r.fail("text", "a string", text)
-    prompt_tokens = r.int_(meta.get("prompt_tokens"), "meta_info.prompt_tokens")
-    completion_tokens = r.int_(meta.get("completion_tokens", 0), "meta_info.completion_tokens")
     rid = meta.get("id") if isinstance(meta.get("id"), str) else None
     aborted = finish["type"] == "abort"
+    prompt_tokens = (
+        None
+        if aborted and "prompt_tokens" not in meta
+        else r.int_(meta.get("prompt_tokens"), "meta_info.prompt_tokens")
+    )
+    completion_tokens = r.int_(meta.get("completion_tokens", 0), "meta_info.completion_tokens")
 
     out_pairs: list[tuple[float, int]] | None = None
     in_pairs: list[tuple[float | None, int]] | None = None
@@ -195,3 +216,13 @@ def parse_batch_reply(
     return [
         parse_generate_reply(o, url=url, logprobs=logprobs, top_logprobs=top_logprobs) for o in obj
     ]
+
+
+def parallel_samples(sampling_params: Mapping[str, Any], *, url: str) -> int:
+    """``sampling_params["n"]`` (1 when absent); ``ValueError`` unless an integer >= 1."""
+    n = sampling_params.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{url}: sampling_params.n must be an integer >= 1, got {n!r}")
+    return n

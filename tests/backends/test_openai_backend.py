@@ -9,6 +9,7 @@ send ``arguments`` as an object instead; that variant is accepted too.
 
 from __future__ import annotations
 
+import email.utils
 import json
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ from engine.backends import (
     OpenAIConfig,
     ToolCall,
     Usage,
+    _http,
 )
+from engine.backends._http import StatusRetry, retry_after_s
 from engine.backends.openai import to_chat_params
-from engine.errors import BackendHTTPError, BackendProtocolError
+from engine.errors import BackendHTTPError, BackendProtocolError, ConfigError
 from tests.backends.conftest import MATH_QUESTION
 from tinylm.corpus import PYTHON_TOOL
 from tinylm.server import TinyLMServer
@@ -99,7 +102,8 @@ async def test_documented_tool_call_reply() -> None:
     assert str(request.url) == "http://api.test/v1/chat/completions"
     assert request.headers["authorization"] == "Bearer sk-test"
     body = json.loads(request.content)
-    assert body["model"] == "m" and body["max_tokens"] == 64 and body["seed"] == 3
+    assert body["model"] == "m" and body["max_completion_tokens"] == 64 and body["seed"] == 3
+    assert "max_tokens" not in body
     assert (
         body["temperature"] == 0.5 and body["tools"][0]["function"]["name"] == "get_current_weather"
     )
@@ -172,7 +176,10 @@ def test_sampling_params_translate_or_are_refused_by_name() -> None:
             "top_k": -1,
             "no_stop_trim": False,
         }
-    ) == {"max_tokens": 5, "seed": 1, "top_p": 0.9, "stop": ["x"]}
+    ) == {"max_completion_tokens": 5, "seed": 1, "top_p": 0.9, "stop": ["x"]}
+    assert to_chat_params({"max_new_tokens": 5}, max_tokens_field="max_tokens") == {
+        "max_tokens": 5
+    }
     with pytest.raises(ValueError, match="top_k=5 has no chat-completions equivalent"):
         to_chat_params({"top_k": 5})
     with pytest.raises(ValueError, match="unknown sampling parameter 'temprature'"):
@@ -252,11 +259,19 @@ async def test_tinylm_refuses_what_it_cannot_do(tinylm_server: TinyLMServer) -> 
         assert (
             bad.status_code == 400 and "messages must be a non-empty list" in bad.json()["message"]
         )
+        # SGLang serves these; tinylm cannot, and says so by name instead of dropping them.
+        refused = (("return_hidden_states", True), ("regex", "a+"), ("frequency_penalty", 1.0))
+        for field, value in refused:
+            bad = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}], field: value},
+            )
+            assert bad.status_code == 400 and field in bad.json()["message"]
         bad = await client.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            json={"messages": [{"role": "user", "content": "x"}], "temprature": 0},
         )
-        assert bad.status_code == 400 and "logprobs" in bad.json()["message"]
+        assert bad.status_code == 400 and "temprature" in bad.json()["message"]
         bad = await client.post(
             "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}
         )
@@ -281,3 +296,120 @@ async def test_tool_choice_none_hides_the_tools(
     assert reply.status_code == 200 and "tool_calls" not in body["choices"][0]["message"]
     # The prompt carried no tool list: far fewer tokens than with the tools' system block.
     assert body["usage"]["prompt_tokens"] < 40
+
+
+# -- retries, newer fields ----------------------------------------------------------------------
+
+
+class Replies:
+    """A MockTransport handler answering a scripted sequence of responses."""
+
+    def __init__(self, *responses: httpx.Response) -> None:
+        self.responses = list(responses)
+        self.calls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        return self.responses.pop(0)
+
+
+PLAIN = {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The waits the HTTP client asked for (not slept: the test checks them)."""
+    asked: list[float] = []
+
+    async def record(delay: float) -> None:
+        asked.append(delay)
+
+    monkeypatch.setattr(_http.asyncio, "sleep", record)
+    return asked
+
+
+async def test_429_and_5xx_are_retried_honouring_retry_after(sleeps: list[float]) -> None:
+    replies = Replies(
+        httpx.Response(429, headers={"Retry-After": "7"}, json={"error": "slow down"}),
+        httpx.Response(503, json={"error": "overloaded"}),
+        httpx.Response(502, headers={"Retry-After": "3600"}, text="bad gateway"),
+        httpx.Response(200, json=PLAIN),
+    )
+    backend = mock_backend(replies, status_retry=StatusRetry(retries=4, backoff_s=0.5, cap_s=30))
+    result = await backend.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+    await backend.aclose()
+    assert result.text == "ok" and replies.calls == 4
+    # Retry-After wins; without it, backoff * 2**attempt; never past the cap.
+    assert sleeps == [7.0, 1.0, 30.0]
+
+
+async def test_retries_run_out_and_other_errors_are_not_retried(sleeps: list[float]) -> None:
+    replies = Replies(*(httpx.Response(500, text="boom") for _ in range(3)))
+    backend = mock_backend(replies, status_retry=StatusRetry(retries=2, backoff_s=0.0))
+    with pytest.raises(BackendHTTPError, match="HTTP 500"):
+        await backend.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+    assert replies.calls == 3
+    for status in (400, 401, 404):
+        once = Replies(httpx.Response(status, text="no"))
+        b = mock_backend(once)
+        with pytest.raises(BackendHTTPError, match=f"HTTP {status}"):
+            await b.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+        assert once.calls == 1
+    off = Replies(httpx.Response(429, text="slow"))
+    b = mock_backend(off, status_retry=None)
+    with pytest.raises(BackendHTTPError, match="HTTP 429"):
+        await b.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+    assert off.calls == 1
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    now = 1_700_000_000.0
+    date = email.utils.formatdate(now + 12, usegmt=True)
+    assert retry_after_s("3", now=now) == 3.0
+    assert retry_after_s(date, now=now) == pytest.approx(12.0)
+    assert retry_after_s("yesterday", now=now) is None and retry_after_s(None) is None
+    assert StatusRetry(cap_s=5).delay_s(0, date, now=now) == 5.0
+    assert StatusRetry(backoff_s=0.25).delay_s(3, None) == 2.0
+
+
+async def test_refusal_and_reasoning_content_are_kept() -> None:
+    reply = {
+        "choices": [
+            {
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "refusal": "I can't help with that.",
+                    "reasoning_content": "The user asks for something unsafe.",
+                },
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    backend = mock_backend(lambda r: httpx.Response(200, json=reply))
+    result = await backend.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+    await backend.aclose()
+    assert result.refusal == "I can't help with that."
+    assert result.reasoning_content == "The user asks for something unsafe."
+    bad = json.loads(json.dumps(reply))
+    bad["choices"][0]["message"]["refusal"] = 3
+    backend = mock_backend(lambda r: httpx.Response(200, json=bad))
+    with pytest.raises(BackendProtocolError, match="message.refusal"):
+        await backend.generate(messages=[{"role": "user", "content": "x"}], sampling_params={})
+
+
+async def test_max_tokens_field_can_be_the_older_name() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=PLAIN)
+
+    backend = mock_backend(handler, max_tokens_field="max_tokens")
+    await backend.generate(
+        messages=[{"role": "user", "content": "x"}], sampling_params={"max_new_tokens": 9}
+    )
+    await backend.aclose()
+    assert seen[0]["max_tokens"] == 9 and "max_completion_tokens" not in seen[0]
+    with pytest.raises(ConfigError, match="max_tokens_field"):
+        OpenAIConfig(base_url="http://a/v1", model="m", max_tokens_field="max_length")  # type: ignore[arg-type]

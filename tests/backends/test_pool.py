@@ -4,13 +4,15 @@ closed when it stops. Generations go over real sockets to the tinylm server."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
 
 from engine.backends import BackendPool, ModelBackend, SGLangBackend, SGLangConfig
+from engine.backends.pool import parse_urls
 from engine.errors import BackendUnavailable, ConfigError
-from tinylm.server import TinyLMServer
+from tinylm.server import TinyLMServer, start_server
 
 PROMPT = [1, 310, 201, 40, 41, 42, 43, 2, 201, 1, 90]
 
@@ -39,7 +41,7 @@ class Builds:
         self.transports: dict[str, CountingTransport] = {}
 
     def __call__(self, url: str) -> ModelBackend:
-        assert url not in self.transports, f"{url} built twice"
+        assert url not in self.transports, f"{url} built twice"  # one backend per endpoint
         transport = self.transports[url] = CountingTransport()
         return SGLangBackend(config=SGLangConfig(url=url), transport=transport)
 
@@ -80,3 +82,113 @@ def test_endpoints_are_validated() -> None:
         pool.get()
     with pytest.raises(ConfigError, match="ftp://x"):
         pool.get("ftp://x")
+
+
+# -- several policy servers --------------------------------------------------------------------
+
+
+def test_urls_parse_from_lists_and_commas() -> None:
+    assert parse_urls(["http://a:1, http://b:2/", "http://c:3", "http://a:1"]) == (
+        "http://a:1",
+        "http://b:2",
+        "http://c:3",
+    )
+    assert parse_urls("http://a:1") == ("http://a:1",) and parse_urls(None) == ()
+    with pytest.raises(ConfigError, match="nope"):
+        parse_urls("http://a:1,nope")
+    pool = BackendPool("http://a:1,http://b:2", build=Builds())
+    assert pool.default_urls == ("http://a:1", "http://b:2") and pool.default_url == "http://a:1"
+
+
+def test_a_trajectory_stays_on_the_server_it_was_first_given() -> None:
+    urls = [f"http://policy-{i}:30000" for i in range(3)]
+    pool = BackendPool(urls, build=Builds())
+    views = [pool.bind(f"rollout/sample-{i}") for i in range(6)]
+    first = [v.get() for v in views]
+    # The least-loaded server takes each new trajectory: 6 over 3 servers is 2 each.
+    assert pool.load() == dict.fromkeys(urls, 2)
+    for _ in range(3):  # later turns: the same server, whatever the load is now
+        assert [v.get() for v in views] == first
+    assert {pool.server_of(v.key or "") for v in views} == set(urls)
+    # An explicit endpoint is never balanced, and does not count as a trajectory.
+    assert views[0].get("http://teacher:1") is pool.get("http://teacher:1")
+    # Ended trajectories free their server: the next one goes where there is room.
+    freed = pool.server_of("rollout/sample-0")
+    views[0].release()
+    views[0].release()  # releasing twice is harmless
+    assert pool.load()[freed or ""] == 1
+    newcomer = pool.bind("rollout/sample-6")
+    newcomer.get()
+    assert pool.server_of("rollout/sample-6") == freed
+
+
+def test_ties_are_broken_by_the_key_not_by_the_order_of_the_list() -> None:
+    urls = [f"http://policy-{i}:30000" for i in range(4)]
+    keys = [f"k{i}" for i in range(64)]
+
+    def first_choice(order: list[str]) -> list[str | None]:
+        placed = []
+        for key in keys:
+            pool = BackendPool(order, build=Builds())  # an empty pool: every server ties
+            pool.get(key=key)
+            placed.append(pool.server_of(key))
+        return placed
+
+    forward = first_choice(urls)
+    assert forward == first_choice(list(reversed(urls)))
+    assert set(forward) == set(urls)  # and the keys spread over every server
+
+
+async def test_bound_views_share_the_pools_backends(tinylm_server: TinyLMServer) -> None:
+    pool = BackendPool([tinylm_server.url, "http://127.0.0.1:9"], build=Builds())
+    view = pool.bind("r/s")
+    backend = view.get()
+    await view.aclose()  # a view only ends its trajectory
+    assert pool.server_of("r/s") is None and pool.get(key="r/s") is not None
+    await pool.aclose()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        view.get()
+    assert backend is not None
+
+
+async def test_trajectories_over_two_real_servers(tinylm_dir: Path) -> None:
+    builds = Builds()
+    params = {"max_new_tokens": 3, "temperature": 0.0}
+    with start_server(tinylm_dir) as a, start_server(tinylm_dir) as b:
+        steps = {a.url: a.scheduler.steps, b.url: b.scheduler.steps}
+        async with BackendPool(f"{a.url},{b.url}", build=builds) as pool:
+            views = [pool.bind(f"r/{i}") for i in range(4)]
+
+            async def episode(view: BackendPool) -> set[str]:
+                used = set()
+                for _ in range(3):  # three turns
+                    backend = view.get()
+                    assert isinstance(backend, SGLangBackend)
+                    await backend.generate(input_ids=PROMPT, sampling_params=params)
+                    used.add(backend.config.url)
+                return used
+
+            used = await asyncio.gather(*(episode(v) for v in views))
+            assert all(len(u) == 1 for u in used)  # each trajectory on one server
+            assert sorted(u.pop() for u in used) == sorted([a.url, a.url, b.url, b.url])
+        counts = {url: t.requests for url, t in builds.transports.items()}
+        assert counts == {a.url: 6, b.url: 6}
+        assert a.scheduler.steps > steps[a.url] and b.scheduler.steps > steps[b.url]
+
+
+def test_the_worker_takes_several_servers() -> None:
+    from engine.settings import Settings
+    from workers.evaluator import build_parser, policy_urls
+
+    settings = Settings()
+    parser = build_parser(settings)
+    args = parser.parse_args(
+        ["--sglang-url", "http://a:1,http://b:2", "--sglang-url", "http://c:3"]
+    )
+    assert policy_urls(args, settings) == ["http://a:1", "http://b:2", "http://c:3"]
+    assert args.sglang_url is None  # agents leave the choice to the pool
+    one = parser.parse_args(["--sglang-url", "http://a:1/"])
+    assert policy_urls(one, settings) == ["http://a:1"] and one.sglang_url == "http://a:1"
+    from_env = parser.parse_args([])
+    env = Settings(sglang_url="http://x:1, http://y:2")
+    assert policy_urls(from_env, env) == ["http://x:1", "http://y:2"]

@@ -6,9 +6,10 @@ Where the shapes come from (sgl-project/sglang):
   ``meta_info["input_token_logprobs"/"output_token_logprobs"]`` with
   ``detokenize_logprob_tokens``, which returns ``(logprob, token_id, None)`` triples, or
   ``(logprob, token_id, text)`` with ``return_text_in_logprobs``; ``detokenize_top_logprobs_tokens``
-  gives one list of triples per position, ``None`` where nothing was computed. The same file's
-  ``_handle_abort_req`` writes the abort reply ``{"text": "", "meta_info": {"id", "finish_reason":
-  {"type": "abort", "message": ...}, "prompt_tokens": 0, "completion_tokens": 0}}``.
+  gives one list of triples per position, ``None`` where nothing was computed. An abort reply
+  that carries ``prompt_tokens`` (``ABORT_REPLY``) is how older releases answered; SGLang 0.5.23's
+  ``_handle_abort_req`` answers a request aborted in the waiting queue without it, which
+  ``test_sglang_conformance.py`` pins.
 - ``python/sglang/srt/managers/schedule_batch.py``: ``FINISH_MATCHED_TOKEN.to_json()`` is
   ``{"type": "stop", "matched": id}``, ``FINISH_LENGTH`` ``{"type": "length", "length": n}``.
 - ``test/srt/test_srt_endpoint.py::test_logprob_start_len``: ``prompt_tokens ==

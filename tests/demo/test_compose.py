@@ -41,7 +41,7 @@ ENGINE = ("scheduler", "evaluator", "capture", "finalizer", "tinylm")
 
 def test_services_and_profiles(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"redis", "redis-secret", "sglang", *ENGINE}
+    assert set(services) == {"redis", "redis-secret", "sglang", "router", *ENGINE}
     assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert services["sglang"]["profiles"] == ["gpu"]
     assert services["tinylm"]["profiles"] == ["cpu"]
