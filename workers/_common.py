@@ -70,12 +70,21 @@ def check_timings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
 
 
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Libraries whose INFO lines are one per request (a worker makes thousands): they log at
+WARNING unless the process runs at DEBUG."""
+
+
 def setup_logging(level: str) -> None:
+    level = level.upper()
     logging.basicConfig(
-        level=level.upper(),
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if level != "DEBUG":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def make_log(args: argparse.Namespace, producer: str) -> EventLog:

@@ -1,6 +1,6 @@
 """The capture process: teacher force-decode of kept trajectories (``engine.actors.capture``).
 
-    python -m workers.capture --redis-url redis://127.0.0.1:6379/0 \\
+    rollout capture --redis-url redis://127.0.0.1:6379/0 \\
         --teacher-url http://teacher:30000 [--teacher-tokenizer DIR] [--concurrency 8]
 
 Consumes ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture`` and
@@ -35,7 +35,7 @@ logger = logging.getLogger("workers.capture")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.capture",
+        prog="rollout capture",
         description="Force-decode kept trajectories on the teacher and record TeacherScored.",
     )
     add_common_flags(parser, settings, "capture")

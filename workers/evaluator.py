@@ -1,6 +1,6 @@
 """The evaluator worker process: run admitted batches (``engine.actors.evaluator_worker``).
 
-    python -m workers.evaluator --redis-url redis://127.0.0.1:6379/0 \\
+    rollout worker --redis-url redis://127.0.0.1:6379/0 \\
         --evaluator-config evaluators.py [--evaluators swe,math] [--max-batches 4]
 
 Reads ``rl:work:{evaluator_id}`` for every evaluator the config defines (or those listed in
@@ -48,7 +48,7 @@ logger = logging.getLogger("workers.evaluator")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.evaluator",
+        prog="rollout worker",
         description="Run admitted batches' episodes and record them as events.",
     )
     add_common_flags(parser, settings, "evaluator")

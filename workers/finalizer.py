@@ -2,7 +2,7 @@
 
 Runs ``engine.actors.finalizer``:
 
-    python -m workers.finalizer --redis-url redis://127.0.0.1:6379/0 [--out-dir runs/]
+    rollout finalizer --redis-url redis://127.0.0.1:6379/0 [--out-dir runs/]
 
 Follows every ``RolloutRequested`` on ``rl:control`` through the consumer group
 ``finalizers``; several finalizers may run (only one ``RolloutReady`` is ever appended per
@@ -39,7 +39,7 @@ logger = logging.getLogger("workers.finalizer")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.finalizer",
+        prog="rollout finalizer",
         description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
     )
     add_common_flags(parser, settings, "finalizer")

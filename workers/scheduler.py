@@ -1,6 +1,6 @@
 """The scheduler process: parse settings, load the configs, run ``engine.actors.scheduler``.
 
-    python -m workers.scheduler --redis-url redis://127.0.0.1:6379/0 \\
+    rollout scheduler --redis-url redis://127.0.0.1:6379/0 \\
         --rollout-config rollout.yaml --evaluator-config evaluators.py \\
         [--cluster-layout '{"node-a": [0, 1, 2, 3]}'] [--env-num-cpus 96] [--env-memory-gb 384]
 
@@ -59,7 +59,7 @@ def tune_gc() -> None:
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.scheduler",
+        prog="rollout scheduler",
         description="Plan requested rollouts and admit their batches through the event log.",
     )
     add = parser.add_argument

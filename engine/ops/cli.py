@@ -29,6 +29,7 @@ from engine.errors import EngineError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
+from engine.settings import Settings
 
 __all__ = ["main"]
 
@@ -60,19 +61,19 @@ def _delegate(command: str, argv: list[str]) -> int:
     return int(entry(argv) or 0)
 
 
-def _settings_defaults() -> tuple[str, str]:
-    from engine.settings import Settings
+def _stream_id(text: str) -> str:
+    """An argparse type: a stream id ``<ms>-<seq>`` (or a bare ``<ms>``)."""
+    ms, dash, seq = text.partition("-")
+    if not ms.isdigit() or (dash and not seq.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a stream id: expected <ms>-<seq> such as 1700000000000-0, "
+            f"as `rollout tail --stream rl:pool --from-start` prints after the time"
+        )
+    return text
 
-    try:
-        settings = Settings.from_env()
-    except EngineError as exc:
-        print(f"warning: {exc}; using built-in defaults", file=sys.stderr)
-        settings = Settings()
-    return settings.redis_url, settings.stream_prefix
 
-
-def build_parser() -> argparse.ArgumentParser:
-    redis_url, prefix = _settings_defaults()
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    redis_url, prefix = settings.redis_url, settings.stream_prefix
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis-url", default=redis_url, help="Redis holding the streams")
     common.add_argument("--prefix", default=prefix, help="stream name prefix")
@@ -96,7 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rollout_id", metavar="ID")
     p = sub.add_parser("pool", parents=[common],
                        help="the placement pool now, or as it was at a past event (time travel)")
-    p.add_argument("--at", metavar="ID", help="an rl:pool event id (default: the latest)")
+    p.add_argument("--at", metavar="ID", type=_stream_id,
+                   help="an rl:pool event id (default: the latest)")
+    p = sub.add_parser("top", parents=[common],
+                       help="a live view of rollouts, pool use, workers and lag")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
+    sub.add_parser("env", help="every ROLLOUT_* variable: type, default, meaning")
     for name, (_module, _fn, what) in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
@@ -231,11 +239,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
         return _delegate(args_list[0], args_list[1:])
-    parser = build_parser()
+    try:
+        settings = Settings.from_env()
+    except EngineError as exc:  # a misspelt variable is refused, never silently defaulted
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parser = build_parser(settings)
     args = parser.parse_args(args_list)
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "env":
+        print(Settings.describe())
+        return 0
     try:
         return asyncio.run(_COMMANDS[args.command](args))
     except KeyboardInterrupt:
