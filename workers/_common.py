@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 
+from engine import metrics
 from engine.errors import ConfigError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
@@ -26,6 +27,7 @@ __all__ = [
     "install_stop",
     "load_settings",
     "make_log",
+    "serve_metrics",
     "setup_logging",
 ]
 
@@ -85,6 +87,25 @@ def setup_logging(level: str) -> None:
     if level != "DEBUG":
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def serve_metrics(settings: Settings) -> None:
+    """Serve Prometheus ``/metrics`` (``engine.metrics``) when ``ROLLOUT_METRICS_PORT`` is
+    set; a port that cannot be bound ends the process with status 2, naming it."""
+    if settings.metrics_port is None:
+        return
+    try:
+        metrics.serve(settings.metrics_port, settings.metrics_host)
+    except OSError as exc:
+        print(
+            f"error: ROLLOUT_METRICS_PORT: cannot serve /metrics on "
+            f"{settings.metrics_host}:{settings.metrics_port}: {exc}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    logging.getLogger("workers").info(
+        "metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port
+    )
 
 
 def make_log(args: argparse.Namespace, producer: str) -> EventLog:

@@ -25,6 +25,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     return asyncio.run(_serve(args))
 
 

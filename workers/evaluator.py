@@ -38,6 +38,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -189,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     if args.evaluator_config is None:
         parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
     try:

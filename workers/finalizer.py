@@ -29,6 +29,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -90,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     return asyncio.run(_serve(args))
 
 

@@ -37,6 +37,7 @@ from engine.errors import ConfigError, DeadlockError, EngineError, LogError
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.settings import Settings
+from workers._common import serve_metrics, setup_logging
 
 __all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
 
@@ -171,10 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
     args = build_parser(settings).parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(str(args.log_level))
+    serve_metrics(settings)
     try:
         parts = _build(args, settings)
         check_layout(parts.planner.specs, parts.layout)

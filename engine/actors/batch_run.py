@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from engine import metrics
 from engine.actors.outcomes import (
     Attempt as _Attempt,
 )
@@ -262,12 +263,16 @@ class BatchRun:
         rec = _Attempt()
         token: str | None = None
         outcome: list[Event]
+        evaluator = self.spec.evaluator_id
         try:
-            outcome, token = await self._episode(sample_id, attempt, rec)
+            with metrics.SAMPLES_IN_FLIGHT.labels(evaluator).track_inprogress():
+                outcome, token = await self._episode(sample_id, attempt, rec)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a failure outside any phase (bad task data)
             outcome = [self._aborted(sample_id, attempt, rec, exc)]
+        done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
+        metrics.SAMPLES_DONE.labels(evaluator, done).inc()
         self._emit(outcome)
         self._return_token(token)
         self._report(sample_id, attempt, rec, outcome[-1])
