@@ -7,7 +7,12 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
   files the live finalizer wrote;
 * ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
 * ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
-* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch.
+* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
+* ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
+* ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
+* ``rollout env`` -- every ``ROLLOUT_*`` variable with its type, default and meaning.
+
+A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
 
 Processes (each delegates to its own ``main(argv)``, which owns the flags):
 ``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
@@ -226,12 +231,24 @@ async def _pool(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _top(args: argparse.Namespace) -> int:
+    from engine.ops.top import run_top
+
+    log = _log(args)
+    try:
+        await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
+    finally:
+        await log.aclose()
+    return 0
+
+
 _COMMANDS = {
     "replay": _replay,
     "archive": _archive,
     "tail": _tail,
     "status": _status,
     "pool": _pool,
+    "top": _top,
 }
 
 
