@@ -10,6 +10,7 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
 * ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
 * ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
 * ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
+* ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
 * ``rollout env`` -- every ``ROLLOUT_*`` variable with its type, default and meaning.
 
 A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
@@ -110,6 +111,9 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
     sub.add_parser("env", help="every ROLLOUT_* variable: type, default, meaning")
+    p = sub.add_parser("events", help="the events reference, generated from the catalog")
+    p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
+    p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
     for name, (_module, _fn, what) in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
@@ -231,6 +235,20 @@ async def _pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> int:
+    from engine.ops.events_doc import render_markdown, write_markdown
+
+    if not args.markdown:
+        print("error: rollout events: only --markdown is supported", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(render_markdown(), end="")
+    else:
+        changed = write_markdown(args.out)
+        print(f"{args.out}: {'written' if changed else 'up to date'}")
+    return 0
+
+
 async def _top(args: argparse.Namespace) -> int:
     from engine.ops.top import run_top
 
@@ -269,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         print(Settings.describe())
         return 0
+    if args.command == "events":
+        return _events(args)
     try:
         return asyncio.run(_COMMANDS[args.command](args))
     except KeyboardInterrupt:
