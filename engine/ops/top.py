@@ -292,7 +292,8 @@ async def run_top(
     if once:
         console.print(render(await source.snapshot()))
         return
-    with Live(render(await source.snapshot()), console=console, auto_refresh=False) as live:
+    first = render(await source.snapshot())
+    with Live(first, console=console, auto_refresh=False, vertical_overflow="visible") as live:
         while True:
             await asyncio.sleep(interval_s)
             live.update(render(await source.snapshot()), refresh=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,22 @@ async def test_a_batch_makes_no_directory_its_episodes_do_not_ask_for(
     assert not batch_dir_existed  # nothing on disk until the agent makes it
     assert attempt_dir.is_relative_to(tmp_path) and attempt_dir.name == "r_s0-a1"
     assert list(tmp_path.iterdir()) == []  # and what it made is gone after the batch
+
+
+def test_demo_uses_rollout_redis_url_and_refuses_a_misspelt_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.errors import ConfigError
+    from engine.ops.demo import build_parser, redis_for
+
+    for key in [k for k in os.environ if k.startswith("ROLLOUT_")]:
+        monkeypatch.delenv(key)
+    assert redis_for(build_parser().parse_args([])) is None  # starts its own
+    monkeypatch.setenv("ROLLOUT_REDIS_URL", "redis://db.internal:6379/3")
+    assert redis_for(build_parser().parse_args([])) == "redis://db.internal:6379/3"
+    flag = build_parser().parse_args(["--redis-url", "redis://other:6379/0"])
+    assert redis_for(flag) == "redis://other:6379/0"
+    monkeypatch.delenv("ROLLOUT_REDIS_URL")
+    monkeypatch.setenv("ROLLOUT_REDIS_ULR", "redis://db.internal:6379/3")
+    with pytest.raises(ConfigError, match="did you mean 'ROLLOUT_REDIS_URL'"):
+        redis_for(build_parser().parse_args([]))
