@@ -129,7 +129,8 @@ async def tail(
     """Print events of ``streams`` as they arrive (only ``rollout_id``'s when given), with
     blocking reads; returns after ``count`` lines (never when ``count`` is None).
 
-    Lines come in time order across streams (ids of one Redis server share its clock). A read
+    Lines come in time order across streams (ids of one Redis server share its clock; within
+    one millisecond, entries of different streams follow stream-name order). A read
     returns up to ``page`` entries per stream; an entry is held back while a stream that
     filled its page may still hold an earlier one, so a backlog merges exactly.
     A viewer only reads: an entry that does not decode is shown as such, not dead-lettered.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import os
@@ -83,6 +84,9 @@ async def test_tail_merges_streams_in_time_order_and_omits_empty_fields(log: Eve
     for i in range(7):  # interleaved across three streams; pages of 2 force the merge
         stream = streams[i % 3]
         await log.append(stream, SampleStarted(rollout_id="r", sample_id=f"s{i}", worker="w"))
+        # Ids order across streams by their millisecond only (each stream counts its own
+        # sequence), so the appends go to different milliseconds.
+        await asyncio.sleep(0.003)
     lines: list[str] = []
     n = await tail(log, sorted(streams), emit=lines.append, from_start=True, count=7,
                    block_ms=50, page=2)
