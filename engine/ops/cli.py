@@ -72,8 +72,9 @@ def _stream_id(text: str) -> str:
     ms, dash, seq = text.partition("-")
     if not ms.isdigit() or (dash and not seq.isdigit()):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a stream id: expected <ms>-<seq> such as 1700000000000-0, "
-            f"as `rollout tail --stream rl:pool --from-start` prints after the time"
+            f"{text!r} is not a stream id: expected <ms>-<seq> such as 1700000000000-0 "
+            f"(`rollout pool` prints the latest as 'pool at ID'; `cause=` fields of "
+            f"`rollout tail` name others as stream@ID)"
         )
     return text
 
