@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,9 +27,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from engine.domain import FrozenModel, check_identifier
 from engine.errors import ConfigError
 from engine.events import RedisSettings
-from engine.messages import explain, unknown_key_message
+from engine.messages import explain
 
-__all__ = ["ENV_PREFIX", "LogLevel", "Settings"]
+__all__ = ["ENV_PREFIX", "LogLevel", "Settings", "unknown_variable_message"]
 
 ENV_PREFIX = "ROLLOUT_"
 
@@ -122,6 +123,19 @@ class Settings(FrozenModel):
         None, description="Private key of redis_tls_cert_file."
     )
 
+    # -- metrics (engine.metrics): every process serves Prometheus /metrics when a port is set
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port on which this process serves Prometheus /metrics (unset: off). "
+        "Give each process on a host its own port.",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the /metrics server binds (0.0.0.0 exposes it to the network).",
+    )
+
     @field_validator("stream_prefix")
     @classmethod
     def _prefix_is_a_name(cls, value: str) -> str:
@@ -156,10 +170,7 @@ class Settings(FrozenModel):
             if not key.startswith(ENV_PREFIX):
                 continue
             if key not in declared:
-                raise ConfigError(
-                    f"environment: {unknown_key_message(key, declared)}; every variable the "
-                    f"engine reads is declared in engine/settings.py"
-                )
+                raise ConfigError(f"environment: {unknown_variable_message(key, declared)}")
             if value != "":
                 values[declared[key]] = value
         try:
@@ -212,6 +223,22 @@ class Settings(FrozenModel):
                 f"default {default:<28} {info.description}"
             )
         return "\n".join(lines)
+
+
+def unknown_variable_message(key: str, declared: Iterable[str]) -> str:
+    """``unknown key 'ROLLOUT_REDIS_ULR' (did you mean 'ROLLOUT_REDIS_URL'?)``: the
+    variable, up to three close matches (or every declared name), and where they live."""
+    names = sorted(declared)
+    close = get_close_matches(key, names, n=3, cutoff=0.75)
+    if close:
+        hint = "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    else:
+        hint = "declared: " + ", ".join(names)
+    return (
+        f"unknown key {key!r} ({hint}); every variable the engine reads is declared in "
+        f"engine/settings.py (`rollout env` lists them), and an unknown one is refused "
+        f"rather than ignored"
+    )
 
 
 def env_name(field_name: str) -> str:

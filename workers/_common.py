@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 
+from engine import metrics
 from engine.errors import ConfigError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
@@ -26,6 +27,7 @@ __all__ = [
     "install_stop",
     "load_settings",
     "make_log",
+    "serve_metrics",
     "setup_logging",
 ]
 
@@ -70,11 +72,39 @@ def check_timings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
 
 
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Libraries whose INFO lines are one per request (a worker makes thousands): they log at
+WARNING unless the process runs at DEBUG."""
+
+
 def setup_logging(level: str) -> None:
+    level = level.upper()
     logging.basicConfig(
-        level=level.upper(),
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
+    )
+    if level != "DEBUG":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def serve_metrics(settings: Settings) -> None:
+    """Serve Prometheus ``/metrics`` (``engine.metrics``) when ``ROLLOUT_METRICS_PORT`` is
+    set; a port that cannot be bound ends the process with status 2, naming it."""
+    if settings.metrics_port is None:
+        return
+    try:
+        metrics.serve(settings.metrics_port, settings.metrics_host)
+    except OSError as exc:
+        print(
+            f"error: ROLLOUT_METRICS_PORT: cannot serve /metrics on "
+            f"{settings.metrics_host}:{settings.metrics_port}: {exc}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    logging.getLogger("workers").info(
+        "metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port
     )
 
 

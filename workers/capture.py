@@ -1,6 +1,6 @@
 """The capture process: teacher force-decode of kept trajectories (``engine.actors.capture``).
 
-    python -m workers.capture --redis-url redis://127.0.0.1:6379/0 \\
+    rollout capture --redis-url redis://127.0.0.1:6379/0 \\
         --teacher-url http://teacher:30000 [--teacher-tokenizer DIR] [--concurrency 8]
 
 Consumes ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture`` and
@@ -25,6 +25,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -35,7 +36,7 @@ logger = logging.getLogger("workers.capture")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.capture",
+        prog="rollout capture",
         description="Force-decode kept trajectories on the teacher and record TeacherScored.",
     )
     add_common_flags(parser, settings, "capture")
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     return asyncio.run(_serve(args))
 
 

@@ -1,6 +1,6 @@
 """The evaluator worker process: run admitted batches (``engine.actors.evaluator_worker``).
 
-    python -m workers.evaluator --redis-url redis://127.0.0.1:6379/0 \\
+    rollout worker --redis-url redis://127.0.0.1:6379/0 \\
         --evaluator-config evaluators.py [--evaluators swe,math] [--max-batches 4]
 
 Reads ``rl:work:{evaluator_id}`` for every evaluator the config defines (or those listed in
@@ -44,6 +44,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -54,7 +55,7 @@ logger = logging.getLogger("workers.evaluator")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.evaluator",
+        prog="rollout worker",
         description="Run admitted batches' episodes and record them as events.",
     )
     add_common_flags(parser, settings, "evaluator")
@@ -233,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     if args.evaluator_config is None:
         parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
     try:

@@ -2,7 +2,7 @@
 
 Runs ``engine.actors.finalizer``:
 
-    python -m workers.finalizer --redis-url redis://127.0.0.1:6379/0 [--out-dir runs/]
+    rollout finalizer --redis-url redis://127.0.0.1:6379/0 [--out-dir runs/]
 
 Follows every ``RolloutRequested`` on ``rl:control`` through the consumer group
 ``finalizers``; several finalizers may run (only one ``RolloutReady`` is ever appended per
@@ -29,6 +29,7 @@ from workers._common import (
     install_stop,
     load_settings,
     make_log,
+    serve_metrics,
     setup_logging,
 )
 
@@ -39,7 +40,7 @@ logger = logging.getLogger("workers.finalizer")
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.finalizer",
+        prog="rollout finalizer",
         description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
     )
     add_common_flags(parser, settings, "finalizer")
@@ -90,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_timings(parser, args)
     setup_logging(args.log_level)
+    serve_metrics(settings)
     return asyncio.run(_serve(args))
 
 

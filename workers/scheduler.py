@@ -1,6 +1,6 @@
 """The scheduler process: parse settings, load the configs, run ``engine.actors.scheduler``.
 
-    python -m workers.scheduler --redis-url redis://127.0.0.1:6379/0 \\
+    rollout scheduler --redis-url redis://127.0.0.1:6379/0 \\
         --rollout-config rollout.yaml --evaluator-config evaluators.py \\
         [--cluster-layout '{"node-a": [0, 1, 2, 3]}'] [--env-num-cpus 96] [--env-memory-gb 384]
 
@@ -37,6 +37,7 @@ from engine.errors import ConfigError, DeadlockError, EngineError, LogError
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.settings import Settings
+from workers._common import serve_metrics, setup_logging
 
 __all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
 
@@ -59,7 +60,7 @@ def tune_gc() -> None:
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m workers.scheduler",
+        prog="rollout scheduler",
         description="Plan requested rollouts and admit their batches through the event log.",
     )
     add = parser.add_argument
@@ -171,10 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
     args = build_parser(settings).parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(str(args.log_level))
+    serve_metrics(settings)
     try:
         parts = _build(args, settings)
         check_layout(parts.planner.specs, parts.layout)

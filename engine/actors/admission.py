@@ -46,6 +46,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from engine import metrics
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, DeadlockError, LogError
 from engine.events.base import Envelope
@@ -168,6 +169,21 @@ class GateClosed(Exception):
     """``PoolGate.close()`` was called while a batch waited for admission."""
 
 
+def pool_figures(state: PoolState) -> dict[tuple[str, str], float]:
+    """What ``rollout_pool`` shows (``engine.metrics``): used and total per resource."""
+    nodes = state.nodes.values()
+    return {
+        ("cpu", "used"): sum(n.cpu_used for n in nodes),
+        ("cpu", "total"): sum(n.decl.cpu for n in nodes),
+        ("gpu", "used"): sum(n.gpu_used_total for n in nodes),
+        ("gpu", "total"): float(sum(len(n.decl.gpus) for n in nodes)),
+        ("memory_gb", "used"): sum(n.memory_used for n in nodes),
+        ("memory_gb", "total"): sum(n.decl.memory_gb for n in nodes),
+        ("tokens", "used"): float(state.tokens_held),
+        ("batches", "used"): float(len(state.held)),
+    }
+
+
 class PoolGate:
     """One process's view of ``rl:pool`` and its compare-and-append admissions."""
 
@@ -180,6 +196,7 @@ class PoolGate:
         self._closed = False
         self.conflicts = 0
         self.admitted = 0
+        metrics.watch_pool(lambda: pool_figures(self.state))
 
     @property
     def stream(self) -> str:
@@ -231,6 +248,7 @@ class PoolGate:
                     return
                 await self._log.tail({self.stream: last}, count=1)
             except LogError as exc:
+                metrics.REDIS_ERRORS.labels("pool_watch").inc()
                 pause = backoff.next_pause()
                 logger.warning(
                     "pool watch: reading %s failed, retrying in %.1f s: %s", self.stream, pause, exc
@@ -312,4 +330,6 @@ class PoolGate:
                     await self._apply(Envelope(self.stream, ids[0], decision.acquired))
                     return decision.admitted
                 seen = self._version
-            await self._wait_change(seen)
+            metrics.ADMISSION_WAITS.labels(batch.evaluator_id).inc()
+            with metrics.BATCHES_WAITING.labels(batch.evaluator_id).track_inprogress():
+                await self._wait_change(seen)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -53,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from engine import metrics
 from engine.actors.outcomes import (
     Attempt as _Attempt,
 )
@@ -261,12 +263,16 @@ class BatchRun:
         rec = _Attempt()
         token: str | None = None
         outcome: list[Event]
+        evaluator = self.spec.evaluator_id
         try:
-            outcome, token = await self._episode(sample_id, attempt, rec)
+            with metrics.SAMPLES_IN_FLIGHT.labels(evaluator).track_inprogress():
+                outcome, token = await self._episode(sample_id, attempt, rec)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a failure outside any phase (bad task data)
             outcome = [self._aborted(sample_id, attempt, rec, exc)]
+        done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
+        metrics.SAMPLES_DONE.labels(evaluator, done).inc()
         self._emit(outcome)
         self._return_token(token)
         self._report(sample_id, attempt, rec, outcome[-1])
@@ -467,16 +473,15 @@ class BatchRun:
     # ------------------------------------------------------------------ resources
 
     def _tmp_dir(self, sample_id: str, attempt: int) -> Path:
-        """The attempt's private directory: reserved inside a per-batch directory, created
-        by the agent when it needs one (most episodes do not; creating one per sample costs
-        more than a zero-latency episode), and removed after cleanup."""
+        """The attempt's private directory, reserved (not created) inside a per-batch one.
+
+        Neither exists until an agent makes its own (``ctx.tmp_dir.mkdir(parents=True)``);
+        most episodes never do, so a worker killed mid-batch leaves no empty directory
+        behind. The batch's name carries a random part, and ``run`` removes it if it was made.
+        """
         if self._batch_tmp is None:
-            root = self._settings.tmp_root
-            if root is not None:
-                root.mkdir(parents=True, exist_ok=True)
-            self._batch_tmp = Path(
-                tempfile.mkdtemp(prefix="rollout-batch-", dir=str(root) if root else None)
-            )
+            root = self._settings.tmp_root or Path(tempfile.gettempdir())
+            self._batch_tmp = root / f"rollout-batch-{secrets.token_hex(8)}"
         return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
 
     def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:

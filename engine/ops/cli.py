@@ -7,7 +7,13 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
   files the live finalizer wrote;
 * ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
 * ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
-* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch.
+* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
+* ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
+* ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
+* ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
+* ``rollout env`` -- every ``ROLLOUT_*`` variable with its type, default and meaning.
+
+A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
 
 Processes (each delegates to its own ``main(argv)``, which owns the flags):
 ``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
@@ -29,6 +35,7 @@ from engine.errors import EngineError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
+from engine.settings import Settings
 
 __all__ = ["main"]
 
@@ -60,19 +67,20 @@ def _delegate(command: str, argv: list[str]) -> int:
     return int(entry(argv) or 0)
 
 
-def _settings_defaults() -> tuple[str, str]:
-    from engine.settings import Settings
+def _stream_id(text: str) -> str:
+    """An argparse type: a stream id ``<ms>-<seq>`` (or a bare ``<ms>``)."""
+    ms, dash, seq = text.partition("-")
+    if not ms.isdigit() or (dash and not seq.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a stream id: expected <ms>-<seq> such as 1700000000000-0 "
+            f"(`rollout pool` prints the latest as 'pool at ID'; `cause=` fields of "
+            f"`rollout tail` name others as stream@ID)"
+        )
+    return text
 
-    try:
-        settings = Settings.from_env()
-    except EngineError as exc:
-        print(f"warning: {exc}; using built-in defaults", file=sys.stderr)
-        settings = Settings()
-    return settings.redis_url, settings.stream_prefix
 
-
-def build_parser() -> argparse.ArgumentParser:
-    redis_url, prefix = _settings_defaults()
+def build_parser(settings: Settings) -> argparse.ArgumentParser:
+    redis_url, prefix = settings.redis_url, settings.stream_prefix
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis-url", default=redis_url, help="Redis holding the streams")
     common.add_argument("--prefix", default=prefix, help="stream name prefix")
@@ -96,7 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rollout_id", metavar="ID")
     p = sub.add_parser("pool", parents=[common],
                        help="the placement pool now, or as it was at a past event (time travel)")
-    p.add_argument("--at", metavar="ID", help="an rl:pool event id (default: the latest)")
+    p.add_argument("--at", metavar="ID", type=_stream_id,
+                   help="an rl:pool event id (default: the latest)")
+    p = sub.add_parser("top", parents=[common],
+                       help="a live view of rollouts, pool use, workers and lag")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
+    sub.add_parser("env", help="every ROLLOUT_* variable: type, default, meaning")
+    p = sub.add_parser("events", help="the events reference, generated from the catalog")
+    p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
+    p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
     for name, (_module, _fn, what) in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
@@ -221,12 +239,38 @@ async def _pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> int:
+    from engine.ops.events_doc import render_markdown, write_markdown
+
+    if not args.markdown:
+        print("error: rollout events: only --markdown is supported", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(render_markdown(), end="")
+    else:
+        changed = write_markdown(args.out)
+        print(f"{args.out}: {'written' if changed else 'up to date'}")
+    return 0
+
+
+async def _top(args: argparse.Namespace) -> int:
+    from engine.ops.top import run_top
+
+    log = _log(args)
+    try:
+        await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
+    finally:
+        await log.aclose()
+    return 0
+
+
 _COMMANDS = {
     "replay": _replay,
     "archive": _archive,
     "tail": _tail,
     "status": _status,
     "pool": _pool,
+    "top": _top,
 }
 
 
@@ -234,11 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
         return _delegate(args_list[0], args_list[1:])
-    parser = build_parser()
+    try:
+        settings = Settings.from_env()
+    except EngineError as exc:  # a misspelt variable is refused, never silently defaulted
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parser = build_parser(settings)
     args = parser.parse_args(args_list)
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "env":
+        print(Settings.describe())
+        return 0
+    if args.command == "events":
+        return _events(args)
     try:
         return asyncio.run(_COMMANDS[args.command](args))
     except KeyboardInterrupt:

@@ -2,19 +2,22 @@
 
 Embedded defaults, nothing to set up beyond ``pip install``:
 
-* Redis: a ``redis-server`` on a free port when the binary exists, else fakeredis's TCP
-  server (``engine.ops.embedded``);
+* Redis: the one ``--redis-url`` or ``ROLLOUT_REDIS_URL`` names; else a ``redis-server`` on
+  a free port when the binary exists, else fakeredis's TCP server (``engine.ops.embedded``);
 * the policy: tinylm, built once into ``<workdir>/tinylm`` (``rollout tinylm init``) and
   served by its SGLang-compatible server on a free port;
 * the bundled tasks (``engine/tasks``): arithmetic with a python tool and shell/file tasks
   checked by a script, run in the local sandbox;
 * processes: one scheduler, ``--workers`` evaluator workers and a finalizer, each a real
-  ``python -m workers.*`` process talking only through the streams.
+  ``rollout scheduler|worker|finalizer`` process talking only through the streams.
 
 It requests a mixed-dataset training rollout and then an eval pass through the trainer
 client, shows live progress from the rollout stream, prints the summary table and where
 the archive, ``summary.json`` and eval details are, says how to replay, and stops every
-process it started (also on Ctrl-C or an error).
+process it started (also on Ctrl-C, SIGTERM or an error). With ``--keep`` it leaves the
+stack up after the rollouts and prints the exact ``rollout status / tail / replay / pool /
+top`` commands for it, until Ctrl-C or SIGTERM. Progress (the model build, each rollout) is
+a rich bar on a terminal and plain, never repeated lines elsewhere (``engine.ops.progress``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +48,7 @@ from engine.events import (
 )
 from engine.events.ids import EMPTY_ID
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
+from engine.ops.progress import Bar
 
 TASKS = Path(__file__).resolve().parents[1] / "tasks"  # engine/tasks
 ROLLOUT_YAML = TASKS / "rollout.yaml"
@@ -66,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the eval pass")
     p.add_argument("--seed", type=int, default=0, help="the request's seed")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait per rollout")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of starting one (default: ROLLOUT_REDIS_URL "
+                        "when set, else an embedded redis-server on a free port)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep Redis, the model server and every process up after the rollouts, "
+                        "print the commands to inspect them, and stop on Ctrl-C or SIGTERM")
     return p
 
 
@@ -74,6 +85,8 @@ class Stack:
     """Everything the demo started, so it can all be stopped."""
 
     workdir: Path
+    redis_url: str = ""  # the engine's processes' URL (credentials included)
+    trainer_url: str = ""  # the demo's own client: may only request and read
     redis: EmbeddedRedis | None = None
     server: Any = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
@@ -84,10 +97,10 @@ class Stack:
         fh = open(log_path, "wb")  # closed in stop()
         self.logs.append(fh)
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        if self.redis is not None:
+        if self.redis_url:
             # The URL holds the engine user's password: the environment, unlike argv, is not
             # readable by other users (sandboxes) in /proc.
-            env["ROLLOUT_REDIS_URL"] = self.redis.engine_url
+            env["ROLLOUT_REDIS_URL"] = self.redis_url
         proc = subprocess.Popen(
             [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
@@ -131,16 +144,52 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+BUILD_SECONDS_PER_STEP = 0.3
+"""Measured cost of one tinylm training step on a 2-core CPU, rounded up (0.24 s measured, see
+docs/benchmarks.md); the demo multiplies it by the steps to say how long a build takes."""
+
+
 def ensure_model(model_dir: Path, train_steps: int | None) -> None:
     if (model_dir / "config.json").is_file():
         say(f"model     tinylm at {model_dir} (built earlier)")
         return
     from engine.ops.tinylm import init_model
+    from tinylm.model import DEFAULT_TRAIN_STEPS
 
-    say(f"model     building tinylm into {model_dir} (once; later runs reuse it) ...")
+    steps = DEFAULT_TRAIN_STEPS if train_steps is None else train_steps
+    seconds = 10 + steps * BUILD_SECONDS_PER_STEP  # + tokenizer, corpus and saving
+    took = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+    say(f"model     building tinylm into {model_dir}: {steps} training steps, about "
+        f"{took} on a 2-core CPU (once; later runs reuse it)")
     t0 = time.monotonic()
-    init_model(model_dir, train_steps=train_steps)
+    with Bar("model") as bar:
+        bar.update(0, steps or None, "tokenizer and corpus")
+
+        def on_log(message: str) -> None:
+            match = _STEP.search(message)
+            if match:
+                loss = _LOSS.search(message)
+                bar.update(int(match[1]), int(match[2]), f"loss {loss[1]}" if loss else "")
+
+        init_model(model_dir, train_steps=train_steps, log=on_log)
     say(f"model     built in {time.monotonic() - t0:.0f}s")
+
+
+_STEP = re.compile(r"step (\d+)/(\d+)")
+_LOSS = re.compile(r"loss ([0-9.]+)")
+
+
+def redis_for(args: argparse.Namespace) -> str | None:
+    """The Redis the user asked for (``--redis-url``, else ``ROLLOUT_REDIS_URL``), or None
+    to start an embedded one. A misspelt ``ROLLOUT_*`` variable is refused here."""
+    if args.redis_url:
+        return str(args.redis_url)
+    from engine.settings import Settings, env_name
+
+    if os.environ.get(env_name("redis_url")):
+        return Settings.from_env().redis_url
+    Settings.from_env()  # refuses unknown variables before anything starts
+    return None
 
 
 def start_stack(args: argparse.Namespace) -> Stack:
@@ -148,11 +197,19 @@ def start_stack(args: argparse.Namespace) -> Stack:
     for sub in ("logs", "out", "archives"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
-    stack.redis = start_redis()
-    say(f"redis     {stack.redis.kind} at {redact(stack.redis.engine_url)}")
-    if not stack.redis.authenticated:
-        say("redis     WARNING: the fakeredis fallback has no authentication (see "
-            "docs/security.md); install redis-server for ACL users")
+    url = redis_for(args)
+    if url is None:
+        stack.redis = start_redis()
+        stack.redis_url = stack.redis.engine_url
+        stack.trainer_url = stack.redis.trainer_url
+        say(f"redis     {stack.redis.kind} at {redact(stack.redis_url)} (started for the demo; "
+            f"set ROLLOUT_REDIS_URL or --redis-url to use your own)")
+        if not stack.redis.authenticated:
+            say("redis     WARNING: the fakeredis fallback has no authentication (see "
+                "docs/security.md); install redis-server for ACL users")
+    else:
+        stack.redis_url = stack.trainer_url = url
+        say(f"redis     {redact(url)} (yours: from --redis-url / ROLLOUT_REDIS_URL)")
     model_dir = workdir / "tinylm"
     ensure_model(model_dir, args.train_steps)
     from engine.ops.tinylm import spawn_server
@@ -187,30 +244,22 @@ async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> st
     completed = aborted = 0
     position = EMPTY_ID
     first_abort: str | None = None
-    tty = sys.stdout.isatty()
-    last_print = 0.0
-    while total is None or completed + aborted < total:
-        stack.check_alive()
-        envs, position = await log.read_after(stream, position, block_ms=500)
-        for env in envs:
-            ev = env.event
-            if isinstance(ev, RolloutPlanned):
-                total = ev.n_samples
-            elif isinstance(ev, SampleCompleted | SampleAborted) and ev.sample_id not in done:
-                done.add(ev.sample_id)
-                if isinstance(ev, SampleCompleted):
-                    completed += 1
-                else:
-                    aborted += 1
-                    first_abort = first_abort or f"{ev.abort_class.value}: {ev.error}"
-        now = time.monotonic()
-        if envs and (tty or now - last_print > 2 or completed + aborted == total):
-            last_print = now
-            line = (f"{label:<9} {completed + aborted:>4}/{total if total else '?':<4} samples "
-                    f"({completed} completed, {aborted} aborted)")
-            print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
-    if tty:
-        print()
+    with Bar(label) as bar:
+        while total is None or completed + aborted < total:
+            stack.check_alive()
+            envs, position = await log.read_after(stream, position, block_ms=500)
+            for env in envs:
+                ev = env.event
+                if isinstance(ev, RolloutPlanned):
+                    total = ev.n_samples
+                elif isinstance(ev, SampleCompleted | SampleAborted) and ev.sample_id not in done:
+                    done.add(ev.sample_id)
+                    if isinstance(ev, SampleCompleted):
+                        completed += 1
+                    else:
+                        aborted += 1
+                        first_abort = first_abort or f"{ev.abort_class.value}: {ev.error}"
+            bar.update(completed + aborted, total, f"{completed} completed, {aborted} aborted")
     return first_abort
 
 
@@ -281,28 +330,89 @@ async def run_rollout(
     return rid
 
 
-async def run(args: argparse.Namespace, stack: Stack) -> None:
-    assert stack.redis is not None
-    log = open_log(RedisSettings(url=stack.redis.trainer_url, block_ms=500), names=StreamNames(),
+async def run(args: argparse.Namespace, stack: Stack) -> list[str]:
+    log = open_log(RedisSettings(url=stack.trainer_url, block_ms=500), names=StreamNames(),
                    producer="demo")
     try:
-        await run_rollout(stack, log, args, RolloutKind.TRAIN, iteration=0)
+        rids = [await run_rollout(stack, log, args, RolloutKind.TRAIN, iteration=0)]
         if not args.no_eval:
-            await run_rollout(stack, log, args, RolloutKind.EVAL, iteration=0)
+            rids.append(await run_rollout(stack, log, args, RolloutKind.EVAL, iteration=0))
     finally:
         await log.aclose()
+    return rids
+
+
+def _without_credentials(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+
+
+def inspect_commands(redis_url: str, rids: Sequence[str], workdir: Path) -> list[str]:
+    """The exact commands that inspect the kept stack, one per line (credentials come from
+    the environment, see ``keep_up``, so no password is printed)."""
+    at = f"--redis-url {_without_credentials(redis_url)}"
+    lines = []
+    for rid in rids:
+        lines += [
+            f"rollout status {rid} {at}",
+            f"rollout tail --rollout {rid} --from-start {at}",
+            f"rollout replay {rid} {at} --out {workdir / 'replay' / rid}",
+        ]
+    return [*lines, f"rollout pool {at}", f"rollout top {at}"]
+
+
+def credentials_line(stack: Stack) -> str | None:
+    """An ``export`` line giving the inspect commands the engine user's credentials through a
+    0600 file in the workdir, so the password never reaches the terminal; None when the
+    Redis needs none or is the user's own (their credentials are theirs to pass)."""
+    if stack.redis is None or not stack.redis.authenticated:
+        return None
+    secret = stack.workdir / "redis-engine.secret"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(stack.redis.passwords["engine"])
+    return f"export ROLLOUT_REDIS_USERNAME=engine ROLLOUT_REDIS_PASSWORD_FILE={secret}"
+
+
+def keep_up(stack: Stack, rids: Sequence[str]) -> None:
+    """Leave everything running until Ctrl-C or SIGTERM, saying how to look at it."""
+    say(f"\nthe stack is still up (--keep): Redis at {redact(stack.redis_url)}, "
+        f"logs in {stack.workdir / 'logs'}. Inspect it with:")
+    export = credentials_line(stack)
+    if export is not None:
+        say(f"  {export}")
+    elif stack.redis is None:
+        say("  (with your Redis credentials: ROLLOUT_REDIS_USERNAME / "
+            "ROLLOUT_REDIS_PASSWORD_FILE, as for the engine's processes)")
+    for line in inspect_commands(stack.redis_url, rids, stack.workdir):
+        say(f"  {line}")
+    say(f"stop it with Ctrl-C here, or: kill {os.getpid()}")
+    while True:
+        stack.check_alive()
+        time.sleep(1.0)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
     stack: Stack | None = None
+    kept = False
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
         stack = start_stack(args)
-        asyncio.run(run(args, stack))
+        rids = asyncio.run(run(args, stack))
+        if args.keep:
+            kept = True
+            keep_up(stack, rids)
     except KeyboardInterrupt:
-        say("\ninterrupted; stopping every process")
-        return 130
+        if not kept:
+            say("\ninterrupted; stopping every process")
+            return 130
+        say("\nstopping the kept stack")
     except (EngineError, TimeoutError, OSError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1

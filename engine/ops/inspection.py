@@ -34,7 +34,7 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.codec import decode
-from engine.events.ids import EMPTY_ID, id_ms
+from engine.events.ids import EMPTY_ID, id_ms, parse_id
 from engine.events.log import EventLog
 from engine.projections.rollout import RolloutState
 
@@ -112,7 +112,7 @@ def describe(env: Envelope) -> str:
         parts.append(f"by={ev.producer}")
     if ev.causation:
         parts.append(f"cause={ev.causation}")
-    return "  ".join(parts)
+    return "  ".join(p for p in parts if not p.endswith(("=", "=None")))
 
 
 async def tail(
@@ -124,32 +124,54 @@ async def tail(
     from_start: bool = False,
     count: int | None = None,
     block_ms: int | None = None,
+    page: int = 500,
 ) -> int:
     """Print events of ``streams`` as they arrive (only ``rollout_id``'s when given), with
     blocking reads; returns after ``count`` lines (never when ``count`` is None).
 
+    Lines come in time order across streams (ids of one Redis server share its clock; within
+    one millisecond, entries of different streams follow stream-name order). A read
+    returns up to ``page`` entries per stream; an entry is held back while a stream that
+    filled its page may still hold an earlier one, so a backlog merges exactly.
     A viewer only reads: an entry that does not decode is shown as such, not dead-lettered.
     """
     positions = {s: EMPTY_ID if from_start else await log.last_id(s) for s in streams}
     block = log.block_ms if block_ms is None else block_ms
+    held: list[tuple[tuple[int, int], str, str, bytes]] = []
     printed = 0
     while count is None or printed < count:
-        for stream, entry_id, raw in await log.tail_raw(positions, block_ms=block, count=500):
+        entries = await log.tail_raw(positions, block_ms=block, count=page)
+        per_stream: dict[str, int] = {}
+        for stream, entry_id, raw in entries:
             positions[stream] = entry_id
-            try:
-                env = Envelope(stream, entry_id, decode(raw))
-            except DecodeError as exc:
-                if rollout_id is None:
-                    emit(f"{_time(entry_id)}  {stream}  <undecodable {entry_id}: {exc}>")
-                    printed += 1
+            per_stream[stream] = per_stream.get(stream, 0) + 1
+            held.append((parse_id(entry_id), stream, entry_id, raw))
+        full = [parse_id(positions[s]) for s, n in per_stream.items() if n >= page]
+        horizon = min(full) if full else None
+        held.sort(key=lambda item: (item[0], item[1]))
+        ready = [h for h in held if horizon is None or h[0] <= horizon]
+        held = held[len(ready):]
+        for _key, stream, entry_id, raw in ready:
+            line = _line(stream, entry_id, raw, rollout_id)
+            if line is None:
                 continue
-            if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
-                continue
-            emit(describe(env))
+            emit(line)
             printed += 1
             if count is not None and printed >= count:
                 return printed
     return printed
+
+
+def _line(stream: str, entry_id: str, raw: bytes, rollout_id: str | None) -> str | None:
+    try:
+        env = Envelope(stream, entry_id, decode(raw))
+    except DecodeError as exc:
+        return None if rollout_id is not None else (
+            f"{_time(entry_id)}  {stream}  <undecodable {entry_id}: {exc}>"
+        )
+    if rollout_id is not None and getattr(env.event, "rollout_id", None) != rollout_id:
+        return None
+    return describe(env)
 
 
 @dataclass(frozen=True, slots=True)

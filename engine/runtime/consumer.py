@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from engine import metrics
 from engine.errors import LogError
 from engine.events.base import Envelope
 from engine.events.log import DeadEntry, EventLog
@@ -217,6 +218,7 @@ class GroupConsumer:
         try:
             fetched = fetch.result()
         except LogError as exc:
+            metrics.REDIS_ERRORS.labels("read").inc()
             pause = self.backoff.next_pause()
             logger.error(
                 "%s: reading %s failed (retrying in %.1f s): %s",

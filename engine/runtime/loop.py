@@ -30,7 +30,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from engine import metrics
 from engine.errors import LogError
+from engine.events.ids import id_ms
 from engine.events.log import DeadEntry
 from engine.runtime.consumer import Delivery, GroupConsumer
 
@@ -95,6 +97,7 @@ async def serve(
         try:
             await consumer.ack(d)
         except LogError as exc:  # its effects are recorded: a re-run finds them
+            metrics.REDIS_ERRORS.labels("ack").inc()
             logger.error("%s: ack of %s failed: %s", consumer.consumer, d.env.id, exc)
             consumer.release(d)
             return
@@ -115,8 +118,11 @@ async def serve(
                 break
             deliveries, dead = fetched
             if dead:
+                metrics.DEAD_LETTERS.labels(consumer.group).inc(len(dead))
                 await consumer.handle_dead(dead, on_dead or _nothing)
             for d in deliveries:
+                metrics.delivered(consumer.group, d.env.stream, id_ms(d.env.id),
+                                  redelivered=d.redelivered)
                 active[loop.create_task(run_one(d), name=f"{consumer.group}-{d.env.id}")] = d
         if on_stopping is not None:
             await on_stopping()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +30,44 @@ def _processes_mentioning(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One ``rollout demo --keep``: while the stack is up, the commands it prints are run
+    (their output is appended to the demo's); then SIGTERM stops it."""
     workdir = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "engine.ops.cli", "demo", "--workdir", str(workdir),
-         "--train-steps", "10", "--prompts", "18", "--samples-per-prompt", "2"],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
+         "--train-steps", "10", "--prompts", "18", "--samples-per-prompt", "2", "--keep"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return workdir, proc.stdout
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("stop it with"):
+                break
+        commands = [line.split(maxsplit=1)[1].split() for line in lines
+                    if line.startswith(("  rollout status", "  rollout pool"))]
+        assert commands, "".join(lines)
+        # The credentials come through the printed export line (a 0600 file), not the URL.
+        exports = [line.split()[1:] for line in lines if line.startswith("  export ")]
+        assert len(exports) == 1, "".join(lines)
+        inspect_env = {**env, **dict(item.split("=", 1) for item in exports[0])}
+        for argv in commands:
+            inspected = subprocess.run(
+                [sys.executable, "-m", "engine.ops.cli", *argv], capture_output=True,
+                text=True, timeout=60, env=inspect_env, check=False,
+            )
+            assert inspected.returncode == 0, inspected.stdout + inspected.stderr
+            lines.append(f"[{argv[0]}]\n{inspected.stdout}")
+        proc.send_signal(signal.SIGTERM)
+        lines.extend(proc.stdout)
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return workdir, "".join(lines)
 
 
 def _rollout_dirs(workdir: Path) -> list[Path]:
@@ -68,6 +98,23 @@ def test_demo_redis_is_authenticated_and_its_password_stays_off_the_terminal(
     line = next(line for line in out.splitlines() if line.startswith("redis "))
     assert "redis-server at redis://engine:***@127.0.0.1:" in line, line
     assert "WARNING" not in line
+
+
+def test_kept_stack_can_be_inspected_with_the_printed_commands(
+    demo_run: tuple[Path, str]
+) -> None:
+    _, out = demo_run
+    assert "the stack is still up (--keep)" in out
+    assert out.count("[status]") == 2 and out.count(": READY: ") == 2  # status lines
+    assert "[pool]" in out and "0 batches holding 0 tokens" in out
+    assert "stopping the kept stack" in out
+
+
+def test_demo_says_how_long_the_model_build_takes(demo_run: tuple[Path, str]) -> None:
+    _, out = demo_run
+    assert "10 training steps, about" in out
+    assert "model     10/10" in out  # the build's progress, without a terminal: plain lines
+    assert "built in" in out
 
 
 def test_demo_leaves_no_process_behind(demo_run: tuple[Path, str]) -> None:

@@ -108,3 +108,22 @@ async def test_pool_time_travel(
     assert "0 batches holding 0 tokens" in capsys.readouterr().out
     assert await _cli("pool", "--redis-url", url) == 0
     assert "0 batches holding 0 tokens" in capsys.readouterr().out
+
+
+@real_redis
+async def test_top_once_shows_rollouts_pool_workers_and_groups(
+    engine: Engine, log: EventLog, redis_server: RedisServer, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await _rollout_live(engine, log, "rt", tmp_path)
+    capsys.readouterr()
+    assert await _cli("top", "--once", "--redis-url", redis_server.url) == 0
+    out = capsys.readouterr().out
+    [row] = [line for line in out.splitlines() if " rt " in line]
+    cells = [c.strip() for c in row.strip("│┃ ").split("│")]
+    # rollout, kind, state, planned, started, completed, aborted, to admit, queued, age
+    assert cells[:9] == ["rt", "eval", "READY", "6", "6", "5", "1", "0", "0"]
+    [worker] = [line for line in out.splitlines() if " w1 " in line]
+    assert [c.strip() for c in worker.strip("│ ").split("│")][:3] == ["w1", "0", "6"]
+    assert "evaluators" in out and "rl:work:" in out
+    assert "ungated" in out  # the test engine declares no layout

@@ -1,0 +1,125 @@
+"""Prometheus metrics: a real scheduler process serves /metrics on its setting's port, and
+what it shows follows the log (deliveries, consumer lag, pool use, admission waits)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import metrics
+from engine.client import RolloutClient
+from engine.events import EventLog, RedisEventLog, RedisSettings, connect
+from engine.tasks import EVALUATOR_CONFIG
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLLOUT_YAML = ROOT / "engine" / "tasks" / "rollout.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_serve_binds_loopback_by_default() -> None:
+    server = metrics.serve(0)
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        metrics.REDIS_ERRORS.labels("read").inc(0)
+        assert ("rollout_redis_errors_total", (("operation", "read"),)) in _scrape(port)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_per_rollout_streams_share_one_label() -> None:
+    assert metrics.stream_label("rl:{rollout:it3-ab}") == "rl:{rollout}"
+    assert metrics.stream_label("rl:work:math") == "rl:work:math"
+
+
+def _stderr(proc: subprocess.Popen[bytes]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=60)[1].decode()
+
+
+@pytest.fixture
+async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
+    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
+    await client.flushall()
+    yield RedisEventLog(client, producer="trainer", block_ms=200)
+    await client.aclose()
+
+
+async def test_a_scheduler_process_serves_its_metrics(
+    real_log: EventLog, redis_server: RedisServer
+) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update(PYTHONPATH=str(ROOT), ROLLOUT_METRICS_PORT=str(port))
+    # Room for two math batches of 8 samples (0.25 CPU, 0.5 GB each) and no evaluator worker
+    # to release them: the third waits for admission (the scheduler admits in order).
+    layout = {"n0": {"cpu": 4, "memory_gb": 8}}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.ops.cli", "scheduler", "--redis-url", redis_server.url,
+         "--rollout-config", str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATOR_CONFIG),
+         "--cluster-layout", json.dumps(layout), "--block-ms", "200"],
+        cwd=ROOT, env=env, stderr=subprocess.PIPE,
+    )
+    try:
+        await RolloutClient(real_log).request(iteration=0, n_prompts=16, n_samples_per_prompt=2,
+                                              datasets=["math_train"])
+        seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for _ in range(600):  # until the scheduler admitted one batch and waits on the next
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                seen = _scrape(port)
+            except OSError:  # not listening yet
+                seen = {}
+            if seen.get(("rollout_batches_waiting", (("evaluator", "math"),)), 0) >= 1:
+                break
+            await asyncio.sleep(0.1)
+        rollout_metrics = {k: v for k, v in seen.items() if k[0].startswith("rollout_")}
+        assert seen.get(("rollout_batches_waiting", (("evaluator", "math"),))) == 1.0, (
+            rollout_metrics, _stderr(proc))
+        assert seen[("rollout_admission_waits_total", (("evaluator", "math"),))] >= 1
+        assert seen[("rollout_pool", (("figure", "used"), ("resource", "cpu")))] == 4.0
+        assert seen[("rollout_pool", (("figure", "used"), ("resource", "tokens")))] == 16.0
+        assert seen[("rollout_pool", (("figure", "total"), ("resource", "cpu")))] == 4.0
+        assert seen[("rollout_pool", (("figure", "used"), ("resource", "batches")))] == 2.0
+        control = (("group", "schedulers"), ("redelivered", "false"), ("stream", "rl:control"))
+        assert seen[("rollout_deliveries_total", control)] == 1.0
+        lag = seen[("rollout_consumer_lag_seconds",
+                    (("group", "schedulers"), ("stream", "rl:control")))]
+        assert lag >= 0.0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
