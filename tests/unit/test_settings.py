@@ -46,7 +46,8 @@ def test_values_are_parsed_and_other_variables_ignored() -> None:
         ({"ROLLOUT_STREAM_PREFIX": "a:b"}, "ROLLOUT_STREAM_PREFIX must be a name"),
         (
             {"ROLLOUT_REDIS_URLL": "x"},
-            "unknown key 'ROLLOUT_REDIS_URLL' (did you mean 'ROLLOUT_REDIS_URL'?)",
+            "unknown key 'ROLLOUT_REDIS_URLL' (did you mean 'ROLLOUT_REDIS_URL' or "
+                "'ROLLOUT_REDIS_USERNAME'?)",
         ),
         (
             {"ROLLOUT_HEARTBEAT_MS": "70000"},
