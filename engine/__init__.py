@@ -1,6 +1,6 @@
 """Event-sourced rollout engine for agentic RL training.
 
-Components coordinate only by appending typed events to Redis Streams (DESIGN.md). The
+Components coordinate only by appending typed events to Redis Streams (docs/architecture.md). The
 public API is listed in ``__all__``; names are imported on first use, so ``import engine``
 stays cheap (the trainer client pulls in torch, the backends httpx and transformers).
 """

@@ -1,6 +1,7 @@
 """The event catalog: one frozen class per event type.
 
-Which stream each event goes to is in DESIGN.md ("Streams"). Field conventions:
+Which stream each event goes to is in docs/events.md (generated from this module). Field
+conventions:
 ``rollout_id`` / ``sample_id`` / ``attempt`` identify work; a sample attempt is
 ``(sample_id, attempt)`` and folds ignore duplicates and stale attempts. Token-level arrays
 are packed (``TokenIds``, ``LogProbs``, ``Mask``). Free-form JSON values (prompts, labels,

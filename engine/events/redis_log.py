@@ -10,7 +10,7 @@ named by ``StreamNames.snapshot``.
 Every redis exception is translated to :class:`LogUnavailable` / :class:`LogError` here
 and nowhere else: callers catch the engine's names.
 
-redis-py pitfall (DESIGN.md): a blocking read longer than ``socket_timeout`` times out at
+redis-py pitfall: a blocking read longer than ``socket_timeout`` times out at
 the socket and is retried by the client forever. :func:`connect` therefore derives the
 socket timeout from the longest block time and disables blind retries, so a non-idempotent
 XADD is never silently sent twice.

@@ -14,7 +14,7 @@ after its terminal event can therefore never be in the log without it.
 
 A failed write keeps its events at the head of the queue and fails the ``flush()`` calls
 waiting on them; the next flush retries them. A retried pipeline may have been partly
-applied, so a retry can duplicate events: every fold ignores duplicates (DESIGN.md).
+applied, so a retry can duplicate events: every fold ignores duplicates (docs/architecture.md).
 """
 
 from __future__ import annotations
