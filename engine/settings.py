@@ -98,6 +98,13 @@ class Settings(FrozenModel):
         description="Deliveries after which an entry is dead-lettered and its samples are "
         "aborted as infra_other.",
     )
+    # -- outages (issue 11) --
+    outage_limit_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a process rides out an unreachable Redis (reconnecting with "
+        "capped backoff) before it exits with a fatal error.",
+    )
 
     @field_validator("stream_prefix")
     @classmethod

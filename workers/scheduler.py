@@ -33,7 +33,7 @@ from engine.actors.scheduler import Scheduler, SchedulerConfig, check_layout
 from engine.config.evaluators import load_profiles
 from engine.config.layout import ClusterLayout, parse_cluster_layout
 from engine.config.rollout import load_rollout_config
-from engine.errors import ConfigError, DeadlockError, EngineError, LogError
+from engine.errors import ConfigError, DeadlockError, EngineError, LogError, OutageExceeded
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.settings import Settings
@@ -92,6 +92,8 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         help="How often in-flight requests are kept alive.")
     add("--claim-idle-ms", type=int, default=settings.claim_idle_ms,
         help="Idle time after which a dead scheduler's requests are claimed.")
+    add("--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="How long to ride out an unreachable Redis before exiting with a fatal error.")
     add("--plan-chunk", type=int, default=4096,
         help="Rollout-stream events per atomic append when writing a plan.")
     add("--log-level", default=settings.log_level, help="Logging level.")
@@ -127,6 +129,7 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
         block_ms=args.block_ms,
         heartbeat_ms=args.heartbeat_ms,
         claim_idle_ms=args.claim_idle_ms,
+        outage_limit_s=args.outage_limit_s,
         plan_chunk=args.plan_chunk,
     )
     names = StreamNames(args.prefix)
@@ -155,7 +158,7 @@ async def _serve(parts: _Components) -> int:
     except DeadlockError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
-    except LogError as exc:
+    except (LogError, OutageExceeded) as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 1
     finally:

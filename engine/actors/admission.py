@@ -231,7 +231,7 @@ class PoolGate:
                     return
                 await self._log.tail({self.stream: last}, count=1)
             except LogError as exc:
-                pause = backoff.next_pause()
+                pause = backoff.next_pause(exc)
                 logger.warning(
                     "pool watch: reading %s failed, retrying in %.1f s: %s", self.stream, pause, exc
                 )

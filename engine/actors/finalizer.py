@@ -63,7 +63,7 @@ from engine.events.catalog import (
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.loop import serve
 
 __all__ = [
@@ -206,6 +206,7 @@ class FinalizerConfig:
     # client's connection pool (RedisSettings.max_connections).
     max_rollouts: int = 32
     group: str = GROUP
+    outage_limit_s: float | None = 300.0
 
 
 Outcome = RolloutReady | RolloutFailed
@@ -268,6 +269,7 @@ class Finalizer:
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
             ack_dead=False,  # settled once the rollout has its RolloutFailed
+            backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._following: set[str] = set()
 

@@ -14,6 +14,12 @@ redis-py pitfall (DESIGN.md): a blocking read longer than ``socket_timeout`` tim
 the socket and is retried by the client forever. :func:`connect` therefore derives the
 socket timeout from the longest block time and disables blind retries, so a non-idempotent
 XADD is never silently sent twice.
+
+A pooled connection left over from before a Redis restart is dead. Without a check the next
+command sent on it fails (once per connection), and a consumer would count that transport
+error against the work it was doing. :func:`connect` therefore pings a connection that has
+been idle for ``health_check_s`` before using it and, when the ping fails, reconnects once
+and pings again: only the PING is retried, never the command, so nothing is sent twice.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class RedisSettings:
     connect_timeout_s: float = 5.0
     socket_margin_s: float = 5.0
     max_connections: int = 64
+    health_check_s: float = 0.5
 
     @property
     def socket_timeout_s(self) -> float:
@@ -117,8 +124,9 @@ class RedisSettings:
 
 
 def connect(settings: RedisSettings) -> aioredis.Redis:
-    """A client whose socket timeout outlives every BLOCK and that never retries blindly."""
-    return aioredis.Redis.from_url(
+    """A client whose socket timeout outlives every BLOCK, that never retries a command
+    blindly, and that replaces a dead pooled connection before using it (module doc)."""
+    client = aioredis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
@@ -126,8 +134,38 @@ def connect(settings: RedisSettings) -> aioredis.Redis:
         retry_on_timeout=False,
         decode_responses=False,
         max_connections=settings.max_connections,
-        health_check_interval=30,
+        health_check_interval=settings.health_check_s,
     )
+    pool = client.connection_pool
+    pool.connection_class = _reconnecting(pool.connection_class)
+    return client
+
+
+_RECONNECTING: dict[type[Any], type[Any]] = {}
+
+
+def _reconnecting(base: type[Any]) -> type[Any]:
+    """``base`` (plain or TLS, whichever the URL chose) whose health check reconnects once
+    when its PING fails: a PING is idempotent, the command after it is sent only once."""
+    cls = _RECONNECTING.get(base)
+    if cls is None:
+
+        async def check_health(self: Any) -> None:
+            if not self.health_check_interval:
+                return
+            if asyncio.get_running_loop().time() <= self.next_health_check:
+                return
+            try:
+                await self._send_ping()
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+                await self.disconnect()
+                await self.connect()
+                await self._send_ping()
+
+        cls = _RECONNECTING[base] = type(
+            f"Reconnecting{base.__name__}", (base,), {"check_health": check_health}
+        )
+    return cls
 
 
 @contextmanager
