@@ -7,12 +7,15 @@
 Every flag defaults to its ``ROLLOUT_*`` variable (``engine.settings``). The scheduler reads
 only the evaluator profiles of ``--evaluator-config`` (``evaluator_profiles(args)``): it never
 builds an agent or loads a tokenizer, so it needs no model. Bad input (rollout YAML, evaluator
-config, cluster layout, a deadlock between a profile and the layout, settings)
+config, cluster layout, a deadlock between a profile and the layout, settings, a dataset
+whose ``task_type`` no evaluator profile serves, a dataset line that does not parse)
 is reported on stderr at start-up, naming the file, node, evaluator and numbers at fault, and
 the process exits with status 2 before touching Redis. SIGTERM or SIGINT stops it cleanly:
 rollouts in flight stay pending in the ``schedulers`` group and are resumed from the log by
 the next scheduler (a restart with the same ``--scheduler-id`` resumes them at once; another
-scheduler claims them after ``--claim-idle-ms``). Exit status 1: Redis failed while serving.
+scheduler claims them after ``--claim-idle-ms``). A Redis outage is ridden out (reads and
+writes retried with capped backoff); exit status 1 only when Redis stays unreachable longer
+than ``--outage-limit-s`` (``ROLLOUT_OUTAGE_LIMIT_S``) or refuses a command.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from engine.config.rollout import load_rollout_config
 from engine.errors import ConfigError, DeadlockError, EngineError, LogError, OutageExceeded
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
+from engine.runtime.consumer import ride_out
 from engine.settings import Settings
 
 __all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
@@ -147,7 +151,7 @@ async def _serve(parts: _Components) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await scheduler.start()
+        await ride_out(scheduler.start, scheduler.consumer.backoff, what="scheduler start-up")
         logger.info(
             "scheduler %s serving %s (%s)",
             parts.config.scheduler_id,
@@ -181,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parts = _build(args, settings)
         check_layout(parts.planner.specs, parts.layout)
+        parts.planner.validate()  # task types served, every dataset line parses
     except EngineError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2

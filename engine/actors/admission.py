@@ -169,11 +169,12 @@ class GateClosed(Exception):
 
 
 class PoolGate:
-    """One process's view of ``rl:pool`` and its compare-and-append admissions."""
+    """One process's view of ``rl:pool`` and its compare-and-append admissions. The
+    scheduler owns ``rl:pool``: its gate dead-letters entries there that do not decode."""
 
     def __init__(self, log: EventLog) -> None:
         self._log = log
-        self._fold = LiveFold(log, log.names.pool, PoolProjection())
+        self._fold = LiveFold(log, log.names.pool, PoolProjection(), owner=True)
         self._version = 0
         self._changed = asyncio.Condition()
         self._write = asyncio.Lock()

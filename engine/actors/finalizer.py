@@ -236,7 +236,11 @@ class _Follower:
         """Fold what the next read returns (blocking when there is nothing yet); returns
         whether it read anything. Folding stops at the entry that decides the rollout, so
         ``position`` is then that entry (what replay folds up to)."""
-        envs, position = await self._log.read_after(self.stream, self.position)
+        # The finalizer following a rollout owns its stream: it dead-letters (once) what
+        # does not decode there; every other reader skips such entries.
+        envs, position = await self._log.read_after(
+            self.stream, self.position, dead_letter=True
+        )
         for env in envs:
             self.state = self._projection.evolve(self.state, env)
             if self.state.decided:

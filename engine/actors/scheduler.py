@@ -68,7 +68,7 @@ from engine.events.log import DeadEntry, EventLog
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
 from engine.projections.rollout import RolloutProjection, RolloutState
-from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import HandBack, serve
 
@@ -150,7 +150,7 @@ class Scheduler:
         self.config = config
         self.declaration = declaration_for(layout)
         self.gate = PoolGate(log)
-        self._data = LiveFold(log, log.names.data, DataCursorProjection())
+        self._data = LiveFold(log, log.names.data, DataCursorProjection(), owner=True)
         self.consumer = GroupConsumer(
             log,
             group=config.group,
@@ -197,7 +197,7 @@ class Scheduler:
         redis-py does not survive reliably.
         """
         if not self._started:
-            await self.start()
+            await ride_out(self.start, self.consumer.backoff, what="scheduler start-up")
         halt = asyncio.Event()  # the stop, or the pool watch failing
         watch = asyncio.create_task(
             self.gate.watch(backoff=Backoff(limit_s=self.config.outage_limit_s)),

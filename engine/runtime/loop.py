@@ -155,7 +155,7 @@ async def serve(
         await stop.wait()
         halt.set()
 
-    await consumer.start()
+    await ride_out(consumer.start, consumer.backoff, what="creating the consumer groups")
     relay_task = loop.create_task(relay())
     stop_wait = loop.create_task(halt.wait())
     try:

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.errors import LogUnavailable, OutageExceeded
 from engine.events import EventLog, RedisEventLog, RedisSettings, RolloutFailed, connect
-from engine.ops.embedded import free_port
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.loop import serve
+from tests.faults.harness import RestartableRedis
 
 S = "rl:test:outage"
 
@@ -168,48 +167,18 @@ async def test_a_consumer_claims_nothing_until_owners_have_reasserted_after_an_o
         await c.aclose()
 
 
-class _RestartableRedis:
-    """A redis-server with AOF on a fixed port and directory, restarted in place."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="rollout-outage-")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with __import__("socket").socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
 @pytest.fixture
-def restartable() -> Iterator[_RestartableRedis]:
+def restartable(tmp_path: Path) -> Iterator[RestartableRedis]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server binary not installed")
-    server = _RestartableRedis()
+    server = RestartableRedis(tmp_path)
     server.start()
     yield server
     server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
 
 
-async def test_pooled_connections_survive_a_redis_restart(restartable: _RestartableRedis) -> None:
-    client = connect(RedisSettings(url=f"redis://127.0.0.1:{restartable.port}/0"))
+async def test_pooled_connections_survive_a_redis_restart(restartable: RestartableRedis) -> None:
+    client = connect(RedisSettings(url=restartable.url))
     log = RedisEventLog(client)
     try:
         # Fill the pool with several connections, then restart Redis under them.
@@ -217,7 +186,7 @@ async def test_pooled_connections_survive_a_redis_restart(restartable: _Restarta
                                for i in range(8)))
         restartable.stop()
         await asyncio.sleep(0.6)  # the connections sit idle past the health check
-        restartable.start()
+        restartable.start()  # in place: same port, the AOF reloaded
         # Every command after the restart gets through: no stale-connection failure, and
         # the writes are sent once each.
         for i in range(8):
