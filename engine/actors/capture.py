@@ -132,7 +132,13 @@ class CaptureWorker:
         """Serve capture requests one at a time until ``stop`` (the one in progress is
         then handed back)."""
         try:
-            await serve(self.consumer, stop or asyncio.Event(), self._handle, capacity=1)
+            await serve(
+                self.consumer,
+                stop or asyncio.Event(),
+                self._handle,
+                capacity=1,
+                settle_writes=self.sink.flush,  # nothing queued for a request given up
+            )
         finally:
             await self.sink.aclose()
 

@@ -10,7 +10,8 @@ training run to the engine:
 * requests several rollouts and, as they progress, injects every kind of fault in a seeded
   order: SIGKILL of a busy worker, of the scheduler and of the finalizer (each restarted,
   under its name or a new one), SIGTERM of a busy worker (restarted), two redis-server
-  restarts (down 1-2 s), and garbage entries appended to the control, work, rollout and pool
+  restarts (down 1-2 s; with ``long_outage_s`` the second stays down that long, past every
+  claim window), and garbage entries appended to the control, work, rollout and pool
   streams;
 * checks, from what the agent itself recorded (``tests/faults/agent.py``) and from the log:
   every rollout ready; exactly the requested samples, with the content the agent produced;
@@ -66,6 +67,7 @@ class Workload:
     samples_per_prompt: int = 2
     sleep_s: float = 0.4  # the agent's base episode time
     timeout_s: float = 150.0
+    long_outage_s: float = 0.0  # > 0: the second Redis restart keeps it down this long
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Report:
     rollouts_completed: int = 0
     samples: int = 0
     runs: int = 0
-    redundant_attempts: int = 0  # runs beyond one per sample (SIGKILL cuts included)
+    redundant_attempts: int = 0  # runs beyond the first of each sample (SIGKILL cuts too)
     peak_overcommit: int = 0  # most samples running on a node beyond its tokens (<= 0: none)
     garbage: int = 0
     dead_letter_copies: int = 0  # letters for injected garbage beyond one per entry
@@ -271,53 +273,11 @@ async def run_scenario(seed: int, workload: Workload | None = None,
         report.samples = total
         waits = asyncio.gather(*(client.wait_ready(r, timeout=workload.timeout_s)
                                  for r in rids), return_exceptions=True)
-
-        def ended() -> int:
-            return sum(1 for r in _records(record) if r["ev"] == "end")
-
-        def busy_workers() -> list[str]:
-            running: dict[int, int] = defaultdict(int)
-            for r in _records(record):
-                running[r["pid"]] += 1 if r["ev"] == "start" else -1
-            return [n for n, p in cluster.procs.items()
-                    if n.startswith("w") and running.get(p.pid, 0) > 0]
-
-        faults: list[str] = ["kill-worker", "kill-scheduler", "kill-finalizer",
-                             "term-worker", "redis-restart", "redis-restart", "garbage"]
-        rng.shuffle(faults)
-        marks = sorted(rng.uniform(0.08, 0.7) for _ in faults)
-        names = Counter[str]()
-        for fault, mark in zip(faults, marks, strict=True):
-            await _until(lambda m=mark: ended() >= m * total, workload.timeout_s, f"{fault}")
-            if fault in ("kill-worker", "term-worker"):
-                await _until(lambda: bool(busy_workers()), workload.timeout_s, "a busy worker")
-                victim = rng.choice(sorted(busy_workers()))
-                if fault == "kill-worker":
-                    cluster.kill(victim)
-                else:
-                    code = await cluster.terminate(victim)
-                    if code != 0:
-                        report.violations.append(f"SIGTERM of busy worker {victim}: exit {code}")
-                names[victim] += 1
-                again = victim if rng.random() < 0.5 else f"{victim}x{names[victim]}"
-                report.faults.append(f"{fault} {victim} -> {again}")
-                await asyncio.sleep(rng.uniform(0.1, 0.6))
-                cluster.restart(victim, again)
-            elif fault in ("kill-scheduler", "kill-finalizer"):
-                victim = "s1" if fault == "kill-scheduler" else "f1"
-                cluster.kill(victim)
-                report.faults.append(fault)
-                await asyncio.sleep(rng.uniform(0.1, 0.6))
-                cluster.restart(victim)
-            elif fault == "redis-restart":
-                down = rng.uniform(1.0, 2.0)
-                report.faults.append(f"redis-restart down {down:.1f} s")
-                await asyncio.to_thread(redis.stop)
-                await asyncio.sleep(down)
-                await asyncio.to_thread(redis.start)
-            else:
-                garbage += await _inject_garbage(raw, rng, rids, client)
-                report.faults.append(f"garbage x{len(garbage)}")
+        try:
+            await _inject_faults(cluster, redis, raw, client, rids, rng, workload, report,
+                                 garbage, record, total)
+        except TimeoutError as exc:  # progress stalled: what is left is checked below
+            report.violations.append(f"progress stalled: {exc}")
         results = await waits
         for rid, result in zip(rids, results, strict=True):
             if isinstance(result, BaseException):
@@ -339,6 +299,64 @@ async def run_scenario(seed: int, workload: Workload | None = None,
         if own_root and not report.violations:
             shutil.rmtree(root, ignore_errors=True)
     return report
+
+
+async def _inject_faults(
+    cluster: Cluster, redis: RestartableRedis, raw: Any, client: RolloutClient,
+    rids: list[str], rng: random.Random, workload: Workload, report: Report,
+    garbage: list[tuple[str, str]], record: Path, total: int,
+) -> None:
+    """Inject every fault kind once (two Redis restarts) at seeded points of progress."""
+
+    def ended() -> int:
+        return sum(1 for r in _records(record) if r["ev"] == "end")
+
+    def busy_workers() -> list[str]:
+        running: dict[int, int] = defaultdict(int)
+        for r in _records(record):
+            running[r["pid"]] += 1 if r["ev"] == "start" else -1
+        return [n for n, p in cluster.procs.items()
+                if n.startswith("w") and running.get(p.pid, 0) > 0]
+
+    faults: list[str] = ["kill-worker", "kill-scheduler", "kill-finalizer",
+                         "term-worker", "redis-restart", "redis-restart", "garbage"]
+    rng.shuffle(faults)
+    marks = sorted(rng.uniform(0.08, 0.7) for _ in faults)
+    names = Counter[str]()
+    for fault, mark in zip(faults, marks, strict=True):
+        await _until(lambda m=mark: ended() >= m * total, workload.timeout_s, f"{fault}")
+        if fault in ("kill-worker", "term-worker"):
+            await _until(lambda: bool(busy_workers()), workload.timeout_s, "a busy worker")
+            victim = rng.choice(sorted(busy_workers()))
+            if fault == "kill-worker":
+                cluster.kill(victim)
+            else:
+                code = await cluster.terminate(victim)
+                if code != 0:
+                    report.violations.append(f"SIGTERM of busy worker {victim}: exit {code}")
+            names[victim] += 1
+            again = victim if rng.random() < 0.5 else f"{victim}x{names[victim]}"
+            report.faults.append(f"{fault} {victim} -> {again}")
+            await asyncio.sleep(rng.uniform(0.1, 0.6))
+            cluster.restart(victim, again)
+        elif fault in ("kill-scheduler", "kill-finalizer"):
+            victim = "s1" if fault == "kill-scheduler" else "f1"
+            cluster.kill(victim)
+            report.faults.append(fault)
+            await asyncio.sleep(rng.uniform(0.1, 0.6))
+            cluster.restart(victim)
+        elif fault == "redis-restart":
+            down = rng.uniform(1.0, 2.0)
+            restarts = sum(f.startswith("redis-restart") for f in report.faults)
+            if workload.long_outage_s > 0 and restarts == 1:
+                down = workload.long_outage_s
+            report.faults.append(f"redis-restart down {down:.1f} s")
+            await asyncio.to_thread(redis.stop)
+            await asyncio.sleep(down)
+            await asyncio.to_thread(redis.start)
+        else:
+            garbage += await _inject_garbage(raw, rng, rids, client)
+            report.faults.append(f"garbage x{len(garbage)}")
 
 
 async def _inject_garbage(
@@ -432,7 +450,6 @@ async def _check_log(url: str, rids: list[str], out: Path, root: Path,
 def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Report) -> None:
     """Repeated runs and over-commit, as the agent observed them."""
     report.runs = sum(1 for r in records if r["ev"] == "start")
-    report.redundant_attempts = report.runs - report.samples
     starts: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     ends: dict[tuple[str, int, int], float] = {}
     for r in records:
@@ -445,6 +462,7 @@ def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Repo
         if len(runs) > 1:
             report.violations.append(f"attempt {attempt} of {sid} ran {len(runs)} times")
         by_sample[sid].extend(runs)
+    report.redundant_attempts = sum(len(runs) - 1 for runs in by_sample.values())
     for sid, runs in by_sample.items():
         uncut = [r for r in runs if r["pid"] not in cluster.killed_pids]
         if len(uncut) > 1:
