@@ -39,7 +39,7 @@ Contract
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -261,6 +261,14 @@ class EventLog(Protocol):
     ) -> ClaimResult:
         """This consumer's own unacked entries (a restart resumes them); ``limit`` applies
         the delivery-count check of :meth:`claim_idle`."""
+        ...
+
+    async def unread_own_pending(
+        self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
+    ) -> ClaimResult:
+        """This consumer's pending entries other than ``skip``, read without counting a
+        delivery: after a group read whose reply was lost (the entries were delivered to
+        the consumer, which never saw them). ``deliveries`` holds each entry's count."""
         ...
 
     async def pending_count(self, stream: str, group: str) -> int: ...

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -694,6 +694,33 @@ class RedisEventLog:
                 stream, bad, group=group, deliveries=result.deliveries, ack=ack_dead
             )
         result.entries = await self._decode_rows(stream, keep, group=group)
+        return result
+
+    async def unread_own_pending(
+        self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
+    ) -> ClaimResult:
+        """This consumer's pending entries other than ``skip``, without counting a
+        delivery (XPENDING, then XRANGE of each: neither touches the delivery count)."""
+        skipped = set(skip)
+        with _translate(f"XPENDING {stream} {group} {consumer}"):
+            pend = await self._r.xpending_range(
+                stream, group, min="-", max="+", count=10_000, consumername=consumer
+            )
+        wanted = [(_s(p["message_id"]), int(p["times_delivered"])) for p in pend]
+        wanted = [(i, n) for i, n in wanted if i not in skipped]
+        result = ClaimResult()
+        if not wanted:
+            return result
+        with _translate(f"XRANGE {stream} (own pending)"):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for entry_id, _n in wanted:
+                    pipe.xrange(stream, entry_id, entry_id, count=1)
+                replies = await pipe.execute()
+        rows: list[tuple[Any, Any]] = []
+        for (entry_id, times), reply in zip(wanted, replies, strict=True):
+            result.deliveries[entry_id] = times
+            rows.append((entry_id, reply[0][1] if reply else None))
+        result.entries = await self._decode_rows(stream, rows, group=group)
         return result
 
     async def pending_count(self, stream: str, group: str) -> int:

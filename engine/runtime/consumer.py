@@ -194,6 +194,10 @@ class GroupConsumer:
         self.limit_own_pending = limit_own_pending
         self._dead_held: set[tuple[str, str]] = set()
         self._own_pending_read = False
+        # After a failed group read: entries it may have delivered whose reply was lost.
+        self._recheck_own = False
+        # Entries left pending on purpose (released, dead dropped): a claim takes them.
+        self._left: set[tuple[str, str]] = set()
         # Owners re-assert their leases (heartbeat) before this consumer claims anything:
         # see the module docstring.
         self._reassert_s = 2 * heartbeat_ms / 1000.0
@@ -248,6 +252,8 @@ class GroupConsumer:
                     self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
                 self._hold_dead(result.dead)
             self._own_pending_read = True
+        if self._recheck_own:
+            await self._recover_lost_reads()
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + self._claim_every_s
             await self._claim(count)
@@ -297,6 +303,7 @@ class GroupConsumer:
                 "%s: reading %s failed (retrying in %.1f s): %s",
                 self.consumer, ", ".join(self.streams), pause, exc,
             )
+            self._recheck_own = True
             # No claim until the owners have had two heartbeats with Redis back.
             self._next_claim = max(
                 self._next_claim, time.monotonic() + pause + self._reassert_s
@@ -305,6 +312,26 @@ class GroupConsumer:
             return [], []
         self.backoff.reset()
         return fetched
+
+    async def _recover_lost_reads(self) -> None:
+        """A group read failed: Redis may have delivered entries whose reply never
+        arrived. They are this consumer's pending entries that it is neither working on,
+        holding, nor left pending on purpose; taken up here without counting a delivery
+        (a transport error is not one), instead of waiting to be claimed as one."""
+        for stream in self.streams:
+            known = {i for s, i in (*self._in_flight, *self._dead_held, *self._left)
+                     if s == stream}
+            known |= {d.env.id for d in self._backlog if d.env.stream == stream}
+            result = await self.log.unread_own_pending(
+                self.group, self.consumer, stream, skip=known
+            )
+            for env in result.entries:
+                times = result.deliveries.get(env.id, 1)
+                self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
+            if result.entries:
+                logger.info("%s took up %d entries of %s a lost read delivered",
+                            self.consumer, len(result.entries), stream)
+        self._recheck_own = False
 
     async def _claim(self, count: int) -> None:
         self.claim_rounds += 1
@@ -320,6 +347,7 @@ class GroupConsumer:
             for env in result.entries:
                 if (env.stream, env.id) in self._in_flight:
                     continue
+                self._left.discard((env.stream, env.id))
                 times = result.deliveries.get(env.id, 2)
                 self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
             self._hold_dead(result.dead)
@@ -352,6 +380,7 @@ class GroupConsumer:
         """Give up on settling ``entry`` for now: it stays pending, the heartbeat stops, and
         a claim after the idle window hands it out (as dead) again."""
         self._dead_held.discard((entry.stream, entry.id))
+        self._left.add((entry.stream, entry.id))
 
     async def handle_dead(
         self, dead: Sequence[DeadEntry], handler: Callable[[DeadEntry], Awaitable[None]]
@@ -387,6 +416,7 @@ class GroupConsumer:
         """Stop keeping the delivery alive (its work failed); it stays pending and another
         consumer claims it after the idle window, as a further delivery."""
         self._in_flight.pop(delivery.key, None)
+        self._left.add(delivery.key)
 
     async def hand_back(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries a graceful stop leaves unfinished: they stay pending but

@@ -194,3 +194,44 @@ async def test_pooled_connections_survive_a_redis_restart(restartable: Restartab
         assert await log.stream_length(S) == 16
     finally:
         await log.aclose()
+
+
+async def test_entries_a_lost_read_delivered_are_taken_up_without_a_delivery_charged(
+    log: RedisEventLog,
+) -> None:
+    await log.ensure_group(S, "g")
+    await log.append_many([(S, RolloutFailed(rollout_id=f"r{i}", reason="x")) for i in (1, 2)])
+    c = consumer(log, backoff=Backoff(first_s=0.01, max_s=0.01))
+    real_read = log.read_group
+    lose_next = True
+
+    async def lossy(*args: Any, **kwargs: Any) -> Any:
+        nonlocal lose_next
+        got = await real_read(*args, **kwargs)
+        if lose_next and got:
+            lose_next = False  # Redis delivered; the reply never arrives
+            raise LogUnavailable("redis unavailable during XREADGROUP g: connection reset")
+        return got
+
+    log.read_group = lossy  # type: ignore[method-assign]
+    stop_wait = asyncio.create_task(asyncio.Event().wait())
+    try:
+        await c.start()
+        assert await c.fetch_or_stop(10, stop_wait) == ([], [])  # the lost reply
+        fetched = await c.fetch_or_stop(10, stop_wait)
+        assert fetched is not None
+        deliveries, _dead = fetched
+        # Both come back at once (no idle window), still on their first delivery.
+        assert sorted(d.env.event.rollout_id for d in deliveries) == ["r1", "r2"]  # type: ignore[attr-defined]
+        assert [d.deliveries for d in deliveries] == [1, 1]
+        for d in deliveries:
+            assert await _delivery_count(log, d.env.id) == 1
+        # A delivery released on purpose (its work failed) is not taken up that way: it
+        # waits for a claim, which counts.
+        c.release(deliveries[0])
+        await c.ack(deliveries[1])
+        c._recheck_own = True  # as after another failed read
+        assert await c.fetch_or_stop(10, stop_wait) == ([], [])
+    finally:
+        stop_wait.cancel()
+        await c.aclose()
