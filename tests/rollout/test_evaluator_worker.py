@@ -14,6 +14,7 @@ from engine.actors.evaluator_worker import EvaluatorWorker
 from engine.client import RolloutClient
 from engine.events import (
     AbortClass,
+    BatchLeased,
     EventLog,
     SampleAborted,
     SampleCompleted,
@@ -21,6 +22,7 @@ from engine.events import (
     TokenReleased,
     TurnCompleted,
 )
+from engine.events.ids import parse_id
 from engine.projections.rollout import RolloutState
 from engine.sample import DUMMY_TOKENS
 from tests.rollout.conftest import (
@@ -317,6 +319,29 @@ async def test_a_dead_lettered_batch_aborts_its_open_samples(
     assert_tokens_released_once(await released_tokens(log, "r5"))
     dead = await log.read_all(log.names.dead)
     assert len(dead) == 1
+
+
+async def test_a_claimed_batch_is_leased_before_it_reruns_and_its_releases_carry_the_lease(
+    engine: Engine, log: EventLog
+) -> None:
+    await leave_a_hung_batch(engine, log, "r21", hang_attempts=(1,))
+    engine.start_worker("wB")  # claims it after the idle window: delivery 2
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r21"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (3, 0)
+    await released_tokens(log, "r21")
+    pool = await log.read_all(log.names.pool)
+    (lease,) = [e for e in pool if isinstance(e.event, BatchLeased)]
+    assert (lease.event.lease, lease.event.worker) == (2, "wB")  # type: ignore[attr-defined]
+    releases = [e for e in pool if isinstance(e.event, TokenReleased)]
+    # wA's releases (for the two samples it finished) ran under lease 1, wB's under 2.
+    at = parse_id(lease.id)
+    assert {e.event.lease for e in releases if parse_id(e.id) < at} == {1}  # type: ignore[attr-defined]
+    assert {e.event.lease for e in releases if parse_id(e.id) > at} == {2}  # type: ignore[attr-defined]
+    starts = await events_of(log, log.names.rollout("r21"), SampleStarted)
+    assert sorted((s.attempt, s.worker) for s in starts if s.sample_id == "r21:s0") == [
+        (1, "wA"), (2, "wB"),
+    ]
+    await engine.close()
 
 
 class _Died(Exception):
