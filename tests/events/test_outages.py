@@ -235,3 +235,37 @@ async def test_entries_a_lost_read_delivered_are_taken_up_without_a_delivery_cha
     finally:
         stop_wait.cancel()
         await c.aclose()
+
+
+async def test_work_whose_lease_another_consumer_took_is_stopped_here(
+    log: RedisEventLog,
+) -> None:
+    await log.ensure_group(S, "g")
+    entry_id = await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+    c = consumer(log, backoff=Backoff(first_s=0.01, max_s=0.01))
+    stop = asyncio.Event()
+    running = asyncio.Event()
+    cancelled: list[str] = []
+
+    async def handle(d: Delivery) -> None:
+        running.set()
+        try:
+            await asyncio.Event().wait()  # a long episode
+        except asyncio.CancelledError:
+            cancelled.append(d.env.id)
+            raise
+
+    served_task = asyncio.create_task(serve(c, stop, handle))
+    await asyncio.wait_for(running.wait(), 10)
+    # This consumer stalled past the idle window and another one claimed the entry.
+    await log.redis.xclaim(S, "g", "thief", 0, [entry_id])
+    for _ in range(200):
+        if cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert cancelled == [entry_id]  # stopped by the heartbeat that found the lease gone
+    stop.set()
+    served = await asyncio.wait_for(served_task, 10)
+    assert served.failed == 1 and served.handed_back == 0
+    info = await log.redis.xpending_range(S, "g", min="-", max="+", count=10)
+    assert [i["consumer"] for i in info] == [b"thief"]  # nothing given back over its head
