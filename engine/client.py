@@ -8,6 +8,10 @@ Contract
 * ``wait_ready(rollout_id)`` returns the rollout's ``RolloutReady`` (or raises
   ``engine.errors.RolloutFailed`` with the reason); it reads ``rl:control`` from the request's
   position with blocking reads, so a rollout that became ready before the call is found too.
+  A Redis outage does not end the wait: reads are retried with the runtime's capped backoff
+  until Redis answers again (or the ``timeout`` passes).
+* Reading never writes: an entry that does not decode is skipped by the client (its
+  stream's owner dead-letters it).
   ``subscribe_ready()`` yields every ``RolloutReady`` appended after it starts.
 * ``load(rollout_id)`` rebuilds the samples from the rollout stream
   (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
@@ -23,6 +27,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -32,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import RolloutFailed
+from engine.errors import LogUnavailable, RolloutFailed
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.catalog import (
     FilterSpec,
@@ -49,10 +54,13 @@ from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import scalar_reward, trainer_samples
+from engine.runtime.consumer import Backoff
 from engine.runtime.rebuild import rebuild
 from engine.sample import Sample
 
 __all__ = ["TEACHER_ALGORITHMS", "RolloutClient", "SyncRolloutClient", "collate"]
+
+logger = logging.getLogger(__name__)
 
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token lanes of rollout-engine §5)."""
@@ -136,6 +144,7 @@ class RolloutClient:
         start = self._requested_at.get(rollout_id)
         position = id_before(start) if start is not None else EMPTY_ID
         deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = Backoff(first_s=0.5, max_s=5.0)
         while True:
             block = self.log.block_ms
             if deadline is not None:
@@ -143,9 +152,21 @@ class RolloutClient:
                 if left <= 0:
                     raise TimeoutError(f"rollout {rollout_id} not ready after {timeout} s")
                 block = max(1, min(block, int(left * 1000)))
-            envs, position = await self.log.read_after(
-                self.names.control, position, block_ms=block
-            )
+            try:
+                envs, position = await self.log.read_after(
+                    self.names.control, position, block_ms=block
+                )
+            except LogUnavailable as exc:  # an outage: wait through it
+                pause = backoff.next_pause(exc)
+                if deadline is not None:
+                    pause = max(0.0, min(pause, deadline - time.monotonic()))
+                logger.warning(
+                    "waiting for rollout %s: Redis unavailable, retrying in %.1f s: %s",
+                    rollout_id, pause, exc,
+                )
+                await asyncio.sleep(pause)
+                continue
+            backoff.reset()
             for env in envs:
                 ev = env.event
                 if isinstance(ev, RolloutReady) and ev.rollout_id == rollout_id:

@@ -103,6 +103,11 @@ class JsonlDataset:
     def __len__(self) -> int:
         return len(self._load())
 
+    def validate(self) -> int:
+        """Read and check every line now (a broken line raises ``ConfigError`` naming the
+        file and line); returns the number of rows. The rows stay cached."""
+        return len(self._load())
+
     def record(self, position: int, *, epoch: int = 0) -> PromptRecord:
         """The ``position``-th row in file order (shares the cache: read-only)."""
         row = self._load()[position]

@@ -16,6 +16,8 @@ evaluator id, the URL, what was expected and what was found.
     ├── LogError
     │   ├── LogUnavailable          Redis could not be reached / answered with an error
     │   └── AppendConflict          compare-and-append lost the race (carries current last id)
+    ├── OutageExceeded              Redis unreachable past the outage limit (fatal: not a LogError,
+    │                               so nothing that rides out log errors swallows it)
     ├── PlacementError
     │   └── DeadlockError           a spec needs more tokens than the pool can ever give
     ├── BackendError
@@ -66,6 +68,11 @@ class LogError(EngineError):
 
 class LogUnavailable(LogError):
     """Redis could not be reached or refused a command."""
+
+
+class OutageExceeded(EngineError):
+    """Redis stayed unreachable longer than the configured outage limit: the process gives
+    up (exits) instead of retrying forever. Never retried by the runtime."""
 
 
 class AppendConflict(LogError):

@@ -135,6 +135,13 @@ class Settings(FrozenModel):
         "127.0.0.1",
         description="Address the /metrics server binds (0.0.0.0 exposes it to the network).",
     )
+    # -- outages (docs/architecture.md, "Deliveries, outages and leases") --
+    outage_limit_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a process rides out an unreachable Redis (reconnecting with "
+        "capped backoff) before it exits with a fatal error.",
+    )
 
     @field_validator("stream_prefix")
     @classmethod

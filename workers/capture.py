@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.actors.capture import BackendScorer, CaptureConfig, CaptureWorker
-from engine.errors import LogError
+from engine.errors import LogError, OutageExceeded
 from engine.settings import Settings
 from workers._common import (
     add_common_flags,
@@ -40,6 +40,10 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Force-decode kept trajectories on the teacher and record TeacherScored.",
     )
     add_common_flags(parser, settings, "capture")
+    parser.add_argument(
+        "--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="how long to ride out an unreachable Redis before exiting with a fatal error",
+    )
     parser.add_argument("--teacher-url", required=True, help="the teacher's SGLang server")
     parser.add_argument("--teacher-tokenizer", default=None, help="teacher tokenizer folder")
     parser.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
@@ -64,12 +68,13 @@ async def _serve(args: argparse.Namespace) -> int:
             heartbeat_ms=args.heartbeat_ms,
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
+            outage_limit_s=args.outage_limit_s,
         ),
     )
     stop = install_stop()
     try:
         await worker.run(stop)
-    except LogError as exc:
+    except (LogError, OutageExceeded) as exc:
         logger.error("capture %s: %s", args.worker_id, exc)
         return 1
     finally:

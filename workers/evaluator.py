@@ -34,7 +34,7 @@ from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerC
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool, parse_urls
 from engine.config.evaluators import load_evaluators
-from engine.errors import ConfigError, LogError
+from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.projections.rows import SampleRow
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import Settings
@@ -59,6 +59,10 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Run admitted batches' episodes and record them as events.",
     )
     add_common_flags(parser, settings, "evaluator")
+    parser.add_argument(
+        "--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="how long to ride out an unreachable Redis before exiting with a fatal error",
+    )
     add = parser.add_argument
     add(
         "--evaluator-config",
@@ -194,6 +198,7 @@ async def _serve(
             heartbeat_ms=args.heartbeat_ms,
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
+            outage_limit_s=args.outage_limit_s,
             grace_s=args.grace_s,
             tmp_root=args.tmp_dir,
         ),
@@ -206,7 +211,7 @@ async def _serve(
     logger.info("worker %s serving %s", args.worker_id, ", ".join(ids))
     try:
         await worker.run(stop)
-    except LogError as exc:
+    except (LogError, OutageExceeded) as exc:
         logger.error("worker %s: %s", args.worker_id, exc)
         return 1
     finally:

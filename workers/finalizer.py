@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.actors.finalizer import Finalizer, FinalizerConfig
-from engine.errors import LogError
+from engine.errors import LogError, OutageExceeded
 from engine.events.catalog import RolloutReady
 from engine.settings import Settings
 from workers._common import (
@@ -44,6 +44,10 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
     )
     add_common_flags(parser, settings, "finalizer")
+    parser.add_argument(
+        "--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="how long to ride out an unreachable Redis before exiting with a fatal error",
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
     parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
     return parser
@@ -69,13 +73,14 @@ async def _serve(args: argparse.Namespace) -> int:
             heartbeat_ms=args.heartbeat_ms,
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
+            outage_limit_s=args.outage_limit_s,
         ),
         on_ready=_print_ready,
     )
     stop = install_stop()
     try:
         await finalizer.run(stop)
-    except LogError as exc:
+    except (LogError, OutageExceeded) as exc:
         logger.error("finalizer %s: %s", args.worker_id, exc)
         return 1
     finally:

@@ -7,12 +7,15 @@
 Every flag defaults to its ``ROLLOUT_*`` variable (``engine.settings``). The scheduler reads
 only the evaluator profiles of ``--evaluator-config`` (``evaluator_profiles(args)``): it never
 builds an agent or loads a tokenizer, so it needs no model. Bad input (rollout YAML, evaluator
-config, cluster layout, a deadlock between a profile and the layout, settings)
+config, cluster layout, a deadlock between a profile and the layout, settings, a dataset
+whose ``task_type`` no evaluator profile serves, a dataset line that does not parse)
 is reported on stderr at start-up, naming the file, node, evaluator and numbers at fault, and
 the process exits with status 2 before touching Redis. SIGTERM or SIGINT stops it cleanly:
 rollouts in flight stay pending in the ``schedulers`` group and are resumed from the log by
 the next scheduler (a restart with the same ``--scheduler-id`` resumes them at once; another
-scheduler claims them after ``--claim-idle-ms``). Exit status 1: Redis failed while serving.
+scheduler claims them after ``--claim-idle-ms``). A Redis outage is ridden out (reads and
+writes retried with capped backoff); exit status 1 only when Redis stays unreachable longer
+than ``--outage-limit-s`` (``ROLLOUT_OUTAGE_LIMIT_S``) or refuses a command.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from engine.actors.scheduler import Scheduler, SchedulerConfig, check_layout
 from engine.config.evaluators import load_profiles
 from engine.config.layout import ClusterLayout, parse_cluster_layout
 from engine.config.rollout import load_rollout_config
-from engine.errors import ConfigError, DeadlockError, EngineError, LogError
+from engine.errors import ConfigError, DeadlockError, EngineError, LogError, OutageExceeded
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
+from engine.runtime.consumer import ride_out
 from engine.settings import Settings
 from workers._common import serve_metrics, setup_logging
 
@@ -93,6 +97,8 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         help="How often in-flight requests are kept alive.")
     add("--claim-idle-ms", type=int, default=settings.claim_idle_ms,
         help="Idle time after which a dead scheduler's requests are claimed.")
+    add("--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="How long to ride out an unreachable Redis before exiting with a fatal error.")
     add("--plan-chunk", type=int, default=4096,
         help="Rollout-stream events per atomic append when writing a plan.")
     add("--log-level", default=settings.log_level, help="Logging level.")
@@ -128,6 +134,7 @@ def _build(args: argparse.Namespace, settings: Settings) -> _Components:
         block_ms=args.block_ms,
         heartbeat_ms=args.heartbeat_ms,
         claim_idle_ms=args.claim_idle_ms,
+        outage_limit_s=args.outage_limit_s,
         plan_chunk=args.plan_chunk,
     )
     names = StreamNames(args.prefix)
@@ -145,7 +152,7 @@ async def _serve(parts: _Components) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await scheduler.start()
+        await ride_out(scheduler.start, scheduler.consumer.backoff, what="scheduler start-up")
         logger.info(
             "scheduler %s serving %s (%s)",
             parts.config.scheduler_id,
@@ -156,7 +163,7 @@ async def _serve(parts: _Components) -> int:
     except DeadlockError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
-    except LogError as exc:
+    except (LogError, OutageExceeded) as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -177,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parts = _build(args, settings)
         check_layout(parts.planner.specs, parts.layout)
+        parts.planner.validate()  # task types served, every dataset line parses
     except EngineError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2

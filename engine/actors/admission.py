@@ -185,11 +185,12 @@ def pool_figures(state: PoolState) -> dict[tuple[str, str], float]:
 
 
 class PoolGate:
-    """One process's view of ``rl:pool`` and its compare-and-append admissions."""
+    """One process's view of ``rl:pool`` and its compare-and-append admissions. The
+    scheduler owns ``rl:pool``: its gate dead-letters entries there that do not decode."""
 
     def __init__(self, log: EventLog) -> None:
         self._log = log
-        self._fold = LiveFold(log, log.names.pool, PoolProjection())
+        self._fold = LiveFold(log, log.names.pool, PoolProjection(), owner=True)
         self._version = 0
         self._changed = asyncio.Condition()
         self._write = asyncio.Lock()
@@ -249,7 +250,7 @@ class PoolGate:
                 await self._log.tail({self.stream: last}, count=1)
             except LogError as exc:
                 metrics.REDIS_ERRORS.labels("pool_watch").inc()
-                pause = backoff.next_pause()
+                pause = backoff.next_pause(exc)
                 logger.warning(
                     "pool watch: reading %s failed, retrying in %.1f s: %s", self.stream, pause, exc
                 )

@@ -138,6 +138,7 @@ class BatchPlan:
     attempts: Mapping[str, int]
     tokens: tuple[str, ...]
     causation: str | None = None
+    lease: int = 0  # the work entry's delivery count: carried by every TokenReleased
 
 
 class BatchRun:
@@ -217,6 +218,7 @@ class BatchRun:
                     token_ids=token_ids,
                     reason=reason,
                     causation=self.plan.causation,
+                    lease=self.plan.lease,
                 )
             ],
             self._names.pool,

@@ -34,7 +34,7 @@ from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
 from engine.events.log import EventLog
 from engine.projections.rollout import RolloutProjection, SampleState
 from engine.runtime.appender import GroupAppender
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.loop import serve
 from engine.runtime.rebuild import rebuild
 
@@ -98,6 +98,7 @@ class CaptureConfig:
     claim_idle_ms: int = 60_000
     block_ms: int | None = None
     group: str = GROUP
+    outage_limit_s: float | None = 300.0
 
 
 class _TeacherFailed(Exception):
@@ -121,6 +122,7 @@ class CaptureWorker:
             heartbeat_ms=config.heartbeat_ms,
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
+            backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._sem = asyncio.Semaphore(config.concurrency)
         self.scored = 0
@@ -130,7 +132,13 @@ class CaptureWorker:
         """Serve capture requests one at a time until ``stop`` (the one in progress is
         then handed back)."""
         try:
-            await serve(self.consumer, stop or asyncio.Event(), self._handle, capacity=1)
+            await serve(
+                self.consumer,
+                stop or asyncio.Event(),
+                self._handle,
+                capacity=1,
+                settle_writes=self.sink.flush,  # nothing queued for a request given up
+            )
         finally:
             await self.sink.aclose()
 

@@ -29,6 +29,17 @@ Contract
   crash loop.
 * A batch is acked only after every sample of it has a terminal event *in Redis* (the
   group-commit appender is flushed first), so an acked batch never needs running again.
+* Transport errors are not failures: a flush that cannot reach Redis is retried (capped
+  backoff) until it gets through or the outage limit makes the process exit; the batch
+  stays this worker's meanwhile (episodes run on without Redis). A batch is never given
+  back, released or handed back while the appender still holds events for it, so its next
+  owner never re-runs a sample whose result is only queued here.
+* Fencing: a redelivered batch is leased before it is planned (``BatchLeased`` on
+  ``rl:pool`` with the entry's delivery count); every ``TokenReleased`` carries the lease
+  it ran under, and the pool ignores releases of an older lease. Attempts are numbered
+  ``max(previous + 1, lease)``, so a re-run never reuses an attempt a previous holder may
+  still write. When the heartbeat finds the batch claimed by another worker (this one
+  stalled past the idle window), its run here is cancelled.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
   ``grace_s`` to finish; the rest are cancelled and handed back (claimable at once, not
   counted as a delivery) -- samples that finished are recorded, the others re-run on the
@@ -57,12 +68,12 @@ from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
-from engine.events.catalog import BatchAdmitted, RolloutRequested, TaskFetched
+from engine.events.catalog import BatchAdmitted, BatchLeased, RolloutRequested, TaskFetched
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
 from engine.runtime.rebuild import rebuild
@@ -89,6 +100,7 @@ class WorkerConfig:
     cleanup_timeout_s: float = 120.0
     task_cache_rollouts: int = 16
     group: str = GROUP
+    outage_limit_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not self.evaluator_ids:
@@ -164,6 +176,7 @@ class EvaluatorWorker:
             block_ms=config.block_ms,
             ack_dead=False,  # settled once _abort_dead has the aborts in Redis
             limit_own_pending=True,  # a worker crash-looping on a batch aborts it
+            backoff=Backoff(limit_s=config.outage_limit_s),
         )
         # The pool as far as recoveries needed it: which tokens a batch still holds.
         self._pool = LiveFold(log, self.names.pool, PoolProjection())
@@ -184,6 +197,7 @@ class EvaluatorWorker:
                 capacity=self.config.max_batches,
                 grace_s=self.config.grace_s,
                 before_hand_back=self.sink.flush,  # what finished is in Redis first
+                settle_writes=self.sink.flush,  # nothing queued for work given up
             )
             self.batches_handed_back += served.handed_back
         finally:
@@ -213,7 +227,7 @@ class EvaluatorWorker:
             on_task_done=self._on_task_done,
         )
         await evaluator.run()
-        await self.sink.flush()  # every terminal event in Redis before the runtime acks
+        await self._flush()  # every terminal event in Redis before the runtime acks
         self.batches_done += 1
         if self._on_batch_done is not None:
             self._on_batch_done(
@@ -238,11 +252,30 @@ class EvaluatorWorker:
             attempts={},
             tokens=tuple(ev.token_ids),
             causation=d.env.ref,
+            lease=d.deliveries,
         )
 
+    async def _flush(self) -> None:
+        """Flush the appender through an outage (a retried write may repeat events, which
+        the folds ignore); past the outage limit ``OutageExceeded`` ends the process."""
+        await ride_out(self.sink.flush, self.consumer.backoff, what="writing batch events")
+
     async def _recovery_plan(self, d: Delivery, ev: BatchAdmitted) -> BatchPlan:
+        await self._flush()  # our own earlier writes for it are in the log first
+        if ev.token_ids:  # fence off the previous holder's late releases
+            await self.log.append(
+                self.names.pool,
+                BatchLeased(
+                    rollout_id=ev.rollout_id,
+                    batch_id=ev.batch_id,
+                    lease=d.deliveries,
+                    worker=self.config.worker_id,
+                ),
+                causation=d.env.ref,
+            )
+        pool = await self._pool_now()  # the pool first, then the rollout (see recovery)
         state = await self._fold(ev.rollout_id)
-        plan = plan_recovery(state, await self._pool_now(), ev)
+        plan = plan_recovery(state, pool, ev, lease=d.deliveries)
         if plan.run_ids and ev.token_ids and not plan.tokens:
             logger.warning(
                 "batch %s: %d samples to re-run but every token was released; running ungated",
@@ -268,6 +301,7 @@ class EvaluatorWorker:
             attempts=plan.attempts,
             tokens=plan.tokens,
             causation=d.env.ref,
+            lease=d.deliveries,
         )
 
     async def _fold(self, rollout_id: str) -> RolloutState:
@@ -329,14 +363,16 @@ class EvaluatorWorker:
         ev = entry.event
         if not isinstance(ev, BatchAdmitted):
             return  # nothing it stood for can be aborted
+        pool = await self._pool_now()
         state = await self._fold(ev.rollout_id)
         settle = dead_letter_events(
             state,
-            await self._pool_now(),
+            pool,
             ev,
             entry_id=entry.id,
             error=entry.error,
             causation=f"{entry.stream}@{entry.id}",
+            lease=entry.deliveries,
         )
         await self._reap_previous(ev, settle.reap_workers)
         stream = self.names.rollout(ev.rollout_id)
@@ -344,7 +380,7 @@ class EvaluatorWorker:
         if settle.release is not None:
             items.append((self.names.pool, settle.release))
         self.sink.emit(items)
-        await self.sink.flush()  # in Redis before the consumer settles (acks) the entry
+        await self._flush()  # in Redis before the consumer settles (acks) the entry
         logger.warning(
             "batch %s dead-lettered after %d deliveries: %d samples aborted as infra_other",
             ev.batch_id,

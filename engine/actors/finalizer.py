@@ -63,7 +63,7 @@ from engine.events.catalog import (
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.loop import serve
 
 __all__ = [
@@ -206,6 +206,7 @@ class FinalizerConfig:
     # client's connection pool (RedisSettings.max_connections).
     max_rollouts: int = 32
     group: str = GROUP
+    outage_limit_s: float | None = 300.0
 
 
 Outcome = RolloutReady | RolloutFailed
@@ -235,7 +236,11 @@ class _Follower:
         """Fold what the next read returns (blocking when there is nothing yet); returns
         whether it read anything. Folding stops at the entry that decides the rollout, so
         ``position`` is then that entry (what replay folds up to)."""
-        envs, position = await self._log.read_after(self.stream, self.position)
+        # The finalizer following a rollout owns its stream: it dead-letters (once) what
+        # does not decode there; every other reader skips such entries.
+        envs, position = await self._log.read_after(
+            self.stream, self.position, dead_letter=True
+        )
         for env in envs:
             self.state = self._projection.evolve(self.state, env)
             if self.state.decided:
@@ -268,6 +273,7 @@ class Finalizer:
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
             ack_dead=False,  # settled once the rollout has its RolloutFailed
+            backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._following: set[str] = set()
 

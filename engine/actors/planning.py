@@ -167,6 +167,20 @@ class Planner:
         """The evaluator profiles, by evaluator id."""
         return self._specs
 
+    def validate(self) -> None:
+        """Refuse, at start-up, what would otherwise fail (or silently misroute) when a
+        rollout is requested: a dataset whose ``task_type`` no evaluator profile serves, and
+        any dataset line that does not parse. Raises ``ConfigError`` naming the dataset
+        (and the evaluator ids that exist, or the file and line)."""
+        for cfg in (*self._config.datasets, *self._config.eval_datasets):
+            if cfg.task_type not in self._specs:
+                raise ConfigError(
+                    f"dataset {cfg.name!r} ({cfg.path}): task_type {cfg.task_type!r} is served "
+                    f"by no evaluator profile (evaluator ids: {sorted(self._specs)})"
+                )
+        for dataset in self._files.values():
+            dataset.validate()
+
     def plan(self, request: RolloutRequested, data: DataState) -> Plan:
         """The plan of ``request`` given the data cursors folded from ``rl:data``."""
         if request.kind is RolloutKind.EVAL:

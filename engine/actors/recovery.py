@@ -8,8 +8,14 @@ and a *dead-lettered* one are decided from two folds, never from scans of the lo
 * the placement pool (``PoolState``): which of the batch's tokens it still holds.
 
 :func:`plan_recovery` re-runs only the samples without a terminal event, each as
-``attempt = previous attempt + 1`` (1 when it never started), with the tokens the batch
-still holds, and names the workers whose sandboxes for the batch are to be reaped.
+``attempt = max(previous attempt + 1, lease)`` where ``lease`` is the work entry's delivery
+count (so a re-run never reuses the number of an attempt a previous holder started but had
+not written yet), with the tokens the batch still holds, and names the workers whose
+sandboxes for the batch are to be reaped. The caller appends ``BatchLeased`` before it
+folds the pool and then the rollout stream, in that order: every release that got in
+before the lease was written by a holder whose samples' terminal events are already in the
+rollout stream (a sample's release follows its terminal event), so the samples to re-run
+never outnumber what the held tokens can serve; releases after it are fenced off.
 :func:`dead_letter_events` aborts the same samples as ``infra_other`` (phase
 ``delivery``) and releases what the batch still holds; repeating it after a crash
 repeats events the folds ignore.
@@ -84,11 +90,16 @@ def _workers(state: RolloutState, run_ids: Sequence[str]) -> tuple[str, ...]:
     )
 
 
-def plan_recovery(state: RolloutState, pool: PoolState, admitted: BatchAdmitted) -> Recovery:
+def plan_recovery(
+    state: RolloutState, pool: PoolState, admitted: BatchAdmitted, *, lease: int = 1
+) -> Recovery:
     """The re-run of a redelivered batch (see the module docstring)."""
     run_ids = not_terminal(state, admitted.sample_ids)
     attempts = {
-        sid: max(state.samples[sid].attempt, 0) + 1 for sid in run_ids if sid in state.samples
+        sid: max(
+            (state.samples[sid].attempt if sid in state.samples else 0) + 1, lease, 1
+        )
+        for sid in run_ids
     }
     return Recovery(
         run_ids=tuple(run_ids),
@@ -106,6 +117,7 @@ def dead_letter_events(
     entry_id: str,
     error: str,
     causation: str,
+    lease: int = 0,
 ) -> DeadLetterAborts:
     """Abort the batch's unfinished samples and release its tokens (module docstring)."""
     run_ids = not_terminal(state, admitted.sample_ids)
@@ -129,6 +141,7 @@ def dead_letter_events(
             token_ids=held,
             reason="dead_letter",
             causation=causation,
+            lease=lease,
         )
         if held
         else None

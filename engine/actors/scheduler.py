@@ -68,7 +68,7 @@ from engine.events.log import DeadEntry, EventLog
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
 from engine.projections.rollout import RolloutProjection, RolloutState
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import HandBack, serve
 
@@ -99,6 +99,7 @@ class SchedulerConfig:
     heartbeat_ms: int = 10_000
     claim_idle_ms: int = 60_000
     plan_chunk: int = 4_096
+    outage_limit_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_ms >= self.claim_idle_ms:
@@ -149,7 +150,7 @@ class Scheduler:
         self.config = config
         self.declaration = declaration_for(layout)
         self.gate = PoolGate(log)
-        self._data = LiveFold(log, log.names.data, DataCursorProjection())
+        self._data = LiveFold(log, log.names.data, DataCursorProjection(), owner=True)
         self.consumer = GroupConsumer(
             log,
             group=config.group,
@@ -159,6 +160,7 @@ class Scheduler:
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
             ack_dead=False,  # settled once the rollout has its RolloutFailed
+            backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._rollout_locks: dict[str, _RolloutLock] = {}
         self._started = False
@@ -195,9 +197,12 @@ class Scheduler:
         redis-py does not survive reliably.
         """
         if not self._started:
-            await self.start()
+            await ride_out(self.start, self.consumer.backoff, what="scheduler start-up")
         halt = asyncio.Event()  # the stop, or the pool watch failing
-        watch = asyncio.create_task(self.gate.watch(), name="pool-watch")
+        watch = asyncio.create_task(
+            self.gate.watch(backoff=Backoff(limit_s=self.config.outage_limit_s)),
+            name="pool-watch",
+        )
         watch.add_done_callback(lambda _t: halt.set())
         relay = asyncio.create_task(_relay(stop, halt), name="stop")
         try:

@@ -27,6 +27,7 @@ JSON = Any
 __all__ = [
     "AbortClass",
     "BatchAdmitted",
+    "BatchLeased",
     "BatchSealed",
     "CaptureRequested",
     "DataCursorAdvanced",
@@ -178,13 +179,31 @@ class TokenAcquired(Event):
 
 
 class TokenReleased(Event):
-    """Tokens given back; ``token_ids`` None releases every token the batch still holds."""
+    """Tokens given back; ``token_ids`` None releases every token the batch still holds.
+
+    ``lease`` is the releasing holder's claim on the batch: the delivery count of the work
+    entry it ran the batch under (0: written before leases existed). The pool ignores a
+    release whose lease is older than the batch's last ``BatchLeased`` (a late write of a
+    holder the batch has moved on from)."""
 
     type: Literal["TokenReleased"] = "TokenReleased"
     rollout_id: str
     batch_id: str
     token_ids: list[str] | None = None
     reason: str = ""
+    lease: int = 0
+
+
+class BatchLeased(Event):
+    """A worker took over a batch someone may already have run (a redelivery), under the
+    work entry's delivery count ``lease``; appended to ``rl:pool`` before it decides what to
+    re-run. From then on releases with an older lease are fenced off."""
+
+    type: Literal["BatchLeased"] = "BatchLeased"
+    rollout_id: str
+    batch_id: str
+    lease: int
+    worker: str = ""
 
 
 # ---------------------------------------------------------------- work / capture

@@ -13,11 +13,14 @@ Contract
   only if the stream's last id is the one the writer folded to, atomically, together with
   the follow-up appends in ``also``, else raises :class:`AppendConflict` carrying the
   current last id.
-* Every typed read decodes and validates. An entry that does not decode or validate is
-  written to the dead-letter stream with its source stream, id, raw bytes and the reason,
-  acked when it came through a group, counted in ``dead_lettered``, and skipped: a reader
-  never crashes on a bad entry. The raw reads (``read_raw``, ``tail_raw``) return the stored
-  bytes undecoded and dead-letter nothing (archives and viewers).
+* Every typed read decodes and validates, and skips an entry that does not: a reader never
+  crashes on a bad entry. Only the stream's owner writes it to the dead-letter stream (with
+  its source stream, id, raw bytes and the reason), once per entry however often it is
+  read: a consumer-group read, or a read with ``dead_letter=True`` (the owner of a stream
+  without a group). The entry is acked when it came through a group and counted in
+  ``dead_lettered``; other readers write nothing. The raw reads (``read_raw``,
+  ``tail_raw``) return the stored bytes undecoded and dead-letter nothing (archives and
+  viewers).
 * Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
   consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
   time of entries still being worked on, so a live worker's batches are not stolen),
@@ -36,7 +39,7 @@ Contract
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -123,32 +126,59 @@ class EventLog(Protocol):
     # ------------------------------------------------------------------ reading
 
     async def read(
-        self, stream: str, start: str = "-", end: str = "+", count: int | None = None
+        self,
+        stream: str,
+        start: str = "-",
+        end: str = "+",
+        count: int | None = None,
+        *,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Entries with ``start <= id <= end`` (use ``(id`` for an exclusive start)."""
         ...
 
     async def read_all(
-        self, stream: str, *, after: str | None = None, page: int = 2000
+        self,
+        stream: str,
+        *,
+        after: str | None = None,
+        page: int = 2000,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Every entry after ``after`` (exclusive; None = from the start), paging through."""
         ...
 
     async def tail(
-        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+        self,
+        positions: Mapping[str, str],
+        *,
+        block_ms: int | None = None,
+        count: int = 500,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Blocking read of entries after each stream's position (``$``: only new ones)."""
         ...
 
     async def read_after(
-        self, stream: str, after: str, *, block_ms: int | None = None, count: int = 500
+        self,
+        stream: str,
+        after: str,
+        *,
+        block_ms: int | None = None,
+        count: int = 500,
+        dead_letter: bool = False,
     ) -> tuple[list[Envelope], str]:
         """Blocking read of one stream past ``after``: the envelopes and the position to
         continue from, past dead-lettered entries too. ``block_ms=0`` does not block."""
         ...
 
     def subscribe(
-        self, stream: str, *, after: str = "$", block_ms: int | None = None
+        self,
+        stream: str,
+        *,
+        after: str = "$",
+        block_ms: int | None = None,
+        dead_letter: bool = False,
     ) -> AsyncIterator[Envelope]:
         """Yield every event appended after ``after``, forever (cancel to stop)."""
         ...
@@ -231,6 +261,14 @@ class EventLog(Protocol):
     ) -> ClaimResult:
         """This consumer's own unacked entries (a restart resumes them); ``limit`` applies
         the delivery-count check of :meth:`claim_idle`."""
+        ...
+
+    async def unread_own_pending(
+        self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
+    ) -> ClaimResult:
+        """This consumer's pending entries other than ``skip``, read without counting a
+        delivery: after a group read whose reply was lost (the entries were delivered to
+        the consumer, which never saw them). ``deliveries`` holds each entry's count."""
         ...
 
     async def pending_count(self, stream: str, group: str) -> int: ...

@@ -53,6 +53,11 @@ class StreamNames:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    @property
+    def dead_seen(self) -> str:
+        """The set of ``stream@id`` already dead-lettered (one letter per entry)."""
+        return f"{self.prefix}:dead:seen"
+
     def work(self, evaluator_id: str) -> str:
         return f"{self.prefix}:work:{{{_check('evaluator id', evaluator_id)}}}"
 

@@ -10,17 +10,32 @@ named by ``StreamNames.snapshot``.
 Every redis exception is translated to :class:`LogUnavailable` / :class:`LogError` here
 and nowhere else: callers catch the engine's names.
 
+Dead letters are written once per entry, by its stream's owner: a consumer-group read (the
+group's actor owns the stream) or a read that says ``dead_letter=True`` (the actor that owns
+a stream without a group: the scheduler for ``rl:pool`` and ``rl:data``, the finalizer for
+a rollout stream). Every other read (the client, the operator tools, another actor's fold)
+skips an entry that does not decode and writes nothing. The letter is appended by one
+script that first adds ``stream@id`` to the ``dead_seen`` set, so an owner that reads the
+entry again (after a restart, or a claim after a crash before the ack) adds no copy.
+
 redis-py pitfall: a blocking read longer than ``socket_timeout`` times out at
 the socket and is retried by the client forever. :func:`connect` therefore derives the
 socket timeout from the longest block time and disables blind retries, so a non-idempotent
 XADD is never silently sent twice.
+
+A pooled connection left over from before a Redis restart is dead. Without a check the next
+command sent on it fails (once per connection), and a consumer would count that transport
+error against the work it was doing. :func:`connect` therefore pings a connection that has
+been idle for ``health_check_s`` before using it and, when the ping fails, reconnects once
+and pings again: only the PING is retried, never the command, so nothing is sent twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import logging
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +56,8 @@ from engine.events.names import StreamNames
 __all__ = ["FIELD", "RedisEventLog", "RedisSettings", "connect", "open_log"]
 
 FIELD = b"e"
+
+logger = logging.getLogger(__name__)
 
 # KEYS[1] guarded stream, KEYS[2..] streams of the follow-up appends; ARGV[1] expected last
 # id, ARGV[2] n guarded events, ARGV[3..] encoded guarded events then follow-up events (one
@@ -97,6 +114,20 @@ end
 return lost
 """
 
+# KEYS[1] the dead-letter stream, KEYS[2] the set of entries already dead-lettered; ARGV in
+# pairs: "stream@id", the encoded DeadLetter. Appends only letters for entries not yet in
+# the set; returns how many it appended.
+_DEAD_LETTER_SCRIPT = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', 'e', ARGV[i + 1])
+    n = n + 1
+  end
+end
+return n
+"""
+
 # How idle a handed-back entry is made: past any claim window.
 HAND_BACK_IDLE_MS = 10**10
 
@@ -136,6 +167,7 @@ class RedisSettings:
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("RedisSettings: tls_cert_file and tls_key_file go together")
+    health_check_s: float = 0.5
 
     @property
     def socket_timeout_s(self) -> float:
@@ -153,7 +185,8 @@ def _redact(url: str) -> str:
 
 
 def connect(settings: RedisSettings) -> aioredis.Redis:
-    """A client whose socket timeout outlives every BLOCK and that never retries blindly."""
+    """A client whose socket timeout outlives every BLOCK, that never retries a command
+    blindly, and that replaces a dead pooled connection before using it (module doc)."""
     auth: dict[str, Any] = {}
     if settings.username is not None:
         auth["username"] = settings.username
@@ -165,7 +198,7 @@ def connect(settings: RedisSettings) -> aioredis.Redis:
             auth["ssl_ca_certs"] = settings.tls_ca_file
         if settings.tls_cert_file is not None:
             auth.update(ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
-    return aioredis.Redis.from_url(
+    client = aioredis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
@@ -173,9 +206,39 @@ def connect(settings: RedisSettings) -> aioredis.Redis:
         retry_on_timeout=False,
         decode_responses=False,
         max_connections=settings.max_connections,
-        health_check_interval=30,
+        health_check_interval=settings.health_check_s,
         **auth,
     )
+    pool = client.connection_pool
+    pool.connection_class = _reconnecting(pool.connection_class)
+    return client
+
+
+_RECONNECTING: dict[type[Any], type[Any]] = {}
+
+
+def _reconnecting(base: type[Any]) -> type[Any]:
+    """``base`` (plain or TLS, whichever the URL chose) whose health check reconnects once
+    when its PING fails: a PING is idempotent, the command after it is sent only once."""
+    cls = _RECONNECTING.get(base)
+    if cls is None:
+
+        async def check_health(self: Any) -> None:
+            if not self.health_check_interval:
+                return
+            if asyncio.get_running_loop().time() <= self.next_health_check:
+                return
+            try:
+                await self._send_ping()
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+                await self.disconnect()
+                await self.connect()
+                await self._send_ping()
+
+        cls = _RECONNECTING[base] = type(
+            f"Reconnecting{base.__name__}", (base,), {"check_health": check_health}
+        )
+    return cls
 
 
 @contextmanager
@@ -186,6 +249,11 @@ def _translate(what: str) -> Iterator[None]:
         raise LogUnavailable(f"redis unavailable during {what}: {exc}") from exc
     except rexc.ResponseError as exc:
         raise LogError(f"redis refused {what}: {exc}") from exc
+    except rexc.InvalidResponse as exc:  # e.g. the URL points at an HTTP server
+        raise LogError(
+            f"{what}: the server does not speak the Redis protocol ({exc}); does the Redis "
+            f"URL (--redis-url / ROLLOUT_REDIS_URL) point at a Redis server?"
+        ) from exc
     _reraise_swallowed_cancel()
 
 
@@ -260,6 +328,8 @@ class RedisEventLog:
         self._cas = self._r.register_script(_CAS_SCRIPT)
         self._keep_alive = self._r.register_script(_KEEP_ALIVE_SCRIPT)
         self._hand_back = self._r.register_script(_HAND_BACK_SCRIPT)
+        self._dead_script = self._r.register_script(_DEAD_LETTER_SCRIPT)
+        self._skipped: set[tuple[str, str]] = set()  # undecodable entries already logged
 
     # ------------------------------------------------------------------ writing
 
@@ -339,6 +409,8 @@ class RedisEventLog:
         stream: str,
         rows: Sequence[tuple[Any, Any]],
         group: str | None = None,
+        *,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         out: list[Envelope] = []
         bad: list[tuple[str, bytes, str]] = []
@@ -357,8 +429,14 @@ class RedisEventLog:
                     out.append(Envelope(stream, entry_id, decode(raw)))
                 except DecodeError as exc:
                     bad.append((entry_id, raw, str(exc)))
-        if bad:
+        if bad and (group is not None or dead_letter):
             await self._dead_letter(stream, bad, group=group)
+        elif bad:  # not this reader's to dead-letter: its owner does, once
+            for entry_id, _raw, error in bad:
+                if (stream, entry_id) not in self._skipped:
+                    self._skipped.add((stream, entry_id))
+                    logger.warning("skipping undecodable entry %s of %s: %s",
+                                   entry_id, stream, error)
         if gone and group is not None:
             await self.ack(stream, group, *gone)
         return out
@@ -372,35 +450,46 @@ class RedisEventLog:
         deliveries: Mapping[str, int] | None = None,
         ack: bool = True,
     ) -> None:
-        letters = [
-            (
-                self.names.dead,
-                DeadLetter(
-                    source_stream=stream,
-                    source_id=entry_id,
-                    raw=raw,
-                    error=error,
-                    group=group,
-                    deliveries=(deliveries or {}).get(entry_id, 0),
-                ),
+        args: list[bytes | str] = []
+        for entry_id, raw, error in bad:
+            letter = DeadLetter(
+                source_stream=stream,
+                source_id=entry_id,
+                raw=raw,
+                error=error,
+                group=group,
+                deliveries=(deliveries or {}).get(entry_id, 0),
             )
-            for entry_id, raw, error in bad
-        ]
-        await self.append_many(letters)
+            args.extend((f"{stream}@{entry_id}", self._encode(letter, None)))
+        with _translate(f"dead-letter of {len(bad)} entries of {stream}"):
+            written = await self._dead_script(
+                keys=[self.names.dead, self.names.dead_seen], args=args
+            )
         if group is not None and ack:
             await self.ack(stream, group, *(entry_id for entry_id, _, _ in bad))
-        self.dead_lettered += len(bad)
+        self.dead_lettered += int(written)
 
     async def read(
-        self, stream: str, start: str = "-", end: str = "+", count: int | None = None
+        self,
+        stream: str,
+        start: str = "-",
+        end: str = "+",
+        count: int | None = None,
+        *,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Entries with ``start <= id <= end`` (use ``(id`` for an exclusive start)."""
         with _translate(f"XRANGE {stream}"):
             rows = await self._r.xrange(stream, start, end, count=count)
-        return await self._decode_rows(stream, rows)
+        return await self._decode_rows(stream, rows, dead_letter=dead_letter)
 
     async def read_all(
-        self, stream: str, *, after: str | None = None, page: int = 2000
+        self,
+        stream: str,
+        *,
+        after: str | None = None,
+        page: int = 2000,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Every entry after ``after`` (exclusive; None = from the start), paging through.
 
@@ -415,13 +504,18 @@ class RedisEventLog:
                     rows = await self._r.xrange(stream, start, "+", count=page)
                 if not rows:
                     return out
-                out.extend(await self._decode_rows(stream, rows))
+                out.extend(await self._decode_rows(stream, rows, dead_letter=dead_letter))
                 cursor = _s(rows[-1][0])
                 if len(rows) < page:
                     return out
 
     async def tail(
-        self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
+        self,
+        positions: Mapping[str, str],
+        *,
+        block_ms: int | None = None,
+        count: int = 500,
+        dead_letter: bool = False,
     ) -> list[Envelope]:
         """Blocking read of entries after each stream's position (``$``: only new ones)."""
         block = self.block_ms if block_ms is None else block_ms
@@ -429,11 +523,19 @@ class RedisEventLog:
             result = await self._r.xread(dict(positions), count=count, block=block)
         out: list[Envelope] = []
         for raw_stream, rows in result or []:
-            out.extend(await self._decode_rows(_s(raw_stream), rows))
+            out.extend(
+                await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter)
+            )
         return out
 
     async def read_after(
-        self, stream: str, after: str, *, block_ms: int | None = None, count: int = 500
+        self,
+        stream: str,
+        after: str,
+        *,
+        block_ms: int | None = None,
+        count: int = 500,
+        dead_letter: bool = False,
     ) -> tuple[list[Envelope], str]:
         """Blocking read of one stream past ``after``: the decoded envelopes and the raw id
         to continue from, which moves past dead-lettered entries too (so a bad last entry
@@ -449,11 +551,16 @@ class RedisEventLog:
         for _raw_stream, rows in result or []:
             if rows:
                 position = _s(rows[-1][0])
-                out.extend(await self._decode_rows(stream, rows))
+                out.extend(await self._decode_rows(stream, rows, dead_letter=dead_letter))
         return out, position
 
     async def subscribe(
-        self, stream: str, *, after: str = "$", block_ms: int | None = None
+        self,
+        stream: str,
+        *,
+        after: str = "$",
+        block_ms: int | None = None,
+        dead_letter: bool = False,
     ) -> AsyncIterator[Envelope]:
         """Yield every event appended after ``after``, forever (cancel to stop).
 
@@ -469,7 +576,7 @@ class RedisEventLog:
             for _raw_stream, rows in result or []:
                 if rows:
                     position = _s(rows[-1][0])
-                for env in await self._decode_rows(stream, rows):
+                for env in await self._decode_rows(stream, rows, dead_letter=dead_letter):
                     yield env
 
     # ------------------------------------------------------------------ groups
@@ -635,6 +742,33 @@ class RedisEventLog:
                 stream, bad, group=group, deliveries=result.deliveries, ack=ack_dead
             )
         result.entries = await self._decode_rows(stream, keep, group=group)
+        return result
+
+    async def unread_own_pending(
+        self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
+    ) -> ClaimResult:
+        """This consumer's pending entries other than ``skip``, without counting a
+        delivery (XPENDING, then XRANGE of each: neither touches the delivery count)."""
+        skipped = set(skip)
+        with _translate(f"XPENDING {stream} {group} {consumer}"):
+            pend = await self._r.xpending_range(
+                stream, group, min="-", max="+", count=10_000, consumername=consumer
+            )
+        wanted = [(_s(p["message_id"]), int(p["times_delivered"])) for p in pend]
+        wanted = [(i, n) for i, n in wanted if i not in skipped]
+        result = ClaimResult()
+        if not wanted:
+            return result
+        with _translate(f"XRANGE {stream} (own pending)"):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for entry_id, _n in wanted:
+                    pipe.xrange(stream, entry_id, entry_id, count=1)
+                replies = await pipe.execute()
+        rows: list[tuple[Any, Any]] = []
+        for (entry_id, times), reply in zip(wanted, replies, strict=True):
+            result.deliveries[entry_id] = times
+            rows.append((entry_id, reply[0][1] if reply else None))
+        result.entries = await self._decode_rows(stream, rows, group=group)
         return result
 
     async def pending_count(self, stream: str, group: str) -> int:

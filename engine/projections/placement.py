@@ -13,6 +13,11 @@ Fold (``PoolProjection``)
 * ``TokenReleased`` gives back the listed tokens the batch still holds or, with
   ``token_ids=None``, every token it still holds. Unknown batches, unknown tokens and
   repeated releases are ignored, so releasing is idempotent.
+* ``BatchLeased`` records that a worker took the batch over under a newer lease (the work
+  entry's delivery count); a later ``TokenReleased`` with an older ``lease`` is a late write
+  of a previous holder and is ignored (fencing): its tokens are still in use by the new
+  holder. Releases written before leases existed carry lease 0 and no ``BatchLeased``
+  precedes them, so old logs fold as before.
 * The fold applies acquisitions as written, even ones that do not fit: it records what
   happened, and ``over_allocation`` reports any node, GPU, CPU or memory over capacity (the
   invariant every prefix of the stream must satisfy).
@@ -70,6 +75,7 @@ from engine.domain import Resource
 from engine.errors import PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
+    BatchLeased,
     GpuShare,
     NodeDecl,
     PoolDeclared,
@@ -233,6 +239,8 @@ class PoolState:
     nodes: dict[str, NodeUsage] = field(default_factory=dict)
     held: dict[BatchKey, dict[str, Held]] = field(default_factory=dict)
     acquired: set[BatchKey] = field(default_factory=set)
+    leases: dict[BatchKey, int] = field(default_factory=dict)
+    fenced: int = 0  # releases ignored as late writes of a previous holder
     events: int = 0
     # Nodes sorted by placement preference, kept current by the fold so that a decision
     # does not re-sort the whole cluster.
@@ -262,6 +270,8 @@ class PoolState:
             nodes={name: node.copy() for name, node in self.nodes.items()},
             held={key: dict(tokens) for key, tokens in self.held.items()},
             acquired=set(self.acquired),
+            leases=dict(self.leases),
+            fenced=self.fenced,
             events=self.events,
             order=list(self.order),
         )
@@ -311,6 +321,9 @@ class PoolProjection:
             _acquire(state, ev)
         elif isinstance(ev, TokenReleased):
             _release(state, ev)
+        elif isinstance(ev, BatchLeased):
+            key = (ev.rollout_id, ev.batch_id)
+            state.leases[key] = max(state.leases.get(key, 0), ev.lease)
         state.events += 1
         return state
 
@@ -356,6 +369,9 @@ def _release(state: PoolState, ev: TokenReleased) -> None:
     key = (ev.rollout_id, ev.batch_id)
     tokens = state.held.get(key)
     if tokens is None:
+        return
+    if ev.lease < state.leases.get(key, 0):
+        state.fenced += 1
         return
     ids = list(tokens) if ev.token_ids is None else ev.token_ids
     for token_id in ids:

@@ -27,7 +27,17 @@ already in flight here is skipped, so nothing runs twice in one process.
 never cancels a Redis command (redis-py does not reliably survive a cancelled read): the
 read in progress finishes, at most ``block_ms`` later, and whatever it delivered is handed
 back at once. A read that fails (Redis unavailable) is retried after a capped exponential
-:class:`Backoff`, which resets on the next successful read; one place for every actor.
+:class:`Backoff`, which resets on the next successful read; one place for every actor. A
+backoff with ``limit_s`` raises :class:`~engine.errors.OutageExceeded` once Redis has been
+unreachable for longer than that: the process exits with that error instead of waiting
+forever. :func:`ride_out` retries one operation the same way.
+
+Ownership is a lease kept by the heartbeat. Redis counts an entry's idle time from its last
+delivery or keep-alive, and a restart (AOF or RDB) keeps those times, so after an outage
+every live consumer's entries look idle for as long as Redis was away. A consumer therefore
+claims nothing until two heartbeats after it started and after Redis answered it again: the
+owners have re-asserted (kept alive) their entries by then, and only work whose owner
+really died is claimed.
 """
 
 from __future__ import annotations
@@ -38,26 +48,36 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine import metrics
-from engine.errors import LogError
+from engine.errors import LogError, LogUnavailable, OutageExceeded
 from engine.events.base import Envelope
 from engine.events.log import DeadEntry, EventLog
 
-__all__ = ["Backoff", "Delivery", "GroupConsumer"]
+__all__ = ["Backoff", "Delivery", "GroupConsumer", "ride_out"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class Backoff:
     """Pauses between failed attempts: ``first_s``, then ``factor`` times longer each time,
-    never more than ``max_s``; ``reset()`` (a success) starts again from ``first_s``."""
+    never more than ``max_s``; ``reset()`` (a success) starts again from ``first_s``.
+
+    With ``limit_s``, failures that have gone on for longer than ``limit_s`` since the
+    first of them (no success in between) raise :class:`OutageExceeded` instead of
+    pausing: the outage is longer than the operator allows.
+    """
 
     first_s: float = 1.0
     max_s: float = 30.0
     factor: float = 2.0
     failures: int = 0
+    limit_s: float | None = None
+    failing_since: float | None = None
 
     def __post_init__(self) -> None:
         if self.first_s <= 0 or self.max_s < self.first_s or self.factor < 1:
@@ -65,15 +85,65 @@ class Backoff:
                 f"backoff needs 0 < first_s <= max_s and factor >= 1, got first_s="
                 f"{self.first_s}, max_s={self.max_s}, factor={self.factor}"
             )
+        if self.limit_s is not None and self.limit_s <= 0:
+            raise ValueError(f"the outage limit must be positive, got {self.limit_s}")
 
-    def next_pause(self) -> float:
-        """The pause after one more failure."""
+    def next_pause(self, error: BaseException | str = "") -> float:
+        """The pause after one more failure (``error``: what failed, for the fatal message)."""
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        elif self.limit_s is not None and now - self.failing_since > self.limit_s:
+            raise OutageExceeded(
+                f"Redis unreachable for {now - self.failing_since:.0f} s, longer than the "
+                f"outage limit of {self.limit_s:g} s (ROLLOUT_OUTAGE_LIMIT_S); giving up. "
+                f"Last error: {error}"
+            )
         pause = min(self.first_s * self.factor ** min(self.failures, 64), self.max_s)
+        if self.limit_s is not None:  # wake in time to give up at the limit, not later
+            pause = min(pause, max(self.failing_since + self.limit_s - now, 0.0) + 0.01)
         self.failures += 1
         return pause
 
     def reset(self) -> None:
         self.failures = 0
+        self.failing_since = None
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last attempt failed (no success since)."""
+        return self.failing_since is not None
+
+
+async def ride_out(
+    op: Callable[[], Awaitable[T]],
+    backoff: Backoff,
+    *,
+    what: str,
+    stop: asyncio.Event | None = None,
+) -> T:
+    """Run ``op`` until it gets through Redis: a :class:`LogUnavailable` (a transport error,
+    never a refusal) is retried after ``backoff``'s next pause; past the backoff's outage
+    limit :class:`OutageExceeded` is raised. Only for operations that may be repeated (an
+    ack, a keep-alive, a flush whose duplicates the folds ignore). A set ``stop`` cuts a
+    pause short and re-raises the last error instead of waiting on."""
+    own = Backoff(
+        first_s=backoff.first_s, max_s=backoff.max_s, factor=backoff.factor,
+        limit_s=backoff.limit_s,
+    )
+    while True:
+        try:
+            return await op()
+        except LogUnavailable as exc:
+            pause = own.next_pause(exc)
+            logger.warning("%s failed (retrying in %.1f s): %s", what, pause, exc)
+            if stop is not None:
+                if stop.is_set():
+                    raise
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause)
+            else:
+                await asyncio.sleep(pause)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +195,20 @@ class GroupConsumer:
         self.limit_own_pending = limit_own_pending
         self._dead_held: set[tuple[str, str]] = set()
         self._own_pending_read = False
-        self._next_claim = 0.0
+        # After a failed group read: entries it may have delivered whose reply was lost.
+        self._recheck_own = False
+        # Entries left pending on purpose (released, dead dropped): a claim takes them.
+        self._left: set[tuple[str, str]] = set()
+        # Owners re-assert their leases (heartbeat) before this consumer claims anything:
+        # see the module docstring.
+        self._reassert_s = 2 * heartbeat_ms / 1000.0
+        self._next_claim = time.monotonic() + self._reassert_s
         self._claim_every_s = max(claim_idle_ms / 2000.0, 0.05)
         self._heartbeat: asyncio.Task[None] | None = None
         self.backoff = backoff or Backoff()
         self.claim_rounds = 0
+        # Called (by the heartbeat) for an in-flight delivery another consumer now owns.
+        self.on_lost: Callable[[Delivery], None] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -174,6 +253,8 @@ class GroupConsumer:
                     self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
                 self._hold_dead(result.dead)
             self._own_pending_read = True
+        if self._recheck_own:
+            await self._recover_lost_reads()
         if time.monotonic() >= self._next_claim:
             self._next_claim = time.monotonic() + self._claim_every_s
             await self._claim(count)
@@ -219,15 +300,40 @@ class GroupConsumer:
             fetched = fetch.result()
         except LogError as exc:
             metrics.REDIS_ERRORS.labels("read").inc()
-            pause = self.backoff.next_pause()
+            pause = self.backoff.next_pause(exc)  # past the outage limit: OutageExceeded
             logger.error(
                 "%s: reading %s failed (retrying in %.1f s): %s",
                 self.consumer, ", ".join(self.streams), pause, exc,
+            )
+            self._recheck_own = True
+            # No claim until the owners have had two heartbeats with Redis back.
+            self._next_claim = max(
+                self._next_claim, time.monotonic() + pause + self._reassert_s
             )
             await asyncio.wait([stop_wait], timeout=pause)
             return [], []
         self.backoff.reset()
         return fetched
+
+    async def _recover_lost_reads(self) -> None:
+        """A group read failed: Redis may have delivered entries whose reply never
+        arrived. They are this consumer's pending entries that it is neither working on,
+        holding, nor left pending on purpose; taken up here without counting a delivery
+        (a transport error is not one), instead of waiting to be claimed as one."""
+        for stream in self.streams:
+            known = {i for s, i in (*self._in_flight, *self._dead_held, *self._left)
+                     if s == stream}
+            known |= {d.env.id for d in self._backlog if d.env.stream == stream}
+            result = await self.log.unread_own_pending(
+                self.group, self.consumer, stream, skip=known
+            )
+            for env in result.entries:
+                times = result.deliveries.get(env.id, 1)
+                self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
+            if result.entries:
+                logger.info("%s took up %d entries of %s a lost read delivered",
+                            self.consumer, len(result.entries), stream)
+        self._recheck_own = False
 
     async def _claim(self, count: int) -> None:
         self.claim_rounds += 1
@@ -243,6 +349,7 @@ class GroupConsumer:
             for env in result.entries:
                 if (env.stream, env.id) in self._in_flight:
                     continue
+                self._left.discard((env.stream, env.id))
                 times = result.deliveries.get(env.id, 2)
                 self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
             self._hold_dead(result.dead)
@@ -275,6 +382,7 @@ class GroupConsumer:
         """Give up on settling ``entry`` for now: it stays pending, the heartbeat stops, and
         a claim after the idle window hands it out (as dead) again."""
         self._dead_held.discard((entry.stream, entry.id))
+        self._left.add((entry.stream, entry.id))
 
     async def handle_dead(
         self, dead: Sequence[DeadEntry], handler: Callable[[DeadEntry], Awaitable[None]]
@@ -292,7 +400,14 @@ class GroupConsumer:
                     self.consumer, entry.id, entry.stream, exc,
                 )
                 continue
-            await self.settle(entry)
+            try:
+                await self.settle(entry)
+            except LogError as exc:  # still pending and held: the next claim settles it
+                self.drop_dead(entry)
+                logger.error(
+                    "%s: settling dead entry %s of %s failed: %s",
+                    self.consumer, entry.id, entry.stream, exc,
+                )
 
     async def ack(self, delivery: Delivery) -> None:
         """The delivery's effects are recorded: acknowledge it and stop its heartbeat."""
@@ -303,6 +418,7 @@ class GroupConsumer:
         """Stop keeping the delivery alive (its work failed); it stays pending and another
         consumer claims it after the idle window, as a further delivery."""
         self._in_flight.pop(delivery.key, None)
+        self._left.add(delivery.key)
 
     async def hand_back(self, deliveries: Sequence[Delivery]) -> None:
         """Give back deliveries a graceful stop leaves unfinished: they stay pending but
@@ -345,11 +461,15 @@ class GroupConsumer:
                     continue
                 for entry_id in lost:
                     self._dead_held.discard((stream, entry_id))  # its new owner settles it
-                    if (stream, entry_id) in self._in_flight:
+                    delivery = self._in_flight.pop((stream, entry_id), None)
+                    if delivery is not None:
                         # Claimed by another consumer after this one stalled past the idle
-                        # window: it re-runs the non-terminal samples; our late results are
-                        # duplicates the folds ignore (first terminal wins).
+                        # window: the lease is gone, so the work stops here (on_lost) and
+                        # runs only at its new owner; what we still write is fenced (newer
+                        # lease, newer attempts).
                         logger.warning(
-                            "%s: entry %s on %s was claimed by another consumer",
-                            self.consumer, entry_id, stream,
+                            "%s: entry %s on %s was claimed by another consumer; "
+                            "stopping its work here", self.consumer, entry_id, stream,
                         )
+                        if self.on_lost is not None:
+                            self.on_lost(delivery)

@@ -23,10 +23,16 @@ S = TypeVar("S")
 
 
 class LiveFold(Generic[S]):
-    def __init__(self, log: EventLog, stream: str, projection: Projection[S]) -> None:
+    """``owner``: this fold's actor owns the stream, so it dead-letters entries that do not
+    decode (once each); any other fold skips them and writes nothing."""
+
+    def __init__(
+        self, log: EventLog, stream: str, projection: Projection[S], *, owner: bool = False
+    ) -> None:
         self.log = log
         self.stream = stream
         self.projection = projection
+        self.owner = owner
         self.folded: Folded[S] = start(projection)
 
     @property
@@ -48,5 +54,7 @@ class LiveFold(Generic[S]):
 
     async def refresh(self, *, at_least: str | None = None) -> bool:
         """Fold the stream's tail past the position; returns whether the position moved."""
-        tail = await self.log.read_all(self.stream, after=self.position)
+        tail = await self.log.read_all(
+            self.stream, after=self.position, dead_letter=self.owner
+        )
         return self.apply(tail, at_least=at_least)

@@ -9,10 +9,19 @@ decision and effects for one delivery) and, where a dead entry stands for work t
   only as many as are free (``None``: no bound, a fetch takes up to ``FETCH_COUNT``), so the
   rest wait in the group for another consumer.
 * ``handle(d)`` returning means its effects are recorded (the handler flushes its appends
-  first): the delivery is acked. Raising :class:`HandBack` (the actor is stopping and the
-  work is unfinished) hands it back. Any other exception is logged and the delivery is
-  released: it stays pending and is claimed after the idle window, as a further delivery
-  (so an entry that always fails ends dead-lettered).
+  first): the delivery is acked (an ack that cannot reach Redis is retried, not dropped).
+  Raising :class:`HandBack` (the actor is stopping and the work is unfinished) hands it
+  back. Any other exception is logged and the delivery is released: it stays pending and is
+  claimed after the idle window, as a further delivery (so an entry that always fails ends
+  dead-lettered). Before a release, ``settle_writes`` runs (e.g. flush what the handler
+  queued): work is never given up while events for it are still to be written.
+* A transport error is not a failed delivery: when ``handle`` raises
+  :class:`~engine.errors.LogUnavailable` the delivery stays this consumer's (in flight, kept
+  alive by the heartbeat once Redis answers), and ``handle`` runs again, as a redelivery
+  (``redelivered=True``: it resumes from the log), after the consumer's backoff pause.
+* Redis unreachable for longer than the backoff's outage limit (reading, or re-running a
+  handler) raises :class:`~engine.errors.OutageExceeded` out of ``serve``: the process is
+  meant to exit with it.
 * Dead entries go to ``on_dead`` and are settled once it returned (see
   ``GroupConsumer.handle_dead``); without ``on_dead`` they are only settled.
 * Stop: no new fetch; ``on_stopping`` runs (e.g. close a gate so waiting handlers give up);
@@ -26,15 +35,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from engine import metrics
-from engine.errors import LogError
+from engine.errors import LogError, LogUnavailable, OutageExceeded
 from engine.events.ids import id_ms
 from engine.events.log import DeadEntry
-from engine.runtime.consumer import Delivery, GroupConsumer
+from engine.runtime.consumer import Delivery, GroupConsumer, ride_out
 
 __all__ = ["FETCH_COUNT", "HandBack", "Served", "serve"]
 
@@ -71,6 +81,7 @@ async def serve(
     grace_s: float | None = 0.0,
     on_stopping: Hook | None = None,
     before_hand_back: Hook | None = None,
+    settle_writes: Hook | None = None,
 ) -> Served:
     """Run the actor loop until ``stop`` is set (see the module docstring)."""
     if capacity is not None and capacity < 1:
@@ -79,34 +90,79 @@ async def serve(
     handed: list[Delivery] = []
     active: dict[asyncio.Task[None], Delivery] = {}
     loop = asyncio.get_running_loop()
+    halt = asyncio.Event()  # the stop, or a fatal outage in a handler
+    fatal: list[OutageExceeded] = []
 
     async def run_one(d: Delivery) -> None:
         try:
-            await handle(d)
-        except HandBack:
-            handed.append(d)
-            return
-        except Exception as exc:
+            await _run_one(d)
+        except OutageExceeded as exc:
+            fatal.append(exc)
+            halt.set()
+        except asyncio.CancelledError:
+            if d.key not in lost:
+                raise
+            lost.discard(d.key)
             served.failed += 1
-            logger.error(
-                "%s: entry %s of %s failed, left pending for a retry: %r",
-                consumer.consumer, d.env.id, d.env.stream, exc, exc_info=exc,
-            )
-            consumer.release(d)
-            return
-        try:
-            await consumer.ack(d)
-        except LogError as exc:  # its effects are recorded: a re-run finds them
-            metrics.REDIS_ERRORS.labels("ack").inc()
-            logger.error("%s: ack of %s failed: %s", consumer.consumer, d.env.id, exc)
-            consumer.release(d)
-            return
+
+    async def _run_one(d: Delivery) -> None:
+        backoff = dataclasses.replace(consumer.backoff, failures=0, failing_since=None)
+        while True:
+            try:
+                await handle(d)
+                break
+            except HandBack:
+                handed.append(d)
+                return
+            except LogUnavailable as exc:
+                metrics.REDIS_ERRORS.labels("handler").inc()
+                if halt.is_set():
+                    handed.append(d)  # stopping: the work is unfinished
+                    return
+                pause = backoff.next_pause(exc)
+                logger.error(
+                    "%s: entry %s of %s lost Redis, running it again in %.1f s: %s",
+                    consumer.consumer, d.env.id, d.env.stream, pause, exc,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(halt.wait(), pause)
+                d = dataclasses.replace(d, redelivered=True)
+            except Exception as exc:
+                served.failed += 1
+                logger.error(
+                    "%s: entry %s of %s failed, left pending for a retry: %r",
+                    consumer.consumer, d.env.id, d.env.stream, exc, exc_info=exc,
+                )
+                if settle_writes is not None:
+                    await ride_out(settle_writes, consumer.backoff, what="writing its events")
+                consumer.release(d)
+                return
+        # Its effects are recorded; an ack is idempotent, so it is retried through an outage.
+        await ride_out(
+            lambda: consumer.ack(d), consumer.backoff, what=f"ack of {d.env.id}"
+        )
         served.handled += 1
 
-    await consumer.start()
-    stop_wait = loop.create_task(stop.wait())
+    lost: set[tuple[str, str]] = set()
+
+    def on_lost(d: Delivery) -> None:
+        """Another consumer owns ``d`` now: stop its handler, give nothing back."""
+        for task, held in active.items():
+            if held.key == d.key and not task.done():
+                lost.add(d.key)
+                task.cancel()
+
+    consumer.on_lost = on_lost
+
+    async def relay() -> None:
+        await stop.wait()
+        halt.set()
+
+    await ride_out(consumer.start, consumer.backoff, what="creating the consumer groups")
+    relay_task = loop.create_task(relay())
+    stop_wait = loop.create_task(halt.wait())
     try:
-        while not stop.is_set():
+        while not halt.is_set():
             for task in [t for t in active if t.done()]:
                 del active[task]
             free = FETCH_COUNT if capacity is None else capacity - len(active)
@@ -130,15 +186,31 @@ async def serve(
             _done, late = await asyncio.wait(list(active), timeout=grace_s)
             for task in late:
                 task.cancel()
-                handed.append(active[task])
+                if active[task].key not in lost:
+                    handed.append(active[task])
             await asyncio.gather(*late, return_exceptions=True)
+        if fatal:
+            raise fatal[0]
+        unfinished = [*handed, *consumer.take_backlog()]
         if before_hand_back is not None:
-            with contextlib.suppress(LogError):
+            try:
                 await before_hand_back()
+            except LogError as exc:
+                # Events for the unfinished work may still be queued: giving it back now
+                # would let another consumer run it beside our late writes. Left pending
+                # instead (claimed after the idle window, like a crashed consumer's).
+                logger.error(
+                    "%s: writing before the hand-back failed, %d entries left pending: %s",
+                    consumer.consumer, len(unfinished), exc,
+                )
+                for d in unfinished:
+                    consumer.release(d)
+                unfinished = []
         served.handed_back = len(handed)
-        await consumer.hand_back([*handed, *consumer.take_backlog()])
+        await consumer.hand_back(unfinished)
     finally:
         stop_wait.cancel()
+        relay_task.cancel()
         for task in active:
             task.cancel()
         await asyncio.gather(*active, return_exceptions=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.events import (
     AbortClass,
     BatchAdmitted,
+    BatchLeased,
     BatchSealed,
     CaptureRequested,
     DataCursorAdvanced,
@@ -46,6 +47,8 @@ def example_events() -> list[Event]:
             TokenGrant(token_id="b0:0", node="n0", gpus=[GpuShare(gpu=0, fraction=0.5)],
                        cpu=2, memory_gb=4)]),
         TokenReleased(rollout_id="r1", batch_id="b0", token_ids=["b0:0"]),
+        TokenReleased(rollout_id="r1", batch_id="b0", token_ids=["b0:0"], lease=2),
+        BatchLeased(rollout_id="r1", batch_id="b0", lease=2, worker="w1"),
         BatchAdmitted(rollout_id="r1", batch_id="b0", evaluator_id="math",
                       sample_ids=["r1-0"], token_ids=["b0:0"]),
         CaptureRequested(rollout_id="r1", sample_ids=["r1-0"], top_k=5),

@@ -87,6 +87,7 @@ async def test_dead_entries_are_held_until_settled(log: EventLog) -> None:
     await asyncio.sleep(0.45)
     c = consumer(log, "c2", ack_dead=False)
     await c.start()
+    await asyncio.sleep(0.15)  # a new consumer claims only after two heartbeats (50 ms)
     stop_wait = asyncio.create_task(asyncio.Event().wait())
     try:
         fetched = await c.fetch_or_stop(10, stop_wait)
@@ -113,6 +114,7 @@ async def test_handle_dead_settles_after_the_handler_and_leaves_failures_pending
     await asyncio.sleep(0.45)
     c = consumer(log, "c3", ack_dead=False)
     await c.start()
+    await asyncio.sleep(0.15)  # a new consumer claims only after two heartbeats (50 ms)
     stop_wait = asyncio.create_task(asyncio.Event().wait())
     seen: list[str] = []
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from engine.client import RolloutClient, SyncRolloutClient, collate
 from engine.events import EventLog, RolloutReady, RolloutRequested
 from engine.sample import Sample
+from tests.faults.harness import RestartableRedis
 from tests.redis_server import RedisServer
 from tests.rollout.conftest import Engine
 from tests.rollout.play import play_scheduler
@@ -127,3 +130,27 @@ async def test_sync_client(engine: Engine, log: EventLog, redis_server: RedisSer
 
     (rid, n), _ = await asyncio.gather(asyncio.to_thread(trainer_step), scheduler())
     assert (rid, n) == ("s1", 3)
+
+
+async def test_wait_ready_waits_through_a_redis_restart(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not installed")
+    server = RestartableRedis(tmp_path)
+    server.start()
+    client = RolloutClient.connect(server.url, block_ms=100)
+    writer = RolloutClient.connect(server.url, block_ms=100)
+    try:
+        rid = await client.request(iteration=1, n_prompts=1, rollout_id="blip")
+        waiting = asyncio.create_task(client.wait_ready(rid, timeout=60))
+        await asyncio.sleep(0.3)  # blocked in its read
+        await asyncio.to_thread(server.stop)
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # the outage does not end the wait
+        await asyncio.to_thread(server.start)
+        await writer.log.append(writer.names.control, RolloutReady(rollout_id=rid, sample_ids=[]))
+        ready = await asyncio.wait_for(waiting, 30)
+        assert ready.rollout_id == rid
+    finally:
+        await client.aclose()
+        await writer.aclose()
+        server.stop()

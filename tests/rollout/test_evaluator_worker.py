@@ -14,6 +14,7 @@ from engine.actors.evaluator_worker import EvaluatorWorker
 from engine.client import RolloutClient
 from engine.events import (
     AbortClass,
+    BatchLeased,
     EventLog,
     SampleAborted,
     SampleCompleted,
@@ -21,6 +22,7 @@ from engine.events import (
     TokenReleased,
     TurnCompleted,
 )
+from engine.events.ids import parse_id
 from engine.projections.rollout import RolloutState
 from engine.sample import DUMMY_TOKENS
 from tests.rollout.conftest import (
@@ -319,6 +321,29 @@ async def test_a_dead_lettered_batch_aborts_its_open_samples(
     assert len(dead) == 1
 
 
+async def test_a_claimed_batch_is_leased_before_it_reruns_and_its_releases_carry_the_lease(
+    engine: Engine, log: EventLog
+) -> None:
+    await leave_a_hung_batch(engine, log, "r21", hang_attempts=(1,))
+    engine.start_worker("wB")  # claims it after the idle window: delivery 2
+    ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r21"), 30)
+    assert (ready.n_completed, ready.n_aborted) == (3, 0)
+    await released_tokens(log, "r21")
+    pool = await log.read_all(log.names.pool)
+    (lease,) = [e for e in pool if isinstance(e.event, BatchLeased)]
+    assert (lease.event.lease, lease.event.worker) == (2, "wB")  # type: ignore[attr-defined]
+    releases = [e for e in pool if isinstance(e.event, TokenReleased)]
+    # wA's releases (for the two samples it finished) ran under lease 1, wB's under 2.
+    at = parse_id(lease.id)
+    assert {e.event.lease for e in releases if parse_id(e.id) < at} == {1}  # type: ignore[attr-defined]
+    assert {e.event.lease for e in releases if parse_id(e.id) > at} == {2}  # type: ignore[attr-defined]
+    starts = await events_of(log, log.names.rollout("r21"), SampleStarted)
+    assert sorted((s.attempt, s.worker) for s in starts if s.sample_id == "r21:s0") == [
+        (1, "wA"), (2, "wB"),
+    ]
+    await engine.close()
+
+
 class _Died(Exception):
     """Stands for a worker process dying."""
 
@@ -340,7 +365,8 @@ async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next
         await asyncio.wait_for(worker_b.run(engine.stop), 30)
     work = log.names.work("scripted")
     assert await log.pending_count(work, "evaluators") == 1
-    # C claims it after the idle window, dead-letters it again and records the abort.
+    # C claims it after the idle window, finds it dead again and records the abort; the
+    # dead-letter stream keeps the one letter B wrote.
     start_worker_allowing_one_delivery(engine, "wC")
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("r9"), 30)
     assert (ready.n_completed, ready.n_aborted) == (2, 1)
@@ -348,7 +374,7 @@ async def test_a_worker_dying_before_its_dead_letter_abort_leaves_it_to_the_next
     assert aborted.sample_id == "r9:s0" and aborted.phase == "delivery"
     assert_tokens_released_once(await released_tokens(log, "r9"))
     letters = [e.event for e in await log.read_all(log.names.dead)]
-    assert len(letters) == 2 and len({le.source_id for le in letters}) == 1  # type: ignore[attr-defined]
+    assert len(letters) == 1 and letters[0].error.startswith("delivered 2 times")  # type: ignore[attr-defined]
     await engine.close()
     assert await log.pending_count(work, "evaluators") == 0
 

@@ -9,6 +9,7 @@ from engine.actors.recovery import dead_letter_events, held_tokens, plan_recover
 from engine.events import (
     AbortClass,
     BatchAdmitted,
+    BatchLeased,
     Envelope,
     Event,
     RolloutRequested,
@@ -143,3 +144,33 @@ def test_unknown_samples_of_a_dead_batch_abort_as_attempt_one() -> None:
                                 entry_id="1-0", error="e", causation="c")
     assert [(a.sample_id, a.attempt) for a in settle.aborts] == [("r:s99", 1)]
     assert settle.release is not None and settle.release.token_ids == ["x:t0"]
+
+
+def test_a_rerun_never_reuses_an_attempt_a_previous_holder_may_still_write() -> None:
+    # Holder 1 started r:s1 as attempt 1 but its SampleStarted never reached the log (it
+    # was queued when the batch moved on): the log shows r:s1 never started. The holder
+    # of delivery 3 runs it as attempt 3, above any attempt an earlier holder used.
+    _, [(acquired, admitted)] = admissions()
+    state = rollout(started("r:s0", 1, "w1"), aborted("r:s0", 1), started("r:s2", 3, "w2"))
+    plan = plan_recovery(state, pool(acquired), admitted, lease=3)
+    assert plan.attempts == {"r:s1": 3, "r:s2": 4, "r:s3": 3}
+
+
+def test_late_releases_of_a_previous_holder_are_fenced_off() -> None:
+    _, [(acquired, admitted)] = admissions()
+
+    def release(tokens: list[str], lease: int) -> TokenReleased:
+        return TokenReleased(rollout_id="r", batch_id="r:b0", token_ids=tokens, lease=lease)
+
+    lease2 = BatchLeased(rollout_id="r", batch_id="r:b0", lease=2, worker="w2")
+    # Before the lease, holder 1's releases count (its samples are terminal in the log).
+    state = pool(acquired, release(["r:b0:t0"], 1), lease2)
+    assert held_tokens(state, admitted) == ("r:b0:t1", "r:b0:t2")
+    # After it, holder 1's late release is ignored: holder 2 still uses r:b0:t1 ...
+    state = pool(acquired, release(["r:b0:t0"], 1), lease2, release(["r:b0:t1"], 1))
+    assert held_tokens(state, admitted) == ("r:b0:t1", "r:b0:t2") and state.fenced == 1
+    # ... and holder 2's own release (or a dead letter's, above any lease) is applied.
+    state = pool(acquired, lease2, release(["r:b0:t1"], 2), release(["r:b0:t2"], 4))
+    assert held_tokens(state, admitted) == ("r:b0:t0",) and state.fenced == 0
+    # A log written before leases existed (lease 0, no BatchLeased) folds as before.
+    assert pool(acquired, released(None)).tokens_held == 0

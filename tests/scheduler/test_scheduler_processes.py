@@ -213,6 +213,52 @@ def test_each_bad_input_is_refused_at_start_up(
     monkeypatch.setenv("ROLLOUT_BLOCKMS", "5")
     code, err = run_main(capsys, *ok)
     assert code == 2 and "ROLLOUT_BLOCKMS" in err and "ROLLOUT_BLOCK_MS" in err
+    monkeypatch.delenv("ROLLOUT_BLOCKMS")
+
+    # A task type no evaluator serves is refused, naming the dataset and the ids there are.
+    (tmp_path / "unserved").mkdir()
+    (tmp_path / "rows").mkdir()
+    unserved = write_config(tmp_path / "unserved", {"gsm": ("math", 3), "poem": ("verse", 2)})
+    code, err = run_main(capsys, "--rollout-config", str(unserved),
+                         "--evaluator-config", str(EVALUATORS))
+    assert code == 2 and "dataset 'poem'" in err and "task_type 'verse'" in err
+    assert "['code', 'math']" in err
+
+    # Every dataset line is checked at start-up, not when a rollout first reads it.
+    broken_rows = write_config(tmp_path / "rows", {"gsm": ("math", 3), "more": ("code", 400)})
+    lines = (tmp_path / "rows" / "more.jsonl").read_text(encoding="utf-8").splitlines()
+    lines[366] = '{"prompt": "unterminated'
+    (tmp_path / "rows" / "more.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    code, err = run_main(capsys, "--rollout-config", str(broken_rows),
+                         "--evaluator-config", str(EVALUATORS))
+    assert code == 2 and "more.jsonl:367" in err and "invalid JSON" in err
+
+
+def test_a_url_that_is_not_redis_gets_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import http.server
+    import threading
+
+    for key in [k for k in os.environ if k.startswith("ROLLOUT_")]:
+        monkeypatch.delenv(key)
+    http_server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler
+    )
+    thread = threading.Thread(target=http_server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        config = write_config(tmp_path, {"gsm": ("math", 3)})
+        code = main(["--redis-url", f"redis://127.0.0.1:{http_server.server_port}/0",
+                     "--rollout-config", str(config), "--evaluator-config", str(EVALUATORS),
+                     "--outage-limit-s", "5"])
+        err = capsys.readouterr().err
+    finally:
+        http_server.shutdown()
+        http_server.server_close()
+    assert code == 1
+    assert "does not speak the Redis protocol" in err and "--redis-url" in err
+    assert "Traceback" not in err
 
 
 async def test_sigkill_while_writing_a_long_plan_completes_it_once(
