@@ -251,3 +251,45 @@ async def test_serve_acks_returns_releases_failures_and_hands_back_on_stop(
     assert handed and served.handed_back == len(handed)
     for rid in handed:
         assert pending[ids[rid]] == 0
+
+
+async def test_work_is_not_handed_back_while_its_events_may_still_be_unwritten(
+    log: EventLog,
+) -> None:
+    # The stop's last flush (before_hand_back) fails: events of the unfinished entry may still
+    # sit in the appender, so handing it back would let another consumer run it beside our
+    # late writes. It stays pending as a delivery, claimable only after the idle window.
+    await log.append(S, RolloutFailed(rollout_id="r-unwritten", reason="x"))
+    c = consumer(log)
+    stop = asyncio.Event()
+
+    async def handle(d: Delivery) -> None:
+        stop.set()
+        raise HandBack
+
+    async def flush_fails() -> None:
+        raise LogUnavailable("redis at 127.0.0.1:1 is unreachable (test)")
+
+    await asyncio.wait_for(serve(c, stop, handle, before_hand_back=flush_fails), 10)
+    redis: Any = log.redis
+    pending = {
+        e["message_id"].decode(): e["times_delivered"]
+        for e in await redis.xpending_range(S, "g", "-", "+", 10)
+    }
+    (entry,) = await log.read_all(S)
+    assert pending[entry.id] == 1, "handed back (delivery count reset) despite unwritten events"
+
+    # Control: the same stop with a flush that succeeds hands it back (count reset to 0).
+    await log.append(S, RolloutFailed(rollout_id="r-written", reason="x"))
+    stop = asyncio.Event()
+
+    async def flush_ok() -> None:
+        return None
+
+    await asyncio.wait_for(serve(consumer(log, "c2"), stop, handle, before_hand_back=flush_ok), 10)
+    pending = {
+        e["message_id"].decode(): e["times_delivered"]
+        for e in await redis.xpending_range(S, "g", "-", "+", 10)
+    }
+    written = (await log.read_all(S))[-1]
+    assert pending[written.id] == 0
