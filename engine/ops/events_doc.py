@@ -51,6 +51,8 @@ ROUTES: dict[str, Route] = {
     "BatchAdmitted": Route("`rl:work:{evaluator}`", "the scheduler, atomically with "
                            "`TokenAcquired`", "evaluator workers (group `evaluators`)"),
     "TokenReleased": Route("`rl:pool`", "evaluator workers", "the pool fold"),
+    "BatchLeased": Route("`rl:pool`", "an evaluator worker taking over a redelivered batch",
+                         "the pool fold (fences releases of older leases)"),
     "SampleStarted": Route("`rl:{rollout:ID}`", "evaluator workers",
                            "folds (attempt, node, worker), `rollout top`"),
     "TurnCompleted": Route("`rl:{rollout:ID}`", "evaluator workers", "folds, summaries"),
