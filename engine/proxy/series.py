@@ -1,0 +1,252 @@
+"""The recording proxy's token series: one per task, built call by call (inference-backend §4).
+
+A black-box scaffold sends its whole conversation on every ``/v1/chat/completions`` call. The
+``Recorder`` turns that sequence of calls into the token series the native tool agent would
+have built for the same conversation (``engine.agents.chat_tokens``):
+
+1. the first call renders the whole prompt with the model's chat template (``mask 0``);
+2. a later call must *extend* the messages already consumed. Its first new message is the
+   assistant turn the scaffold echoes back (already in the series, as the generated tokens);
+   the messages after it are the observations, tokenized as one increment (``mask 0``) with
+   ``ChatTokens.observation`` exactly as the tool agent tokenizes its tool messages;
+3. the ids the server generated are appended verbatim with their logprobs (``mask 1``).
+
+The append-only guard: every consumed message keeps a signature (role, text content, tool
+calls, tool-call id, name). A call whose history is shorter than what was consumed (shrunk),
+whose consumed prefix differs (rewritten, e.g. a summary), whose echoed assistant turn is not
+the reply the proxy gave, or whose tools changed raises ``AppendOnlyViolation``; the proxy then
+turns capture off for the rest of the task. ``trajectory()`` hands the series back only if
+capture stayed valid and every array lines up; otherwise ``None``: no token data rather than a
+corrupt sample.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.agents.chat_tokens import ChatTokens, Message
+from engine.agents.result import AgentResult, TurnRecord
+from engine.outcomes import TerminationReason
+
+__all__ = ["AppendOnlyViolation", "ProxyTrajectory", "Recorder", "message_signature"]
+
+
+class AppendOnlyViolation(Exception):
+    """The scaffold's history no longer extends what the series holds."""
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, a list of ``text`` parts joined, or empty."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return json.dumps(content, sort_keys=True)
+
+
+def _calls(message: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    out: list[tuple[str, str]] = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", {}) if isinstance(call, Mapping) else {}
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, sort_keys=True)
+        else:
+            try:  # the same call re-serialized with other spacing is the same call
+                args = json.dumps(json.loads(args), sort_keys=True)
+            except json.JSONDecodeError:
+                pass
+        out.append((str(fn.get("name", "")), args))
+    return tuple(out)
+
+
+def message_signature(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What must not change in a consumed message: role, text, tool calls, tool-call id, name."""
+    return (
+        message.get("role"),
+        _text(message.get("content")),
+        _calls(message),
+        message.get("tool_call_id"),
+        message.get("name"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyTrajectory:
+    """A task's token series as the proxy captured it (``AgentResult``'s token fields)."""
+
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: tuple[int, ...]
+    response_logprobs: tuple[float, ...]
+    loss_mask: tuple[int, ...]
+    turns: tuple[TurnRecord, ...]
+
+    def agent_result(self, termination_reason: TerminationReason, *, text: str = "") -> AgentResult:
+        """The ``AgentResult`` of this trajectory, ended for ``termination_reason``."""
+        return AgentResult(
+            prompt_token_ids=self.prompt_token_ids,
+            response_token_ids=self.response_token_ids,
+            response_logprobs=self.response_logprobs,
+            loss_mask=self.loss_mask,
+            turns=self.turns,
+            termination_reason=termination_reason,
+            metrics={
+                "n_turns": float(len(self.turns)),
+                "generated_tokens": float(sum(self.loss_mask)),
+                "observation_tokens": float(len(self.loss_mask) - sum(self.loss_mask)),
+            },
+            text=text,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """The assistant turn the proxy answered, as the scaffold should echo it back."""
+
+    ids: tuple[int, ...]
+    content: str
+    calls: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Recorder:
+    """Builds one task's series (see the module docstring). Not thread-safe: one call at a time."""
+
+    tokenizer: Any
+    chat: ChatTokens | None = None
+    tools_sig: str | None = None
+    consumed: list[tuple[Any, ...]] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    last: _Reply | None = None
+    valid: bool = True
+    invalid_reason: str | None = None
+
+    def series(self) -> list[int]:
+        return [*self.prompt, *self.response]
+
+    def sync(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> list[int]:
+        """Consume ``messages`` (a call's whole history); the exact ids to generate on.
+
+        Raises ``AppendOnlyViolation`` when they do not extend what was consumed; the series
+        is left as it was (the caller turns capture off)."""
+        tools_sig = json.dumps(list(tools) if tools else None, sort_keys=True)
+        sigs = [message_signature(m) for m in messages]
+        if self.chat is None:
+            if not messages:
+                raise AppendOnlyViolation("the first call has no messages")
+            self.chat = ChatTokens(self.tokenizer, tools)
+            self.tools_sig = tools_sig
+            self.history = [dict(m) for m in messages]
+            self.prompt = self.chat.prompt_ids(self.history)
+            self.consumed = sigs
+            return self.series()
+        if tools_sig != self.tools_sig:
+            raise AppendOnlyViolation("the tools changed between calls")
+        if len(sigs) < len(self.consumed):
+            raise AppendOnlyViolation(
+                f"history shrank from {len(self.consumed)} to {len(sigs)} messages"
+            )
+        for i, (old, new) in enumerate(zip(self.consumed, sigs, strict=False)):
+            if old != new:
+                raise AppendOnlyViolation(f"history rewritten at message {i}")
+        fresh = list(messages[len(self.consumed) :])
+        if self.last is None:
+            raise AppendOnlyViolation("a new call arrived while the last one gave no reply")
+        if not fresh or fresh[0].get("role") != "assistant":
+            raise AppendOnlyViolation(
+                f"message {len(self.consumed)} should echo the assistant reply, got "
+                f"{fresh[0].get('role') if fresh else 'nothing'}"
+            )
+        echo = fresh[0]
+        if _text(echo.get("content")).strip() != self.last.content.strip() or (
+            _calls(echo) != self.last.calls
+        ):
+            raise AppendOnlyViolation(
+                f"message {len(self.consumed)} is not the assistant reply the proxy gave"
+            )
+        observations = [dict(m) for m in fresh[1:]]
+        if any(m.get("role") == "assistant" for m in observations):
+            raise AppendOnlyViolation("an assistant message the model did not generate")
+        obs = self.chat.observation(self.history, self.last.ids, observations)
+        raw = self.chat.decode(
+            _without_trailing_special(self.last.ids, self.chat), skip_special_tokens=False
+        )
+        self.history = [*self.history, {"role": "assistant", "content": raw}, *observations]
+        self.response.extend(obs.token_ids)
+        self.logprobs.extend(0.0 for _ in obs.token_ids)
+        self.mask.extend(0 for _ in obs.token_ids)
+        self.consumed = sigs
+        self.last = None
+        return self.series()
+
+    def generated(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        content: str,
+        calls: Sequence[tuple[str, str]],
+        prompt_tokens: int,
+        elapsed_s: float,
+        finish_reason: str,
+    ) -> None:
+        """Append a generation verbatim (``mask 1``) and remember the reply it became."""
+        self.response.extend(int(i) for i in ids)
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.mask.extend(1 for _ in ids)
+        self.last = _Reply(tuple(int(i) for i in ids), content, tuple(calls))
+        self.turns.append(
+            TurnRecord(
+                index=len(self.turns),
+                prompt_tokens=prompt_tokens,
+                response_tokens=len(ids),
+                tool_calls=tuple(name for name, _ in calls),
+                elapsed_s=max(0.0, elapsed_s),
+                finish_reason=finish_reason,
+            )
+        )
+
+    def invalidate(self, reason: str) -> None:
+        """Capture off for the rest of the task (the first reason is kept)."""
+        if self.valid:
+            self.valid = False
+            self.invalid_reason = reason
+
+    def trajectory(self) -> ProxyTrajectory | None:
+        """The series, or ``None`` if capture was turned off or the arrays do not line up."""
+        if not self.valid or not self.prompt or not self.turns:
+            return None
+        n = len(self.response)
+        if len(self.logprobs) != n or len(self.mask) != n or sum(self.mask) == 0:
+            return None
+        if any(m not in (0, 1) for m in self.mask) or any(t < 0 for t in self.series()):
+            return None
+        if sum(t.response_tokens for t in self.turns) != sum(self.mask):
+            return None
+        return ProxyTrajectory(
+            prompt_token_ids=tuple(self.prompt),
+            response_token_ids=tuple(self.response),
+            response_logprobs=tuple(self.logprobs),
+            loss_mask=tuple(self.mask),
+            turns=tuple(self.turns),
+        )
+
+
+def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
+    special = set(getattr(chat.tokenizer, "all_special_ids", []))
+    end = len(ids)
+    while end > 0 and ids[end - 1] in special:
+        end -= 1
+    return ids[:end]
