@@ -327,3 +327,36 @@ async def test_the_port_is_released_at_teardown(
     async with httpx.AsyncClient() as http:
         with pytest.raises(httpx.ConnectError):
             await http.get(url + "/v1/models")
+
+
+async def test_an_unexpected_error_passes_the_call_through(
+    random_pool: BackendPool, random_tokenizer: Any, random_server: TinyLMServer
+) -> None:
+    """/generate refuses the request (HTTP 400): capture goes off and the scaffold gets the
+    server's own answer to the same request, exactly as if it had called the server."""
+    from openai import BadRequestError
+
+    bad = {"min_p": 7.5}
+    messages = [{"role": "user", "content": "hello"}]
+    with pytest.raises(BadRequestError) as direct:
+        await _client(random_server.url).chat.completions.create(
+            model="tinylm", messages=messages, max_tokens=8, extra_body=bad
+        )
+    async with RecordingProxy(backend=random_pool.get(), tokenizer=random_tokenizer) as proxy:
+        with pytest.raises(BadRequestError) as proxied:
+            await _client(proxy.url).chat.completions.create(
+                model="tinylm", messages=messages, max_tokens=8, extra_body=bad
+            )
+    assert proxied.value.status_code == direct.value.status_code == 400
+    assert proxied.value.body == direct.value.body
+    assert not proxy.capture_valid and "capture failed" in (proxy.invalid_reason or "")
+    assert proxy.passed_through == 1 and proxy.trajectory() is None
+
+
+async def test_the_proxy_needs_a_token_level_backend(random_tokenizer: Any) -> None:
+    from engine.backends.openai import OpenAIBackend, OpenAIConfig
+    from engine.errors import ConfigError
+
+    backend = OpenAIBackend(config=OpenAIConfig(base_url="http://127.0.0.1:9/v1", model="m"))
+    with pytest.raises(ConfigError, match="SGLangBackend"):
+        RecordingProxy(backend=backend, tokenizer=random_tokenizer)

@@ -1,0 +1,89 @@
+"""The recorder's guard and result checks, on the tinylm tokenizer (no server needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.proxy.series import AppendOnlyViolation, Recorder, message_signature
+from tinylm.corpus import PYTHON_TOOL
+
+USER = {"role": "user", "content": "hello"}
+
+
+def _one_turn(tokenizer: Any, tools: Any = None) -> tuple[Recorder, list[int]]:
+    rec = Recorder(tokenizer)
+    series = rec.sync([USER], tools)
+    ids = list(tokenizer("hi there", add_special_tokens=False)["input_ids"])
+    rec.generated(
+        ids,
+        [-0.5] * len(ids),
+        content="hi there",
+        calls=[],
+        prompt_tokens=len(series),
+        elapsed_s=0.0,
+        finish_reason="stop",
+    )
+    return rec, ids
+
+
+def test_signature_sees_role_content_calls_and_ids() -> None:
+    base = {"role": "tool", "content": "42", "tool_call_id": "c0", "name": "python"}
+    assert message_signature(base) == message_signature(dict(base))
+    for key, value in [("role", "user"), ("content", "41"), ("tool_call_id", "c1"), ("name", "x")]:
+        assert message_signature({**base, key: value}) != message_signature(base)
+    # text parts and a plain string with the same text are the same content
+    parts = {**base, "content": [{"type": "text", "text": "42"}]}
+    assert message_signature(parts) == message_signature(base)
+
+
+def test_the_echoed_reply_must_be_the_one_given(random_tokenizer: Any) -> None:
+    rec, _ = _one_turn(random_tokenizer)
+    before = rec.series()
+    with pytest.raises(AppendOnlyViolation, match="not the assistant reply"):
+        rec.sync([USER, {"role": "assistant", "content": "something else"}, USER], None)
+    with pytest.raises(AppendOnlyViolation, match="should echo the assistant reply"):
+        rec.sync([USER, USER], None)
+    assert rec.series() == before  # a refused call changes nothing
+    rec.sync([USER, {"role": "assistant", "content": "hi there"}, USER], None)
+    assert len(rec.series()) > len(before)
+
+
+def test_an_assistant_turn_the_model_did_not_write_is_refused(random_tokenizer: Any) -> None:
+    rec, _ = _one_turn(random_tokenizer)
+    echo = {"role": "assistant", "content": "hi there"}
+    with pytest.raises(AppendOnlyViolation, match="did not generate"):
+        rec.sync([USER, echo, USER, {"role": "assistant", "content": "made up"}], None)
+
+
+def test_changed_tools_are_a_rewrite(random_tokenizer: Any) -> None:
+    rec, _ = _one_turn(random_tokenizer, [PYTHON_TOOL])
+    echo = {"role": "assistant", "content": "hi there"}
+    with pytest.raises(AppendOnlyViolation, match="tools changed"):
+        rec.sync([USER, echo, USER], None)
+
+
+def test_no_token_data_when_invalid_or_inconsistent(random_tokenizer: Any) -> None:
+    rec, ids = _one_turn(random_tokenizer)
+    traj = rec.trajectory()
+    assert traj is not None and traj.response_token_ids == tuple(ids)
+    assert traj.loss_mask == (1,) * len(ids)
+
+    rec.logprobs.pop()  # a length-inconsistent series
+    assert rec.trajectory() is None
+    rec.logprobs.append(-0.5)
+    rec.mask[0] = 0  # the mask no longer matches what the turns generated
+    assert rec.trajectory() is None
+    rec.mask[0] = 1
+    assert rec.trajectory() is not None
+    rec.invalidate("test")
+    rec.invalidate("second reason")
+    assert rec.trajectory() is None and rec.invalid_reason == "test"
+
+
+def test_nothing_generated_is_no_trajectory(random_tokenizer: Any) -> None:
+    rec = Recorder(random_tokenizer)
+    assert rec.trajectory() is None
+    rec.sync([USER], None)
+    assert rec.trajectory() is None
