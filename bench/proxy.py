@@ -16,7 +16,8 @@ Both arms run the same conversations (same messages, seeds and fixed-length outp
 ``proxy_vs_direct_ratio`` is proxy tokens/s over direct tokens/s (generated tokens over wall
 time), median over rounds; target >= 0.9. ``proxy_cpu_ms_per_call`` is the bench process's
 extra CPU per chat call in the proxy arm over the direct arm (the proxy's HTTP server, request
-parsing, sync and reply building; the client's JSON is a small part of it).
+parsing, sync and reply building). The scaffolds' HTTP clients run in a process of their own,
+as real scaffolds do, so their CPU is not in it.
 ``proxy_start_stop_ms`` is the time to start and tear down one proxy (per task, not per call;
 outside the timed arm). ``capture_valid_share`` is the share of proxy conversations whose
 capture stayed valid.
@@ -32,8 +33,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
+from asyncio.subprocess import PIPE
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +64,9 @@ def params(i: int, turn: int, max_new: int) -> dict[str, Any]:
     return {"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 1000 * i + turn}
 
 
-async def proxy_conversation(proxy: RecordingProxy, i: int, turns: int, max_new: int) -> int:
+async def proxy_conversation(url: str, i: int, turns: int, max_new: int) -> int:
     generated = 0
-    async with httpx.AsyncClient(base_url=proxy.url, timeout=None) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         messages = opening(i)
         for turn in range(turns):
             p = params(i, turn, max_new)
@@ -128,9 +131,18 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
         assert isinstance(backend, SGLangBackend)
 
         proxies: list[RecordingProxy] = []
+        scaffolds = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--client", stdin=PIPE, stdout=PIPE
+        )
+        to_scaffolds, from_scaffolds = scaffolds.stdin, scaffolds.stdout
+        assert to_scaffolds is not None and from_scaffolds is not None
 
-        async def via_proxy(i: int) -> int:
-            return await proxy_conversation(proxies[i], i, args.turns, args.max_new_tokens)
+        async def via_proxy(_: int) -> int:
+            # All conversations at once, in the scaffold process; the reply is the token count.
+            job = {"urls": [p.url for p in proxies], "turns": args.turns,
+                   "max_new": args.max_new_tokens}  # fmt: skip
+            to_scaffolds.write((json.dumps(job) + "\n").encode())
+            return int(json.loads(await from_scaffolds.readline())["generated"])
 
         async def direct(i: int) -> int:
             return await direct_conversation(backend, chat, i, args.turns, args.max_new_tokens)
@@ -149,7 +161,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
                         for _ in range(args.conversations)
                     ]
                     t1 = time.perf_counter()
-                    wall, cpu, res = await arm(which, via_proxy, args.conversations)
+                    wall, cpu, res = await arm(which, via_proxy, 1)
                     t2 = time.perf_counter()
                     await asyncio.gather(*(p.aclose() for p in proxies))
                     lifecycle.append((t1 - t0 + time.perf_counter() - t2) / len(proxies) * 1000)
@@ -164,6 +176,8 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
             direct_tps.append(d_tps)
             ratios.append(p_tps / d_tps)
             extra_cpu.append((got["proxy"][1] - got["direct"][1]) / calls * 1000.0)
+        to_scaffolds.close()
+        await scaffolds.wait()
     return {
         "bench": "proxy",
         "rounds": args.rounds,
@@ -180,7 +194,25 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
     }
 
 
+async def scaffold_process() -> None:
+    """``--client``: the scaffolds' side, in its own process as real scaffolds are. Each stdin
+    line is a round: run every conversation against its proxy, answer the tokens generated."""
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        job = json.loads(line)
+        counts = await asyncio.gather(
+            *(
+                proxy_conversation(url, i, job["turns"], job["max_new"])
+                for i, url in enumerate(job["urls"])
+            )
+        )
+        print(json.dumps({"generated": sum(counts)}), flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--client"]:
+        asyncio.run(scaffold_process())
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=8)
