@@ -248,8 +248,17 @@ async def test_a_non_append_history_turns_capture_off_and_passes_through(
         assert not proxy.capture_valid
         assert reason in (proxy.invalid_reason or "")
         assert proxy.passed_through == 1 and reply["role"] == "assistant"
-        # capture stays off: a later well-formed append is passed through too
-        await _turn(client, [*messages, reply, {"role": "user", "content": "go on"}])
+        # capture stays off: a later well-formed append is passed through too, streamed as the
+        # server streams it
+        stream = await client.chat.completions.create(
+            model="tinylm",
+            messages=[*messages, reply, {"role": "user", "content": "go on"}],
+            max_tokens=8,
+            stream=True,
+        )
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert proxy.passed_through == 2
         assert proxy.recorder.series() == recorded  # nothing was appended after the guard fired
     assert proxy.trajectory() is None
