@@ -147,8 +147,14 @@ class RecordingProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self._port = int(sock.getsockname()[1])
+        # log_config=None: uvicorn must not reconfigure the worker's logging.
         config = uvicorn.Config(
-            self.app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30
+            self.app,
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            log_level="warning",
+            timeout_keep_alive=30,
         )
         self._server = _Server(config)
         self._client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None))
