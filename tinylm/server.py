@@ -354,7 +354,9 @@ class TinyLMServer:
         replies = [o.to_json() for o in outputs]
         return replies if batch or n > 1 else replies[0]
 
-    def _expand(self, requests: list[GenerateRequest], n: int, rid: Any) -> list[GenerateRequest]:
+    def _expand(
+        self, requests: list[GenerateRequest], n: int, rid: Any
+    ) -> list[GenerateRequest]:
         """``n`` samples of each request, prompt-major, named ``{rid}_{j}`` (module docstring)."""
         out: list[GenerateRequest] = []
         for req in requests:
