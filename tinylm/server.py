@@ -269,6 +269,8 @@ class TinyLMServer:
             return self._weight_route(route, body)
         except WeightRequestError as exc:
             raise BadRequest(str(exc)) from exc
+        except SchedulerClosed as exc:  # closed while an update or a pause waited
+            raise BadRequest(str(exc), 503) from exc
 
     def _weight_route(self, route: tuple[str, str], body: Any) -> tuple[int, Any]:
         """The routes of ``weights.py`` (see its docstring for their SGLang sources)."""
