@@ -19,7 +19,9 @@ Contract
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
   prompt), ``teacher_log_probs`` (only when every sample has them), ``rewards`` (the scalar
-  reward), ``response_lengths``, ``prompt_lengths`` and ``remove_sample``.
+  reward), ``response_lengths``, ``prompt_lengths``, ``remove_sample`` and ``token_versions``
+  (int64, same layout: the server-reported weight version of each sampled token, -1 on the
+  prompt, on padding, on observation tokens and where no version is known).
 * ``SyncRolloutClient`` offers the same calls for synchronous trainer loops; it runs the
   async client on a private event loop.
 """
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.agents.result import UNKNOWN_VERSION
 from engine.errors import LogUnavailable, RolloutFailed
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.catalog import (
@@ -230,6 +233,11 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch
             np.fromiter((s.remove_sample for s in samples), dtype=np.bool_, count=batch)
         ),
     }
+    versions = np.full((batch, width), UNKNOWN_VERSION, dtype=np.int64)
+    versions[response] = _joined(
+        TokenIds, [_or_unknown(s.token_versions, s.response_length) for s in samples]
+    )
+    out["token_versions"] = torch.from_numpy(versions)
     teachers = [s.teacher_log_probs for s in samples]
     if all(t is not None for t in teachers):
         teacher = np.zeros((batch, width), dtype=np.float32)
@@ -245,6 +253,13 @@ def _joined(kind: type[PackedArray], arrays: Sequence[PackedArray]) -> np.ndarra
 
 def _or_zeros(array: LogProbs | None, n: int) -> PackedArray:
     return array if array is not None else LogProbs(bytes(LogProbs.dtype.itemsize * n))
+
+
+_UNKNOWN_INT32 = np.array([UNKNOWN_VERSION], dtype=TokenIds.dtype).tobytes()
+
+
+def _or_unknown(array: TokenIds | None, n: int) -> PackedArray:
+    return array if array is not None else TokenIds(_UNKNOWN_INT32 * n)
 
 
 class SyncRolloutClient:

@@ -10,6 +10,11 @@ float32; see ``engine.events.arrays``), the form they have in the log: rebuildin
 from its events copies bytes, not numbers, and ``collate`` fills each batch tensor from them
 in one pass. The constructor also accepts lists, tuples or numpy arrays and packs them.
 
+``token_versions`` (int32, one per response token, when recorded) is the weight version the
+model server reported for the turn that sampled each token; observation tokens and tokens of
+unknown version hold -1 (``UNKNOWN_VERSION``). It is left out of ``model_dump`` when None, so
+samples of rollouts recorded before it dump as they did.
+
 Invariants, checked at construction: ``tokens`` is the prompt's tokens followed by the
 response's, so ``response_length <= len(tokens)``; ``loss_mask`` has one 0/1 entry per response
 token; ``rollout_log_probs`` and ``teacher_log_probs``, when present, too.
@@ -24,7 +29,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, JsonValue, Strict, model_validator
+from pydantic import (
+    Field,
+    JsonValue,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    Strict,
+    model_serializer,
+    model_validator,
+)
 
 from engine.agents.result import AgentResult, check_response_arrays
 from engine.domain import (
@@ -67,7 +80,17 @@ class Sample(FrozenModel):
     termination_reason: TerminationReason | None = None
     remove_sample: bool = False
     policy_version: NonNegInt | None = None
+    token_versions: TokenIds | None = None
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _dump(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, object]:
+        out: dict[str, object] = handler(self)
+        if self.token_versions is None:
+            out.pop("token_versions", None)  # dumps stay as before it existed
+        return out
 
     @model_validator(mode="after")
     def _arrays_line_up(self) -> Sample:
@@ -82,6 +105,11 @@ class Sample(FrozenModel):
         ):
             raise ValueError(
                 f"teacher_log_probs has {len(self.teacher_log_probs)} entries for "
+                f"{self.response_length} response tokens"
+            )
+        if self.token_versions is not None and len(self.token_versions) != self.response_length:
+            raise ValueError(
+                f"token_versions has {len(self.token_versions)} entries for "
                 f"{self.response_length} response tokens"
             )
         return self
@@ -136,6 +164,7 @@ class Sample(FrozenModel):
             status=reason.status,
             termination_reason=reason,
             policy_version=policy_version,
+            token_versions=result.response_versions if len(result.response_versions) else None,
             metadata=_task_metadata(task),
         )
 

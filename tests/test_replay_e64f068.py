@@ -45,6 +45,10 @@ def test_samples_loaded_from_an_e64f068_archive_collate_to_the_same_tensors(name
     samples = trainer_samples(replay_state(envelopes))
     assert len(samples) == expected["n_samples"]
     batch = collate(samples)
+    # e64f068 recorded no weight versions: every token of its samples is of unknown version
+    # (-1); the tensor came after it, the others are held to its digests.
+    versions = batch.pop("token_versions")
+    assert versions.shape == batch["tokens"].shape and bool((versions == -1).all())
     got = {
         key: {
             "dtype": str(t.dtype),

@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument(
+        "--weight-version",
+        default="default",
+        help="version of the loaded weights, reported in every reply (as SGLang's flag)",
+    )
+    srv.add_argument(
         "--torch-threads",
         type=int,
         default=1,
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None, *, system_prompts: SystemPrompts | None 
             max_context=args.context_length,
             logprob_mode=LogprobMode(args.logprobs),
             served_model_name=args.served_model_name,
+            weight_version=args.weight_version,
             api_key=_key(args.api_key_file, API_KEY_ENV),
             admin_api_key=_key(args.admin_api_key_file, ADMIN_KEY_ENV),
         )

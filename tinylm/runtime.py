@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tinylm.errors import ConfigError
 
-__all__ = ["Chunk", "ModelShape", "TinyLMRuntime"]
+__all__ = ["Chunk", "ModelShape", "TinyLMRuntime", "read_checkpoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,18 +135,35 @@ class TinyLMRuntime:
         self.max_slots = max_slots
         self.max_len = min(max_len or shape.max_position_embeddings, shape.max_position_embeddings)
 
+        self._bind(weights)
+        cache_shape = (max_slots, shape.num_kv_heads, self.max_len, shape.head_dim)
+        self._k_cache = [torch.zeros(cache_shape) for _ in range(shape.num_layers)]
+        self._v_cache = [torch.zeros(cache_shape) for _ in range(shape.num_layers)]
+        dim = shape.head_dim
+        self._inv_freq = 1.0 / (
+            shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
+
+    def _bind(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Take the tensors a forward reads from ``weights`` (HF Qwen2 names), as fp32.
+
+        Every tensor is read before any attribute is set, so a checkpoint missing one leaves
+        the weights already bound whole.
+        """
+        shape = self.shape
+
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ConfigError(f"tinylm checkpoint has no tensor {name!r}")
             return weights[name].detach().to(torch.float32).contiguous()
 
-        self._embed = w("model.embed_tokens.weight")
-        self._head = self._embed if shape.tie_word_embeddings else w("lm_head.weight")
-        self._final_norm = w("model.norm.weight")
-        self._layers = []
+        embed = w("model.embed_tokens.weight")
+        head = embed if shape.tie_word_embeddings else w("lm_head.weight")
+        final_norm = w("model.norm.weight")
+        layers: list[_Layer] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."
-            self._layers.append(
+            layers.append(
                 _Layer(
                     input_norm=w(p + "input_layernorm.weight"),
                     q_w=w(p + "self_attn.q_proj.weight"),
@@ -162,28 +179,41 @@ class TinyLMRuntime:
                     down_w=w(p + "mlp.down_proj.weight"),
                 )
             )
-        cache_shape = (max_slots, shape.num_kv_heads, self.max_len, shape.head_dim)
-        self._k_cache = [torch.zeros(cache_shape) for _ in range(shape.num_layers)]
-        self._v_cache = [torch.zeros(cache_shape) for _ in range(shape.num_layers)]
-        dim = shape.head_dim
-        self._inv_freq = 1.0 / (
-            shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+        for name, t in (("model.embed_tokens.weight", embed), ("lm_head.weight", head)):
+            if t.shape != (shape.vocab_size, shape.hidden_size):
+                raise ConfigError(
+                    f"tinylm checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{(shape.vocab_size, shape.hidden_size)}"
+                )
+        self._embed, self._head, self._final_norm, self._layers = embed, head, final_norm, layers
+
+    def replace_weights(self, weights: Mapping[str, torch.Tensor], shape: ModelShape) -> None:
+        """Serve ``weights`` from the next forward on (``/update_weights_from_disk``).
+
+        The architecture must be the one loaded (the KV cache and every slot depend on it);
+        ``ConfigError`` names what differs, and a failed update leaves the old weights whole.
+        Not thread-safe: the scheduler thread calls it between two forwards.
+        """
+        if shape != self.shape:
+            diff = {
+                f: (getattr(self.shape, f), getattr(shape, f))
+                for f in ModelShape.__dataclass_fields__
+                if getattr(self.shape, f) != getattr(shape, f)
+            }
+            raise ConfigError(
+                "new weights have another architecture than the served model "
+                f"(field: (served, new)): {diff}"
+            )
+        self._bind(weights)
 
     @classmethod
     def load(
         cls, model_dir: str | Path, *, max_slots: int, max_len: int | None = None
     ) -> TinyLMRuntime:
         """Read ``config.json`` and ``model.safetensors`` from a Hugging Face model folder."""
-        from safetensors.torch import load_file
-
         root = Path(model_dir)
-        config_path, weights_path = root / "config.json", root / "model.safetensors"
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise ConfigError(f"{root}: not a tinylm model folder (missing {path.name})")
-        shape = ModelShape.from_config(json.loads(config_path.read_text()), source=str(config_path))
-        return cls(load_file(str(weights_path)), shape, max_slots=max_slots, max_len=max_len)
+        weights, shape = read_checkpoint(root)
+        return cls(weights, shape, max_slots=max_slots, max_len=max_len)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self._inv_freq
@@ -264,3 +294,16 @@ class TinyLMRuntime:
         hidden = _rms_norm(torch.cat(picked), self._final_norm, s.rms_norm_eps)
         logits = F.linear(hidden, self._head)
         return list(torch.split(logits, [p.shape[0] for p in picked]))
+
+
+def read_checkpoint(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], ModelShape]:
+    """The tensors of ``model.safetensors`` and the shape of ``config.json`` in an HF folder."""
+    from safetensors.torch import load_file
+
+    root = Path(model_dir)
+    config_path, weights_path = root / "config.json", root / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ConfigError(f"{root}: not a tinylm model folder (missing {path.name})")
+    shape = ModelShape.from_config(json.loads(config_path.read_text()), source=str(config_path))
+    return load_file(str(weights_path)), shape

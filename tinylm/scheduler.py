@@ -3,7 +3,11 @@
 HTTP handler threads ``submit`` requests and block on the returned ``Pending``; the scheduler
 thread owns the ``TinyLMRuntime`` (and so the KV cache) and loops:
 
-1. take new requests and aborts from its inbox (blocking only when nothing is running);
+1. take new requests, aborts, pauses and weight swaps from its inbox (blocking only when nothing
+   is running or it is paused); a weight swap (``update_weights``) therefore lands between two
+   forwards, and every reply's ``meta_info["weight_version"]`` is the version loaded when it
+   finished, as in SGLang (``TokenizerManager`` reads ``weight_version`` when it builds
+   ``meta_info``);
 2. admit waiting requests while KV slots are free (a prompt is prefilled whole, and at most
    ``max_prefill_tokens`` of new prompt tokens join one step, so long prompts cannot starve
    running decodes indefinitely);
@@ -42,13 +46,14 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from tinylm.runtime import Chunk, TinyLMRuntime
+from tinylm.runtime import Chunk, ModelShape, TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
 __all__ = [
@@ -61,6 +66,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LogprobEntry = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
 
@@ -123,12 +130,24 @@ class Pending:
         self._error: str | None = None
         self._tokens: list[TokenEvent] = []
         self._progress_cv = threading.Condition()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the request has finished (at once if it has)."""
+        with self._progress_cv:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def _resolve(self, output: GenerateOutput | None, error: str | None = None) -> None:
         with self._progress_cv:
             self._output, self._error = output, error
             self._done.set()
             self._progress_cv.notify_all()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
 
     def _publish(self, event: TokenEvent) -> None:
         with self._progress_cv:
@@ -192,6 +211,7 @@ class GenerationScheduler:
         eos_token_ids: Sequence[int],
         logprob_mode: LogprobMode = LogprobMode.ORIGINAL,
         max_prefill_tokens: int = 4096,
+        weight_version: str = "default",
     ) -> None:
         self._runtime = runtime
         self._tok = tokenizer  # a ``tokenizers.Tokenizer``: its methods are safe across threads
@@ -213,6 +233,11 @@ class GenerationScheduler:
         self._live_rids: set[str] = set()
         self._ids = itertools.count()
         self.steps = 0
+        # Read by handler threads, written only on the scheduler thread together with the
+        # weights (``update_weights``): every reply carries the version of the weights that
+        # were loaded when it finished, as SGLang's ``meta_info["weight_version"]``.
+        self.weight_version = weight_version
+        self._paused = False  # ``pause``: no admission, no forward; the inbox is still read
         self._thread = threading.Thread(target=self._loop, name="tinylm-scheduler", daemon=True)
         self._thread.start()
 
@@ -274,6 +299,33 @@ class GenerationScheduler:
         """
         self._inbox.put(("abort", (rid, message)))
 
+    def pause(self, paused: bool) -> None:
+        """Stop (or resume) admitting and stepping requests; those in flight keep their state
+        and KV cache (SGLang's ``pause_generation(mode="in_place")``). Aborts still apply."""
+        self._inbox.put(("pause", paused))
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the scheduler thread between two forwards and return its result (or
+        raise its exception): how the weights change under running requests."""
+        box: Future[T] = Future()
+        with self._lock:
+            if not self._accepting:
+                raise SchedulerClosed("tinylm scheduler is shut down")
+            self._inbox.put(("call", (fn, box)))
+        return box.result(timeout)
+
+    def update_weights(
+        self, weights: Mapping[str, torch.Tensor], shape: ModelShape, version: str | None
+    ) -> None:
+        """Swap in new weights (and their version, when given) between two forwards."""
+
+        def swap() -> None:
+            self._runtime.replace_weights(weights, shape)
+            if version is not None:
+                self.weight_version = version
+
+        self.call(swap)
+
     def close(self, timeout: float = 10.0) -> None:
         """Abort everything in flight, resolve its waiters, and stop the thread."""
         with self._lock:
@@ -287,8 +339,11 @@ class GenerationScheduler:
     def _loop(self) -> None:
         try:
             while True:
-                if not self._drain(block=not self._running and not self._waiting):
+                idle = self._paused or not (self._running or self._waiting)
+                if not self._drain(block=idle):
                     break
+                if self._paused:
+                    continue
                 self._admit()
                 if self._running:
                     self._step()
@@ -320,6 +375,14 @@ class GenerationScheduler:
                             message = QUEUED_ABORT_MESSAGE
                         seq.finish = {"type": "abort", "message": message}
                         self._finish(seq, queued=queued)
+            elif kind == "pause":
+                self._paused = payload
+            elif kind == "call":
+                fn, box = payload
+                try:
+                    box.set_result(fn())
+                except Exception as exc:
+                    box.set_exception(exc)
             elif kind == "close":
                 for seq in [*self._waiting, *self._running]:
                     seq.finish = {"type": "abort", "message": "server is shutting down"}
@@ -340,6 +403,8 @@ class GenerationScheduler:
             if kind == "submit":
                 payload.finish = {"type": "abort", "message": "server is shutting down"}
                 self._finish(payload)
+            elif kind == "call":
+                payload[1].set_exception(SchedulerClosed("tinylm scheduler is shut down"))
 
     def _admit(self) -> None:
         budget = self._max_prefill
@@ -477,6 +542,7 @@ class GenerationScheduler:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(ids),
             "cached_tokens": 0,
+            "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - seq.started,
         }
         if queued:  # SGLang's reply for a request that never left the waiting queue

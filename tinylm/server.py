@@ -16,6 +16,11 @@ Routes (JSON over HTTP/1.1 with keep-alive, stdlib ``ThreadingHTTPServer``):
 - ``POST /abort_request``: ``{"rid": ...}`` aborts every request whose rid starts with it (SGLang's
   prefix match), ``{"abort_all": true}`` all of them; the aborted request's own reply is a
   normal 200 whose ``finish_reason`` has ``type: "abort"``.
+- ``POST /update_weights_from_disk``, ``GET /get_weight_version``, ``POST /pause_generation``,
+  ``POST /continue_generation``, ``GET|POST /flush_cache``: SGLang's weight-sync routes
+  (``weights.py``, which says what happens to requests in flight during an update). Every
+  ``/generate`` ``meta_info`` and ``/get_model_info`` carry ``weight_version`` (``default``
+  until an update names one, as SGLang's ``--weight-version``).
 - ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``,
   ``/v1/models/{id}``.
 
@@ -64,6 +69,7 @@ from tinylm.scheduler import (
     SchedulerClosed,
     TokenEvent,
 )
+from tinylm.weights import UpdateFromDisk, WeightControl, WeightRequestError
 
 __all__ = ["READY_PREFIX", "ServerConfig", "TinyLMServer", "serve", "start_server"]
 
@@ -87,6 +93,7 @@ class ServerConfig:
     keepalive_timeout_s: float = 120.0
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -111,6 +118,13 @@ class EventStream:
     it is produced (an iterator may still be generating)."""
 
     events: Iterable[str]
+
+
+@dataclass(frozen=True)
+class PlainText:
+    """A ``text/plain`` reply (SGLang's ``/flush_cache`` answers text, not JSON)."""
+
+    text: str
 
 
 class BadRequest(ValueError):
@@ -157,7 +171,9 @@ class TinyLMServer:
             self.tokenizer,
             eos_token_ids=_eos_ids(root, self.hf_tokenizer),
             logprob_mode=config.logprob_mode,
+            weight_version=config.weight_version,
         )
+        self.weights = WeightControl(self.scheduler, model_path=root)
         self.model_name = config.served_model_name or root.name
         self._httpd = _HTTPServer((config.host, config.port), self)
         self._serving: threading.Thread | None = None
@@ -192,6 +208,7 @@ class TinyLMServer:
         if self._closed.is_set():
             return
         self._closed.set()
+        self.weights.close()
         if self._serving is not None:
             self._httpd.shutdown()
         self.scheduler.close(timeout)
@@ -248,6 +265,31 @@ class TinyLMServer:
             return 200, self._chat(_object(body), client_gone)
         if route == ("POST", "/abort_request"):
             return self._abort(_object(body))
+        try:
+            return self._weight_route(route, body)
+        except WeightRequestError as exc:
+            raise BadRequest(str(exc)) from exc
+        except SchedulerClosed as exc:  # closed while an update or a pause waited
+            raise BadRequest(str(exc), 503) from exc
+
+    def _weight_route(self, route: tuple[str, str], body: Any) -> tuple[int, Any]:
+        """The routes of ``weights.py`` (see its docstring for their SGLang sources)."""
+        if route == ("POST", "/update_weights_from_disk"):
+            ok, message = self.weights.update_from_disk(UpdateFromDisk.from_json(_object(body)))
+            reply = {"success": ok, "message": message, "num_paused_requests": 0}
+            return (200 if ok else 400), reply
+        if route == ("GET", "/get_weight_version"):
+            return 200, {"weight_version": self.scheduler.weight_version}
+        if route == ("POST", "/pause_generation"):
+            self.weights.pause(_object(body if body is not None else {}))
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}
+        if route == ("POST", "/continue_generation"):
+            self.weights.resume()
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if route in (("GET", "/flush_cache"), ("POST", "/flush_cache")):
+            ok, text = self.weights.flush()
+            return (200 if ok else 400), PlainText(text)
+        method, path = route
         raise BadRequest(f"no route for {method} {path}", 404)
 
     def _model_card(self) -> dict[str, Any]:
@@ -263,10 +305,11 @@ class TinyLMServer:
 
     def _model_info(self) -> dict[str, Any]:
         return {
-            "model_path": str(self.config.model_dir),
+            "model_path": self.weights.model_path,
             "tokenizer_path": str(self.config.model_dir),
             "served_model_name": self.model_name,
             "is_generation": True,
+            "weight_version": self.scheduler.weight_version,
             "max_context_length": self.scheduler.max_context,
             "max_running_requests": self.config.max_running_requests,
             "logprob_mode": str(self.config.logprob_mode),
@@ -388,7 +431,7 @@ class TinyLMServer:
         pendings: list[Pending] = []
         try:
             for req in requests:
-                pendings.append(self.scheduler.submit(req))
+                pendings.append(self._submit(req))
         except SchedulerClosed as exc:
             self._abort_all(pendings)
             raise BadRequest(str(exc), 503) from exc
@@ -407,12 +450,24 @@ class TinyLMServer:
         """Submit a ``stream`` request now (so a bad one is refused before any reply is sent);
         the returned iterator yields its tokens as they are drawn, then the output."""
         try:
-            pending = self.scheduler.submit(req)
+            pending = self._submit(req)
         except SchedulerClosed as exc:
             raise BadRequest(str(exc), 503) from exc
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         return self._progress(pending, client_gone)
+
+    def _submit(self, req: GenerateRequest) -> Pending:
+        """Submit ``req`` once generation is not paused and no weight update is waiting; it
+        holds the model-update lock's reader side until it finishes (``weights.py``)."""
+        self.weights.enter()
+        try:
+            pending = self.scheduler.submit(req)
+        except BaseException:
+            self.weights.leave()
+            raise
+        pending.on_done(self.weights.leave)
+        return pending
 
     def _progress(self, pending: Pending, client_gone: Callable[[], bool]) -> Follow:
         seen, finished = 0, False
@@ -558,11 +613,15 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(reply, EventStream):
             self._send_events(status, reply)
             return
-        payload = b"" if reply is None else json.dumps(reply).encode()
+        if isinstance(reply, PlainText):
+            payload, kind = reply.text.encode(), "text/plain; charset=utf-8"
+        else:
+            payload = b"" if reply is None else json.dumps(reply).encode()
+            kind = "application/json"
         try:
             self.send_response(status)
             if reply is not None:
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)

@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from engine.actors.artifacts import write_artifacts
+from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
 from engine.events.catalog import (
@@ -163,6 +166,24 @@ def ready_metrics(state: RolloutState, kept: list[str], dropped: list[str]) -> d
     return out
 
 
+def version_spread(state: RolloutState, kept: list[str]) -> dict[str, int]:
+    """Sampled tokens (loss mask 1) of the kept completed samples per weight version, keyed
+    as strings; tokens of samples recorded without versions count as unknown (``"-1"``)."""
+    counts: Counter[int] = Counter()
+    for sid in kept:
+        sample = state.samples.get(sid)
+        done = sample.completed if sample is not None else None
+        if done is None:
+            continue
+        sampled = done.loss_mask.numpy().astype(bool)
+        if not len(done.token_versions):
+            counts[UNKNOWN_VERSION] += int(sampled.sum())
+            continue
+        values, n = np.unique(done.token_versions.numpy()[sampled], return_counts=True)
+        counts.update(dict(zip(values.tolist(), n.tolist(), strict=True)))
+    return {str(v): counts[v] for v in sorted(counts)}
+
+
 def decide_ready(state: RolloutState) -> RolloutReady | None:
     """The rollout's ``RolloutReady``, or None while it is not ready (or already decided).
 
@@ -188,6 +209,7 @@ def decide_ready(state: RolloutState) -> RolloutReady | None:
         n_completed=n_completed,
         n_aborted=len(state.samples) - n_completed,
         metrics=ready_metrics(state, kept, dropped),
+        version_tokens=version_spread(state, kept),
     )
 
 

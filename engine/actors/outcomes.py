@@ -94,6 +94,7 @@ def completed_events(
             response_tokens=t.response_tokens,
             tool_calls=list(t.tool_calls),
             elapsed_s=t.elapsed_s,
+            weight_version=t.weight_version,
             causation=causation,
         )
         for t in result.turns
@@ -115,6 +116,7 @@ def completed_events(
         elapsed_s=rec.used_s,
         policy_version=policy_version,
         metrics=dict(result.metrics),
+        token_versions=result.response_versions,
         causation=causation,
     )
     return [*turns, done]

@@ -13,6 +13,7 @@ _HOMES = {
     "AgentResult": "engine.agents.result",
     "Reward": "engine.agents.result",
     "TurnRecord": "engine.agents.result",
+    "UNKNOWN_VERSION": "engine.agents.result",
     "BaseAgent": "engine.agents.base",
     "Episode": "engine.agents.base",
     "EpisodeAgent": "engine.agents.base",

@@ -11,7 +11,11 @@ from engine.domain import FrozenModel, NonNegFloat, NonNegInt
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.outcomes import TerminationReason
 
-__all__ = ["AgentResult", "Reward", "TurnRecord", "check_response_arrays"]
+__all__ = ["UNKNOWN_VERSION", "AgentResult", "Reward", "TurnRecord", "check_response_arrays"]
+
+UNKNOWN_VERSION = -1
+"""The per-token weight version of a token no policy version is known for (see
+``AgentResult.response_versions``)."""
 
 Reward = float | dict[str, float]
 
@@ -55,6 +59,9 @@ class TurnRecord(FrozenModel):
     tool_calls: tuple[str, ...] = ()  # names of the tools called this turn
     elapsed_s: NonNegFloat = 0.0
     finish_reason: str | None = None  # the backend's, e.g. "stop", "length", "tool_calls"
+    # The policy version the model server reported for this turn's weights (SGLang's
+    # ``meta_info.weight_version``); None when it reported none. Never the requested version.
+    weight_version: NonNegInt | None = None
 
 
 class AgentResult(FrozenModel):
@@ -69,6 +76,10 @@ class AgentResult(FrozenModel):
     response_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
     response_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
     loss_mask: Mask = Field(default_factory=Mask.empty)
+    # Per response token: the weight version of the turn that sampled it; -1
+    # (``UNKNOWN_VERSION``) for tokens the policy did not sample (observations) or whose
+    # server reported no version. Empty when the agent records none (then all are unknown).
+    response_versions: TokenIds = Field(default_factory=TokenIds.empty)
     turns: tuple[TurnRecord, ...] = ()
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -88,6 +99,11 @@ class AgentResult(FrozenModel):
             self.loss_mask,
             self.response_logprobs if len(self.response_logprobs) else None,
         )
+        if len(self.response_versions) not in (0, len(self.response_token_ids)):
+            raise ValueError(
+                f"response_versions has {len(self.response_versions)} entries for "
+                f"{len(self.response_token_ids)} response tokens"
+            )
         return self
 
     @property

@@ -84,6 +84,7 @@ from engine.agents.base import (
     TurnRecord,
 )
 from engine.agents.chat_tokens import ChatTokens, Message
+from engine.agents.result import UNKNOWN_VERSION
 from engine.agents.tools import (
     PythonTool,
     SandboxTool,
@@ -249,6 +250,7 @@ class _Series:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token; -1: none/unknown
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -256,15 +258,19 @@ class _Series:
     def ids(self) -> list[int]:
         return [*self.prompt, *self.response]
 
-    def generated(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+    def generated(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
+    ) -> None:
         self.response.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.mask.extend([1] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
 
     def observed(self, token_ids: Sequence[int]) -> None:
         self.response.extend(token_ids)
         self.logprobs.extend([0.0] * len(token_ids))
         self.mask.extend([0] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION] * len(token_ids))
 
 
 @dataclass
@@ -365,7 +371,7 @@ class ToolAgent(EpisodeAgent):
             prompt_len = len(series)
             gen = await backend.generate(input_ids=series.ids(), sampling_params=params)
             ids, logprobs = self._checked(gen, context, turn)
-            series.generated(ids, logprobs)
+            series.generated(ids, logprobs, gen.weight_version)
             text = self.chat.decode(ids, skip_special_tokens=True)
             parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
             names = tuple(call.name for call in parsed.tool_calls)
@@ -400,6 +406,7 @@ class ToolAgent(EpisodeAgent):
                     tool_calls=names,
                     elapsed_s=max(0.0, time.monotonic() - started),
                     finish_reason=str(gen.finish_reason),
+                    weight_version=gen.weight_version,
                 )
             )
             turn += 1
@@ -418,6 +425,7 @@ class ToolAgent(EpisodeAgent):
             response_token_ids=tuple(series.response),
             response_logprobs=tuple(series.logprobs),
             loss_mask=tuple(series.mask),
+            response_versions=tuple(series.versions),
             turns=tuple(turns),
             termination_reason=reason,
             metrics=metrics,

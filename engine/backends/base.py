@@ -105,6 +105,8 @@ class GenerationResult:
     ``finish_reason`` is a ``FinishReason`` value or ``error:<what>``. Chat backends also keep
     ``refusal`` (the model declined; OpenAI's ``message.refusal``) and ``reasoning_content``
     (the thinking a reasoning parser split off, as SGLang and others return it).
+    ``weight_version`` is the policy version the *server* reported for the weights that
+    generated this reply (SGLang's ``meta_info.weight_version``); None when it reported none.
     """
 
     text: str
@@ -115,6 +117,7 @@ class GenerationResult:
     usage: Usage | None = None
     refusal: str | None = None
     reasoning_content: str | None = None
+    weight_version: int | None = None
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) != (self.logprobs is None):

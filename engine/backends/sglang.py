@@ -205,7 +205,12 @@ class SGLangBackend:
         )
         if reply.finish_type == FinishReason.ABORT:
             return GenerationResult(
-                text="", token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT, usage=usage
+                text="",
+                token_ids=(),
+                logprobs=(),
+                finish_reason=FinishReason.ABORT,
+                usage=usage,
+                weight_version=reply.weight_version,
             )
         assert reply.output_logprobs is not None  # return_logprob was set
         return GenerationResult(
@@ -214,6 +219,7 @@ class SGLangBackend:
             logprobs=reply.output_logprobs,
             finish_reason=_FINISH.get(reply.finish_type) or error_finish_reason(reply.finish_type),
             usage=usage,
+            weight_version=reply.weight_version,
         )
 
     async def generate_raw(self, payload: Mapping[str, Any]) -> SGLangReply:

@@ -71,6 +71,7 @@ class SGLangReply:
     prompt_tokens: int | None  # None only for a request aborted in the waiting queue
     completion_tokens: int
     rid: str | None
+    weight_version: int | None = None  # see ``weight_version_of``
 
     @property
     def finish_type(self) -> str:
@@ -131,6 +132,22 @@ class _Reader:
                 continue
             out.append(tuple(self.scored(position, f"{where}[{i}]")))
         return tuple(out)
+
+
+def weight_version_of(raw: Any) -> int | None:
+    """The integer weight version a server reported, or None when it is unknown.
+
+    SGLang 0.5.23 writes ``meta_info["weight_version"]`` as a string: the one given to
+    ``--weight-version`` (``"default"`` when none was) or by the last weight update
+    (``managers/tokenizer_manager.py``). A trainer that names versions by integers gets them
+    back as ints; anything else (absent, ``"default"``, a non-integer name) is unknown, never
+    guessed from the request.
+    """
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw if raw >= 0 else None
+    if isinstance(raw, str) and raw.isascii() and raw.isdecimal():
+        return int(raw)
+    return None
 
 
 def parse_generate_reply(
@@ -201,6 +218,7 @@ def parse_generate_reply(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         rid=rid,
+        weight_version=weight_version_of(meta.get("weight_version")),
     )
 
 

@@ -112,6 +112,10 @@ class RolloutReady(Event):
     n_completed: int = 0
     n_aborted: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
+    # Sampled (loss-masked) tokens of the kept samples per server-reported weight version,
+    # keyed by the version as a string (msgpack map keys are strings); "-1" counts tokens of
+    # unknown version. Empty for a rollout without kept tokens (and events before it).
+    version_tokens: dict[str, int] = Field(default_factory=dict)
 
 
 class RolloutFailed(Event):
@@ -324,6 +328,8 @@ class TurnCompleted(Event):
     response_tokens: int = 0
     tool_calls: list[str] = Field(default_factory=list)
     elapsed_s: float = 0.0
+    # The policy version the model server reported for this turn (None: it reported none).
+    weight_version: int | None = None
 
 
 class SampleCompleted(Event):
@@ -346,6 +352,9 @@ class SampleCompleted(Event):
     elapsed_s: float = 0.0
     policy_version: int = 0
     metrics: dict[str, JSON] = Field(default_factory=dict)
+    # Per response token, the server-reported weight version of the turn that sampled it; -1
+    # for observation tokens and unknown versions. Empty: not recorded (events before it).
+    token_versions: TokenIds = Field(default_factory=TokenIds.empty)
 
 
 class SampleAborted(Event):

@@ -134,6 +134,7 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
         status=row.status,
         termination_reason=row.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
+        token_versions=done.token_versions if len(done.token_versions) else None,
         metadata=metadata,
     )
 

@@ -469,3 +469,32 @@ async def test_silent_server_hits_the_read_timeout(
     with pytest.raises(BackendUnavailable, match="ReadTimeout"):
         await b.generate(input_ids=[1], sampling_params={})
     await b.aclose()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("7", 7),  # SGLang 0.5.23 writes the version as a string
+        (7, 7),
+        ("0", 0),
+        ("default", None),  # --weight-version's default: no integer version
+        (None, None),  # a server that reports none
+        ("-1", None),
+        ("1.5", None),
+        (True, None),
+        (-3, None),
+    ],
+)
+def test_weight_version_is_read_from_the_reply_or_unknown(
+    raw: object, expected: int | None
+) -> None:
+    meta: dict[str, object] = {
+        "id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1,
+        "completion_tokens": 1, "output_token_logprobs": [[-0.5, 9, None]],
+    }
+    if raw is not None:
+        meta["weight_version"] = raw
+    reply = parse_generate_reply(
+        {"text": "x", "output_ids": [9], "meta_info": meta}, url="http://s", logprobs=True
+    )
+    assert reply.weight_version == expected

@@ -136,7 +136,7 @@ BASE_SAMPLE: dict[str, Any] = dict(
 
 def _sample_wire(**changes: Any) -> bytes:
     fields = dict(BASE_SAMPLE)
-    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask"):
+    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions"):
         fields[name] = fields[name].data
     fields.update(changes)
     return _wire(**{k: v for k, v in fields.items() if v is not _DROP})
