@@ -16,9 +16,7 @@ __all__ = ["AgentResult", "Reward", "TurnRecord", "check_response_arrays"]
 Reward = float | dict[str, float]
 
 
-def check_response_arrays(
-    response_length: int, loss_mask: Mask, logprobs: LogProbs | None
-) -> None:
+def check_response_arrays(response_length: int, loss_mask: Mask, logprobs: LogProbs | None) -> None:
     """Raise ``ValueError`` unless the per-response-token arrays line up.
 
     ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
@@ -73,6 +71,10 @@ class AgentResult(FrozenModel):
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
     text: str = ""
+    # DAgger rollin (engine.agents.dagger): 1 on response tokens a teacher produced (they are
+    # loss_mask 0), and the response offsets where each student-executed turn begins.
+    teacher_mask: Mask | None = None
+    student_cut_points: tuple[NonNegInt, ...] = ()
 
     @field_validator("prompt_token_ids", "response_token_ids")
     @classmethod
@@ -88,6 +90,15 @@ class AgentResult(FrozenModel):
             self.loss_mask,
             self.response_logprobs if len(self.response_logprobs) else None,
         )
+        if self.teacher_mask is not None:
+            check_response_arrays(len(self.response_token_ids), self.teacher_mask, None)
+        if list(self.student_cut_points) != sorted(set(self.student_cut_points)) or any(
+            cut >= len(self.response_token_ids) for cut in self.student_cut_points
+        ):
+            raise ValueError(
+                "student_cut_points must be increasing response offsets, got "
+                f"{self.student_cut_points} for {len(self.response_token_ids)} response tokens"
+            )
         return self
 
     @property
