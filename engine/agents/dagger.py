@@ -143,6 +143,16 @@ class DAggerAgent(ToolAgent):
         parts += [render_tool_call(call.name, call.parsed_arguments()) for call in label.tool_calls]
         return (*self.chat.encode("\n".join(parts)), self._eos)
 
+    def final_text(self, result: AgentResult) -> str:
+        """The last turn's action, the student's or the teacher's (a teacher's tokens are
+        ``loss_mask`` 0, so ``last_generation`` alone would miss them)."""
+        if not result.turns:
+            return ""
+        last = result.turns[-1]
+        start = last.prompt_tokens - len(result.prompt_token_ids)
+        ids = result.response_token_ids.tolist()[start : start + last.response_tokens]
+        return self.chat.decode(ids, skip_special_tokens=True)
+
     def _finish_result(
         self, result: AgentResult, actions: Sequence[TurnAction], context: EpisodeContext
     ) -> AgentResult:

@@ -477,6 +477,10 @@ class ToolAgent(EpisodeAgent):
         ids, logprobs = self._checked(gen, step.context, step.turn)
         return TurnAction(gen=gen, token_ids=ids, logprobs=logprobs)
 
+    def final_text(self, result: AgentResult) -> str:
+        """The text of the episode's last action, which the verifier reads."""
+        return self.chat.decode(last_generation(result), skip_special_tokens=True)
+
     def _finish_result(
         self, result: AgentResult, actions: Sequence[TurnAction], context: EpisodeContext
     ) -> AgentResult:
@@ -583,7 +587,7 @@ class ToolEpisode(Episode):
     async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
         sandbox = self._sandbox(context, "eval")
         agent = self.agent
-        final_text = agent.chat.decode(last_generation(result), skip_special_tokens=True)
+        final_text = agent.final_text(result)
         verdict = await agent.verifier.verify(
             self.task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
         )
