@@ -14,7 +14,9 @@ only). It never acts in the environment. Two roles are foreseen:
   conversation (canonical messages: an assistant message's ``<tool_call>`` blocks become
   structured ``tool_calls``) is rendered with the *teacher's* tokenizer and chat template, tools
   included, so the teacher reads it in its own format; its reply is parsed into a
-  ``TeacherLabel`` (prose, tool calls, and its token ids in the teacher's vocabulary). Any
+  ``TeacherLabel`` (prose, canonical tool calls, and its token ids in the teacher's
+  vocabulary) by its own tool-call parser (``reply_parser``; Qwen/Hermes ``<tool_call>``
+  blocks unless given), so the caller can write the calls in the student's syntax. Any
   failure (transport error, timeout, HTTP error, aborted or truncated generation, a reply
   without token ids, a malformed tool-call block, a conversation its template cannot render)
   is logged and returns ``None``, "no label": the student's turn stands. The lower-level
@@ -24,7 +26,7 @@ only). It never acts in the environment. Two roles are foreseen:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ import httpx
 from engine.backends._http import HTTPSettings
 from engine.backends.base import FinishReason, GenerationResult, ToolCall
 from engine.backends.sglang import ForceDecodeScore, SGLangBackend, SGLangConfig
-from engine.backends.toolcalls import parse_tool_calls
+from engine.backends.toolcalls import ParsedToolCalls, parse_tool_calls
 from engine.errors import BackendError, ConfigError
 
 __all__ = [
@@ -118,8 +120,10 @@ class TeacherBackend:
         config: TeacherConfig,
         tokenizer: Any | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        reply_parser: Callable[[str], ParsedToolCalls] = parse_tool_calls,
     ) -> None:
         self.config = config
+        self._parse_reply = reply_parser
         self._sglang = SGLangBackend(
             config=SGLangConfig(
                 url=config.url, tokenizer_path=config.tokenizer_path, http=config.http
@@ -185,7 +189,7 @@ class TeacherBackend:
             return None
         assert gen.token_ids is not None  # _label_problem checked it
         text = self.decode(gen.token_ids)
-        parsed = parse_tool_calls(text)
+        parsed = self._parse_reply(text)
         if parsed.errors:
             logger.warning(
                 "%s: no label, the teacher's reply has malformed tool calls: %s",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.backends.base import ToolCall
 from engine.backends.sglang import load_tokenizer
 from engine.backends.teacher import TeacherBackend, TeacherConfig, canonical_messages
-from engine.backends.toolcalls import render_tool_call
+from engine.backends.toolcalls import ParsedToolCalls, render_tool_call
 from engine.ops.tinylm import init_model
 from tests.backends.conftest import MATH_DIALOGUE, MATH_QUESTION
 from tinylm.corpus import PYTHON_TOOL
@@ -198,3 +200,89 @@ def test_a_failing_teacher_gives_no_label(
     bad_history = [{"role": "user", "content": MATH_QUESTION}, {"role": 3}]
     assert asyncio.run(label("ok", bad_history)) is None
     assert asyncio.run(unreachable()) is None
+
+
+# A teacher family of its own: another template, tools and calls in another syntax.
+OTHER_TEMPLATE = (
+    "{%- if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined %}"
+    "### assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls %}<call>{{ c.function | tojson }}</call>{% endfor %}\n"
+    "{%- else %}### {{ m.role }}\n{{ m.content }}\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}### assistant\n{% endif %}"
+)
+_CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
+
+
+def parse_other(text: str) -> ParsedToolCalls:
+    """The other family's calls: ``<call>{"name": ..., "arguments": {...}}</call>``."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for i, body in enumerate(_CALL.findall(text)):
+        try:
+            obj = json.loads(body)
+            calls.append(
+                ToolCall(name=obj["name"], arguments=json.dumps(obj["arguments"]), id=f"c{i}")
+            )
+        except (ValueError, KeyError) as exc:
+            errors.append(f"bad call {body!r}: {exc}")
+    return ParsedToolCalls(
+        content=_CALL.sub("", text).strip(), tool_calls=tuple(calls), errors=tuple(errors)
+    )
+
+
+def test_a_teacher_with_its_own_template_and_tool_syntax(teacher_dir: Path) -> None:
+    """The student's ``<tool_call>`` text reaches the teacher in the teacher's syntax, and the
+    teacher's ``<call>`` reply comes back as canonical calls (nothing of either syntax leaks)."""
+    import asyncio
+
+    tok = load_tokenizer(teacher_dir)
+    tok.chat_template = OTHER_TEMPLATE
+    seen: list[str] = []
+    reply_text = (
+        'Let me check. <call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</call>'
+    )
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(tok.decode(body["input_ids"]))
+        ids = tok(reply_text, add_special_tokens=False)["input_ids"]
+        return httpx.Response(
+            200,
+            json={
+                "text": reply_text,
+                "output_ids": ids,
+                "meta_info": {
+                    "id": "r",
+                    "finish_reason": {"type": "stop"},
+                    "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": len(ids),
+                    "output_token_logprobs": [[-0.1, t, None] for t in ids],
+                },
+            },
+        )
+
+    async def scenario() -> Any:
+        teacher = TeacherBackend(
+            config=TeacherConfig(url="http://teacher.invalid"),
+            tokenizer=tok,
+            transport=httpx.MockTransport(handle),
+            reply_parser=parse_other,
+        )
+        try:
+            return await teacher.label_turn(AFTER_CALL, tools=[PYTHON_TOOL], sampling_params=GREEDY)
+        finally:
+            await teacher.aclose()
+
+    label = asyncio.run(scenario())
+    (prompt,) = seen
+    assert prompt.startswith("TOOLS [")
+    assert '<call>{"name": "python", "arguments": {"code": "print(17 + 25)"}}</call>' in prompt
+    assert "<tool_call>" not in prompt and prompt.endswith("### assistant\n")
+    assert label is not None
+    assert label.content == "Let me check."
+    assert [(c.name, c.parsed_arguments()) for c in label.tool_calls] == [
+        ("python", {"code": "print(6 * 7)"})
+    ]
