@@ -17,8 +17,10 @@ iteration``, capped at ``t_max_cap`` when one is set. The guard: with ``t_max_st
 schedule publishes no ``t_max`` at all, so a statically configured one is not clobbered by a
 ramp that does not exist (a ``t_max`` of 0 would silence the teacher).
 
-Eval runs student-only: ``eval_knobs`` drops ``dagger_beta`` (an episode without one never
-asks the teacher), unless an explicit ``eval_beta`` re-injects one.
+Eval runs student-only: the engine gives an eval request's episodes no ``dagger_beta`` (an
+episode without one never asks the teacher) unless the request sets ``eval_dagger_beta``;
+``eval_knobs`` turns training knobs into an eval request's (``dagger_beta`` popped,
+``eval_beta`` re-injected as ``eval_dagger_beta`` when given).
 """
 
 from __future__ import annotations
@@ -118,13 +120,14 @@ class DAggerSchedule:
 
 
 def eval_knobs(knobs: Mapping[str, Any], *, eval_beta: float | None = None) -> dict[str, Any]:
-    """``knobs`` for an eval request: ``dagger_beta`` popped (student-only), or set to
-    ``eval_beta`` when one is given."""
-    out = {k: v for k, v in knobs.items() if k != "dagger_beta"}
+    """``knobs`` for an eval request: ``dagger_beta`` popped (student-only), and
+    ``eval_dagger_beta`` set when an ``eval_beta`` is given (the one beta an eval request's
+    episodes read; the engine ignores ``dagger_beta`` on eval requests anyway)."""
+    out = {k: v for k, v in knobs.items() if k not in ("dagger_beta", "eval_dagger_beta")}
     if eval_beta is not None:
         if not 0.0 <= eval_beta <= 1.0:
             raise ConfigError(f"eval_beta must be within [0, 1], got {eval_beta}")
-        out["dagger_beta"] = eval_beta
+        out["eval_dagger_beta"] = eval_beta
     return out
 
 

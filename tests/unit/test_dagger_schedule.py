@@ -57,7 +57,7 @@ def test_no_ramp_publishes_no_t_max() -> None:
 def test_eval_pops_beta_unless_an_eval_beta_is_given() -> None:
     knobs = DAggerSchedule(t_max_step=1).knobs(2)
     assert eval_knobs(knobs) == {"t_max": 2}
-    assert eval_knobs(knobs, eval_beta=0.25) == {"t_max": 2, "dagger_beta": 0.25}
+    assert eval_knobs(knobs, eval_beta=0.25) == {"t_max": 2, "eval_dagger_beta": 0.25}
     assert "dagger_beta" in knobs  # the training knobs are not modified
 
 
