@@ -90,14 +90,20 @@ class AgentResult(FrozenModel):
             self.loss_mask,
             self.response_logprobs if len(self.response_logprobs) else None,
         )
+        n = len(self.response_token_ids)
         if self.teacher_mask is not None:
-            check_response_arrays(len(self.response_token_ids), self.teacher_mask, None)
+            if len(self.teacher_mask) != n:
+                raise ValueError(
+                    f"teacher_mask has {len(self.teacher_mask)} entries for {n} response tokens"
+                )
+            if self.teacher_mask.data.translate(None, _BITS):
+                raise ValueError("teacher_mask entries must be 0 or 1")
         if list(self.student_cut_points) != sorted(set(self.student_cut_points)) or any(
-            cut >= len(self.response_token_ids) for cut in self.student_cut_points
+            cut >= n for cut in self.student_cut_points
         ):
             raise ValueError(
                 "student_cut_points must be increasing response offsets, got "
-                f"{self.student_cut_points} for {len(self.response_token_ids)} response tokens"
+                f"{self.student_cut_points} for {n} response tokens"
             )
         return self
 

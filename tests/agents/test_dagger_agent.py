@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from engine.agents.base import AgentResult
 from engine.agents.dagger import DAggerAgent, dagger_draw, teacher_acts
@@ -234,3 +235,21 @@ async def test_t_max_bounds_the_teacher_and_a_failed_label_leaves_the_student_tu
     assert failed.metrics["dagger_label_failures"] == 2.0
     assert failed.teacher_mask is not None and set(failed.teacher_mask) == {0}
     assert sum(failed.loss_mask) == sum(len(ids) for ids, _ in student2.outputs)
+
+
+def test_a_result_refuses_a_teacher_mask_or_cut_points_that_do_not_fit() -> None:
+    base = {
+        "response_token_ids": [5, 6, 7],
+        "loss_mask": [1, 0, 0],
+        "termination_reason": TerminationReason.FINISH,
+    }
+    ok = AgentResult(**base, teacher_mask=[0, 1, 1], student_cut_points=(0,))
+    assert list(ok.teacher_mask or []) == [0, 1, 1]
+    for bad, match in (
+        ({"teacher_mask": [0, 1]}, "teacher_mask has 2 entries for 3"),
+        ({"teacher_mask": [0, 2, 1]}, "teacher_mask entries must be 0 or 1"),
+        ({"student_cut_points": (2, 1)}, "student_cut_points must be increasing"),
+        ({"student_cut_points": (3,)}, "student_cut_points must be increasing"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            AgentResult(**base, **bad)
