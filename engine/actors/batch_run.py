@@ -182,7 +182,9 @@ class BatchRun:
         self._policy_version = request.policy_version if request is not None else 0
         self._seed = request.seed if request is not None else 0
         knobs: Mapping[str, Any] = request.knobs if request is not None else {}
-        self._dagger_beta = _float_knob(knobs, "dagger_beta")
+        # Eval runs student-only (task-scheduler §5): an eval request's ``dagger_beta`` is
+        # dropped; an explicit ``eval_dagger_beta`` knob re-injects one.
+        self._dagger_beta = _float_knob(knobs, "dagger_beta" if self._train else "eval_dagger_beta")
         self._t_max = _int_knob(knobs, "t_max")
         self.completed = 0
         self.aborted = 0

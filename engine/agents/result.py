@@ -20,9 +20,7 @@ UNKNOWN_VERSION = -1
 Reward = float | dict[str, float]
 
 
-def check_response_arrays(
-    response_length: int, loss_mask: Mask, logprobs: LogProbs | None
-) -> None:
+def check_response_arrays(response_length: int, loss_mask: Mask, logprobs: LogProbs | None) -> None:
     """Raise ``ValueError`` unless the per-response-token arrays line up.
 
     ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
@@ -84,6 +82,10 @@ class AgentResult(FrozenModel):
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
     text: str = ""
+    # DAgger rollin (engine.agents.dagger): 1 on response tokens a teacher produced (they are
+    # loss_mask 0), and the response offsets where each student-executed turn begins.
+    teacher_mask: Mask | None = None
+    student_cut_points: tuple[NonNegInt, ...] = ()
 
     @field_validator("prompt_token_ids", "response_token_ids")
     @classmethod
@@ -103,6 +105,21 @@ class AgentResult(FrozenModel):
             raise ValueError(
                 f"response_versions has {len(self.response_versions)} entries for "
                 f"{len(self.response_token_ids)} response tokens"
+            )
+        n = len(self.response_token_ids)
+        if self.teacher_mask is not None:
+            if len(self.teacher_mask) != n:
+                raise ValueError(
+                    f"teacher_mask has {len(self.teacher_mask)} entries for {n} response tokens"
+                )
+            if self.teacher_mask.data.translate(None, _BITS):
+                raise ValueError("teacher_mask entries must be 0 or 1")
+        if list(self.student_cut_points) != sorted(set(self.student_cut_points)) or any(
+            cut >= n for cut in self.student_cut_points
+        ):
+            raise ValueError(
+                "student_cut_points must be increasing response offsets, got "
+                f"{self.student_cut_points} for {n} response tokens"
             )
         return self
 

@@ -111,6 +111,8 @@ __all__ = [
     "ToolAgent",
     "ToolAgentConfig",
     "ToolEpisode",
+    "TurnAction",
+    "TurnInput",
     "Verdict",
     "Verifier",
     "derive_turn_seed",
@@ -285,6 +287,33 @@ class _Counts:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
 
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """What ``ToolAgent._act`` decides one turn from: the token series so far, the
+    conversation as messages, the turn's sampling parameters (with its token budget)."""
+
+    context: EpisodeContext
+    backend: ModelBackend
+    input_ids: list[int]
+    history: list[Message]
+    sampling_params: Mapping[str, Any]
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAction:
+    """One turn's action as token ids of the policy's tokenizer. ``trained``: the policy
+    generated them (``loss_mask`` 1, with their logprobs); otherwise they enter the series with
+    ``loss_mask`` 0 and logprob 0.0 (e.g. a teacher's action). ``gen`` carries the finish
+    reason the stop conditions read."""
+
+    gen: GenerationResult
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    trained: bool = True
+    source: str = "policy"
+
+
 class ToolAgent(EpisodeAgent):
     """The native tool agent (see the module docstring): what its episodes share."""
 
@@ -354,6 +383,7 @@ class ToolAgent(EpisodeAgent):
         series = _Series(prompt=self.chat.prompt_ids(history))
         counts = _Counts()
         turns: list[TurnRecord] = []
+        actions: list[TurnAction] = []
         reason: TerminationReason | None = None
         turn = 0
         while reason is None:
@@ -369,9 +399,22 @@ class ToolAgent(EpisodeAgent):
                 )
             started = time.monotonic()
             prompt_len = len(series)
-            gen = await backend.generate(input_ids=series.ids(), sampling_params=params)
-            ids, logprobs = self._checked(gen, context, turn)
-            series.generated(ids, logprobs, gen.weight_version)
+            action = await self._act(
+                TurnInput(
+                    context=context,
+                    backend=backend,
+                    input_ids=series.ids(),
+                    history=history,
+                    sampling_params=params,
+                    turn=turn,
+                )
+            )
+            actions.append(action)
+            gen, ids = action.gen, action.token_ids
+            if action.trained:
+                series.generated(ids, action.logprobs, gen.weight_version)
+            else:  # not the policy's tokens: in the series, out of the loss
+                series.observed(ids)
             text = self.chat.decode(ids, skip_special_tokens=True)
             parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
             names = tuple(call.name for call in parsed.tool_calls)
@@ -420,7 +463,7 @@ class ToolAgent(EpisodeAgent):
             "observation_tokens": float(len(series.mask) - sum(series.mask)),
         }
         metrics.update({k: float(v) for k, v in counts.outcomes.items()})
-        return AgentResult(
+        result = AgentResult(
             prompt_token_ids=tuple(series.prompt),
             response_token_ids=tuple(series.response),
             response_logprobs=tuple(series.logprobs),
@@ -431,6 +474,27 @@ class ToolAgent(EpisodeAgent):
             metrics=metrics,
             text=self.chat.decode(series.response, skip_special_tokens=False),
         )
+        return self._finish_result(result, actions, context)
+
+    async def _act(self, step: TurnInput) -> TurnAction:
+        """The action of one turn: the policy's generation on the series so far. A subclass
+        may act otherwise (e.g. a teacher's action, ``engine.agents.dagger``)."""
+        gen = await step.backend.generate(
+            input_ids=step.input_ids, sampling_params=step.sampling_params
+        )
+        ids, logprobs = self._checked(gen, step.context, step.turn)
+        return TurnAction(gen=gen, token_ids=ids, logprobs=logprobs)
+
+    def final_text(self, result: AgentResult) -> str:
+        """The text of the episode's last action, which the verifier reads."""
+        return self.chat.decode(last_generation(result), skip_special_tokens=True)
+
+    def _finish_result(
+        self, result: AgentResult, actions: Sequence[TurnAction], context: EpisodeContext
+    ) -> AgentResult:
+        """The episode's result, given every turn's action in order; a subclass may annotate
+        it. This one returns it unchanged."""
+        return result
 
     def _checked(
         self, gen: GenerationResult, context: EpisodeContext, turn: int
@@ -531,7 +595,7 @@ class ToolEpisode(Episode):
     async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
         sandbox = self._sandbox(context, "eval")
         agent = self.agent
-        final_text = agent.chat.decode(last_generation(result), skip_special_tokens=True)
+        final_text = agent.final_text(result)
         verdict = await agent.verifier.verify(
             self.task, FinishedEpisode(result=result, final_text=final_text, sandbox=sandbox)
         )

@@ -16,6 +16,7 @@ from engine.events import (
     AbortClass,
     BatchLeased,
     EventLog,
+    RolloutKind,
     SampleAborted,
     SampleCompleted,
     SampleStarted,
@@ -89,6 +90,22 @@ async def test_episodes_get_knobs_stopping_and_a_seed_per_sample(
     assert {m["max_turns"] for m in metrics.values()} == {7.0}
     seeds = [metrics[f"rk:s{i}"]["seed"] for i in range(3)]
     assert seeds == [float(sample_seed(9, i)) for i in range(3)] and len(set(seeds)) == 3
+
+
+async def test_eval_episodes_run_student_only_unless_an_eval_beta_is_given(
+    engine: Engine, log: EventLog
+) -> None:
+    """task-scheduler §5: an eval request's ``dagger_beta`` never reaches its episodes;
+    ``eval_dagger_beta`` re-injects one (-1.0: the episode saw none)."""
+    engine.start_worker()
+    engine.start_finalizer()
+    cases = {"ev0": {"dagger_beta": 0.25}, "ev1": {"dagger_beta": 0.25, "eval_dagger_beta": 0.5}}
+    for rollout_id, knobs in cases.items():
+        await start_rollout(log, rollout_id, n_prompts=1, kind=RolloutKind.EVAL, knobs=knobs)
+        await asyncio.wait_for(RolloutClient(log).wait_ready(rollout_id), 30)
+    for rollout_id, want in (("ev0", -1.0), ("ev1", 0.5)):
+        done = await events_of(log, log.names.rollout(rollout_id), SampleCompleted)
+        assert done and {d.metrics["dagger_beta"] for d in done} == {want}
 
 
 async def test_each_failure_becomes_a_classified_masked_dummy(
