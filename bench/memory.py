@@ -14,7 +14,9 @@ logprobs and a mask per sample, 8 samples per prompt). The trainer (this process
   archived to a temporary file store and deleted as soon as it is loaded), then reads
   ``used_memory`` from ``INFO memory``. ``redis_memory_growth_ratio`` is the memory after the
   last rollout over the mean after rollouts 2..4 (the first warms up allocations). The
-  streams retention does not touch (``rl:pool``, ``rl:data``) are reported beside it.
+  streams retention does not touch (``rl:pool``, ``rl:data``) are reported beside it, and
+  the same ratio without ``rl:pool`` (which grows by one ``TokenAcquired`` and its releases
+  per batch, see docs/benchmarks.md).
 
     python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
 
@@ -38,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.rollout import EngineArm  # noqa: E402
 from bench.rollout_evaluators import RESPONSE_TOKENS  # noqa: E402
 from engine.client import RolloutClient  # noqa: E402
+from engine.events.codec import decode  # noqa: E402
 from engine.events.redis_log import RedisEventLog  # noqa: E402
 from engine.ops.retention import retention_pass  # noqa: E402
 
@@ -61,17 +64,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             assert isinstance(log, RedisEventLog)
             store = tmp / "archive"
             memory: list[int] = []
+            pool: list[int] = []  # rl:pool, which retention does not touch
             stream_bytes = 0
+            by_type: dict[str, int] = {}  # encoded event bytes of the first rollout, by type
             samples_per_s: list[float] = []
             for i in range(args.rollouts):
                 result = await arm.rollout(args.samples)
                 samples_per_s.append(result["samples_per_s"])
                 if i == 0:
-                    stream_bytes = await log.memory_usage(log.names.rollout(f"bench-{arm.seq}"))
+                    stream = log.names.rollout(f"bench-{arm.seq}")
+                    stream_bytes = await log.memory_usage(stream)
+                    for _id, raw in await log.read_raw(stream):
+                        kind = decode(raw).type
+                        by_type[kind] = by_type.get(kind, 0) + len(raw)
                 report = await retention_pass(log, store, keep_s=args.keep_s)
                 if args.keep_s == 0 and len(report.archived) != 1:
                     raise RuntimeError(f"rollout {i + 1}: retention did {report.summary()}")
                 memory.append(await used_memory(log))
+                pool.append(await log.memory_usage(log.names.pool))
                 print(
                     f"rollout {i + 1}/{args.rollouts}: used_memory {memory[-1]} B, "
                     f"{result['samples_per_s']:.0f} samples/s; {report.summary()}",
@@ -84,7 +94,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             await arm.close()
     tokens = args.samples * RESPONSE_TOKENS
-    baseline = statistics.mean(memory[BASELINE]) if len(memory) > BASELINE.stop else memory[0]
+    baseline = statistics.mean(memory[BASELINE])
+    rest = [m - p for m, p in zip(memory, pool, strict=True)]
     per_sample = stream_bytes / args.samples
     return {
         "rollouts": args.rollouts,
@@ -98,7 +109,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "used_memory_baseline": round(baseline),
         "used_memory_last": memory[-1],
         "redis_memory_growth_ratio": round(memory[-1] / baseline, 3),
+        "growth_ratio_without_pool_stream": round(rest[-1] / statistics.mean(rest[BASELINE]), 3),
+        "pool_stream_bytes_per_rollout": round((pool[-1] - pool[0]) / (len(pool) - 1)),
         "untouched_stream_bytes": untouched,
+        "event_bytes_per_sample": {
+            kind: round(n / args.samples, 1) for kind, n in sorted(by_type.items())
+        },
         "archive_bytes_per_sample": round(archived_bytes / (args.samples * args.rollouts), 1),
         "samples_per_s_median": round(statistics.median(samples_per_s)),
         "keep_s": args.keep_s,
