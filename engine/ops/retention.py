@@ -13,7 +13,9 @@ One pass (``retention_pass``), run by ``rollout retention`` once or every ``--ev
   entry, and only then deleted from Redis. ``rollout replay ID --from FILE`` rebuilds its
   artifacts byte-identically from that file. A stream with no terminal event is left alone,
   and so is a stream whose archive already exists with different content (a late write
-  after the archive; an operator decides).
+  after the archive; an operator decides). A finished rollout is also kept while an entry
+  left in a shared stream after the trim still names it: work a worker has not acked yet (a
+  failed rollout's queued batches, say) still folds the rollout stream when it runs.
 
 ``rl:pool``, ``rl:data`` and ``rl:dead`` are not touched: the scheduler folds the first two
 from the start, and dead letters wait for an operator.
@@ -45,12 +47,14 @@ class RetentionReport:
     archived: list[str] = field(default_factory=list)  # rollout ids archived and deleted
     kept: list[str] = field(default_factory=list)  # finished, but inside the window
     conflicts: list[str] = field(default_factory=list)  # archive exists and differs
+    waiting: list[str] = field(default_factory=list)  # finished, but still referred to
 
     def summary(self) -> str:
         return (
             f"trimmed {sum(self.trimmed.values())} entries of {len(self.trimmed)} streams; "
             f"archived and deleted {len(self.archived)} rollouts; "
             f"{len(self.kept)} finished rollouts inside the window; "
+            f"{len(self.waiting)} still referred to by shared-stream entries; "
             f"{len(self.conflicts)} archive conflicts"
         )
 
@@ -98,9 +102,15 @@ async def retention_pass(
     before = format_id(horizon_ms, 0)
     names = log.names
     shared = [names.control, names.capture, *await log.list_streams(f"{names.prefix}:work:*")]
+    busy: set[str] = set()  # rollouts some shared-stream entry still refers to
     for stream in shared:
-        if await log.stream_length(stream):
-            report.trimmed[stream] = await log.trim_acked(stream, before=before)
+        if not await log.stream_length(stream):
+            continue
+        report.trimmed[stream] = await log.trim_acked(stream, before=before)
+        for env in await log.read_all(stream):
+            rollout_id = getattr(env.event, "rollout_id", None)
+            if isinstance(rollout_id, str):
+                busy.add(rollout_id)
     store.mkdir(parents=True, exist_ok=True)
     for stream in await log.list_streams(f"{names.prefix}:{{rollout:*}}"):
         rollout_id = names.rollout_id_of(stream)
@@ -112,6 +122,8 @@ async def retention_pass(
             continue
         if id_ms(finished) >= horizon_ms:
             report.kept.append(rollout_id)
+        elif rollout_id in busy:
+            report.waiting.append(rollout_id)
         elif await _archive_and_delete(log, store, rollout_id, stream, entries):
             report.archived.append(rollout_id)
         else:

@@ -3,11 +3,12 @@ file store and deleted from Redis, and the archive replays byte-identically."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from engine.events import RedisEventLog, RedisSettings, RolloutFailed, connect
+from engine.events import BatchAdmitted, RedisEventLog, RedisSettings, RolloutFailed, connect
 from engine.events.ids import id_ms
 from engine.events.redis_log import FIELD
 from engine.ops import cli
@@ -72,7 +73,7 @@ async def test_an_unfinished_rollout_stays_and_a_late_write_is_not_deleted(
     archive = read_archive(FIXTURES / "train.rollout")
     unfinished = archive.entries[: len(archive.entries) // 2]
     await _restore(log, archive.stream, unfinished)
-    later = _after(archive.entries, 10_000)
+    later = time.time() + 1  # past the fixture and anything appended during the test
     report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
     assert report.archived == [] and report.kept == []
     assert await log.stream_length(archive.stream) == len(unfinished)
@@ -151,3 +152,30 @@ def test_the_retention_command_runs_one_pass(
     assert "--keep-s must be at least 0, got -1.0" in capsys.readouterr().err
 
 
+
+
+async def test_a_finished_rollout_waits_while_unacked_work_names_it(
+    log: RedisEventLog, tmp_path: Path
+) -> None:
+    archive = read_archive(FIXTURES / "train.rollout")
+    await _restore(log, archive.stream, archive.entries)
+    work = log.names.work("math")
+    await log.ensure_group(work, "evaluators")
+    queued = await log.append(
+        work,
+        BatchAdmitted(rollout_id=archive.rollout_id, batch_id="b9", evaluator_id="math",
+                      sample_ids=[]),
+    )
+    later = time.time() + 1  # past the fixture's end and the work entry appended now
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.waiting == [archive.rollout_id] and report.archived == []
+    assert await log.stream_length(archive.stream) == len(archive.entries)
+
+    (delivered,) = await log.read_group("evaluators", "w", [work], count=1, block_ms=50)
+    assert delivered.id == queued
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.waiting == [archive.rollout_id]  # delivered but pending: still waits
+    await log.ack(work, "evaluators", queued)
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.archived == [archive.rollout_id] and report.trimmed[work] == 1
+    assert await log.list_streams("rl:{rollout:*}") == []
