@@ -273,9 +273,12 @@ class EventLog(Protocol):
 
     async def pending_count(self, stream: str, group: str) -> int: ...
 
-    async def trim_acked(self, stream: str, *, before: str | None = None) -> int:
+    async def trim_acked(
+        self, stream: str, *, before: str | None = None, require: Collection[str] = ()
+    ) -> int:
         """Trim entries every group has acked (never below a pending or undelivered one);
-        with ``before``, keep that id and every later one too."""
+        with ``before``, keep that id and every later one too; nothing while a group named
+        in ``require`` does not exist."""
         ...
 
     async def delete_stream(self, stream: str) -> bool:

@@ -776,12 +776,15 @@ class RedisEventLog:
             info = await self._r.xpending(stream, group)
         return int(info["pending"])
 
-    async def trim_acked(self, stream: str, *, before: str | None = None) -> int:
+    async def trim_acked(
+        self, stream: str, *, before: str | None = None, require: Collection[str] = ()
+    ) -> int:
         """Trim entries every group has acked (never below a pending or undelivered entry);
-        with ``before``, never at or past that id either (a retention window)."""
+        with ``before``, never at or past that id either (a retention window). While a group
+        named in ``require`` does not exist yet, nothing is trimmed (it will read from 0)."""
         with _translate(f"XINFO GROUPS {stream}"):
             groups = await self._r.xinfo_groups(stream)
-        if not groups:
+        if not groups or set(require) - {_s(g["name"]) for g in groups}:
             return 0
         floor: tuple[int, int] | None = None
         for g in groups:

@@ -6,7 +6,9 @@ One pass (``retention_pass``), run by ``rollout retention`` once or every ``--ev
   ``rl:work:{evaluator}``) are trimmed below what every group has acked
   (``EventLog.trim_acked``): an entry some group has pending or not yet been delivered is
   never trimmed. Entries younger than the retention window are kept too, so a trainer that
-  waits for its ``RolloutReady`` on ``rl:control`` a little late still finds it.
+  waits for its ``RolloutReady`` on ``rl:control`` a little late still finds it. A stream
+  whose readers' groups do not all exist yet (a finalizer that never started) is not
+  trimmed: such a group reads the stream from its start once it is created.
 * **Finished rollouts**: a rollout stream whose ``RolloutReady`` or ``RolloutFailed`` is older
   than the window is written to the file store as ``<store>/<rollout id>.rollout`` in the
   ``rollout archive`` format (``engine/ops/replay.py``), read back and compared entry by
@@ -27,6 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.actors.capture import GROUP as CAPTURE_GROUP
+from engine.actors.evaluator_worker import GROUP as EVALUATOR_GROUP
+from engine.actors.finalizer import GROUP as FINALIZER_GROUP
+from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.errors import DecodeError
 from engine.events.catalog import RolloutFailed, RolloutReady
 from engine.events.codec import decode
@@ -101,12 +107,17 @@ async def retention_pass(
     horizon_ms = max(0, int((now - keep_s) * 1000))
     before = format_id(horizon_ms, 0)
     names = log.names
-    shared = [names.control, names.capture, *await log.list_streams(f"{names.prefix}:work:*")]
+    work = await log.list_streams(f"{names.prefix}:work:*")
+    shared: list[tuple[str, tuple[str, ...]]] = [
+        (names.control, (SCHEDULER_GROUP, FINALIZER_GROUP)),
+        (names.capture, (CAPTURE_GROUP,)),
+        *((stream, (EVALUATOR_GROUP,)) for stream in work),
+    ]
     busy: set[str] = set()  # rollouts some shared-stream entry still refers to
-    for stream in shared:
+    for stream, groups in shared:
         if not await log.stream_length(stream):
             continue
-        report.trimmed[stream] = await log.trim_acked(stream, before=before)
+        report.trimmed[stream] = await log.trim_acked(stream, before=before, require=groups)
         for env in await log.read_all(stream):
             rollout_id = getattr(env.event, "rollout_id", None)
             if isinstance(rollout_id, str):
