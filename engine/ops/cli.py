@@ -101,9 +101,11 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "retention", parents=[common],
         help="trim acked shared streams; archive finished rollouts to files, then delete them",
     )
-    p.add_argument("--store", type=Path, required=True, help="directory of rollout archives")
-    p.add_argument("--keep-s", type=float, default=3600.0,
-                   help="retention window: keep what finished less than this long ago")
+    p.add_argument("--store", type=Path, default=settings.retention_store,
+                   help="directory of rollout archives (default ROLLOUT_RETENTION_STORE)")
+    p.add_argument("--keep-s", type=float, default=settings.retention_keep_s,
+                   help="retention window: keep what finished less than this long ago "
+                   "(default ROLLOUT_RETENTION_KEEP_S)")
     p.add_argument("--every", type=float, default=None,
                    help="repeat every this many seconds (default: one pass, then exit)")
     p = sub.add_parser("tail", parents=[common], help="print live events")
@@ -194,6 +196,10 @@ async def _archive(args: argparse.Namespace) -> int:
 async def _retention(args: argparse.Namespace) -> int:
     from engine.ops.retention import retention_pass
 
+    if args.store is None:
+        print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
+              file=sys.stderr)
+        return 2
     if args.keep_s < 0:
         print(f"error: --keep-s must be at least 0, got {args.keep_s}", file=sys.stderr)
         return 2

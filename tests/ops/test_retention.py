@@ -23,6 +23,7 @@ from engine.ops.replay import (
     replay_to_dir,
 )
 from engine.ops.retention import archive_path, retention_pass
+from engine.settings import Settings
 from tests.redis_server import RedisServer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "e64f068"
@@ -158,6 +159,19 @@ def test_the_retention_command_runs_one_pass(
     assert cli.main(["retention", "--redis-url", redis_server.url, "--store", str(tmp_path),
                      "--keep-s", "-1"]) == 2
     assert "--keep-s must be at least 0, got -1.0" in capsys.readouterr().err
+    assert cli.main(["retention", "--redis-url", redis_server.url]) == 2
+    assert "needs --store DIR (or ROLLOUT_RETENTION_STORE)" in capsys.readouterr().err
+
+
+def test_the_retention_command_reads_its_defaults_from_the_environment(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUT_RETENTION_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("ROLLOUT_RETENTION_KEEP_S", "120")
+    args = cli.build_parser(Settings.from_env()).parse_args(["retention"])
+    assert (args.store, args.keep_s) == (tmp_path / "store", 120.0)
+    assert cli.main(["retention", "--redis-url", redis_server.url]) == 0
+    assert (tmp_path / "store").is_dir()
 
 
 
