@@ -142,6 +142,16 @@ class Settings(FrozenModel):
         description="How long a process rides out an unreachable Redis (reconnecting with "
         "capped backoff) before it exits with a fatal error.",
     )
+    # -- retention (docs/operations.md, "Retention and Redis memory"): `rollout retention` --
+    retention_store: Path | None = Field(
+        None, description="Directory `rollout retention` archives finished rollouts to."
+    )
+    retention_keep_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Retention window: `rollout retention` keeps finished rollouts and acked "
+        "shared-stream entries younger than this in Redis.",
+    )
 
     @field_validator("stream_prefix")
     @classmethod

@@ -273,8 +273,20 @@ class EventLog(Protocol):
 
     async def pending_count(self, stream: str, group: str) -> int: ...
 
-    async def trim_acked(self, stream: str) -> int:
-        """Trim entries every group has acked (never below a pending or undelivered one)."""
+    async def trim_acked(
+        self, stream: str, *, before: str | None = None, require: Collection[str] = ()
+    ) -> int:
+        """Trim entries every group has acked (never below a pending or undelivered one);
+        with ``before``, keep that id and every later one too; nothing while a group named
+        in ``require`` does not exist."""
+        ...
+
+    async def delete_stream(self, stream: str) -> bool:
+        """Delete a stream and its consumer groups; whether it existed."""
+        ...
+
+    async def memory_usage(self, key: str) -> int:
+        """Bytes the store holds for ``key`` (0 when absent)."""
         ...
 
     # ------------------------------------------------------------------ snapshots, close

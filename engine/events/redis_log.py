@@ -776,11 +776,15 @@ class RedisEventLog:
             info = await self._r.xpending(stream, group)
         return int(info["pending"])
 
-    async def trim_acked(self, stream: str) -> int:
-        """Trim entries every group has acked (never below a pending or undelivered entry)."""
+    async def trim_acked(
+        self, stream: str, *, before: str | None = None, require: Collection[str] = ()
+    ) -> int:
+        """Trim entries every group has acked (never below a pending or undelivered entry);
+        with ``before``, never at or past that id either (a retention window). While a group
+        named in ``require`` does not exist yet, nothing is trimmed (it will read from 0)."""
         with _translate(f"XINFO GROUPS {stream}"):
             groups = await self._r.xinfo_groups(stream)
-        if not groups:
+        if not groups or set(require) - {_s(g["name"]) for g in groups}:
             return 0
         floor: tuple[int, int] | None = None
         for g in groups:
@@ -793,6 +797,8 @@ class RedisEventLog:
             low = min(candidates)
             floor = low if floor is None else min(floor, low)
         assert floor is not None
+        if before is not None:
+            floor = min(floor, parse_id(before))
         with _translate(f"XTRIM {stream}"):
             n = await self._r.xtrim(stream, minid=format_id(*floor), approximate=False)
         return int(n)
@@ -800,6 +806,17 @@ class RedisEventLog:
     async def stream_length(self, stream: str) -> int:
         with _translate(f"XLEN {stream}"):
             return int(await self._r.xlen(stream))
+
+    async def delete_stream(self, stream: str) -> bool:
+        """Delete a stream with its groups; whether it existed."""
+        with _translate(f"DEL {stream}"):
+            return bool(await self._r.delete(stream))
+
+    async def memory_usage(self, key: str) -> int:
+        """Bytes Redis holds for ``key`` (all of it sampled; 0 when absent)."""
+        with _translate(f"MEMORY USAGE {key}"):
+            n = await self._r.memory_usage(key, samples=0)
+        return int(n or 0)
 
 
     # ------------------------------------------------------------------ raw access

@@ -6,6 +6,8 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
   eval details and placement log from the log (or an archive file), byte-identical to the
   files the live finalizer wrote;
 * ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
+* ``rollout retention --store DIR [--keep-s S] [--every S]`` -- trim the shared streams below
+  what every group acked; archive finished rollouts to DIR, then delete their streams;
 * ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
 * ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
 * ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
@@ -95,6 +97,17 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p = sub.add_parser("archive", parents=[common], help="write a rollout's events to a file")
     p.add_argument("rollout_id", metavar="ID")
     p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser(
+        "retention", parents=[common],
+        help="trim acked shared streams; archive finished rollouts to files, then delete them",
+    )
+    p.add_argument("--store", type=Path, default=settings.retention_store,
+                   help="directory of rollout archives (default ROLLOUT_RETENTION_STORE)")
+    p.add_argument("--keep-s", type=float, default=settings.retention_keep_s,
+                   help="retention window: keep what finished less than this long ago "
+                   "(default ROLLOUT_RETENTION_KEEP_S)")
+    p.add_argument("--every", type=float, default=None,
+                   help="repeat every this many seconds (default: one pass, then exit)")
     p = sub.add_parser("tail", parents=[common], help="print live events")
     p.add_argument("--rollout", help="only this rollout's events (and its stream)")
     p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
@@ -178,6 +191,31 @@ async def _archive(args: argparse.Namespace) -> int:
         await log.aclose()
     print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
     return 0
+
+
+async def _retention(args: argparse.Namespace) -> int:
+    from engine.ops.retention import retention_pass
+
+    if args.store is None:
+        print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
+              file=sys.stderr)
+        return 2
+    if args.keep_s < 0:
+        print(f"error: --keep-s must be at least 0, got {args.keep_s}", file=sys.stderr)
+        return 2
+    if args.every is not None and args.every <= 0:
+        print(f"error: --every must be positive, got {args.every}", file=sys.stderr)
+        return 2
+    log = _log(args)
+    try:
+        while True:
+            report = await retention_pass(log, args.store, keep_s=args.keep_s)
+            print(report.summary(), flush=True)
+            if args.every is None:
+                return 0
+            await asyncio.sleep(args.every)
+    finally:
+        await log.aclose()
 
 
 async def _tail(args: argparse.Namespace) -> int:
@@ -267,6 +305,7 @@ async def _top(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "replay": _replay,
     "archive": _archive,
+    "retention": _retention,
     "tail": _tail,
     "status": _status,
     "pool": _pool,

@@ -1,0 +1,145 @@
+"""Redis memory per stored token, and whether memory stays flat over many rollouts.
+
+The stack of ``bench/rollout.py`` (a real redis-server, the scheduler, ``--workers``
+evaluator worker processes and a finalizer; the zero-latency agent, 16 response tokens with
+logprobs and a mask per sample, 8 samples per prompt). The trainer (this process) requests
+``--rollouts`` rollouts of ``--samples`` samples one after the other and loads each.
+
+* **Bytes per stored token**: right after the first rollout is ready, ``MEMORY USAGE`` of its
+  stream (every sample's events: task, start, turns, completion; the plan; the ready event)
+  divided by its response tokens. The raw arrays alone are 9 bytes per token (int32 id,
+  float32 logprob, uint8 mask); the rest is per-sample overhead, reported per sample.
+* **Growth with retention on**: after every rollout this process runs one pass of
+  ``rollout retention`` (``engine.ops.retention``) with ``--keep-s`` (default 0: a rollout is
+  archived to a temporary file store and deleted as soon as it is loaded), then reads
+  ``used_memory`` from ``INFO memory``. ``redis_memory_growth_ratio`` is the memory after the
+  last rollout over the mean after rollouts 2..4 (the first warms up allocations). The
+  streams retention does not touch (``rl:pool``, ``rl:data``) are reported beside it, and
+  the same ratio without ``rl:pool`` (which grows by one ``TokenAcquired`` and its releases
+  per batch, see docs/benchmarks.md).
+
+    python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.rollout import EngineArm  # noqa: E402
+from bench.rollout_evaluators import RESPONSE_TOKENS  # noqa: E402
+from engine.client import RolloutClient  # noqa: E402
+from engine.events.codec import decode  # noqa: E402
+from engine.events.redis_log import RedisEventLog  # noqa: E402
+from engine.ops.retention import retention_pass  # noqa: E402
+
+RAW_BYTES_PER_TOKEN = 4 + 4 + 1  # int32 id, float32 logprob, uint8 mask
+BASELINE = slice(1, 4)  # rollouts 2..4
+
+
+async def used_memory(log: RedisEventLog) -> int:
+    info = await log.redis.info("memory")
+    return int(info["used_memory"])
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        arm = EngineArm(args, tmp)
+        try:
+            arm.start()
+            arm.client = RolloutClient.connect(arm.redis.url, block_ms=1000)
+            log = arm.client.log
+            assert isinstance(log, RedisEventLog)
+            store = tmp / "archive"
+            memory: list[int] = []
+            pool: list[int] = []  # rl:pool, which retention does not touch
+            stream_bytes = 0
+            by_type: dict[str, int] = {}  # encoded event bytes of the first rollout, by type
+            samples_per_s: list[float] = []
+            for i in range(args.rollouts):
+                result = await arm.rollout(args.samples)
+                samples_per_s.append(result["samples_per_s"])
+                if i == 0:
+                    stream = log.names.rollout(f"bench-{arm.seq}")
+                    stream_bytes = await log.memory_usage(stream)
+                    for _id, raw in await log.read_raw(stream):
+                        kind = decode(raw).type
+                        by_type[kind] = by_type.get(kind, 0) + len(raw)
+                report = await retention_pass(log, store, keep_s=args.keep_s)
+                if args.keep_s == 0 and len(report.archived) != 1:
+                    raise RuntimeError(f"rollout {i + 1}: retention did {report.summary()}")
+                memory.append(await used_memory(log))
+                pool.append(await log.memory_usage(log.names.pool))
+                print(
+                    f"rollout {i + 1}/{args.rollouts}: used_memory {memory[-1]} B, "
+                    f"{result['samples_per_s']:.0f} samples/s; {report.summary()}",
+                    flush=True,
+                )
+            untouched = {
+                name: await log.memory_usage(name) for name in (log.names.pool, log.names.data)
+            }
+            archived_bytes = sum(p.stat().st_size for p in store.iterdir())
+        finally:
+            await arm.close()
+    tokens = args.samples * RESPONSE_TOKENS
+    baseline = statistics.mean(memory[BASELINE])
+    rest = [m - p for m, p in zip(memory, pool, strict=True)]
+    per_sample = stream_bytes / args.samples
+    return {
+        "rollouts": args.rollouts,
+        "samples_per_rollout": args.samples,
+        "response_tokens_per_sample": RESPONSE_TOKENS,
+        "rollout_stream_bytes": stream_bytes,
+        "bytes_per_sample": round(per_sample, 1),
+        "per_sample_overhead_bytes": round(per_sample - RESPONSE_TOKENS * RAW_BYTES_PER_TOKEN, 1),
+        "bytes_per_response_token": round(stream_bytes / tokens, 2),
+        "used_memory_first": memory[0],
+        "used_memory_baseline": round(baseline),
+        "used_memory_last": memory[-1],
+        "redis_memory_growth_ratio": round(memory[-1] / baseline, 3),
+        "growth_ratio_without_pool_stream": round(rest[-1] / statistics.mean(rest[BASELINE]), 3),
+        "pool_stream_bytes_per_rollout": round((pool[-1] - pool[0]) / (len(pool) - 1)),
+        "untouched_stream_bytes": untouched,
+        "event_bytes_per_sample": {
+            kind: round(n / args.samples, 1) for kind, n in sorted(by_type.items())
+        },
+        "archive_bytes_per_sample": round(archived_bytes / (args.samples * args.rollouts), 1),
+        "samples_per_s_median": round(statistics.median(samples_per_s)),
+        "keep_s": args.keep_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollouts", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-batches", type=int, default=8)
+    parser.add_argument("--keep-s", type=float, default=0.0,
+                        help="retention window of the pass run after each rollout")
+    parser.add_argument("--play-scheduler", action="store_true",
+                        help="drive scheduling from this process (what bench/rollout.py does "
+                        "when workers.scheduler is missing)")
+    args = parser.parse_args()
+    if args.rollouts < 5:
+        parser.error(f"--rollouts must be at least 5 (the baseline is rollouts 2..4), got "
+                     f"{args.rollouts}")
+    if args.samples < 8 or args.samples % 8:
+        parser.error(f"--samples must be a positive multiple of 8, got {args.samples}")
+    print(json.dumps(asyncio.run(main_async(args))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Retention (issue 16): acked shared streams are trimmed, finished rollouts are archived to a
+file store and deleted from Redis, and the archive replays byte-identically."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.actors.evaluator_worker import GROUP as EVALUATOR_GROUP
+from engine.actors.finalizer import GROUP as FINALIZER_GROUP
+from engine.actors.scheduler import SCHEDULER_GROUP
+from engine.events import BatchAdmitted, RedisEventLog, RedisSettings, RolloutFailed, connect
+from engine.events.ids import id_ms
+from engine.events.redis_log import FIELD
+from engine.ops import cli
+from engine.ops.replay import (
+    RawEntry,
+    decode_entries,
+    read_archive,
+    replay_state,
+    replay_to_dir,
+)
+from engine.ops.retention import archive_path, retention_pass
+from engine.settings import Settings
+from tests.redis_server import RedisServer
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "e64f068"
+ARTIFACTS = ["summary.json", "samples.jsonl", "eval_details.jsonl", "placement.jsonl"]
+
+
+async def _restore(log: RedisEventLog, stream: str, entries: list[RawEntry]) -> None:
+    """Put archived entries back into Redis under their own ids, as the live run wrote them."""
+    for entry_id, raw in entries:
+        await log.redis.xadd(stream, {FIELD: raw}, id=entry_id)
+
+
+def _after(entries: list[RawEntry], seconds: float) -> float:
+    """A wall-clock time ``seconds`` after the last entry."""
+    return id_ms(entries[-1][0]) / 1000 + seconds
+
+
+async def test_a_finished_rollout_is_archived_deleted_and_replays_byte_identically(
+    log: RedisEventLog, tmp_path: Path
+) -> None:
+    archive = read_archive(FIXTURES / "train.rollout")
+    await _restore(log, archive.stream, archive.entries)
+    store = tmp_path / "store"
+
+    # Inside the retention window: kept in Redis, nothing written.
+    report = await retention_pass(log, store, keep_s=60, now_s=_after(archive.entries, 30))
+    assert report.kept == [archive.rollout_id] and report.archived == []
+    assert await log.stream_length(archive.stream) == len(archive.entries)
+    assert not archive_path(store, archive.rollout_id).exists()
+
+    # Past it: archived, verified, deleted.
+    report = await retention_pass(log, store, keep_s=60, now_s=_after(archive.entries, 61))
+    assert report.archived == [archive.rollout_id] and report.conflicts == []
+    assert await log.list_streams("rl:{rollout:*}") == []
+    stored = read_archive(archive_path(store, archive.rollout_id))
+    assert (stored.stream, stored.rollout_id) == (archive.stream, archive.rollout_id)
+    assert stored.entries == archive.entries
+
+    # What ``rollout replay ID --from FILE`` does (the command itself runs its own loop).
+    envelopes, _bad = decode_entries(stored.stream, stored.entries)
+    out = tmp_path / "replay"
+    replay_to_dir(replay_state(envelopes), out)
+    for artifact in ARTIFACTS:
+        expected = (FIXTURES / "train" / artifact).read_bytes()
+        assert (out / artifact).read_bytes() == expected, f"{artifact} differs"
+
+
+async def test_an_unfinished_rollout_stays_and_a_late_write_is_not_deleted(
+    log: RedisEventLog, tmp_path: Path
+) -> None:
+    archive = read_archive(FIXTURES / "train.rollout")
+    unfinished = archive.entries[: len(archive.entries) // 2]
+    await _restore(log, archive.stream, unfinished)
+    later = time.time() + 1  # past the fixture and anything appended during the test
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.archived == [] and report.kept == []
+    assert await log.stream_length(archive.stream) == len(unfinished)
+
+    # Finished and archived once; then a late writer recreates the stream with one entry:
+    # the archive on file differs from the stream, so it is reported and left alone.
+    await _restore(log, archive.stream, archive.entries[len(unfinished) :])
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.archived == [archive.rollout_id]
+    await _restore(log, archive.stream, archive.entries)
+    await log.append(archive.stream, RolloutFailed(rollout_id=archive.rollout_id, reason="x"))
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.conflicts == [archive.rollout_id]
+    assert await log.stream_length(archive.stream) == len(archive.entries) + 1
+    assert read_archive(archive_path(tmp_path, archive.rollout_id)).entries == archive.entries
+
+
+async def test_shared_streams_are_trimmed_only_below_every_groups_ack_and_the_window(
+    log: RedisEventLog, tmp_path: Path
+) -> None:
+    control = log.names.control
+    work = log.names.work("math")
+    a, b = SCHEDULER_GROUP, FINALIZER_GROUP
+    await log.ensure_group(control, a)
+    await log.ensure_group(work, EVALUATOR_GROUP)
+    ids = await log.append_many(
+        [(control, RolloutFailed(rollout_id=f"r{i}", reason="")) for i in range(6)]
+        + [(work, RolloutFailed(rollout_id=f"w{i}", reason="")) for i in range(4)]
+    )
+    control_ids, work_ids = ids[:6], ids[6:]
+    got = await log.read_group(a, "c", [control], count=10, block_ms=50)
+    got += await log.read_group(EVALUATOR_GROUP, "c", [work], count=10, block_ms=50)
+    await log.ack(control, a, *control_ids)
+    await log.ack(work, EVALUATOR_GROUP, *[e.id for e in got if e.stream == work])
+    last = max(id_ms(i) for i in ids) / 1000
+    # The finalizers' group does not exist yet: it will read control from 0, so control
+    # is not trimmed even though the only group there acked everything.
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=last + 1)
+    assert report.trimmed[control] == 0 and report.trimmed[work] == 4
+    assert len(await log.read(control)) == 6
+
+    # Group b has read 4 and acked 3 (its 3rd still pending).
+    await log.ensure_group(control, b)
+    got_b = await log.read_group(b, "c", [control], count=4, block_ms=50)
+    await log.ack(control, b, got_b[0].id, got_b[1].id, got_b[3].id)
+    # A window that covers everything trims nothing.
+    report = await retention_pass(log, tmp_path, keep_s=3600, now_s=last)
+    assert sum(report.trimmed.values()) == 0
+    # Past the window: control keeps b's pending entry and everything after it.
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=last + 1)
+    assert [e.id for e in await log.read(control)] == control_ids[2:]
+    assert report.trimmed[control] == 2
+    assert await log.read(work) == [] and len(work_ids) == 4
+
+
+async def test_memory_usage_and_delete_stream(log: RedisEventLog) -> None:
+    await log.append("rl:x", RolloutFailed(rollout_id="r", reason=""))
+    assert await log.delete_stream("rl:x") is True
+    assert await log.delete_stream("rl:x") is False
+
+
+async def test_memory_usage_counts_a_streams_bytes(redis_server: RedisServer) -> None:
+    client = connect(RedisSettings(url=redis_server.url))
+    await client.flushall()
+    log = RedisEventLog(client)
+    try:
+        assert await log.memory_usage("rl:none") == 0
+        await log.append("rl:m", RolloutFailed(rollout_id="r", reason="y" * 1000))
+        assert await log.memory_usage("rl:m") > 1000
+    finally:
+        await log.aclose()
+
+
+def test_the_retention_command_runs_one_pass(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["retention", "--redis-url", redis_server.url, "--store", str(tmp_path)]) == 0
+    assert "archived and deleted 0 rollouts" in capsys.readouterr().out
+    assert cli.main(["retention", "--redis-url", redis_server.url, "--store", str(tmp_path),
+                     "--keep-s", "-1"]) == 2
+    assert "--keep-s must be at least 0, got -1.0" in capsys.readouterr().err
+    assert cli.main(["retention", "--redis-url", redis_server.url]) == 2
+    assert "needs --store DIR (or ROLLOUT_RETENTION_STORE)" in capsys.readouterr().err
+
+
+def test_the_retention_command_reads_its_defaults_from_the_environment(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUT_RETENTION_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("ROLLOUT_RETENTION_KEEP_S", "120")
+    args = cli.build_parser(Settings.from_env()).parse_args(["retention"])
+    assert (args.store, args.keep_s) == (tmp_path / "store", 120.0)
+    assert cli.main(["retention", "--redis-url", redis_server.url]) == 0
+    assert (tmp_path / "store").is_dir()
+
+
+
+
+async def test_a_finished_rollout_waits_while_unacked_work_names_it(
+    log: RedisEventLog, tmp_path: Path
+) -> None:
+    archive = read_archive(FIXTURES / "train.rollout")
+    await _restore(log, archive.stream, archive.entries)
+    work = log.names.work("math")
+    await log.ensure_group(work, EVALUATOR_GROUP)
+    queued = await log.append(
+        work,
+        BatchAdmitted(rollout_id=archive.rollout_id, batch_id="b9", evaluator_id="math",
+                      sample_ids=[]),
+    )
+    later = time.time() + 1  # past the fixture's end and the work entry appended now
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.waiting == [archive.rollout_id] and report.archived == []
+    assert await log.stream_length(archive.stream) == len(archive.entries)
+
+    (delivered,) = await log.read_group(EVALUATOR_GROUP, "w", [work], count=1, block_ms=50)
+    assert delivered.id == queued
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.waiting == [archive.rollout_id]  # delivered but pending: still waits
+    await log.ack(work, EVALUATOR_GROUP, queued)
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
+    assert report.archived == [archive.rollout_id] and report.trimmed[work] == 1
+    assert await log.list_streams("rl:{rollout:*}") == []
