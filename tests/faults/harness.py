@@ -311,6 +311,9 @@ async def _inject_faults(
     def ended() -> int:
         return sum(1 for r in _records(record) if r["ev"] == "end")
 
+    def samples_ended() -> int:
+        return len({r["sid"] for r in _records(record) if r["ev"] == "end"})
+
     def busy_workers() -> list[str]:
         running: dict[int, int] = defaultdict(int)
         for r in _records(record):
@@ -326,7 +329,14 @@ async def _inject_faults(
     for fault, mark in zip(faults, marks, strict=True):
         await _until(lambda m=mark: ended() >= m * total, workload.timeout_s, f"{fault}")
         if fault in ("kill-worker", "term-worker"):
-            await _until(lambda: bool(busy_workers()), workload.timeout_s, "a busy worker")
+            # Under load the last samples can all end before this point: then no worker is
+            # busy again and there is nothing left for the fault to cut (the checks below
+            # still hold the run to every rollout being ready).
+            await _until(lambda: bool(busy_workers()) or samples_ended() >= total,
+                         workload.timeout_s, "a busy worker")
+            if not busy_workers():
+                report.faults.append(f"{fault} skipped: every sample had ended")
+                continue
             victim = rng.choice(sorted(busy_workers()))
             if fault == "kill-worker":
                 cluster.kill(victim)
