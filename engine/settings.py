@@ -106,6 +106,26 @@ class Settings(FrozenModel):
         description="Evaluator workers refuse to start unless local sandboxes get their own "
         "network namespace and uid (unset: they start and log a warning).",
     )
+    # -- sandboxes of evaluator workers (docs/configuration.md#sandboxes) ----------------
+    sandbox: Literal["local", "docker", "none"] = Field(
+        "local",
+        description="Sandbox provider of evaluator workers: local processes, Docker "
+        "containers, or none.",
+    )
+    docker_image: str | None = Field(
+        None,
+        description="Image of the Docker sandboxes (needs /bin/sh and sleep; required with "
+        "sandbox=docker).",
+    )
+    docker_network: str = Field(
+        "none", description="Network mode of the Docker sandboxes (default: no network)."
+    )
+    docker_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs per Docker sandbox (unset: the largest run_resource.cpu of the "
+        "served evaluators, no cap when that is 0).",
+    )
     redis_username: str | None = Field(
         None, description="ACL user of the Redis connection (unset: the URL's, else default)."
     )

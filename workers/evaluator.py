@@ -13,6 +13,13 @@ The process owns the ports its episodes use: one backend pool (one pooled client
 endpoint, the default being ``--sglang-url``) and one sandbox provider (``--sandbox``), both
 built at start, handed to every episode and closed when the worker stops.
 
+``--sandbox docker`` runs each sandbox as a container of ``--docker-image`` on the daemon the
+environment names (``DOCKER_HOST``, as the docker CLI): network ``--docker-network`` (default
+none), ``--docker-cpus`` CPUs (default: the largest ``run_resource.cpu`` of the served
+evaluators), memory and pids from the agent's ``SandboxLimits`` or, when it gives none, memory
+from the largest ``run_resource.memory_gb``. Containers carry the episode's labels, so the worker
+that claims a dead worker's batch removes the containers it left.
+
 ``--sglang-url`` may name several policy servers (repeat it, or separate URLs with commas;
 ``ROLLOUT_SGLANG_URL`` takes a comma-separated list too). The pool then keeps each trajectory
 on one server, the least loaded when its first turn starts (``engine/backends/pool.py``), and
@@ -34,8 +41,11 @@ from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerC
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool, parse_urls
 from engine.config.evaluators import load_evaluators
+from engine.domain import Resource
 from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.projections.rows import SampleRow
+from engine.sandbox.base import SandboxLimits, SandboxProvider
+from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import Settings
 from workers._common import (
@@ -48,7 +58,7 @@ from workers._common import (
     setup_logging,
 )
 
-__all__ = ["Progress", "build_parser", "main"]
+__all__ = ["Progress", "build_parser", "docker_config", "main"]
 
 logger = logging.getLogger("workers.evaluator")
 
@@ -92,9 +102,27 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
     add(
         "--sandbox",
-        choices=("local", "none"),
-        default="local",
-        help="sandbox provider handed to agents (and used to reap a dead worker's sandboxes)",
+        choices=("local", "docker", "none"),
+        default=settings.sandbox,
+        help="sandbox provider handed to agents (and used to reap a dead worker's sandboxes; "
+        "default: ROLLOUT_SANDBOX)",
+    )
+    add(
+        "--docker-image",
+        default=settings.docker_image,
+        help="image of the Docker sandboxes (--sandbox docker; default: ROLLOUT_DOCKER_IMAGE)",
+    )
+    add(
+        "--docker-network",
+        default=settings.docker_network,
+        help="network mode of the Docker sandboxes (default: ROLLOUT_DOCKER_NETWORK, none)",
+    )
+    add(
+        "--docker-cpus",
+        type=float,
+        default=settings.docker_cpus,
+        help="CPUs per Docker sandbox (default: ROLLOUT_DOCKER_CPUS, else the largest "
+        "run_resource.cpu of the served evaluators)",
     )
     add(
         "--sandbox-root",
@@ -155,13 +183,56 @@ def _select(specs: Mapping[str, EvaluatorBinding], wanted: str | None) -> tuple[
     return ids
 
 
+def _run_peak(specs: Mapping[str, EvaluatorBinding], ids: Sequence[str]) -> Resource:
+    """The largest per-sample run resource of the served evaluators (field by field)."""
+    peak = Resource()
+    for evaluator_id in ids:
+        peak = peak.peak(specs[evaluator_id].profile.run_resource)
+    return peak
+
+
+def docker_config(
+    image: str | None,
+    *,
+    network: str = "none",
+    cpus: float | None = None,
+    run_resource: Resource | None = None,
+) -> DockerSandboxConfig:
+    """The Docker provider's settings: ``cpus`` (else ``run_resource.cpu``, no cap when 0) and,
+    for sandboxes whose agent gives no limits, memory from ``run_resource.memory_gb``."""
+    if not image:
+        raise ConfigError("--sandbox docker needs --docker-image (or ROLLOUT_DOCKER_IMAGE)")
+    resource = run_resource or Resource()
+    if cpus is None and resource.cpu > 0:
+        cpus = resource.cpu
+    defaults = SandboxLimits()
+    if resource.memory_gb > 0:
+        defaults = SandboxLimits(memory_mb=max(16, round(resource.memory_gb * 1024)))
+    return DockerSandboxConfig(
+        image=image, network_mode=network, cpus=cpus, default_limits=defaults
+    )
+
+
 def _sandbox_provider(
-    kind: str, root: Path | None, *, require_isolation: bool = False
-) -> LocalSandboxProvider | None:
+    kind: str,
+    root: Path | None,
+    *,
+    require_isolation: bool = False,
+    docker: DockerSandboxConfig | None = None,
+) -> SandboxProvider | None:
     """The worker's provider; says at start, loudly when it falls short, how sandboxes are
-    contained. ``ConfigError`` when isolation is required and this machine cannot give it."""
+    contained. ``ConfigError`` when isolation is required and this machine cannot give it,
+    or when ``kind`` is docker and ``docker`` is missing."""
     if kind == "none":
         return None
+    if kind == "docker":
+        if docker is None:
+            raise ConfigError("--sandbox docker needs a Docker configuration")
+        logger.info(
+            "sandboxes: docker containers of %s, network %s, cpus %s, default limits %s",
+            docker.image, docker.network_mode, docker.cpus, docker.default_limits,
+        )
+        return DockerSandboxProvider(docker)
     options: dict[str, Any] = {"require_isolation": require_isolation}
     if root is not None:
         options["root"] = root.resolve()
@@ -184,7 +255,7 @@ async def _serve(
     specs: Mapping[str, EvaluatorBinding],
     ids: tuple[str, ...],
     backends: BackendPool,
-    provider: LocalSandboxProvider | None,
+    provider: SandboxProvider | None,
 ) -> int:
     log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)
@@ -217,7 +288,7 @@ async def _serve(
     finally:
         await backends.aclose()
         await log.aclose()
-        if provider is not None:
+        if isinstance(provider, LocalSandboxProvider | DockerSandboxProvider):
             provider.close()
     return 0
 
@@ -246,8 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy_urls(args, settings)
         specs = load_evaluators(args.evaluator_config, args)
         ids = _select(specs, args.evaluators)
+        docker = None
+        if args.sandbox == "docker":
+            docker = docker_config(
+                args.docker_image,
+                network=args.docker_network,
+                cpus=args.docker_cpus,
+                run_resource=_run_peak(specs, ids),
+            )
         provider = _sandbox_provider(
-            args.sandbox, args.sandbox_root, require_isolation=args.require_isolation
+            args.sandbox,
+            args.sandbox_root,
+            require_isolation=args.require_isolation,
+            docker=docker,
         )
         backends = BackendPool(args.sglang_urls)
     except ConfigError as exc:

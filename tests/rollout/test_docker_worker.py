@@ -1,0 +1,178 @@
+"""Worker processes with ``--sandbox docker`` on a real redis-server and a real dockerd.
+
+The image is the locally imported busybox one of ``tests/sandbox/docker_image.py``; without a
+daemon these tests are skipped, or fail under ``TEST_REQUIRE_DOCKER=require``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.client import RolloutClient
+from engine.events import EventLog, RedisEventLog, RedisSettings
+from engine.events import connect as redis_connect
+from engine.sandbox import MANAGED_LABEL
+from tests.redis_server import RedisServer
+from tests.rollout.conftest import start_rollout
+from tests.rollout.fixtures.docker_evaluators import RUN_CPU, RUN_MEMORY_GB
+from tests.sandbox.conftest import docker_image  # noqa: F401 - the session fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis_server, pytest.mark.docker]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "tests" / "rollout" / "fixtures" / "docker_evaluators.py"
+TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
+
+
+@pytest.fixture
+async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
+    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
+    await redis.flushall()
+    yield RedisEventLog(redis, producer="test", block_ms=200)
+    await redis.aclose()
+
+
+@pytest.fixture
+def docker_client(docker_image: str) -> Iterator[Any]:  # noqa: F811 - the imported fixture
+    import docker
+
+    client = docker.from_env(timeout=20)
+    yield client
+    client.close()
+
+
+class Workers:
+    def __init__(self, url: str, tmp: Path, image: str) -> None:
+        self.url, self.tmp, self.image = url, tmp, image
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+        env["PYTHONPATH"] = str(ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
+            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
+        )
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, worker_id: str) -> subprocess.Popen[bytes]:
+        return self.spawn(
+            worker_id, "workers.evaluator", "--worker-id", worker_id,
+            "--evaluator-config", str(CONFIG), "--sandbox", "docker",
+            "--docker-image", self.image,
+        )
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def workers(
+    redis_server: RedisServer, tmp_path: Path, docker_image: str  # noqa: F811
+) -> Iterator[Workers]:
+    w = Workers(redis_server.url, tmp_path, docker_image)
+    yield w
+    w.stop_all()
+
+
+def _containers(client: Any, **labels: str) -> list[Any]:
+    filters = {"label": [f"{MANAGED_LABEL}=1", *(f"{k}={v}" for k, v in labels.items())]}
+    found: list[Any] = client.containers.list(all=True, filters=filters)
+    return found
+
+
+def _remove(client: Any, marker: str) -> None:
+    for container in _containers(client, **{"test.marker": marker}):
+        container.remove(force=True)
+
+
+async def test_a_docker_worker_runs_the_agents_command_in_a_container(
+    real_log: EventLog, workers: Workers, docker_client: Any
+) -> None:
+    marker = f"echo-{os.getpid()}"
+    workers.spawn("fin", "workers.finalizer", "--worker-id", "fin")
+    workers.worker("wD")
+    try:
+        await start_rollout(
+            real_log, "rd", n_prompts=2, evaluator_id="boxed",
+            script=lambda i: {
+                "marker": marker,
+                # pid 1 of a sandbox container is Docker's init, never this machine's.
+                "sandbox_command": "echo pid1=$(cat /proc/1/comm) net=$(ls /sys/class/net)",
+            },
+        )
+        ready = await RolloutClient(real_log).wait_ready("rd", timeout=60)
+        assert (ready.n_completed, ready.n_aborted) == (2, 0), workers.output("wD")
+        samples = await RolloutClient(real_log).load("rd")
+        for sample in samples:
+            assert sample.response == "exit=0 out=pid1=docker-init net=lo", sample.response
+        # Each episode stopped its container.
+        assert _containers(docker_client, **{"test.marker": marker}) == []
+    finally:
+        _remove(docker_client, marker)
+
+
+async def test_limits_labels_and_reaping_after_a_sigkill(
+    real_log: EventLog, workers: Workers, docker_client: Any
+) -> None:
+    marker = f"reap-me-{os.getpid()}"
+    workers.spawn("fin", "workers.finalizer", "--worker-id", "fin")
+    worker_a = workers.worker("wA")
+    try:
+        await start_rollout(
+            real_log, "rk", n_prompts=2, evaluator_id="boxed",
+            script=lambda i: {"sandbox_hang_attempts": [1], "marker": marker} if i == 0 else {},
+        )
+
+        async def container_running() -> Any:
+            while True:
+                found = [c for c in _containers(docker_client, **{"test.marker": marker})
+                         if c.status == "running"]
+                if found:
+                    return found[0]
+                await asyncio.sleep(0.1)
+
+        container = await asyncio.wait_for(container_running(), 60)
+        host = container.attrs["HostConfig"]
+        assert host["NanoCpus"] == int(RUN_CPU * 1e9)
+        assert host["Memory"] == int(RUN_MEMORY_GB * 1024) * 2**20
+        assert host["MemorySwap"] == host["Memory"]  # no swap
+        assert host["PidsLimit"] and host["PidsLimit"] > 0
+        assert host["NetworkMode"] == "none"
+        labels = container.labels
+        assert labels["rollout.worker"] == "wA"
+        assert labels["rollout.rollout"] == "rk"
+        assert labels["rollout.batch"] == "rk:b0"
+        assert labels["rollout.sample"] == "rk:s0"
+
+        worker_a.send_signal(signal.SIGKILL)
+        assert await asyncio.to_thread(worker_a.wait, 30) == -signal.SIGKILL
+        # The dead worker's container outlives it...
+        assert _containers(docker_client, **{"rollout.worker": "wA"})
+        workers.worker("wB")
+        ready = await RolloutClient(real_log).wait_ready("rk", timeout=60)
+        assert ready.n_completed == 2, workers.output("wB")
+        # ...until the worker that claims the batch reaps it.
+        assert _containers(docker_client, **{"rollout.worker": "wA"}) == []
+        assert "reaped 1 sandboxes wA left for batch rk:b0" in workers.output("wB")
+    finally:
+        _remove(docker_client, marker)
