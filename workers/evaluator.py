@@ -18,7 +18,8 @@ environment names (``DOCKER_HOST``, as the docker CLI): network ``--docker-netwo
 none), ``--docker-cpus`` CPUs (default: the largest ``run_resource.cpu`` of the served
 evaluators), memory and pids from the agent's ``SandboxLimits`` or, when it gives none, memory
 from the largest ``run_resource.memory_gb``. Containers carry the episode's labels, so the worker
-that claims a dead worker's batch removes the containers it left.
+that claims a dead worker's batch removes the containers it left. The worker exits with status 2
+when the daemon does not answer or has no such image.
 
 ``--sglang-url`` may name several policy servers (repeat it, or separate URLs with commas;
 ``ROLLOUT_SGLANG_URL`` takes a comma-separated list too). The pool then keeps each trajectory
@@ -42,7 +43,7 @@ from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool, parse_urls
 from engine.config.evaluators import load_evaluators
 from engine.domain import Resource
-from engine.errors import ConfigError, LogError, OutageExceeded
+from engine.errors import ConfigError, LogError, OutageExceeded, SandboxError
 from engine.projections.rows import SampleRow
 from engine.sandbox.base import SandboxLimits, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
@@ -281,6 +282,12 @@ async def _serve(
     stop = install_stop()
     logger.info("worker %s serving %s", args.worker_id, ", ".join(ids))
     try:
+        if isinstance(provider, DockerSandboxProvider):
+            try:  # no daemon or no image: refuse to start rather than fail every episode
+                await provider.ping()
+            except SandboxError as exc:
+                print(f"error: --sandbox docker: {exc}", file=sys.stderr)
+                return 2
         await worker.run(stop)
     except (LogError, OutageExceeded) as exc:
         logger.error("worker %s: %s", args.worker_id, exc)

@@ -176,3 +176,13 @@ async def test_limits_labels_and_reaping_after_a_sigkill(
         assert "reaped 1 sandboxes wA left for batch rk:b0" in workers.output("wB")
     finally:
         _remove(docker_client, marker)
+
+
+async def test_a_docker_worker_refuses_to_start_without_the_image(
+    real_log: EventLog, workers: Workers
+) -> None:
+    workers.image = "rollout-sandbox-test:no-such-tag"
+    worker = workers.worker("wX")
+    assert await asyncio.to_thread(worker.wait, 60) == 2
+    output = workers.output("wX")
+    assert "--sandbox docker" in output and "no-such-tag" in output, output
