@@ -1,16 +1,21 @@
-"""Shared fixtures: Redis backends (fakeredis and a real redis-server)."""
+"""Shared fixtures: Redis backends (fakeredis and a real redis-server), and the two tinylm
+models the backend and proxy tests serve (built once per session)."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
 from engine.events import RedisEventLog, RedisSettings, connect
+from engine.ops.tinylm import init_model
 from tests.redis_server import RedisServer, redis_required, start_redis_server
+from tinylm.corpus import PYTHON_TOOL, Dialogue
+from tinylm.model import TrainSettings
 
 ClientFactory = Callable[[], aioredis.Redis]
 
@@ -57,3 +62,43 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientF
 @pytest.fixture
 async def log(redis_factory: ClientFactory) -> RedisEventLog:
     return RedisEventLog(redis_factory(), producer="test", block_ms=200, max_deliveries=3)
+
+
+TINYLM_QUESTION = "What is 17 + 25?"
+TINYLM_DIALOGUE = Dialogue(
+    messages=[
+        {"role": "user", "content": TINYLM_QUESTION},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "python", "arguments": {"code": "print(17 + 25)"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "The answer is <answer>42</answer>"},
+    ],
+    tools=[PYTHON_TOOL],
+)
+
+
+@pytest.fixture(scope="session")
+def tinylm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tinylm") / "model"
+    init_model(path, seed=0, train_steps=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toolcall_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tinylm-toolcall") / "model"
+    init_model(
+        path,
+        seed=0,
+        dialogues=[TINYLM_DIALOGUE],
+        train=TrainSettings(steps=60, batch_size=2, learning_rate=5e-3, warmup_steps=5),
+    )
+    return path

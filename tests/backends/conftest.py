@@ -1,4 +1,5 @@
-"""Fixtures for the backend tests: tinylm models built once per session, and servers for them.
+"""Fixtures for the backend tests: servers for the tinylm models ``tests/conftest.py`` builds
+once per session (shared with the proxy tests):
 
 - ``tinylm_dir``: ``init_model`` with 0 training steps (seeded random weights, real tokenizer
   and chat template): outputs are gibberish but every byte of HTTP, tokenization and logprob
@@ -14,49 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.ops.tinylm import init_model
-from tinylm.corpus import PYTHON_TOOL, Dialogue
-from tinylm.model import TrainSettings
+from tests.conftest import TINYLM_DIALOGUE as MATH_DIALOGUE
+from tests.conftest import TINYLM_QUESTION as MATH_QUESTION
 from tinylm.server import TinyLMServer, start_server
 
-MATH_QUESTION = "What is 17 + 25?"
-MATH_DIALOGUE = Dialogue(
-    messages=[
-        {"role": "user", "content": MATH_QUESTION},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "type": "function",
-                    "function": {"name": "python", "arguments": {"code": "print(17 + 25)"}},
-                }
-            ],
-        },
-        {"role": "tool", "content": "42"},
-        {"role": "assistant", "content": "The answer is <answer>42</answer>"},
-    ],
-    tools=[PYTHON_TOOL],
-)
-
-
-@pytest.fixture(scope="session")
-def tinylm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tinylm") / "model"
-    init_model(path, seed=0, train_steps=0)
-    return path
-
-
-@pytest.fixture(scope="session")
-def toolcall_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tinylm-toolcall") / "model"
-    init_model(
-        path,
-        seed=0,
-        dialogues=[MATH_DIALOGUE],
-        train=TrainSettings(steps=60, batch_size=2, learning_rate=5e-3, warmup_steps=5),
-    )
-    return path
+__all__ = ["MATH_DIALOGUE", "MATH_QUESTION"]  # the backend tests import them from here
 
 
 @pytest.fixture(scope="session")

@@ -17,29 +17,17 @@ import pytest
 
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import load_tokenizer
-from engine.ops.tinylm import init_model
-from tests.backends.conftest import MATH_DIALOGUE
-from tinylm.model import TrainSettings
 from tinylm.server import TinyLMServer, start_server
 
 
 @pytest.fixture(scope="session")
-def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("proxy-tinylm") / "model"
-    init_model(path, seed=0, train_steps=0)
-    return path
+def random_dir(tinylm_dir: Path) -> Path:
+    return tinylm_dir  # tests/conftest.py: random weights, real tokenizer and template
 
 
 @pytest.fixture(scope="session")
-def tool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("proxy-toolcall") / "model"
-    init_model(
-        path,
-        seed=0,
-        dialogues=[MATH_DIALOGUE],
-        train=TrainSettings(steps=60, batch_size=2, learning_rate=5e-3, warmup_steps=5),
-    )
-    return path
+def tool_dir(toolcall_dir: Path) -> Path:
+    return toolcall_dir  # tests/conftest.py: overfit on one math tool-call dialogue
 
 
 @pytest.fixture(scope="session")

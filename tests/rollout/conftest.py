@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +23,16 @@ from engine.events import (
     EventLog,
     FilterSpec,
     RedisEventLog,
+    RedisSettings,
     RolloutKind,
     RolloutRequested,
     TokenAcquired,
     TokenReleased,
 )
+from engine.events import connect as redis_connect
 from engine.projections.rollout import RolloutProjection, RolloutState
 from tests.conftest import ClientFactory
+from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -208,3 +214,56 @@ async def released_tokens(log: EventLog, rollout_id: str, *, timeout: float = 15
 def assert_tokens_released_once(ledger: Ledger) -> None:
     for batch, (acquired, released) in ledger.items():
         assert sorted(released) == sorted(acquired), batch
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
+
+
+@pytest.fixture
+async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
+    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
+    await redis.flushall()
+    yield RedisEventLog(redis, producer="test", block_ms=200)
+    await redis.aclose()
+
+
+class Procs:
+    """Engine processes (``python -m workers.*``) on one Redis, their output in ``tmp``."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url = url
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {k: v for k, v in env.items() if not k.startswith("ROLLOUT_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
+            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
+        )
+        self.procs[name] = proc
+        return proc
+
+    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+        return self.spawn(
+            worker_id, "workers.evaluator", "--worker-id", worker_id,
+            "--evaluator-config", str(EVALUATOR_CONFIG), "--evaluators", "scripted",
+            "--sandbox", "none", *extra,
+        )
+
+    def finalizer(self) -> subprocess.Popen[bytes]:
+        return self.spawn("fin", "workers.finalizer", "--worker-id", "fin")
+
+    def output(self, name: str) -> str:
+        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)

@@ -10,19 +10,17 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.client import RolloutClient
-from engine.events import EventLog, RedisEventLog, RedisSettings
-from engine.events import connect as redis_connect
+from engine.events import EventLog
 from engine.sandbox import MANAGED_LABEL
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import start_rollout
+from tests.rollout.conftest import Procs, start_rollout
 from tests.rollout.fixtures.docker_evaluators import RUN_CPU, RUN_MEMORY_GB
 from tests.sandbox.conftest import docker_image  # noqa: F401 - the session fixture
 
@@ -30,15 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis_server, pytest.mark.docker]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "rollout" / "fixtures" / "docker_evaluators.py"
-TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
 
 
 @pytest.fixture
@@ -50,39 +39,19 @@ def docker_client(docker_image: str) -> Iterator[Any]:  # noqa: F811 - the impor
     client.close()
 
 
-class Workers:
+class Workers(Procs):
+    """The engine processes of ``tests/rollout/conftest.py``, with Docker-sandboxed workers."""
+
     def __init__(self, url: str, tmp: Path, image: str) -> None:
-        self.url, self.tmp, self.image = url, tmp, image
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        super().__init__(url, tmp)
+        self.image = image
 
-    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env["PYTHONPATH"] = str(ROOT)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
-            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
-        )
-        self.procs[name] = proc
-        return proc
-
-    def worker(self, worker_id: str) -> subprocess.Popen[bytes]:
+    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
         return self.spawn(
             worker_id, "workers.evaluator", "--worker-id", worker_id,
             "--evaluator-config", str(CONFIG), "--sandbox", "docker",
-            "--docker-image", self.image,
+            "--docker-image", self.image, *extra,
         )
-
-    def output(self, name: str) -> str:
-        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture

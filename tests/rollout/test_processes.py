@@ -7,10 +7,9 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,15 @@ import pytest
 from engine.client import RolloutClient, collate
 from engine.events import (
     EventLog,
-    RedisEventLog,
-    RedisSettings,
     SampleAborted,
     SampleCompleted,
     SampleStarted,
 )
-from engine.events import connect as redis_connect
 from engine.projections.rollout import RolloutState
 from tests.redis_server import RedisServer
 from tests.rollout.conftest import (
     EVALUATOR_CONFIG,
+    Procs,
     assert_tokens_released_once,
     events_of,
     released_tokens,
@@ -37,57 +34,6 @@ from tests.rollout.conftest import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
-
-ROOT = Path(__file__).resolve().parents[2]
-TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
-
-
-class Procs:
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env = {k: v for k, v in env.items() if not k.startswith("ROLLOUT_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
-            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
-        )
-        self.procs[name] = proc
-        return proc
-
-    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
-        return self.spawn(
-            worker_id, "workers.evaluator", "--worker-id", worker_id,
-            "--evaluator-config", str(EVALUATOR_CONFIG), "--evaluators", "scripted",
-            "--sandbox", "none", *extra,
-        )
-
-    def finalizer(self) -> subprocess.Popen[bytes]:
-        return self.spawn("fin", "workers.finalizer", "--worker-id", "fin")
-
-    def output(self, name: str) -> str:
-        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-
 
 @pytest.fixture
 def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
