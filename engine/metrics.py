@@ -104,9 +104,15 @@ POOL_FIGURES = (
 
 
 def stream_label(stream: str) -> str:
-    """A stream's label: per-rollout streams collapse to ``<prefix>:{rollout}``."""
-    head, brace, _ = stream.partition("{")
-    return f"{head}{{rollout}}" if brace else stream
+    """A stream's label: per-rollout streams collapse to ``<prefix>:{rollout}``; the
+    control plane's hash tag is left out (``rl:{rl}:control`` -> ``rl:control``)."""
+    head, brace, rest = stream.partition("{")
+    if not brace:
+        return stream
+    if rest.startswith("rollout:"):
+        return f"{head}{{rollout}}"
+    _tag, closed, tail = rest.partition("}")
+    return f"{head}{tail.removeprefix(':')}" if closed else stream
 
 
 def delivered(group: str, stream: str, entry_ms: int, *, redelivered: bool) -> None:

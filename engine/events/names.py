@@ -1,8 +1,18 @@
 """Stream and key names, built in one place.
 
-Every key carries the configurable prefix (default ``rl``). Per-rollout streams wrap the
-rollout id in a cluster hash tag (``rl:{rollout:<id>}``) so all keys of one rollout live on
-one slot of a Redis Cluster; the shared streams each hash on their own name.
+Every key carries the configurable prefix (default ``rl``) and a Redis Cluster hash tag
+(the part in braces, which alone decides a key's slot):
+
+* the control plane (``control``, ``pool``, ``data``, every ``work:<evaluator>``,
+  ``capture``, ``dead`` and its seen-set, counters and snapshots) shares the tag
+  ``{<prefix>}``: ``rl:{rl}:control``, ``rl:{rl}:work:math``. Every exactly-once step among
+  these keys (admission: ``TokenAcquired`` on the pool with ``BatchAdmitted`` on a work
+  stream; a dead letter with its seen-set) is therefore one single-slot script;
+* each rollout's stream is tagged by its id, ``rl:{rollout:<id>}``, so rollouts spread over
+  the slots. A step that touches a rollout stream and the control plane is split into
+  idempotent steps (see ``engine.actors.scheduler``), never one cross-slot script.
+
+On a single Redis the tags are just part of the name.
 """
 
 from __future__ import annotations
@@ -35,40 +45,55 @@ class StreamNames:
 
     @property
     def control(self) -> str:
-        return f"{self.prefix}:control"
+        return f"{self.plane}:control"
 
     @property
     def pool(self) -> str:
-        return f"{self.prefix}:pool"
+        return f"{self.plane}:pool"
 
     @property
     def capture(self) -> str:
-        return f"{self.prefix}:capture"
+        return f"{self.plane}:capture"
 
     @property
     def data(self) -> str:
-        return f"{self.prefix}:data"
+        return f"{self.plane}:data"
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}:dead"
+        return f"{self.plane}:dead"
 
     @property
     def dead_seen(self) -> str:
         """The set of ``stream@id`` already dead-lettered (one letter per entry)."""
-        return f"{self.prefix}:dead:seen"
+        return f"{self.plane}:dead:seen"
+
+    @property
+    def plane(self) -> str:
+        """The head every control-plane key starts with: ``<prefix>:{<prefix>}``."""
+        return f"{self.prefix}:{{{self.prefix}}}"
+
+    @property
+    def work_pattern(self) -> str:
+        """A glob matching every work stream."""
+        return f"{self.plane}:work:*"
+
+    @property
+    def rollout_pattern(self) -> str:
+        """A glob matching every per-rollout stream."""
+        return f"{self.prefix}:{{rollout:*}}"
 
     def work(self, evaluator_id: str) -> str:
-        return f"{self.prefix}:work:{{{_check('evaluator id', evaluator_id)}}}"
+        return f"{self.plane}:work:{_check('evaluator id', evaluator_id)}"
 
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:{{rollout:{_check('rollout id', rollout_id)}}}"
 
     def counter(self, name: str) -> str:
-        return f"{self.prefix}:counter:{_check('counter', name)}"
+        return f"{self.plane}:counter:{_check('counter', name)}"
 
     def snapshot(self, name: str) -> str:
-        return f"{self.prefix}:snapshot:{_check('snapshot', name)}"
+        return f"{self.plane}:snapshot:{_check('snapshot', name)}"
 
     def rollout_id_of(self, stream: str) -> str | None:
         """Inverse of :meth:`rollout`: the rollout id of a per-rollout stream, else None."""

@@ -18,6 +18,14 @@ skips an entry that does not decode and writes nothing. The letter is appended b
 script that first adds ``stream@id`` to the ``dead_seen`` set, so an owner that reads the
 entry again (after a restart, or a claim after a crash before the ack) adds no copy.
 
+Redis Cluster: a ``redis+cluster://`` (or ``rediss+cluster://``) URL, or
+``RedisSettings(cluster=True)``, connects through ``redis.asyncio.cluster.RedisCluster``
+with the URL's host as the seed node. Every script touches keys of one slot only: the
+control-plane keys share one hash tag (``engine.events.names``), and ``append_if_last``
+refuses keys of different slots on any Redis (so a single-node test catches a step that a
+cluster would refuse). A blocking read of streams on several slots (``rollout tail``)
+reads each slot's streams concurrently and merges the replies.
+
 redis-py pitfall: a blocking read longer than ``socket_timeout`` times out at
 the socket and is retried by the client forever. :func:`connect` therefore derives the
 socket timeout from the longest block time and disables blind retries, so a non-idempotent
@@ -42,7 +50,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from engine.errors import AppendConflict, ConfigError, DecodeError, LogError, LogUnavailable
@@ -53,7 +63,12 @@ from engine.events.ids import EMPTY_ID, exclusive, format_id, id_after, parse_id
 from engine.events.log import ClaimResult, DeadEntry, RawEntry, RawStreamEntry
 from engine.events.names import StreamNames
 
-__all__ = ["FIELD", "RedisEventLog", "RedisSettings", "connect", "open_log"]
+__all__ = ["FIELD", "RedisClient", "RedisEventLog", "RedisSettings", "connect", "open_log"]
+
+RedisClient = aioredis.Redis | RedisCluster
+"""What :func:`connect` builds: a client of one Redis, or of a Redis Cluster."""
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 FIELD = b"e"
 
@@ -141,6 +156,11 @@ class RedisSettings:
     CA that signed the server's certificate (unset: the system's), ``tls_cert_file`` +
     ``tls_key_file`` a client certificate for servers that ask for one. The server's
     certificate is always verified; the TLS knobs on a ``redis://`` URL are refused.
+
+    Cluster: ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) or
+    ``cluster=True`` with a plain URL; the host is any node of the cluster (the others are
+    discovered). A cluster has no numbered databases: a URL naming one other than 0 is
+    refused.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -153,6 +173,7 @@ class RedisSettings:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         tls_knobs = [
@@ -160,18 +181,46 @@ class RedisSettings:
             for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")
             if getattr(self, name) is not None
         ]
-        if tls_knobs and not self.url.startswith("rediss://"):
+        if tls_knobs and not self.tls:
             raise ConfigError(
                 f"RedisSettings: {', '.join(tls_knobs)} set but the URL is not rediss:// "
                 f"(got {_redact(self.url)!r})"
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("RedisSettings: tls_cert_file and tls_key_file go together")
+        if self.is_cluster:
+            scheme = self.url.partition("://")[0]
+            if scheme not in ("redis", "rediss", *_CLUSTER_SCHEMES):
+                raise ConfigError(
+                    f"RedisSettings: a cluster URL must be redis+cluster://host:port or "
+                    f"rediss+cluster://host:port (got {_redact(self.url)!r})"
+                )
+            db = self.url.partition("://")[2].partition("/")[2].partition("?")[0]
+            if db not in ("", "0"):
+                raise ConfigError(
+                    f"RedisSettings: a Redis Cluster has only database 0, the URL names "
+                    f"database {db!r} ({_redact(self.url)!r})"
+                )
     health_check_s: float = 0.5
 
     @property
     def socket_timeout_s(self) -> float:
         return self.block_ms / 1000.0 + self.socket_margin_s
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the URL or ``cluster`` asks for a Redis Cluster."""
+        return self.cluster or self.url.partition("://")[0] in _CLUSTER_SCHEMES
+
+    @property
+    def tls(self) -> bool:
+        return self.url.partition("://")[0] in ("rediss", "rediss+cluster")
+
+    @property
+    def client_url(self) -> str:
+        """The URL as redis-py takes it (the ``+cluster`` of the scheme left out)."""
+        scheme, sep, rest = self.url.partition("://")
+        return f"{_CLUSTER_SCHEMES.get(scheme, scheme)}{sep}{rest}"
 
 
 def _redact(url: str) -> str:
@@ -184,20 +233,36 @@ def _redact(url: str) -> str:
     return f"{scheme}://{user}:***@{host}"
 
 
-def connect(settings: RedisSettings) -> aioredis.Redis:
+def connect(settings: RedisSettings) -> RedisClient:
     """A client whose socket timeout outlives every BLOCK, that never retries a command
-    blindly, and that replaces a dead pooled connection before using it (module doc)."""
+    blindly, and that replaces a dead pooled connection before using it (module doc).
+
+    On a cluster, redirections (MOVED, ASK) are followed, which is safe (the node that
+    answers with one did not run the command); a connection error is not retried: it
+    surfaces as ``LogUnavailable`` and the caller's backoff rides it out, as on one Redis.
+    """
     auth: dict[str, Any] = {}
     if settings.username is not None:
         auth["username"] = settings.username
     if settings.password is not None:
         auth["password"] = settings.password
-    if settings.url.startswith("rediss://"):
+    if settings.tls:
         auth.update(ssl_cert_reqs="required", ssl_check_hostname=False)
         if settings.tls_ca_file is not None:
             auth["ssl_ca_certs"] = settings.tls_ca_file
         if settings.tls_cert_file is not None:
             auth.update(ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+    if settings.is_cluster:
+        return RedisCluster.from_url(
+            settings.client_url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+            max_connections=settings.max_connections,
+            health_check_interval=settings.health_check_s,
+            **auth,
+        )
     client = aioredis.Redis.from_url(
         settings.url,
         socket_timeout=settings.socket_timeout_s,
@@ -247,6 +312,10 @@ def _translate(what: str) -> Iterator[None]:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
         raise LogUnavailable(f"redis unavailable during {what}: {exc}") from exc
+    except (rexc.ClusterError, rexc.SlotNotCoveredError) as exc:  # a node or slot is down
+        raise LogUnavailable(f"redis cluster unavailable during {what}: {exc}") from exc
+    except rexc.RedisClusterException as exc:  # e.g. keys of several slots in one command
+        raise LogError(f"redis cluster refused {what}: {exc}") from exc
     except rexc.ResponseError as exc:
         raise LogError(f"redis refused {what}: {exc}") from exc
     except rexc.InvalidResponse as exc:  # e.g. the URL points at an HTTP server
@@ -300,6 +369,24 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _one_slot(what: str, keys: Sequence[str]) -> None:
+    """Refuse a script over keys of several cluster slots (on any Redis, see module doc)."""
+    slots = {key: key_slot(key.encode()) for key in keys}
+    if len(set(slots.values())) > 1:
+        listed = ", ".join(f"{key} (slot {slot})" for key, slot in slots.items())
+        raise LogError(
+            f"{what}: one atomic step may only touch keys of one cluster slot, got {listed}; "
+            f"give the keys one hash tag (engine.events.names) or split the step"
+        )
+
+
+def _rows_of(reply: Any) -> list[tuple[Any, Any]]:
+    """``(stream, rows)`` pairs of an XREAD reply, RESP2 or RESP3 shaped."""
+    if isinstance(reply, dict):  # RESP3 shape
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
+    return list(reply or [])
+
+
 class RedisEventLog:
     """The :class:`~engine.events.log.EventLog` port on Redis Streams.
 
@@ -309,7 +396,7 @@ class RedisEventLog:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         *,
         names: StreamNames | None = None,
         producer: str = "",
@@ -325,6 +412,7 @@ class RedisEventLog:
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
         self.dead_lettered = 0
+        self.cluster = isinstance(redis, RedisCluster)
         self._cas = self._r.register_script(_CAS_SCRIPT)
         self._keep_alive = self._r.register_script(_KEEP_ALIVE_SCRIPT)
         self._hand_back = self._r.register_script(_HAND_BACK_SCRIPT)
@@ -382,7 +470,8 @@ class RedisEventLog:
         ``also`` lists follow-up appends to other streams made in the same atomic step
         (e.g. ``TokenAcquired`` on the pool and ``BatchAdmitted`` on a work stream), so a
         crash can never leave one without the other. Returns the ids of the guarded events
-        followed by those of ``also``. In a Redis Cluster all keys must share a slot.
+        followed by those of ``also``. All keys must hash to one cluster slot (share a
+        hash tag), on any Redis: ``LogError`` names them otherwise.
         """
         batch = [events] if isinstance(events, Event) else list(events)
         if not batch:
@@ -391,6 +480,7 @@ class RedisEventLog:
         args.extend(self._encode(ev, causation) for ev in batch)
         args.extend(self._encode(ev, causation) for _, ev in also)
         keys = [stream, *(s for s, _ in also)]
+        _one_slot(f"compare-and-append on {stream}", keys)
         with _translate(f"compare-and-append on {stream}"):
             result = await self._cas(keys=keys, args=args)
         if int(result[0]) != 1:
@@ -519,14 +609,33 @@ class RedisEventLog:
     ) -> list[Envelope]:
         """Blocking read of entries after each stream's position (``$``: only new ones)."""
         block = self.block_ms if block_ms is None else block_ms
-        with _translate("XREAD"):
-            result = await self._r.xread(dict(positions), count=count, block=block)
         out: list[Envelope] = []
-        for raw_stream, rows in result or []:
+        for raw_stream, rows in await self._xread(positions, count=count, block=block):
             out.extend(
                 await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter)
             )
         return out
+
+    async def _xread(
+        self, positions: Mapping[str, str], *, count: int, block: int
+    ) -> list[tuple[Any, Any]]:
+        """XREAD of several streams: one command, or on a cluster one per slot (each
+        blocking, concurrently), the replies merged."""
+        groups: dict[int, dict[str, str]] = {}
+        if self.cluster:
+            for stream, position in positions.items():
+                groups.setdefault(key_slot(stream.encode()), {})[stream] = position
+        else:
+            groups[0] = dict(positions)
+
+        async def one(part: dict[str, str]) -> list[tuple[Any, Any]]:
+            with _translate("XREAD"):
+                return _rows_of(await self._r.xread(part, count=count, block=block))
+
+        if len(groups) == 1:
+            return await one(next(iter(groups.values())))
+        replies = await asyncio.gather(*(one(part) for part in groups.values()))
+        return [item for reply in replies for item in reply]
 
     async def read_after(
         self,
@@ -844,14 +953,7 @@ class RedisEventLog:
         """Blocking read past each stream's position, undecoded and without dead-lettering
         (for viewers, which only read)."""
         block = self.block_ms if block_ms is None else block_ms
-        with _translate("XREAD"):
-            reply = await self._r.xread(dict(positions), count=count, block=block)
-        if isinstance(reply, dict):  # RESP3 shape
-            items: list[tuple[Any, Any]] = [
-                (k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()
-            ]
-        else:
-            items = list(reply or [])
+        items = await self._xread(positions, count=count, block=block)
         return [
             (_s(raw_stream), _s(raw_id), bytes((fields or {}).get(FIELD, b"")))
             for raw_stream, rows in items

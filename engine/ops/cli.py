@@ -226,7 +226,7 @@ async def _tail(args: argparse.Namespace) -> int:
     streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
     try:
         if not args.stream:
-            streams.extend(await log.list_streams(f"{names.prefix}:work:*"))
+            streams.extend(await log.list_streams(names.work_pattern))
         if args.rollout:
             streams.append(names.rollout(args.rollout))
         await tail(

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.errors import ConfigError, LogUnavailable
+from engine.events.names import StreamNames
 
 __all__ = [
     "EmbeddedRedis",
@@ -192,7 +193,7 @@ def _acl_rules(prefix: str) -> dict[str, str]:
         "default": "~* &* +@all",
         "engine": f"{keys} &* +@all -@dangerous",
         "trainer": (
-            f"%R~{prefix}:* %W~{prefix}:control resetchannels -@all "
+            f"%R~{prefix}:* %W~{StreamNames(prefix).control} resetchannels -@all "
             "+xadd +xread +xrange +xrevrange +xlen +get +exists +type +scan "
             "+ping +hello +auth +select +client|setname +client|getname"
         ),

@@ -107,7 +107,7 @@ async def retention_pass(
     horizon_ms = max(0, int((now - keep_s) * 1000))
     before = format_id(horizon_ms, 0)
     names = log.names
-    work = await log.list_streams(f"{names.prefix}:work:*")
+    work = await log.list_streams(names.work_pattern)
     shared: list[tuple[str, tuple[str, ...]]] = [
         (names.control, (SCHEDULER_GROUP, FINALIZER_GROUP)),
         (names.capture, (CAPTURE_GROUP,)),
@@ -123,7 +123,7 @@ async def retention_pass(
             if isinstance(rollout_id, str):
                 busy.add(rollout_id)
     store.mkdir(parents=True, exist_ok=True)
-    for stream in await log.list_streams(f"{names.prefix}:{{rollout:*}}"):
+    for stream in await log.list_streams(names.rollout_pattern):
         rollout_id = names.rollout_id_of(stream)
         if rollout_id is None:
             continue

@@ -215,7 +215,7 @@ class TopSource:
     async def _lag(self) -> list[LagRow]:
         names = self.log.names
         pairs = [(SCHEDULER_GROUP, names.control), (FINALIZER_GROUP, names.control)]
-        work = await self.log.list_streams(f"{names.prefix}:work:*")
+        work = await self.log.list_streams(names.work_pattern)
         pairs += [(EVALUATOR_GROUP, stream) for stream in work]
         pairs.append((CAPTURE_GROUP, names.capture))
         rows = []

@@ -1,0 +1,103 @@
+"""The EventLog contract suite (tests/events/test_log_contract.py) on a real 3-master Redis
+Cluster, plus what only a cluster shows: streams spread over the masters, a blocking read
+over several slots, and the single-slot rule of the atomic steps."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.crc import key_slot
+
+from engine.errors import LogError
+from engine.events import RedisEventLog, RedisSettings, RolloutFailed, StreamNames, connect
+from tests.conftest import ClientFactory
+from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
+from tests.events.test_log_contract import *  # noqa: F403  (the suite, collected here too)
+from tests.events.test_log_contract import failed
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterProcs]:
+    yield from cluster_fixture()
+
+
+@pytest.fixture
+async def redis_factory(redis_cluster: RedisClusterProcs) -> AsyncIterator[ClientFactory]:
+    """Overrides the conftest factory: clients of one fresh, empty cluster."""
+    redis_cluster.flushall()
+    settings = RedisSettings(url=redis_cluster.url, block_ms=500)
+    # Connected ahead: a cluster client's first command discovers the slots, which on a
+    # loaded machine can outlast the 100 ms idle windows some contract tests use.
+    ready = [connect(settings) for _ in range(8)]
+    for client in ready:
+        await client.initialize()
+    clients = list(ready)
+
+    def make():  # type: ignore[no-untyped-def]
+        if ready:
+            return ready.pop(0)
+        client = connect(settings)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+def test_cluster_urls_select_the_cluster_client() -> None:
+    assert RedisSettings(url="redis+cluster://127.0.0.1:7000").is_cluster
+    assert RedisSettings(url="redis://127.0.0.1:7000/0", cluster=True).is_cluster
+    assert not RedisSettings(url="redis://127.0.0.1:7000/0").is_cluster
+    tls = RedisSettings(url="rediss+cluster://h:1", tls_ca_file="/ca.crt")
+    assert tls.tls and tls.client_url == "rediss://h:1"
+    with pytest.raises(Exception, match="only database 0"):
+        RedisSettings(url="redis+cluster://127.0.0.1:7000/3")
+
+
+def test_control_plane_shares_a_slot_and_rollouts_spread() -> None:
+    names = StreamNames()
+    plane = [names.control, names.pool, names.data, names.capture, names.dead,
+             names.dead_seen, names.work("math"), names.work("code"),
+             names.snapshot("pool"), names.counter("x")]
+    assert len({key_slot(k.encode()) for k in plane}) == 1
+    rollouts = {key_slot(names.rollout(f"r{i}").encode()) for i in range(50)}
+    assert len(rollouts) > 40
+
+
+async def test_rollout_streams_land_on_every_master(
+    log: RedisEventLog, redis_cluster: RedisClusterProcs
+) -> None:
+    names = StreamNames()
+    await log.append_many([(names.rollout(f"r{i}"), failed(i)) for i in range(30)])
+    per_node = [int(redis_cluster.cli(p, "DBSIZE")) for p in redis_cluster.ports]
+    assert sum(per_node) == 30
+    assert all(n > 0 for n in per_node), per_node
+
+
+async def test_a_cross_slot_compare_and_append_is_refused_naming_the_keys(
+    log: RedisEventLog,
+) -> None:
+    names = StreamNames()
+    with pytest.raises(LogError, match=r"one cluster slot.*rl:\{rl\}:data.*rl:\{rollout:r1\}"):
+        await log.append_if_last(names.data, failed(0), "0-0",
+                                 also=[(names.rollout("r1"), failed(1))])
+    assert await log.read_raw(names.data) == []
+    assert await log.read_raw(names.rollout("r1")) == []
+    # the same step inside the control plane is one script, on the cluster too
+    ids = await log.append_if_last(names.pool, failed(2), "0-0",
+                                   also=[(names.work("math"), failed(3))])
+    assert len(ids) == 2
+
+
+async def test_a_blocking_read_spans_slots(log: RedisEventLog) -> None:
+    names = StreamNames()
+    streams = [names.control, *(names.rollout(f"r{i}") for i in range(6))]
+    assert len({key_slot(s.encode()) for s in streams}) > 1
+    ids = await log.append_many([(s, RolloutFailed(rollout_id=s, reason="x")) for s in streams])
+    raw = await log.tail_raw({s: "0-0" for s in streams}, block_ms=50)
+    assert sorted((s, i) for s, i, _ in raw) == sorted(zip(streams, ids, strict=True))
+    envs = await log.tail({s: "0-0" for s in streams}, block_ms=50)
+    assert sorted(e.stream for e in envs) == sorted(streams)
+    assert await log.tail_raw(dict(zip(streams, ids, strict=True)), block_ms=20) == []
