@@ -17,9 +17,15 @@ Contract
      guard, on the rollout stream) and waits for their ``TeacherScored``;
   3. appends ``RolloutReady`` -- kept sample ids in training (index) order, dropped ids,
      counts and metrics; an empty result gives ``dummy=True`` (the trainer loads one masked
-     dummy) -- to the rollout stream *with compare-and-append* and, in the same atomic
-     step, to ``rl:control``. A conflict means someone appended meanwhile: refold and decide
-     again. So there is only ever one ``RolloutReady``, with two finalizers or a restart.
+     dummy) -- to the rollout stream *with compare-and-append*, then a copy to
+     ``rl:control``. A conflict means someone appended meanwhile: refold and decide
+     again. So there is only ever one ``RolloutReady`` on the rollout stream, with two
+     finalizers or a restart. The copy is a second step (the rollout stream and the
+     control plane live on different cluster slots): a finalizer that finds the rollout
+     already decided looks for the copy on ``rl:control`` (same type, same rollout id) and
+     appends it when missing, so a crash between the steps loses no copy. A crash right
+     after the copy may leave two; readers of ``rl:control`` take the first per rollout.
+     ``CaptureRequested`` is copied to ``rl:capture`` the same way.
 
 * A request delivered more than the log's ``max_deliveries`` times (the finalizers following
   it kept dying or failing) is dead-lettered and its rollout gets ``RolloutFailed`` with
@@ -253,6 +259,7 @@ class _Follower:
         self._projection = RolloutProjection()
         self.state = self._projection.initial()
         self.position = EMPTY_ID
+        self.copied: set[str] = set()  # event types this follower has copied itself
 
     async def read(self) -> bool:
         """Fold what the next read returns (blocking when there is nothing yet); returns
@@ -339,11 +346,10 @@ class Finalizer:
             if await f.read():
                 continue  # caught up only once a read returns nothing
             try:
-                await self.log.append_if_last(
-                    f.stream, failed, f.position, also=[(self.names.control, failed)]
-                )
+                await self.log.append_if_last(f.stream, failed, f.position)
             except AppendConflict:
                 continue  # something was appended: fold it and look again
+            await self.log.append(self.names.control, failed)
             logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
             return
 
@@ -354,13 +360,32 @@ class Finalizer:
             await f.read()
             if not f.state.decided and worth_deciding(f.state):
                 await self._decide(f)
+        outcome = f.state.ready or f.state.failed
+        if outcome is not None:
+            await self._ensure_copy(f, self.names.control, outcome)
         return self._finish(rollout_id, f.state)
+
+    async def _ensure_copy(
+        self, f: _Follower, stream: str, event: Outcome | CaptureRequested
+    ) -> None:
+        """Append ``event``'s copy to ``stream`` unless it is there (module doc, step 3)."""
+        if event.type in f.copied:
+            return
+        for env in await self.log.read_all(stream):
+            ev = env.event
+            if ev.type == event.type and getattr(ev, "rollout_id", None) == event.rollout_id:
+                f.copied.add(event.type)
+                return
+        await self.log.append(stream, event)
+        f.copied.add(event.type)
 
     async def _decide(self, f: _Follower) -> None:
         capture = decide_capture(f.state, top_k=self.config.top_k)
         if capture is not None:
             if f.state.capture is None:  # asked once; then wait for its TeacherScored
                 await self._append(f, capture, (self.names.capture, capture))
+            else:
+                await self._ensure_copy(f, self.names.capture, f.state.capture)
             return
         ready = decide_ready(f.state)
         if ready is not None:
@@ -373,11 +398,14 @@ class Finalizer:
         also: tuple[str, CaptureRequested | RolloutReady],
     ) -> None:
         try:
-            await self.log.append_if_last(f.stream, event, f.position, also=[also])
+            await self.log.append_if_last(f.stream, event, f.position)
         except AppendConflict:
             # Someone appended meanwhile (a late event, another finalizer): the next read
             # picks it up and the decision is taken again on the newer state.
             logger.debug("finalizer: %s on %s lost a race; refolding", event.type, f.stream)
+            return
+        await self.log.append(*also)
+        f.copied.add(event.type)
 
     def _finish(self, rollout_id: str, state: RolloutState) -> Outcome:
         if state.ready is not None:

@@ -15,17 +15,19 @@ Event flow (seeds task-scheduler §1-3; docs/architecture.md, "Events and the lo
    Other event types on ``rl:control`` are acked and ignored. All of this is the actor
    runtime's (``GroupConsumer`` and ``serve``, :mod:`engine.runtime`), which every actor
    shares; dead requests are held (``ack_dead=False``) and settled once failed.
-3. Plan (``Planner``, pure) and write it atomically and exclusively: one compare-and-append
-   on ``rl:data`` (expected = the last id folded) appends ``DataCursorAdvanced`` and, in the
-   same step (``also``), the first events of ``rl:{rollout:<id>}``: the copy of the request
-   (causation = the control entry), every ``TaskFetched``, every ``BatchSealed`` and
-   ``RolloutPlanned``. A plan longer than ``plan_chunk`` events continues with
-   compare-and-appends on the rollout stream, each expecting the previous chunk's last id,
-   so two writers (the planner and a scheduler resuming it) can never both append a chunk;
-   a plan interrupted between chunks is completed (never re-planned) from the recorded
-   ``DataCursorAdvanced.previous`` cursor, which reproduces the same events. On a
-   conflict the scheduler refolds ``rl:data``; a rollout that already has its
-   ``DataCursorAdvanced`` (or ``RolloutPlanned``) is never planned again.
+3. Plan (``Planner``, pure) and write it exclusively, in two kinds of step that each touch
+   one cluster slot (``rl:data`` is on the control plane's, the rollout stream on its own):
+   first one compare-and-append on ``rl:data`` (expected = the last id folded) appends the
+   rollout's ``DataCursorAdvanced``, which reserves its data; then the plan's events go to
+   ``rl:{rollout:<id>}`` (the copy of the request, causation = the control entry, every
+   ``TaskFetched``, every ``BatchSealed``, ``RolloutPlanned``) in compare-and-appends of at
+   most ``plan_chunk`` events, the first expecting the stream as folded, each later one the
+   previous chunk's last id, so two writers (the planner and a scheduler resuming it) can
+   never both append a chunk. A crash after the cursor or between chunks leaves a plan that
+   is completed (never re-planned) from the recorded ``DataCursorAdvanced.previous``
+   cursor, which reproduces the same events. On a conflict the scheduler refolds the stream
+   it lost on; a rollout that already has its ``DataCursorAdvanced`` (or ``RolloutPlanned``)
+   is never planned again.
 4. Admit batches in ``seq`` order as capacity frees (``PoolGate``): ``TokenAcquired`` on
    ``rl:pool`` and ``BatchAdmitted`` on ``rl:work:{evaluator_id}`` in one compare-and-append;
    a batch the pool fold shows as acquired is skipped, so a resumed rollout admits only the
@@ -33,7 +35,8 @@ Event flow (seeds task-scheduler §1-3; docs/architecture.md, "Events and the lo
    layout the pool is ungated: batches are admitted at once, with node-less tokens, but
    still through the same compare-and-append on ``rl:pool``, which is the record that makes
    admission exactly-once across restarts (a ``BatchAdmitted`` appended on its own could not
-   be told apart from one still to write after a crash).
+   be told apart from one still to write after a crash). After the last batch,
+   ``AdmissionClosed`` on ``rl:pool`` (once) closes the rollout's admission.
 5. The ``RolloutRequested`` entry is acked once every batch is admitted. A request the
    configuration cannot serve (unknown dataset, deadlock for its real batch sizes, ...) gets
    ``RolloutFailed`` on ``rl:control`` and on its rollout stream, and is acked.
@@ -287,6 +290,7 @@ class Scheduler:
             )
         for batch in batches:
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
+        await self.gate.close_admission(batches[0].rollout_id, causation=env.ref)
 
     async def _ensure_planned(
         self, env: Envelope, request: RolloutRequested
@@ -318,7 +322,7 @@ class Scheduler:
                         self.gate.state,
                         batch_samples=plan.largest_batches(),
                     )
-                    await self._write(plan, env)
+                    await self._write(plan, rollout, env)
             except AppendConflict as exc:
                 if exc.stream == self._data.stream:
                     data_at = exc.current
@@ -327,19 +331,14 @@ class Scheduler:
                 continue
             return list(plan.batches)
 
-    async def _write(self, plan: Plan, env: Envelope) -> None:
-        """First chunk atomically with the cursor on ``rl:data``, the rest chained."""
-        stream = self.log.names.rollout(plan.rollout_id)
-        chunk = self.config.plan_chunk
+    async def _write(self, plan: Plan, rollout: LiveFold[RolloutState], env: Envelope) -> None:
+        """The cursor on ``rl:data`` (the data is now this rollout's), then the plan's
+        events chained on the rollout stream (module docstring, step 3)."""
         ids = await self.log.append_if_last(
-            self._data.stream,
-            plan.cursor,
-            self._data.position,
-            also=[(stream, ev) for ev in plan.rollout_events(0, chunk)],
-            causation=env.ref,
+            self._data.stream, plan.cursor, self._data.position, causation=env.ref
         )
         self._data.apply([Envelope(self._data.stream, ids[0], plan.cursor)])
-        await self._append_chained(stream, plan, chunk, ids[-1], env)
+        await self._append_chained(rollout.stream, plan, 0, rollout.position, env)
 
     async def _complete(self, plan: Plan, rollout: LiveFold[RolloutState], env: Envelope) -> None:
         """Append the part of ``plan`` the rollout stream does not have yet."""

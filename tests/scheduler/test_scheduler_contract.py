@@ -330,11 +330,10 @@ async def test_long_plans_are_chunked_and_an_interrupted_plan_is_completed(
     # A scheduler that died after the first chunk: cursor + request copy + 4 tasks.
     plan = Planner(load_rollout_config(config), specs).plan(req, DataState())
     head = plan.rollout_events(0, 5)
-    await log.append_if_last(
-        log.names.data, plan.cursor, "0-0",
-        also=[(log.names.rollout("r1"), ev) for ev in head],
-        causation=f"{log.names.control}@{entry}",
-    )
+    await log.append_if_last(log.names.data, plan.cursor, "0-0",
+                             causation=f"{log.names.control}@{entry}")
+    await log.append_if_last(log.names.rollout("r1"), head, "0-0",
+                             causation=f"{log.names.control}@{entry}")
     scheduler = make_scheduler(fresh_client_log(redis_factory, "s0"), config, specs,
                                layout(SMALL_LAYOUT), plan_chunk=7)
     await log.append(log.names.control, request("r2", n_prompts=3))
