@@ -36,6 +36,13 @@ never acquired again. When the batch does not fit, ``admit`` waits for the fold 
 evaluator workers wakes it), never by sleep-polling. Ungated admissions go through the same
 compare-and-append: the pool stream is the record that makes admission exactly-once across
 restarts, gated or not.
+
+Both events of an admission live on the control plane's cluster slot (``rl:pool`` and every
+work stream share one hash tag, ``engine.events.names``), so on a Redis Cluster too the
+admission stays one atomic script. After a rollout's last admission the scheduler appends
+``AdmissionClosed`` (``close_admission``: a compare-and-append, once per rollout): a
+scheduler resuming the request admits nothing more, and the pool fold forgets the rollout's
+batches once they are released (``engine.projections.placement``).
 """
 
 from __future__ import annotations
@@ -50,7 +57,13 @@ from engine import metrics
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, DeadlockError, LogError
 from engine.events.base import Envelope
-from engine.events.catalog import BatchAdmitted, BatchSealed, PoolDeclared, TokenAcquired
+from engine.events.catalog import (
+    AdmissionClosed,
+    BatchAdmitted,
+    BatchSealed,
+    PoolDeclared,
+    TokenAcquired,
+)
 from engine.events.log import EventLog
 from engine.projections.placement import (
     PoolProjection,
@@ -297,6 +310,24 @@ class PoolGate:
                     continue
                 await self._apply(Envelope(self.stream, ids[0], declaration))
                 return True
+
+    async def close_admission(self, rollout_id: str, *, causation: str | None = None) -> bool:
+        """Record that every batch of ``rollout_id`` is admitted (``AdmissionClosed``),
+        unless the pool already says so; returns whether an event was appended."""
+        event = AdmissionClosed(rollout_id=rollout_id)
+        async with self._write:
+            while not self.state.is_closed(rollout_id):
+                try:
+                    ids = await self._log.append_if_last(
+                        self.stream, event, self.position, causation=causation
+                    )
+                except AppendConflict as exc:
+                    self.conflicts += 1
+                    await self.refresh(at_least=exc.current)
+                    continue
+                await self._apply(Envelope(self.stream, ids[0], event))
+                return True
+        return False
 
     async def admit(
         self, batch: BatchSealed, spec: EvaluatorProfile, *, causation: str | None = None

@@ -26,6 +26,7 @@ JSON = Any
 
 __all__ = [
     "AbortClass",
+    "AdmissionClosed",
     "BatchAdmitted",
     "BatchLeased",
     "BatchSealed",
@@ -208,6 +209,16 @@ class BatchLeased(Event):
     batch_id: str
     lease: int
     worker: str = ""
+
+
+class AdmissionClosed(Event):
+    """The scheduler admitted every batch of the rollout; appended to ``rl:pool`` after its
+    last admission. A scheduler resuming the request admits nothing more, and the pool fold
+    forgets the rollout's batches once they are released (its record of admitted batches
+    no longer grows with every batch)."""
+
+    type: Literal["AdmissionClosed"] = "AdmissionClosed"
+    rollout_id: str
 
 
 # ---------------------------------------------------------------- work / capture

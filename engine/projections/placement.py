@@ -18,6 +18,14 @@ Fold (``PoolProjection``)
   of a previous holder and is ignored (fencing): its tokens are still in use by the new
   holder. Releases written before leases existed carry lease 0 and no ``BatchLeased``
   precedes them, so old logs fold as before.
+* ``AdmissionClosed`` records that the scheduler admitted the rollout's last batch. From
+  then on every batch of the rollout answers ``has_acquired`` (a resumed request admits
+  nothing more), a ``TokenAcquired`` for it is ignored, and the fold *forgets* each of its
+  batches once the batch holds no token: its ``acquired`` key and lease go. So the record
+  of admitted batches holds the batches of rollouts still being admitted plus the batches
+  still holding tokens, and ``closed`` one id per rollout, instead of one key per batch
+  ever admitted. Forgetting never changes a decision: a forgotten batch holds nothing, and
+  a late release or lease for it is ignored as it would be after its last release.
 * The fold applies acquisitions as written, even ones that do not fit: it records what
   happened, and ``over_allocation`` reports any node, GPU, CPU or memory over capacity (the
   invariant every prefix of the stream must satisfy).
@@ -58,8 +66,12 @@ Performance note: like the rollout projection, ``evolve`` updates the state in p
 returns it, so folding a long pool history stays linear; take ``copy()`` before keeping a
 state that a later fold would extend. Held tokens are kept as compact ``Held`` tuples
 (``held_by`` turns them back into grants) and the nodes' placement order is maintained by
-the fold, so a decision costs O(tokens x nodes) whatever the pool holds. ``acquired`` grows
-by one key per batch ever admitted (the price of exactly-once admission across restarts).
+the fold, so a decision costs O(tokens x nodes) whatever the pool holds.
+
+Snapshot: ``PoolProjection`` is ``Snapshottable`` (``dump`` / ``load`` turn a state into
+plain msgpack-able values and back), so a reader starts from the stored snapshot and folds
+only the tail (``engine.runtime.live.LiveFold`` does so by itself); this is what lets
+retention trim ``rl:pool`` below a snapshot (``engine.ops.retention``).
 """
 
 from __future__ import annotations
@@ -69,12 +81,13 @@ import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from engine.domain import Resource
 from engine.errors import PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
+    AdmissionClosed,
     BatchLeased,
     GpuShare,
     NodeDecl,
@@ -240,6 +253,7 @@ class PoolState:
     held: dict[BatchKey, dict[str, Held]] = field(default_factory=dict)
     acquired: set[BatchKey] = field(default_factory=set)
     leases: dict[BatchKey, int] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)  # rollouts whose admission is closed
     fenced: int = 0  # releases ignored as late writes of a previous holder
     events: int = 0
     # Nodes sorted by placement preference, kept current by the fold so that a decision
@@ -256,8 +270,13 @@ class PoolState:
         return sum(len(tokens) for tokens in self.held.values())
 
     def has_acquired(self, rollout_id: str, batch_id: str) -> bool:
-        """Whether the batch has ever had a ``TokenAcquired`` (held or since released)."""
-        return (rollout_id, batch_id) in self.acquired
+        """Whether the batch has had its ``TokenAcquired`` (held or since released), or its
+        rollout's admission is closed (every batch of it was admitted)."""
+        return (rollout_id, batch_id) in self.acquired or rollout_id in self.closed
+
+    def is_closed(self, rollout_id: str) -> bool:
+        """Whether ``AdmissionClosed`` was recorded for the rollout."""
+        return rollout_id in self.closed
 
     def held_by(self, rollout_id: str, batch_id: str) -> dict[str, TokenGrant]:
         """The tokens the batch still holds, as grants."""
@@ -271,6 +290,7 @@ class PoolState:
             held={key: dict(tokens) for key, tokens in self.held.items()},
             acquired=set(self.acquired),
             leases=dict(self.leases),
+            closed=set(self.closed),
             fenced=self.fenced,
             events=self.events,
             order=list(self.order),
@@ -306,12 +326,18 @@ class PoolState:
 
 
 class PoolProjection:
-    """Folds ``rl:pool`` into a :class:`PoolState`."""
+    """Folds ``rl:pool`` into a :class:`PoolState`; snapshottable (module docstring)."""
 
     name = "pool"
 
     def initial(self) -> PoolState:
         return PoolState()
+
+    def dump(self, state: PoolState) -> dict[str, Any]:
+        return _dump(state)
+
+    def load(self, data: Any) -> PoolState:
+        return _load(data)
 
     def evolve(self, state: PoolState, env: Envelope) -> PoolState:
         ev = env.event
@@ -323,7 +349,10 @@ class PoolProjection:
             _release(state, ev)
         elif isinstance(ev, BatchLeased):
             key = (ev.rollout_id, ev.batch_id)
-            state.leases[key] = max(state.leases.get(key, 0), ev.lease)
+            if ev.rollout_id not in state.closed or key in state.held:
+                state.leases[key] = max(state.leases.get(key, 0), ev.lease)
+        elif isinstance(ev, AdmissionClosed):
+            _close(state, ev.rollout_id)
         state.events += 1
         return state
 
@@ -346,9 +375,20 @@ def _touch(state: PoolState, node: NodeUsage, before: NodeKey) -> None:
     bisect.insort(order, (node.key, node.name))
 
 
+def _close(state: PoolState, rollout_id: str) -> None:
+    state.closed.add(rollout_id)
+    for key in [k for k in state.acquired if k[0] == rollout_id and k not in state.held]:
+        _forget(state, key)
+
+
+def _forget(state: PoolState, key: BatchKey) -> None:
+    state.acquired.discard(key)
+    state.leases.pop(key, None)
+
+
 def _acquire(state: PoolState, ev: TokenAcquired) -> None:
     key = (ev.rollout_id, ev.batch_id)
-    if key in state.acquired:
+    if key in state.acquired or ev.rollout_id in state.closed:
         return
     state.acquired.add(key)
     tokens: dict[str, Held] = {}
@@ -385,6 +425,8 @@ def _release(state: PoolState, ev: TokenReleased) -> None:
             _touch(state, node, before)
     if not tokens:
         del state.held[key]
+        if key[0] in state.closed:
+            _forget(state, key)
 
 
 # ---------------------------------------------------------------- allocation
@@ -590,6 +632,51 @@ def render_pool(folded: Folded[PoolState]) -> str:
             + ", ".join(nodes)
         )
     return "\n".join(lines)
+
+
+_SNAPSHOT_VERSION = 1
+
+
+def _dump(state: PoolState) -> dict[str, Any]:
+    return {
+        "v": _SNAPSHOT_VERSION,
+        "declared": None if state.declared is None else state.declared.model_dump(mode="json"),
+        "held": [
+            [rid, bid, [[tid, h.node, [list(g) for g in h.gpus], h.cpu, h.memory_gb]
+                        for tid, h in tokens.items()]]
+            for (rid, bid), tokens in state.held.items()
+        ],
+        "acquired": [list(key) for key in sorted(state.acquired)],
+        "leases": [[rid, bid, lease] for (rid, bid), lease in state.leases.items()],
+        "closed": sorted(state.closed),
+        "fenced": state.fenced,
+        "events": state.events,
+    }
+
+
+def _load(doc: Any) -> PoolState:
+    """The state ``_dump`` wrote: held tokens, node usage (re-counted from the tokens), the
+    record of admitted batches, leases and closed rollouts."""
+    if not isinstance(doc, dict) or doc.get("v") != _SNAPSHOT_VERSION:
+        found = doc.get("v") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"pool snapshot: version {found!r}, expected {_SNAPSHOT_VERSION}")
+    state = PoolState(
+        held={
+            (rid, bid): {
+                tid: Held(node, tuple((int(g), float(f)) for g, f in gpus), cpu, memory)
+                for tid, node, gpus, cpu, memory in tokens
+            }
+            for rid, bid, tokens in doc["held"]
+        },
+        acquired={(rid, bid) for rid, bid in doc["acquired"]},
+        leases={(rid, bid): lease for rid, bid, lease in doc["leases"]},
+        closed=set(doc["closed"]),
+        fenced=doc["fenced"],
+        events=doc["events"],
+    )
+    if doc["declared"] is not None:
+        _declare(state, PoolDeclared.model_validate(doc["declared"]))
+    return state
 
 
 def pool_of(declaration: PoolDeclared) -> PoolState:

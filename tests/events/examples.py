@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.events import (
     AbortClass,
+    AdmissionClosed,
     BatchAdmitted,
     BatchLeased,
     BatchSealed,
@@ -49,6 +50,7 @@ def example_events() -> list[Event]:
         TokenReleased(rollout_id="r1", batch_id="b0", token_ids=["b0:0"]),
         TokenReleased(rollout_id="r1", batch_id="b0", token_ids=["b0:0"], lease=2),
         BatchLeased(rollout_id="r1", batch_id="b0", lease=2, worker="w1"),
+        AdmissionClosed(rollout_id="r1"),
         BatchAdmitted(rollout_id="r1", batch_id="b0", evaluator_id="math",
                       sample_ids=["r1-0"], token_ids=["b0:0"]),
         CaptureRequested(rollout_id="r1", sample_ids=["r1-0"], top_k=5),
