@@ -31,7 +31,8 @@ Contract
   back to the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
   pending (owned by the caller) until the caller acks it once the abort is recorded, so a
   crash in between leaves it to be dead-lettered and aborted again, never forgotten.
-* Snapshots are opaque bytes stored by name beside the streams.
+* Snapshots are opaque bytes stored by name beside the streams. ``trim_before`` drops a
+  stream's entries below an id whatever reads it (a stream folded from a snapshot).
 * Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
   :class:`LogError` (it refused); an implementation translates its own exceptions.
 * ``aclose`` releases the connections; the log is unusable afterwards.
@@ -279,6 +280,11 @@ class EventLog(Protocol):
         """Trim entries every group has acked (never below a pending or undelivered one);
         with ``before``, keep that id and every later one too; nothing while a group named
         in ``require`` does not exist."""
+        ...
+
+    async def trim_before(self, stream: str, keep_from: str) -> int:
+        """Delete the entries with ids below ``keep_from``; returns how many. For a stream
+        without consumer groups whose readers start from a snapshot (``rl:pool``)."""
         ...
 
     async def delete_stream(self, stream: str) -> bool:

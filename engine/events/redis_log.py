@@ -912,6 +912,12 @@ class RedisEventLog:
             n = await self._r.xtrim(stream, minid=format_id(*floor), approximate=False)
         return int(n)
 
+    async def trim_before(self, stream: str, keep_from: str) -> int:
+        """Delete the entries with ids below ``keep_from`` (exact XTRIM MINID)."""
+        with _translate(f"XTRIM {stream}"):
+            n = await self._r.xtrim(stream, minid=keep_from, approximate=False)
+        return int(n)
+
     async def stream_length(self, stream: str) -> int:
         with _translate(f"XLEN {stream}"):
             return int(await self._r.xlen(stream))

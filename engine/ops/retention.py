@@ -19,8 +19,17 @@ One pass (``retention_pass``), run by ``rollout retention`` once or every ``--ev
   left in a shared stream after the trim still names it: work a worker has not acked yet (a
   failed rollout's queued batches, say) still folds the rollout stream when it runs.
 
-``rl:pool``, ``rl:data`` and ``rl:dead`` are not touched: the scheduler folds the first two
-from the start, and dead letters wait for an operator.
+* **The pool** (``rl:pool``): the pass folds it from its snapshot (``PoolProjection`` is
+  snapshottable) and stores a new snapshot at the stream's end, then trims the entries
+  below the *previous* pass's snapshot (and inside the window, none). Every reader of the
+  pool (the scheduler, evaluator workers, ``rollout pool``, ``rollout top``) starts from
+  the snapshot and folds the tail, so what is trimmed is never needed; trimming one pass
+  behind leaves a reader that loaded the previous snapshot a whole pass interval to read
+  its tail. With ``AdmissionClosed`` the snapshot itself holds only live batches (and one
+  id per closed rollout), so the pool's memory stays flat.
+
+``rl:data`` and ``rl:dead`` are not touched: the scheduler folds the first from the start
+(one small event per rollout), and dead letters wait for an operator.
 """
 
 from __future__ import annotations
@@ -36,9 +45,11 @@ from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.errors import DecodeError
 from engine.events.catalog import RolloutFailed, RolloutReady
 from engine.events.codec import decode
-from engine.events.ids import format_id, id_ms
+from engine.events.ids import EMPTY_ID, format_id, id_after, id_ms, parse_id
 from engine.events.log import EventLog, RawEntry
 from engine.ops.replay import Archive, read_archive, write_archive
+from engine.projections.placement import PoolProjection
+from engine.runtime.rebuild import load_snapshot, rebuild, save_snapshot
 
 __all__ = ["ARCHIVE_SUFFIX", "RetentionReport", "archive_path", "retention_pass"]
 
@@ -98,6 +109,23 @@ async def _archive_and_delete(
     return await log.delete_stream(stream)
 
 
+async def _snapshot_and_trim_pool(log: EventLog, before: str) -> int | None:
+    """Snapshot ``rl:pool`` at its end; trim below the previous snapshot and ``before``.
+    None when the pool stream is empty (nothing to do)."""
+    stream = log.names.pool
+    if not await log.stream_length(stream):
+        return None
+    projection = PoolProjection()
+    previous = await load_snapshot(log, projection)
+    current = await rebuild(log, stream, projection, since=previous)
+    if previous is None or current.position != previous.position:
+        await save_snapshot(log, projection, current)
+    if previous is None or previous.position == EMPTY_ID:
+        return 0
+    keep_from = min(parse_id(id_after(previous.position)), parse_id(before))
+    return await log.trim_before(stream, format_id(*keep_from))
+
+
 async def retention_pass(
     log: EventLog, store: Path, *, keep_s: float, now_s: float | None = None
 ) -> RetentionReport:
@@ -113,6 +141,9 @@ async def retention_pass(
         (names.capture, (CAPTURE_GROUP,)),
         *((stream, (EVALUATOR_GROUP,)) for stream in work),
     ]
+    pool_trimmed = await _snapshot_and_trim_pool(log, before)
+    if pool_trimmed is not None:
+        report.trimmed[names.pool] = pool_trimmed
     busy: set[str] = set()  # rollouts some shared-stream entry still refers to
     for stream, groups in shared:
         if not await log.stream_length(stream):

@@ -39,9 +39,10 @@ from engine.events.catalog import RolloutRequested, SampleStarted
 from engine.events.codec import decode
 from engine.events.ids import id_ms
 from engine.events.log import EventLog
-from engine.projections.base import Folded, Projection, fold, start
+from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.runtime.rebuild import load_snapshot
 
 __all__ = ["LagRow", "RolloutRow", "TopSource", "TopView", "WorkerRow", "render", "run_top"]
 
@@ -98,6 +99,10 @@ class _Tail:
 
     async def refresh(self) -> list[Envelope]:
         """Fold the new tail; returns its envelopes."""
+        if self.position is None and isinstance(self.projection, Snapshottable):
+            snapshot = await load_snapshot(self.log, self.projection)  # rl:pool is trimmed
+            if snapshot is not None:
+                self.folded, self.position = snapshot, snapshot.position
         raw = await self.log.read_raw(self.stream, after=self.position)
         envelopes = []
         for entry_id, data in raw:

@@ -5,6 +5,12 @@
 that id has then been read, so the position moves there even when the last entries were
 dead-lettered (undecodable entries never reach the fold, and without this the writer would
 conflict on them forever).
+
+A projection that is ``Snapshottable`` (the placement pool) starts from its stored snapshot,
+when there is one, and folds only the tail after it: its stream may be trimmed below the
+snapshot (``engine.ops.retention``). A fold whose position was trimmed away meanwhile (a
+worker that had not looked at the pool for a retention interval) finds no entry at or below
+its position and starts again from the newer snapshot, which covers what was trimmed.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from engine.events.base import Envelope
-from engine.events.ids import later_id
+from engine.events.ids import EMPTY_ID, later_id
 from engine.events.log import EventLog
-from engine.projections.base import Folded, Projection, fold, start
+from engine.projections.base import Folded, Projection, Snapshottable, fold, start
+from engine.runtime.rebuild import load_snapshot
 
 __all__ = ["LiveFold", "later_id"]
 
@@ -54,6 +61,13 @@ class LiveFold(Generic[S]):
 
     async def refresh(self, *, at_least: str | None = None) -> bool:
         """Fold the stream's tail past the position; returns whether the position moved."""
+        if isinstance(self.projection, Snapshottable) and (
+            self.folded.position == EMPTY_ID
+            or not await self.log.read(self.stream, "-", self.folded.position, count=1)
+        ):
+            snapshot = await load_snapshot(self.log, self.projection)
+            if snapshot is not None and not self.folded.covers(snapshot.position):
+                self.folded = snapshot
         tail = await self.log.read_all(
             self.stream, after=self.position, dead_letter=self.owner
         )

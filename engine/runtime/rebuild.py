@@ -52,5 +52,13 @@ async def load_snapshot(log: EventLog, projection: Snapshottable[S]) -> Folded[S
 
 
 async def pool_at(log: EventLog, *, until: str | None = None) -> Folded[PoolState]:
-    """The pool as it was right after event ``until`` of ``rl:pool`` (None: now)."""
-    return await rebuild(log, log.names.pool, PoolProjection(), until=until)
+    """The pool as it was right after event ``until`` of ``rl:pool`` (None: now).
+
+    From the pool's snapshot when it is older than ``until``; a point older than the
+    snapshot is folded from the stream's start, which reaches only as far back as
+    retention has kept ``rl:pool``."""
+    projection = PoolProjection()
+    snapshot = await load_snapshot(log, projection)
+    if snapshot is not None and (until is None or not snapshot.covers(until)):
+        return await rebuild(log, log.names.pool, projection, since=snapshot, until=until)
+    return await rebuild(log, log.names.pool, projection, until=until)
