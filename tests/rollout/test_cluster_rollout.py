@@ -1,0 +1,105 @@
+"""A whole rollout on a real 3-master Redis Cluster: scheduler, two evaluator workers and a
+finalizer as processes (``python -m workers.*`` with a ``redis+cluster://`` URL), the
+trainer's client requesting, waiting and loading. Nothing in the engine knows it is on a
+cluster beyond the URL: the control plane shares one slot, the rollout streams spread."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from engine.client import RolloutClient, collate
+from engine.events import (
+    AdmissionClosed,
+    EventLog,
+    RedisEventLog,
+    RedisSettings,
+    SampleCompleted,
+    connect,
+)
+from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
+from tests.rollout.conftest import (
+    EVALUATOR_CONFIG,
+    Procs,
+    assert_tokens_released_once,
+    events_of,
+    released_tokens,
+)
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterProcs]:
+    yield from cluster_fixture()
+
+
+@pytest.fixture
+async def cluster_log(redis_cluster: RedisClusterProcs) -> AsyncIterator[EventLog]:
+    redis_cluster.flushall()
+    log = RedisEventLog(connect(RedisSettings(url=redis_cluster.url, block_ms=200)),
+                        producer="test", block_ms=200)
+    yield log
+    await log.aclose()
+
+
+@pytest.fixture
+def procs(redis_cluster: RedisClusterProcs, tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(redis_cluster.url, tmp_path)
+    yield p
+    p.stop_all()
+
+
+async def test_rollouts_on_a_redis_cluster(
+    cluster_log: EventLog, procs: Procs, redis_cluster: RedisClusterProcs, tmp_path: Path
+) -> None:
+    log = cluster_log
+    data = tmp_path / "ds.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(40)))
+    config = tmp_path / "rollout.yaml"
+    config.write_text(
+        "rollout:\n  defaults: {task_type: scripted}\n"
+        f"  datasets:\n    ds: {{path: {data}, n_samples_per_prompt: 2}}\n"
+    )
+    layout = '{"node-a": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
+    sched = procs.spawn(
+        "sched", "workers.scheduler", "--rollout-config", str(config),
+        "--evaluator-config", str(EVALUATOR_CONFIG), "--cluster-layout", layout,
+        "--scheduler-id", "s1",
+    )
+    procs.worker("w1")
+    procs.worker("w2")
+    procs.finalizer()
+    client = RolloutClient(log)
+    rids = [await client.request(iteration=i, n_prompts=6, n_samples_per_prompt=2, seed=5)
+            for i in range(4)]
+    slots = {key_slot(log.names.rollout(rid).encode()) for rid in rids}
+    assert len(slots) > 1  # the rollouts' streams are spread over the slots
+    for rid in rids:
+        ready = await client.wait_ready(rid, timeout=90)
+        assert (ready.n_completed, ready.n_aborted, len(ready.sample_ids)) == (12, 0, 12)
+        samples = await client.load(rid)
+        assert [s.index for s in samples] == list(range(12))
+        batch = collate(samples)
+        assert batch["tokens"].shape == (12, 8)
+        terminals = Counter(ev.sample_id for ev in
+                            await events_of(log, log.names.rollout(rid), SampleCompleted))
+        assert set(terminals.values()) == {1} and len(terminals) == 12
+        assert_tokens_released_once(await released_tokens(log, rid))
+    # The rollouts fetched consecutive, disjoint prompts (the cursor on rl:data held).
+    prompts = [s.prompt for rid in rids for s in await client.load(rid)]
+    assert len(set(prompts)) == 4 * 6
+    pool = [e.event for e in await log.read_all(log.names.pool)]
+    closed = [e.rollout_id for e in pool if isinstance(e, AdmissionClosed)]
+    assert sorted(closed) == sorted(rids)
+    # The keys really live on several masters.
+    per_node = [int(redis_cluster.cli(p, "DBSIZE")) for p in redis_cluster.ports]
+    assert sum(1 for n in per_node if n > 0) >= 2, per_node
+    sched.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(asyncio.to_thread(sched.wait), 30) == 0
