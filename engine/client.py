@@ -178,12 +178,16 @@ class RolloutClient:
                     raise RolloutFailed(rollout_id, ev.reason)
 
     async def subscribe_ready(self, *, after: str = "$") -> AsyncIterator[RolloutReady]:
-        """Every ``RolloutReady`` appended after ``after`` (default: from now on), forever;
-        a ``RolloutFailed`` raises."""
+        """Every ``RolloutReady`` appended after ``after`` (default: from now on), forever,
+        once per rollout (a finalizer may rarely copy one twice); a ``RolloutFailed``
+        raises."""
+        seen: set[str] = set()
         async for env in self.log.subscribe(self.names.control, after=after):
             ev = env.event
             if isinstance(ev, RolloutReady):
-                yield ev
+                if ev.rollout_id not in seen:
+                    seen.add(ev.rollout_id)
+                    yield ev
             elif isinstance(ev, RolloutFailedEvent):
                 raise RolloutFailed(ev.rollout_id, ev.reason)
 

@@ -21,11 +21,10 @@ Contract
      ``rl:control``. A conflict means someone appended meanwhile: refold and decide
      again. So there is only ever one ``RolloutReady`` on the rollout stream, with two
      finalizers or a restart. The copy is a second step (the rollout stream and the
-     control plane live on different cluster slots): a finalizer that finds the rollout
-     already decided looks for the copy on ``rl:control`` (same type, same rollout id) and
-     appends it when missing, so a crash between the steps loses no copy. A crash right
-     after the copy may leave two; readers of ``rl:control`` take the first per rollout.
-     ``CaptureRequested`` is copied to ``rl:capture`` the same way.
+     control plane live on different cluster slots), made with ``append_once`` keyed by
+     the event type and rollout id, and made again by every finalizer that finds the
+     rollout decided: a crash between the steps loses no copy and racing finalizers
+     write one. ``CaptureRequested`` is copied to ``rl:capture`` the same way.
 
 * A request delivered more than the log's ``max_deliveries`` times (the finalizers following
   it kept dying or failing) is dead-lettered and its rollout gets ``RolloutFailed`` with
@@ -349,34 +348,36 @@ class Finalizer:
                 await self.log.append_if_last(f.stream, failed, f.position)
             except AppendConflict:
                 continue  # something was appended: fold it and look again
-            await self.log.append(self.names.control, failed)
             logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
+            await self._ensure_copy(f, self.names.control, failed)
             return
+        if f.state.failed is not None and f.state.failed.causation == failed.causation:
+            # this very step ran before and died before its copy
+            await self._ensure_copy(f, self.names.control, f.state.failed)
 
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
         f = _Follower(self.log, self.names.rollout(rollout_id))
         while not f.state.decided:
             await f.read()
+            if f.state.capture is not None and not f.state.decided:
+                # asked for (maybe by a finalizer that died before its copy): make sure
+                # capture workers see it
+                await self._ensure_copy(f, self.names.capture, f.state.capture)
             if not f.state.decided and worth_deciding(f.state):
                 await self._decide(f)
-        outcome = f.state.ready or f.state.failed
-        if outcome is not None:
-            await self._ensure_copy(f, self.names.control, outcome)
+        if f.state.ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
+            await self._ensure_copy(f, self.names.control, f.state.ready)
         return self._finish(rollout_id, f.state)
 
     async def _ensure_copy(
         self, f: _Follower, stream: str, event: Outcome | CaptureRequested
     ) -> None:
-        """Append ``event``'s copy to ``stream`` unless it is there (module doc, step 3)."""
+        """Copy ``event`` to ``stream`` once, whoever tries (module doc, step 3)."""
         if event.type in f.copied:
             return
-        for env in await self.log.read_all(stream):
-            ev = env.event
-            if ev.type == event.type and getattr(ev, "rollout_id", None) == event.rollout_id:
-                f.copied.add(event.type)
-                return
-        await self.log.append(stream, event)
+        marker = self.names.once(f"{event.type}.{event.rollout_id}")
+        await self.log.append_once(stream, event, marker)
         f.copied.add(event.type)
 
     async def _decide(self, f: _Follower) -> None:
@@ -384,8 +385,6 @@ class Finalizer:
         if capture is not None:
             if f.state.capture is None:  # asked once; then wait for its TeacherScored
                 await self._append(f, capture, (self.names.capture, capture))
-            else:
-                await self._ensure_copy(f, self.names.capture, f.state.capture)
             return
         ready = decide_ready(f.state)
         if ready is not None:
@@ -404,8 +403,7 @@ class Finalizer:
             # picks it up and the decision is taken again on the newer state.
             logger.debug("finalizer: %s on %s lost a race; refolding", event.type, f.stream)
             return
-        await self.log.append(*also)
-        f.copied.add(event.type)
+        await self._ensure_copy(f, also[0], also[1])
 
     def _finish(self, rollout_id: str, state: RolloutState) -> Outcome:
         if state.ready is not None:

@@ -31,6 +31,9 @@ Contract
   back to the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
   pending (owned by the caller) until the caller acks it once the abort is recorded, so a
   crash in between leaves it to be dead-lettered and aborted again, never forgotten.
+* ``append_once`` appends an event only if its marker key was not set before, atomically
+  (marker and stream on one cluster slot): a copy that several writers may attempt, or one
+  writer may retry after a crash, lands once.
 * Snapshots are opaque bytes stored by name beside the streams. ``trim_before`` drops a
   stream's entries below an id whatever reads it (a stream folded from a snapshot).
 * Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
@@ -118,6 +121,20 @@ class EventLog(Protocol):
         """Append atomically iff the stream's last id is ``expected_last`` (``0-0``: empty),
         with the follow-ups ``also`` in the same step; returns the ids of the guarded
         events followed by those of ``also``."""
+        ...
+
+    async def append_once(
+        self,
+        stream: str,
+        event: Event,
+        marker: str,
+        *,
+        ttl_s: int = 7 * 86_400,
+        causation: Envelope | str | None = None,
+    ) -> str | None:
+        """Append ``event`` unless ``marker`` (a key, e.g. ``names.once(...)``) is set, and
+        set it, in one atomic step; the id, or None when the marker was already set. The
+        marker expires after ``ttl_s``."""
         ...
 
     async def last_id(self, stream: str) -> str:

@@ -89,6 +89,10 @@ class StreamNames:
     def rollout(self, rollout_id: str) -> str:
         return f"{self.prefix}:{{rollout:{_check('rollout id', rollout_id)}}}"
 
+    def once(self, name: str) -> str:
+        """The marker of a step done once (``EventLog.append_once``); on the control plane."""
+        return f"{self.plane}:once:{_check('once marker', name)}"
+
     def counter(self, name: str) -> str:
         return f"{self.plane}:counter:{_check('counter', name)}"
 

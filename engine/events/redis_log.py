@@ -143,6 +143,14 @@ end
 return n
 """
 
+# KEYS[1] stream, KEYS[2] marker; ARGV[1] marker ttl (s), ARGV[2] the encoded event.
+_ONCE_SCRIPT = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[1], '*', 'e', ARGV[2])
+end
+return false
+"""
+
 # How idle a handed-back entry is made: past any claim window.
 HAND_BACK_IDLE_MS = 10**10
 
@@ -417,6 +425,7 @@ class RedisEventLog:
         self._keep_alive = self._r.register_script(_KEEP_ALIVE_SCRIPT)
         self._hand_back = self._r.register_script(_HAND_BACK_SCRIPT)
         self._dead_script = self._r.register_script(_DEAD_LETTER_SCRIPT)
+        self._once = self._r.register_script(_ONCE_SCRIPT)
         self._skipped: set[tuple[str, str]] = set()  # undecodable entries already logged
 
     # ------------------------------------------------------------------ writing
@@ -486,6 +495,22 @@ class RedisEventLog:
         if int(result[0]) != 1:
             raise AppendConflict(stream, expected_last, _s(result[1]))
         return [_s(i) for i in result[1:]]
+
+    async def append_once(
+        self,
+        stream: str,
+        event: Event,
+        marker: str,
+        *,
+        ttl_s: int = 7 * 86_400,
+        causation: Envelope | str | None = None,
+    ) -> str | None:
+        """Append ``event`` unless ``marker`` is set; set it (one script, one slot)."""
+        _one_slot(f"append-once on {stream}", [stream, marker])
+        data = self._encode(event, causation)
+        with _translate(f"append-once on {stream}"):
+            entry_id = await self._once(keys=[stream, marker], args=[ttl_s, data])
+        return None if entry_id is None else _s(entry_id)
 
     async def last_id(self, stream: str) -> str:
         with _translate(f"XREVRANGE {stream}"):

@@ -502,3 +502,19 @@ async def test_a_closed_log_can_be_closed_again(log: EventLog) -> None:
     await log.append(S, failed(0))
     await log.aclose()
     await log.aclose()
+
+
+async def test_append_once_lands_once_per_marker(log: EventLog) -> None:
+    marker = log.names.once("RolloutReady.r1")
+    first = await log.append_once(log.names.control, failed(1), marker)
+    assert first is not None
+    assert await log.append_once(log.names.control, failed(1), marker) is None
+    assert await log.append_once(log.names.control, failed(2),
+                                 log.names.once("RolloutReady.r2")) is not None
+    assert [e.event.rollout_id for e in await log.read(log.names.control)] == ["r1", "r2"]  # type: ignore[attr-defined]
+
+
+async def test_trim_before_drops_only_older_entries(log: EventLog) -> None:
+    ids = await log.append_many([(S, failed(i)) for i in range(5)])
+    assert await log.trim_before(S, ids[3]) == 3
+    assert [e.id for e in await log.read(S)] == ids[3:]

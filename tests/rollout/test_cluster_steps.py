@@ -8,10 +8,15 @@ scheduler at every one of those steps, both before the step reaches Redis and af
 landed with its reply lost, and let a second scheduler resume the request: every plan event,
 cursor, acquisition and admission must then be on the log exactly once, and the next
 rollout must continue the data cursor. They run on fakeredis and on a real 3-master cluster.
+
+The finalizer's decision is split the same way (``RolloutReady`` by compare-and-append on
+the rollout stream, then its copy on ``rl:control`` with ``append_once``); a finalizer
+killed at either step is followed by one that leaves exactly one of each.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,7 @@ import fakeredis
 import pytest
 
 from engine.actors.planning import Planner
+from engine.client import RolloutClient
 from engine.config.rollout import load_rollout_config
 from engine.events import (
     AdmissionClosed,
@@ -30,11 +36,13 @@ from engine.events import (
     EventLog,
     RedisEventLog,
     RedisSettings,
+    RolloutReady,
     TokenAcquired,
     connect,
 )
 from engine.projections.data_cursor import DataState
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
+from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state
 from tests.scheduler.helpers import load_specs, make_scheduler, request, write_config
 
 CHUNK = 5
@@ -75,6 +83,9 @@ class CrashingLog:
 
     async def append_if_last(self, *args: Any, **kwargs: Any) -> Any:
         return await self._write(lambda: self._log.append_if_last(*args, **kwargs))
+
+    async def append_once(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._write(lambda: self._log.append_once(*args, **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +189,25 @@ async def test_a_scheduler_killed_at_any_step_is_resumed_exactly_once(
             cursors = {e.event.rollout_id: e.event for e in await log.read_all(log.names.data)
                        if isinstance(e.event, DataCursorAdvanced)}
             assert cursors["r2"].previous == cursors["r1"].cursor, (at, landed)
+
+
+async def test_a_finalizer_killed_between_its_decision_and_the_copy_loses_no_copy(
+    engine: Engine, log: EventLog
+) -> None:
+    engine.start_worker()
+    cases = [(at, landed) for at in (0, 1) for landed in (False, True)]
+    for at, landed in cases:
+        rid = f"f{at}{int(landed)}"
+        await start_rollout(log, rid, n_prompts=2)
+        await wait_state(log, rid, lambda s: s.n_terminal == 2, timeout=30)
+        dying = engine.finalizer(f"dying-{rid}")
+        dying.log = CrashingLog(dying.log, at, landed=landed)  # type: ignore[assignment]
+        with pytest.raises(Crash):
+            await asyncio.wait_for(dying.follow(rid), 30)
+        for name in ("next", "another"):  # the next finalizer, then one more
+            await asyncio.wait_for(engine.finalizer(f"{name}-{rid}").follow(rid), 30)
+            assert len(await events_of(log, log.names.rollout(rid), RolloutReady)) == 1
+            ready = [r for r in await events_of(log, log.names.control, RolloutReady)
+                     if r.rollout_id == rid]
+            assert len(ready) == 1, (at, landed)
+        assert (await RolloutClient(log).wait_ready(rid, timeout=5)).n_completed == 2
