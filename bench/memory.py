@@ -14,9 +14,10 @@ logprobs and a mask per sample, 8 samples per prompt). The trainer (this process
   archived to a temporary file store and deleted as soon as it is loaded), then reads
   ``used_memory`` from ``INFO memory``. ``redis_memory_growth_ratio`` is the memory after the
   last rollout over the mean after rollouts 2..4 (the first warms up allocations). The
-  streams retention does not touch (``rl:pool``, ``rl:data``) are reported beside it, and
-  the same ratio without ``rl:pool`` (which grows by one ``TokenAcquired`` and its releases
-  per batch, see docs/benchmarks.md).
+  pool (``rl:pool`` and its snapshot: retention snapshots the pool and trims the stream
+  below the previous pass's snapshot, and ``AdmissionClosed`` lets the snapshot forget a
+  finished rollout's batches) is reported beside it, with the same ratio without the pool;
+  ``rl:data``, which retention does not touch (one small event per rollout), too.
 
     python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
 
@@ -64,7 +65,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             assert isinstance(log, RedisEventLog)
             store = tmp / "archive"
             memory: list[int] = []
-            pool: list[int] = []  # rl:pool, which retention does not touch
+            pool: list[int] = []  # rl:pool and its snapshot
             stream_bytes = 0
             by_type: dict[str, int] = {}  # encoded event bytes of the first rollout, by type
             samples_per_s: list[float] = []
@@ -81,14 +82,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 if args.keep_s == 0 and len(report.archived) != 1:
                     raise RuntimeError(f"rollout {i + 1}: retention did {report.summary()}")
                 memory.append(await used_memory(log))
-                pool.append(await log.memory_usage(log.names.pool))
+                pool.append(await log.memory_usage(log.names.pool)
+                            + await log.memory_usage(log.names.snapshot("pool")))
                 print(
                     f"rollout {i + 1}/{args.rollouts}: used_memory {memory[-1]} B, "
                     f"{result['samples_per_s']:.0f} samples/s; {report.summary()}",
                     flush=True,
                 )
             untouched = {
-                name: await log.memory_usage(name) for name in (log.names.pool, log.names.data)
+                name: await log.memory_usage(name)
+                for name in (log.names.pool, log.names.snapshot("pool"), log.names.data)
             }
             archived_bytes = sum(p.stat().st_size for p in store.iterdir())
         finally:
@@ -109,9 +112,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "used_memory_baseline": round(baseline),
         "used_memory_last": memory[-1],
         "redis_memory_growth_ratio": round(memory[-1] / baseline, 3),
-        "growth_ratio_without_pool_stream": round(rest[-1] / statistics.mean(rest[BASELINE]), 3),
-        "pool_stream_bytes_per_rollout": round((pool[-1] - pool[0]) / (len(pool) - 1)),
-        "untouched_stream_bytes": untouched,
+        "growth_ratio_without_pool": round(rest[-1] / statistics.mean(rest[BASELINE]), 3),
+        "pool_bytes_first": pool[0],
+        "pool_bytes_last": pool[-1],
+        "pool_bytes_growth_per_rollout": round((pool[-1] - pool[0]) / (len(pool) - 1)),
+        "control_plane_bytes": untouched,
         "event_bytes_per_sample": {
             kind: round(n / args.samples, 1) for kind, n in sorted(by_type.items())
         },
