@@ -141,6 +141,10 @@ class EventLog(Protocol):
         """The stream's last id (``0-0`` when empty or missing)."""
         ...
 
+    async def first_id(self, stream: str) -> str:
+        """The stream's first id (``0-0`` when empty or missing): where a trim left it."""
+        ...
+
     # ------------------------------------------------------------------ reading
 
     async def read(

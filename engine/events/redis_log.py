@@ -248,6 +248,8 @@ def connect(settings: RedisSettings) -> RedisClient:
     On a cluster, redirections (MOVED, ASK) are followed, which is safe (the node that
     answers with one did not run the command); a connection error is not retried: it
     surfaces as ``LogUnavailable`` and the caller's backoff rides it out, as on one Redis.
+    The reconnect-on-failed-ping of a single Redis's pool is not installed on a cluster's
+    node pools: there a dead pooled connection costs one ``LogUnavailable`` (retried).
     """
     auth: dict[str, Any] = {}
     if settings.username is not None:
@@ -515,6 +517,11 @@ class RedisEventLog:
     async def last_id(self, stream: str) -> str:
         with _translate(f"XREVRANGE {stream}"):
             rows = await self._r.xrevrange(stream, "+", "-", count=1)
+        return _s(rows[0][0]) if rows else EMPTY_ID
+
+    async def first_id(self, stream: str) -> str:
+        with _translate(f"XRANGE {stream}"):
+            rows = await self._r.xrange(stream, "-", "+", count=1)
         return _s(rows[0][0]) if rows else EMPTY_ID
 
     # ------------------------------------------------------------------ reading

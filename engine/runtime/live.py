@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from engine.events.base import Envelope
-from engine.events.ids import EMPTY_ID, later_id
+from engine.events.ids import EMPTY_ID, later_id, parse_id
 from engine.events.log import EventLog
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.runtime.rebuild import load_snapshot
@@ -59,11 +59,15 @@ class LiveFold(Generic[S]):
         self.folded = folded
         return folded.position != before
 
+    async def _trimmed_past(self) -> bool:
+        """Whether the stream no longer holds this fold's position (nor anything before)."""
+        first = await self.log.first_id(self.stream)
+        return first == EMPTY_ID or parse_id(first) > parse_id(self.folded.position)
+
     async def refresh(self, *, at_least: str | None = None) -> bool:
         """Fold the stream's tail past the position; returns whether the position moved."""
         if isinstance(self.projection, Snapshottable) and (
-            self.folded.position == EMPTY_ID
-            or not await self.log.read(self.stream, "-", self.folded.position, count=1)
+            self.folded.position == EMPTY_ID or await self._trimmed_past()
         ):
             snapshot = await load_snapshot(self.log, self.projection)
             if snapshot is not None and not self.folded.covers(snapshot.position):

@@ -518,3 +518,11 @@ async def test_trim_before_drops_only_older_entries(log: EventLog) -> None:
     ids = await log.append_many([(S, failed(i)) for i in range(5)])
     assert await log.trim_before(S, ids[3]) == 3
     assert [e.id for e in await log.read(S)] == ids[3:]
+
+
+async def test_first_id_is_where_a_trim_left_the_stream(log: EventLog) -> None:
+    assert await log.first_id(S) == "0-0"
+    ids = await log.append_many([(S, failed(i)) for i in range(3)])
+    assert await log.first_id(S) == ids[0]
+    await log.trim_before(S, ids[2])
+    assert await log.first_id(S) == ids[2]

@@ -125,5 +125,5 @@ async def test_top_once_shows_rollouts_pool_workers_and_groups(
     assert cells[:9] == ["rt", "eval", "READY", "6", "6", "5", "1", "0", "0"]
     [worker] = [line for line in out.splitlines() if " w1 " in line]
     assert [c.strip() for c in worker.strip("│ ").split("│")][:3] == ["w1", "0", "6"]
-    assert "evaluators" in out and "rl:work:" in out
+    assert "evaluators" in out and log.names.work("scripted") in out
     assert "ungated" in out  # the test engine declares no layout
