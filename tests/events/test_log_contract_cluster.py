@@ -5,6 +5,7 @@ over several slots, and the single-slot rule of the atomic steps."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
@@ -101,3 +102,15 @@ async def test_a_blocking_read_spans_slots(log: RedisEventLog) -> None:
     envs = await log.tail({s: "0-0" for s in streams}, block_ms=50)
     assert sorted(e.stream for e in envs) == sorted(streams)
     assert await log.tail_raw(dict(zip(streams, ids, strict=True)), block_ms=20) == []
+
+
+def test_the_cluster_fixture_skips_without_binaries_and_fails_in_ci(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server, no redis-cli
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="redis-server and redis-cli not installed"):
+        next(cluster_fixture())
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="missing in CI"):
+        next(cluster_fixture())
