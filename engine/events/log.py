@@ -129,7 +129,7 @@ class EventLog(Protocol):
         event: Event,
         marker: str,
         *,
-        ttl_s: int = 7 * 86_400,
+        ttl_s: int = 86_400,
         causation: Envelope | str | None = None,
     ) -> str | None:
         """Append ``event`` unless ``marker`` (a key, e.g. ``names.once(...)``) is set, and

@@ -504,7 +504,7 @@ class RedisEventLog:
         event: Event,
         marker: str,
         *,
-        ttl_s: int = 7 * 86_400,
+        ttl_s: int = 86_400,
         causation: Envelope | str | None = None,
     ) -> str | None:
         """Append ``event`` unless ``marker`` is set; set it (one script, one slot)."""
