@@ -1,7 +1,8 @@
 """A whole rollout on a real 3-master Redis Cluster: scheduler, two evaluator workers and a
 finalizer as processes (``python -m workers.*`` with a ``redis+cluster://`` URL), the
 trainer's client requesting, waiting and loading. Nothing in the engine knows it is on a
-cluster beyond the URL: the control plane shares one slot, the rollout streams spread."""
+cluster beyond the URL: the control plane shares one slot, the rollout streams spread. The
+operator tools (status, pool, top, tail, retention) then run against the same cluster."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.events import (
     SampleCompleted,
     connect,
 )
+from engine.ops import cli
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
 from tests.rollout.conftest import (
     EVALUATOR_CONFIG,
@@ -56,8 +58,13 @@ def procs(redis_cluster: RedisClusterProcs, tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
+async def _cli(*argv: str) -> int:
+    return await asyncio.to_thread(cli.main, list(argv))
+
+
 async def test_rollouts_on_a_redis_cluster(
-    cluster_log: EventLog, procs: Procs, redis_cluster: RedisClusterProcs, tmp_path: Path
+    cluster_log: EventLog, procs: Procs, redis_cluster: RedisClusterProcs, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = cluster_log
     data = tmp_path / "ds.jsonl"
@@ -101,5 +108,22 @@ async def test_rollouts_on_a_redis_cluster(
     # The keys really live on several masters.
     per_node = [int(redis_cluster.cli(p, "DBSIZE")) for p in redis_cluster.ports]
     assert sum(1 for n in per_node if n > 0) >= 2, per_node
+    # The operator tools, pointed at the cluster.
+    url = redis_cluster.url
+    capsys.readouterr()
+    assert await _cli("status", rids[0], "--redis-url", url) == 0
+    assert await _cli("pool", "--redis-url", url) == 0
+    assert await _cli("top", "--once", "--redis-url", url) == 0
+    # a blocking read over the control plane and a rollout stream (two slots)
+    assert await _cli("tail", "--from-start", "--count", "5", "--rollout", rids[1],
+                      "--redis-url", url) == 0
+    out = capsys.readouterr().out
+    assert "1 node" in out and log.names.work("scripted") in out
+    assert sum(1 for line in out.splitlines() if f"rollout={rids[1]}" in line) == 5
+    assert await _cli("retention", "--store", str(tmp_path / "store"), "--keep-s", "0",
+                      "--redis-url", url) == 0
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted(
+        f"{rid}.rollout" for rid in rids)
+    assert await log.read_snapshot("pool") is not None
     sched.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(asyncio.to_thread(sched.wait), 30) == 0
