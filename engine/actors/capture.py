@@ -10,7 +10,8 @@ Contract
   its top-K ids and logprobs (flattened row-major, K per position) and the action mask
   (student action tokens only: the loss mask without the DAgger rollin's teacher tokens),
   for the attempt that produced the trajectory. The lane shaping (the mixed lane's
-  sentinel) happens when the samples are built, ``engine.projections.lanes``. Samples are scored concurrently, up to ``concurrency`` at once.
+  sentinel) happens when the samples are built, ``engine.projections.lanes``. Samples are
+  scored concurrently, up to ``concurrency`` at once.
 * A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
   failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
   to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.actors.artifacts import write_artifacts
+from engine.actors.dumps import DumpConfig, write_dumps
 from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
@@ -233,6 +234,7 @@ class FinalizerConfig:
     # Each followed rollout holds one connection in a blocking read; stay well under the
     # client's connection pool (RedisSettings.max_connections).
     max_rollouts: int = 32
+    dumps: DumpConfig | None = None  # analysis dumps, best-effort (engine.actors.dumps)
     group: str = GROUP
     outage_limit_s: float | None = 300.0
 
@@ -389,6 +391,8 @@ class Finalizer:
         if state.ready is not None:
             if self.config.out_dir is not None:
                 write_artifacts(state, self.config.out_dir / rollout_id)
+            if self.config.dumps is not None:
+                write_dumps(state, self.config.dumps)  # never raises: best-effort
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
                 rollout_id,

@@ -156,9 +156,8 @@ def test_a_student_first_turn_and_teacher_only_or_student_only_trajectories() ->
         (0, 5)
     ]
     # beta 1: every turn the teacher's, no cut point: one sub-sample, the whole response
-    assert [(c.start, c.end) for c in ce_chunks(completed("r", 0, [("t", 2), ("o", 1), ("t", 2)]))] == [
-        (0, 5)
-    ]
+    teacher_only = completed("r", 0, [("t", 2), ("o", 1), ("t", 2)])
+    assert [(c.start, c.end) for c in ce_chunks(teacher_only)] == [(0, 5)]
     # beta 0: nothing to imitate
     assert ce_chunks(completed("r", 0, [("s", 2), ("o", 1), ("s", 2)])) == []
 
