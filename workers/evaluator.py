@@ -329,6 +329,11 @@ def teacher_port(args: argparse.Namespace) -> TeacherBackend | None:
     handed to ``build_agents`` as ``args.teacher``, closed when the worker stops."""
     if not args.teacher_url:
         return None
+    if args.teacher_tokenizer is None:
+        logger.warning(
+            "--teacher-url without --teacher-tokenizer: the teacher cannot render a "
+            "conversation, so DAgger turns get no label and the student's turn stands"
+        )
     return TeacherBackend(
         config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
     )
