@@ -99,7 +99,12 @@ class RolloutRequested(Event):
 
 
 class RolloutReady(Event):
-    """Every sample of the rollout is terminal and shaped; the trainer may load it."""
+    """Every sample of the rollout is terminal and shaped; the trainer may load it.
+
+    v2 added ``gbs_scale``; a v1 event upcasts to 1.0 (no scaling, what it meant then).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["RolloutReady"] = "RolloutReady"
     rollout_id: str
@@ -120,6 +125,12 @@ class RolloutReady(Event):
     # sub-samples per kept trajectory, so a trainer multiplying its batch size by it keeps
     # tasks per optimizer step constant. 1.0 for every other lane (and events before it).
     gbs_scale: float = 1.0
+
+
+@upcaster("RolloutReady", 1)
+def _rollout_ready_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    payload.pop("gbs_scale", None)  # v1 had no CE lane: the default 1.0 is what it meant
+    return payload
 
 
 class RolloutFailed(Event):

@@ -10,7 +10,7 @@ import torch
 from engine.actors.finalizer import decide_capture, decide_ready
 from engine.client import TEACHER_ALGORITHMS, collate
 from engine.errors import ConfigError
-from engine.events.catalog import SampleCompleted
+from engine.events.catalog import RolloutReady, SampleCompleted
 from engine.events.codec import decode, encode
 from engine.projections.lanes import (
     CE_ALGORITHMS,
@@ -67,6 +67,19 @@ def test_sample_completed_v2_round_trips_and_v1_upcasts_to_no_rollin() -> None:
     v1 = decode(msgpack.packb(payload, use_bin_type=True))
     assert isinstance(v1, SampleCompleted)
     assert len(v1.teacher_mask) == 0 and v1.student_cut_points == []
+
+
+def test_rollout_ready_v1_upcasts_to_no_scaling() -> None:
+    import msgpack
+
+    payload = msgpack.unpackb(
+        encode(RolloutReady(rollout_id="r", sample_ids=["r:s0"], gbs_scale=2.5)),
+        raw=False, ext_hook=_keep_ext,
+    )
+    payload.pop("gbs_scale")
+    payload["v"] = 1
+    v1 = decode(msgpack.packb(payload, use_bin_type=True))
+    assert isinstance(v1, RolloutReady) and v1.gbs_scale == 1.0 and v1.sample_ids == ["r:s0"]
 
 
 def _keep_ext(code: int, data: bytes) -> object:
