@@ -163,7 +163,8 @@ def teacher_shape(done: SampleCompleted, scored: TeacherScored, lane: Lane) -> T
         values = np.where(is_teacher, np.float32(TEACHER_SENTINEL), teacher_lps.numpy())
         teacher_lps = LogProbs.from_values(values.astype(np.float32))
         loss = Mask.from_values((action.numpy().astype(bool) | is_teacher).astype(np.uint8))
-    k = scored.top_k if len(scored.topk_ids) == scored.top_k * n else 0
+    rows = len(scored.topk_ids)
+    k = scored.top_k if rows == scored.top_k * n == len(scored.topk_logprobs) else 0
     return TeacherShape(
         teacher_log_probs=teacher_lps,
         loss_mask=loss,
