@@ -257,7 +257,7 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch
             )
             out[name] = torch.from_numpy(values)
     if _lane_field(samples, "teacher_topk_ids") is not None:
-        out.update(_topk(samples, response, width))
+        out.update(_topk(samples, width))
     return out
 
 
@@ -271,9 +271,7 @@ def _lane_field(samples: Sequence[Sample], name: str) -> list[Any] | None:
     return arrays
 
 
-def _topk(
-    samples: Sequence[Sample], response: np.ndarray[Any, Any], width: int
-) -> dict[str, torch.Tensor]:
+def _topk(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
     """``teacher_topk_ids`` [B, T, K] int64 and ``teacher_topk_log_probs`` [B, T, K] float32,
     aligned with ``tokens`` (zeros on the prompt, padding and removed samples)."""
     ks = {s.teacher_top_k for s in samples if s.teacher_topk_ids is not None}
@@ -283,18 +281,15 @@ def _topk(
     batch = len(samples)
     ids = np.zeros((batch, width, k), dtype=np.int64)
     lps = np.zeros((batch, width, k), dtype=np.float32)
-    id_rows = [
-        s.teacher_topk_ids if s.teacher_topk_ids is not None
-        else TokenIds(bytes(TokenIds.itemsize * k * s.response_length))
-        for s in samples
-    ]
-    lp_rows = [
-        s.teacher_topk_log_probs if s.teacher_topk_log_probs is not None
-        else LogProbs(bytes(LogProbs.itemsize * k * s.response_length))
-        for s in samples
-    ]
-    ids[response] = _joined(TokenIds, id_rows).reshape(-1, k)
-    lps[response] = _joined(LogProbs, lp_rows).reshape(-1, k)
+    # Row by row: each sample's rows are one contiguous block (a copy, no boolean scatter
+    # over a [B, T, K] array).
+    for row, s in enumerate(samples):
+        if s.teacher_topk_ids is None or s.teacher_topk_log_probs is None:
+            continue  # a removed sample: zeros
+        end = len(s.tokens)
+        start = end - s.response_length
+        ids[row, start:end] = s.teacher_topk_ids.numpy().reshape(-1, k)
+        lps[row, start:end] = s.teacher_topk_log_probs.numpy().reshape(-1, k)
     return {
         "teacher_topk_ids": torch.from_numpy(ids),
         "teacher_topk_log_probs": torch.from_numpy(lps),

@@ -154,11 +154,12 @@ def sample_of(
     )
 
 
-def ce_sample(s: SampleState, chunk: CeChunk) -> Sample:
+def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> Sample:
     """One SFT sub-sample of a completed trajectory (the CE lane; see
     :func:`engine.projections.lanes.ce_chunks`): the prompt and the first ``chunk.end``
-    response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``."""
-    parent = sample_of(s)
+    response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``.
+    ``parent`` is ``sample_of(s)`` when the caller has it already."""
+    parent = parent if parent is not None else sample_of(s)
     done = s.completed
     assert done is not None
     end = chunk.end
@@ -211,7 +212,10 @@ def trainer_samples(state: RolloutState) -> list[Sample]:
     lane = request_lane(state.request)
     if lane is Lane.CE:
         plan = ce_plan(state, ready.sample_ids)
-        chunks = [ce_sample(state.samples[c.sample_id], c) for c in plan.chunks]
+        parents = {sid: sample_of(state.samples[sid]) for sid in {c.sample_id for c in plan.chunks}}
+        chunks = [
+            ce_sample(state.samples[c.sample_id], c, parents[c.sample_id]) for c in plan.chunks
+        ]
         return chunks or [Sample.masked_dummy(policy_version=ready.policy_version)]
     for sample_id in ready.sample_ids:
         out.append(sample_of(state.samples[sample_id], lane=lane))
