@@ -18,10 +18,14 @@ Contract
   its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
-  prompt), ``teacher_log_probs`` (only when every sample has them), ``rewards`` (the scalar
-  reward), ``response_lengths``, ``prompt_lengths``, ``remove_sample`` and ``token_versions``
-  (int64, same layout: the server-reported weight version of each sampled token, -1 on the
-  prompt, on padding, on observation tokens and where no version is known).
+  prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
+  ``remove_sample`` and ``token_versions`` (int64, same layout: the server-reported weight
+  version of each sampled token, -1 on the prompt, on padding, on observation tokens and
+  where no version is known). The teacher lanes add, when every sample that is not removed
+  carries them (masked dummies get zeros): ``teacher_log_probs`` [B, T] float32 (the mixed
+  lane's +1.0 sentinel at teacher positions), ``teacher_topk_ids`` [B, T, K] int64,
+  ``teacher_topk_log_probs`` [B, T, K] float32, ``action_mask`` [B, T] (student action
+  tokens only) and ``is_teacher_mask`` [B, T], all in the layout of ``tokens`` (prompt 0).
 * ``SyncRolloutClient`` offers the same calls for synchronous trainer loops; it runs the
   async client on a private event loop.
 """
@@ -242,12 +246,58 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch
         TokenIds, [_or_unknown(s.token_versions, s.response_length) for s in samples]
     )
     out["token_versions"] = torch.from_numpy(versions)
-    teachers = [s.teacher_log_probs for s in samples]
-    if all(t is not None for t in teachers):
-        teacher = np.zeros((batch, width), dtype=np.float32)
-        teacher[response] = _joined(LogProbs, [t for t in teachers if t is not None])
-        out["teacher_log_probs"] = torch.from_numpy(teacher)
+    per_token: tuple[tuple[str, type[PackedArray], Any], ...] = (
+        ("teacher_log_probs", LogProbs, np.float32),
+        ("action_mask", Mask, np.float32),
+        ("is_teacher_mask", Mask, np.float32),
+    )
+    for name, kind, dtype in per_token:
+        arrays = _lane_field(samples, name)
+        if arrays is not None:
+            values = np.zeros((batch, width), dtype=dtype)
+            values[response] = _joined(
+                kind, [a if a is not None else kind(bytes(kind.itemsize * s.response_length))
+                       for a, s in zip(arrays, samples, strict=True)]
+            )
+            out[name] = torch.from_numpy(values)
+    if _lane_field(samples, "teacher_topk_ids") is not None:
+        out.update(_topk(samples, width))
     return out
+
+
+def _lane_field(samples: Sequence[Sample], name: str) -> list[Any] | None:
+    """A lane's per-token field of each sample, when every sample that is not removed has it
+    (and one does); removed samples (masked dummies) then get zeros. None: not a batch field."""
+    arrays = [getattr(s, name) for s in samples]
+    kept = [a for a, s in zip(arrays, samples, strict=True) if not s.remove_sample]
+    if not any(a is not None for a in arrays) or any(a is None for a in kept):
+        return None
+    return arrays
+
+
+def _topk(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
+    """``teacher_topk_ids`` [B, T, K] int64 and ``teacher_topk_log_probs`` [B, T, K] float32,
+    aligned with ``tokens`` (zeros on the prompt, padding and removed samples)."""
+    ks = {s.teacher_top_k for s in samples if s.teacher_topk_ids is not None}
+    if len(ks) != 1:
+        raise ValueError(f"collate: the samples' teacher top-K differ: {sorted(ks)}")
+    (k,) = ks
+    batch = len(samples)
+    ids = np.zeros((batch, width, k), dtype=np.int64)
+    lps = np.zeros((batch, width, k), dtype=np.float32)
+    # Row by row: each sample's rows are one contiguous block (a copy, no boolean scatter
+    # over a [B, T, K] array).
+    for row, s in enumerate(samples):
+        if s.teacher_topk_ids is None or s.teacher_topk_log_probs is None:
+            continue  # a removed sample: zeros
+        end = len(s.tokens)
+        start = end - s.response_length
+        ids[row, start:end] = s.teacher_topk_ids.numpy().reshape(-1, k)
+        lps[row, start:end] = s.teacher_topk_log_probs.numpy().reshape(-1, k)
+    return {
+        "teacher_topk_ids": torch.from_numpy(ids),
+        "teacher_topk_log_probs": torch.from_numpy(lps),
+    }
 
 
 def _joined(kind: type[PackedArray], arrays: Sequence[PackedArray]) -> np.ndarray[Any, Any]:

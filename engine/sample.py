@@ -53,6 +53,14 @@ from engine.events.arrays import LogProbs, Mask, TokenIds, concat
 
 __all__ = ["DUMMY_TOKENS", "Sample"]
 
+_OPTIONAL_FIELDS = (
+    "token_versions",
+    "teacher_topk_ids",
+    "teacher_topk_log_probs",
+    "action_mask",
+    "is_teacher_mask",
+)
+
 DUMMY_TOKENS: tuple[int, int] = (0, 0)
 _DUMMY_IDS = TokenIds.from_values(DUMMY_TOKENS)
 _DUMMY_MASK = Mask.from_values([0] * len(DUMMY_TOKENS))
@@ -75,6 +83,15 @@ class Sample(FrozenModel):
     loss_mask: Mask
     rollout_log_probs: LogProbs | None = None
     teacher_log_probs: LogProbs | None = None
+    # Per-token teacher lanes (engine.projections.lanes): the teacher's top-K ids and logprobs
+    # per response token, flattened row-major (``teacher_top_k`` per position), the action
+    # mask (student action tokens only) and the is-teacher mask (DAgger rollin). None when the
+    # lane records none; left out of ``model_dump`` then.
+    teacher_top_k: NonNegInt = 0
+    teacher_topk_ids: TokenIds | None = None
+    teacher_topk_log_probs: LogProbs | None = None
+    action_mask: Mask | None = None
+    is_teacher_mask: Mask | None = None
     reward: _Score | dict[str, _Score] = 0.0
     status: SampleStatus = SampleStatus.PENDING
     termination_reason: TerminationReason | None = None
@@ -88,8 +105,12 @@ class Sample(FrozenModel):
         self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
     ) -> dict[str, object]:
         out: dict[str, object] = handler(self)
-        if self.token_versions is None:
-            out.pop("token_versions", None)  # dumps stay as before it existed
+        # Dumps stay as before these fields existed when they are unset.
+        for name in _OPTIONAL_FIELDS:
+            if getattr(self, name) is None:
+                out.pop(name, None)
+        if not self.teacher_top_k:
+            out.pop("teacher_top_k", None)
         return out
 
     @model_validator(mode="after")
@@ -107,6 +128,20 @@ class Sample(FrozenModel):
                 f"teacher_log_probs has {len(self.teacher_log_probs)} entries for "
                 f"{self.response_length} response tokens"
             )
+        for name in ("action_mask", "is_teacher_mask"):
+            mask = getattr(self, name)
+            if mask is not None:
+                check_response_arrays(self.response_length, mask, None, name=name)
+        k = self.teacher_top_k
+        for name in ("teacher_topk_ids", "teacher_topk_log_probs"):
+            rows = getattr(self, name)
+            if (rows is None) != (k == 0):
+                raise ValueError(f"{name} must be given exactly when teacher_top_k > 0")
+            if rows is not None and len(rows) != k * self.response_length:
+                raise ValueError(
+                    f"{name} has {len(rows)} entries for {self.response_length} response "
+                    f"tokens of top-{k}"
+                )
         if self.token_versions is not None and len(self.token_versions) != self.response_length:
             raise ValueError(
                 f"token_versions has {len(self.token_versions)} entries for "

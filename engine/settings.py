@@ -77,6 +77,33 @@ class Settings(FrozenModel):
     tmp_dir: Path | None = Field(
         None, description="Parent of per-episode temporary directories (unset: system temp)."
     )
+    # -- the teacher (docs/trainers.md, "Teacher lanes") ---------------------------------
+    teacher_url: str | None = Field(
+        None,
+        description="Base URL of the teacher's SGLang server: evaluator workers hand it to "
+        "build_agents(args) as args.teacher (DAgger labels), capture workers force-decode on it.",
+    )
+    teacher_tokenizer: Path | None = Field(
+        None,
+        description="The teacher's Hugging Face folder (its tokenizer and chat template; "
+        "unset: the server's own tokenization is not used and labels need it).",
+    )
+    # -- analysis dumps of the finalizer (docs/trainers.md, "Analysis dumps") ------------
+    distill_dump_dir: Path | None = Field(
+        None,
+        description="Directory of the per-iteration OPD discrepancy dump (teacher and student "
+        "logprobs, action mask) of per-token-lane rollouts (unset: off).",
+    )
+    mixed_dump_dir: Path | None = Field(
+        None,
+        description="Directory of the per-iteration mixed-loss dump (sentinel'd teacher "
+        "logprobs, is-teacher mask) of mixed-lane rollouts (unset: off).",
+    )
+    student_dump_dir: Path | None = Field(
+        None,
+        description="Directory of the per-iteration student dump of eval rollouts (one .pt "
+        "per finished sample and a manifest.json; unset: off).",
+    )
     block_ms: int = Field(
         2_000,
         ge=1,

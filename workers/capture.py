@@ -44,8 +44,14 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "--outage-limit-s", type=float, default=settings.outage_limit_s,
         help="how long to ride out an unreachable Redis before exiting with a fatal error",
     )
-    parser.add_argument("--teacher-url", required=True, help="the teacher's SGLang server")
-    parser.add_argument("--teacher-tokenizer", default=None, help="teacher tokenizer folder")
+    parser.add_argument(
+        "--teacher-url", default=settings.teacher_url, required=settings.teacher_url is None,
+        help="the teacher's SGLang server (default: ROLLOUT_TEACHER_URL)",
+    )
+    parser.add_argument(
+        "--teacher-tokenizer", default=settings.teacher_tokenizer,
+        help="teacher tokenizer folder (default: ROLLOUT_TEACHER_TOKENIZER)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
     parser.add_argument("--max-tries", type=int, default=3, help="tries per sample")
     return parser

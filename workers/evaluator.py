@@ -41,6 +41,7 @@ from typing import Any
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool, parse_urls
+from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.config.evaluators import load_evaluators
 from engine.domain import Resource
 from engine.errors import ConfigError, LogError, OutageExceeded, SandboxError
@@ -59,7 +60,7 @@ from workers._common import (
     setup_logging,
 )
 
-__all__ = ["Progress", "build_parser", "docker_config", "main"]
+__all__ = ["Progress", "build_parser", "docker_config", "main", "teacher_port"]
 
 logger = logging.getLogger("workers.evaluator")
 
@@ -99,6 +100,18 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         type=Path,
         default=settings.model_dir,
         help="policy model/tokenizer folder, passed to build_agents as args.model_dir",
+    )
+    add(
+        "--teacher-url",
+        default=settings.teacher_url,
+        help="the teacher's SGLang server; the worker owns one TeacherBackend on it and hands "
+        "it to build_agents as args.teacher (default: ROLLOUT_TEACHER_URL; unset: None)",
+    )
+    add(
+        "--teacher-tokenizer",
+        type=Path,
+        default=settings.teacher_tokenizer,
+        help="the teacher's tokenizer / chat template folder (default: ROLLOUT_TEACHER_TOKENIZER)",
     )
     add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
     add(
@@ -294,6 +307,8 @@ async def _serve(
         return 1
     finally:
         await backends.aclose()
+        if args.teacher is not None:  # the worker's teacher port, built in main
+            await args.teacher.aclose()
         await log.aclose()
         if isinstance(provider, LocalSandboxProvider | DockerSandboxProvider):
             provider.close()
@@ -309,6 +324,21 @@ def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
     return urls
 
 
+def teacher_port(args: argparse.Namespace) -> TeacherBackend | None:
+    """The worker's teacher (``--teacher-url``), like its student ``BackendPool``: built once,
+    handed to ``build_agents`` as ``args.teacher``, closed when the worker stops."""
+    if not args.teacher_url:
+        return None
+    if args.teacher_tokenizer is None:
+        logger.warning(
+            "--teacher-url without --teacher-tokenizer: the teacher cannot render a "
+            "conversation, so DAgger turns get no label and the student's turn stands"
+        )
+    return TeacherBackend(
+        config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings()
     if settings is None:
@@ -322,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
     try:
         policy_urls(args, settings)
+        args.teacher = teacher_port(args)
         specs = load_evaluators(args.evaluator_config, args)
         ids = _select(specs, args.evaluators)
         docker = None

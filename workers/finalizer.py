@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.actors.dumps import DumpConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
 from engine.errors import LogError, OutageExceeded
 from engine.events.catalog import RolloutReady
@@ -50,6 +51,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
     parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
+    for name, what in (("distill", "OPD discrepancy"), ("mixed", "mixed-loss"),
+                       ("student", "per-iteration student")):
+        parser.add_argument(
+            f"--{name}-dump-dir", type=Path, default=getattr(settings, f"{name}_dump_dir"),
+            help=f"write the {what} dump here (default: ROLLOUT_{name.upper()}_DUMP_DIR; off)",
+        )
     return parser
 
 
@@ -74,6 +81,11 @@ async def _serve(args: argparse.Namespace) -> int:
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
             outage_limit_s=args.outage_limit_s,
+            dumps=DumpConfig(
+                distill_dir=args.distill_dump_dir,
+                mixed_dir=args.mixed_dump_dir,
+                student_dir=args.student_dump_dir,
+            ),
         ),
         on_ready=_print_ready,
     )

@@ -7,9 +7,11 @@ Contract
 * For each named sample that is completed and not yet scored, the teacher force-decodes
   ``prompt_ids + response_ids`` (:class:`TeacherScorer`) and the worker appends
   ``TeacherScored`` to the rollout stream: the teacher's logprob of every response token,
-  its top-K ids and logprobs (flattened row-major, K per position) and the action mask (the
-  sample's loss mask: the tokens the student emitted), for the attempt that produced the
-  trajectory. Samples are scored concurrently, up to ``concurrency`` at once.
+  its top-K ids and logprobs (flattened row-major, K per position) and the action mask
+  (student action tokens only: the loss mask without the DAgger rollin's teacher tokens),
+  for the attempt that produced the trajectory. The lane shaping (the mixed lane's
+  sentinel) happens when the samples are built, ``engine.projections.lanes``. Samples are
+  scored concurrently, up to ``concurrency`` at once.
 * A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
   failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
   to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.
@@ -32,6 +34,7 @@ import numpy as np
 from engine.events.arrays import LogProbs, TokenIds
 from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
 from engine.events.log import EventLog
+from engine.projections.lanes import action_mask_of
 from engine.projections.rollout import RolloutProjection, SampleState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
@@ -236,6 +239,6 @@ def _scored(
         top_k=k,
         topk_ids=TokenIds.from_values(ids),
         topk_logprobs=LogProbs.from_values(lps),
-        action_mask=done.loss_mask,
+        action_mask=action_mask_of(done),
         causation=causation,
     )

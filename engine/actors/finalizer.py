@@ -12,9 +12,11 @@ Contract
   1. applies the request's filters (rollout-engine §5): reward-based rejection first (drop
      every group whose samples' rewards are all equal -- an aborted sample counts as 0),
      then finish-only (keep samples whose episode ended with a clean ``finish``);
-  2. when the request needs teacher logprobs (``teacher_capture``), asks for them once
+  2. routes by the request's ``algorithm`` (``engine.projections.lanes``): when the lane
+     needs teacher logprobs (the per-token lanes, or ``teacher_capture``), asks for them once
      (``CaptureRequested`` for the kept completed samples, on ``rl:capture`` and, as the
-     guard, on the rollout stream) and waits for their ``TeacherScored``;
+     guard, on the rollout stream) and waits for their ``TeacherScored``; the CE-only lane
+     drops the trajectories with an over-long SFT sub-sample whole and sets ``gbs_scale``;
   3. appends ``RolloutReady`` -- kept sample ids in training (index) order, dropped ids,
      counts and metrics; an empty result gives ``dummy=True`` (the trainer loads one masked
      dummy) -- to the rollout stream *with compare-and-append*, then a copy to
@@ -56,6 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.actors.artifacts import write_artifacts
+from engine.actors.dumps import DumpConfig, write_dumps
 from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
@@ -69,6 +72,7 @@ from engine.events.catalog import (
     SampleCompleted,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
+from engine.projections.lanes import needs_teacher, route
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
 from engine.projections.summary import FailureClass, eval_metrics, sample_rows
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
@@ -120,7 +124,7 @@ def _finished(done: SampleCompleted) -> bool:
 
 
 def _needs_teacher(state: RolloutState) -> bool:
-    return state.request is not None and state.request.teacher_capture
+    return needs_teacher(state.request)  # routed by the request's algorithm (lanes)
 
 
 def _unscored(state: RolloutState, kept: list[str]) -> list[str]:
@@ -200,6 +204,8 @@ def decide_ready(state: RolloutState) -> RolloutReady | None:
     kept, dropped = apply_filters(state)
     if _needs_teacher(state) and _unscored(state, kept):
         return None
+    routed = route(state, kept, dropped)  # route -> shape (engine.projections.lanes)
+    kept, dropped = routed.kept, routed.dropped
     n_completed = sum(1 for s in state.samples.values() if s.completed is not None)
     request = state.request
     assert state.rollout_id is not None
@@ -213,8 +219,9 @@ def decide_ready(state: RolloutState) -> RolloutReady | None:
         dummy=not kept,
         n_completed=n_completed,
         n_aborted=len(state.samples) - n_completed,
-        metrics=ready_metrics(state, kept, dropped),
+        metrics={**ready_metrics(state, kept, dropped), **(routed.metrics or {})},
         version_tokens=version_spread(state, kept),
+        gbs_scale=routed.gbs_scale,
     )
 
 
@@ -232,6 +239,7 @@ class FinalizerConfig:
     # Each followed rollout holds one connection in a blocking read; stay well under the
     # client's connection pool (RedisSettings.max_connections).
     max_rollouts: int = 32
+    dumps: DumpConfig | None = None  # analysis dumps, best-effort (engine.actors.dumps)
     group: str = GROUP
     outage_limit_s: float | None = 300.0
 
@@ -409,6 +417,8 @@ class Finalizer:
         if state.ready is not None:
             if self.config.out_dir is not None:
                 write_artifacts(state, self.config.out_dir / rollout_id)
+            if self.config.dumps is not None:
+                write_dumps(state, self.config.dumps)  # never raises: best-effort
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
                 rollout_id,

@@ -25,6 +25,7 @@ from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, Reward
 from engine.domain import TerminationReason
 from engine.errors import AgentError
+from engine.events.arrays import Mask
 from engine.events.base import Event
 from engine.events.catalog import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
 from engine.projections.samples import scalar_reward
@@ -117,6 +118,8 @@ def completed_events(
         policy_version=policy_version,
         metrics=dict(result.metrics),
         token_versions=result.response_versions,
+        teacher_mask=result.teacher_mask if result.teacher_mask is not None else Mask.empty(),
+        student_cut_points=list(result.student_cut_points),
         causation=causation,
     )
     return [*turns, done]

@@ -21,7 +21,10 @@ student-executed turn begins), and the metrics ``dagger_beta``, ``dagger_t_max``
 ``dagger_teacher_turns``, ``dagger_label_failures``, ``dagger_draw_<turn>`` (each turn's draw)
 and ``dagger_teacher_<turn>`` (1.0 where the teacher acted).
 
-The teacher is given to the agent (``teacher=``); the agent uses it and never closes it.
+The teacher is given to the agent (``teacher=``; in a worker, the worker's own
+``TeacherBackend`` port, ``args.teacher``); the agent uses it and never closes it. Without
+one (``None``) the agent is student-only, and a turn the teacher should act on fails the
+sample with a ``ConfigError`` naming the missing setting.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class DAggerAgent(ToolAgent):
         config: ToolAgentConfig,
         *,
         verifier: Verifier,
-        teacher: TeacherBackend,
+        teacher: TeacherBackend | None,
         dagger: DAggerConfig | None = None,
         tokenizer: Any | None = None,
     ) -> None:
@@ -107,6 +110,11 @@ class DAggerAgent(ToolAgent):
             return await super()._act(step)
         budget = int(step.sampling_params["max_new_tokens"])
         where = f"sample {context.sample_id} turn {step.turn}"
+        if self.teacher is None:
+            raise ConfigError(
+                f"{where}: dagger_beta {context.dagger_beta} asks the teacher to act, but this "
+                "worker has no teacher: start it with --teacher-url (ROLLOUT_TEACHER_URL)"
+            )
         label = await self.teacher.label_turn(
             step.history,
             tools=self._schemas,

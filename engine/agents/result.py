@@ -20,7 +20,9 @@ UNKNOWN_VERSION = -1
 Reward = float | dict[str, float]
 
 
-def check_response_arrays(response_length: int, loss_mask: Mask, logprobs: LogProbs | None) -> None:
+def check_response_arrays(
+    response_length: int, loss_mask: Mask, logprobs: LogProbs | None, *, name: str = "loss_mask"
+) -> None:
     """Raise ``ValueError`` unless the per-response-token arrays line up.
 
     ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
@@ -28,14 +30,14 @@ def check_response_arrays(response_length: int, loss_mask: Mask, logprobs: LogPr
     """
     if len(loss_mask) != response_length:
         raise ValueError(
-            f"loss_mask has {len(loss_mask)} entries for {response_length} response tokens"
+            f"{name} has {len(loss_mask)} entries for {response_length} response tokens"
         )
     if logprobs is not None and len(logprobs) != response_length:
         raise ValueError(
             f"response logprobs have {len(logprobs)} entries for {response_length} response tokens"
         )
     if loss_mask.data.translate(None, _BITS):  # anything left is neither 0 nor 1
-        raise ValueError("loss_mask entries must be 0 or 1")
+        raise ValueError(f"{name} entries must be 0 or 1")
 
 
 _BITS = b"\x00\x01"

@@ -100,7 +100,12 @@ class RolloutRequested(Event):
 
 
 class RolloutReady(Event):
-    """Every sample of the rollout is terminal and shaped; the trainer may load it."""
+    """Every sample of the rollout is terminal and shaped; the trainer may load it.
+
+    v2 added ``gbs_scale``; a v1 event upcasts to 1.0 (no scaling, what it meant then).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["RolloutReady"] = "RolloutReady"
     rollout_id: str
@@ -117,6 +122,16 @@ class RolloutReady(Event):
     # keyed by the version as a string (msgpack map keys are strings); "-1" counts tokens of
     # unknown version. Empty for a rollout without kept tokens (and events before it).
     version_tokens: dict[str, int] = Field(default_factory=dict)
+    # The CE-only lane's dynamic global-batch-size scaling (engine.projections.lanes): SFT
+    # sub-samples per kept trajectory, so a trainer multiplying its batch size by it keeps
+    # tasks per optimizer step constant. 1.0 for every other lane (and events before it).
+    gbs_scale: float = 1.0
+
+
+@upcaster("RolloutReady", 1)
+def _rollout_ready_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    payload.pop("gbs_scale", None)  # v1 had no CE lane: the default 1.0 is what it meant
+    return payload
 
 
 class RolloutFailed(Event):
@@ -344,7 +359,13 @@ class TurnCompleted(Event):
 
 
 class SampleCompleted(Event):
-    """A finished episode with its token-level trajectory and reward."""
+    """A finished episode with its token-level trajectory and reward.
+
+    v2 added the DAgger rollin's ``teacher_mask`` and ``student_cut_points``; a v1 event
+    upcasts to "none recorded" (an empty mask, no cut points).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["SampleCompleted"] = "SampleCompleted"
     rollout_id: str
@@ -366,6 +387,19 @@ class SampleCompleted(Event):
     # Per response token, the server-reported weight version of the turn that sampled it; -1
     # for observation tokens and unknown versions. Empty: not recorded (events before it).
     token_versions: TokenIds = Field(default_factory=TokenIds.empty)
+    # DAgger rollin (engine.agents.dagger): 1 on response tokens the teacher produced; empty
+    # when the agent recorded none (every token is then the student's or an observation).
+    teacher_mask: Mask = Field(default_factory=Mask.empty)
+    # The response offsets where each student-executed turn begins (the CE lane's cuts).
+    student_cut_points: list[int] = Field(default_factory=list)
+
+
+@upcaster("SampleCompleted", 1)
+def _sample_completed_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 recorded no rollin: the defaults (no teacher tokens, no cut points) say exactly that.
+    payload.pop("teacher_mask", None)
+    payload.pop("student_cut_points", None)
+    return payload
 
 
 class SampleAborted(Event):

@@ -6,9 +6,13 @@ client's ``load`` and ``rollout replay`` both call it, so they agree by construc
 
 * The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
 * A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
-  reward. When the rollout's algorithm captured teacher logprobs (``TeacherScored``), the
-  sample carries ``teacher_log_probs`` and its ``loss_mask`` becomes the action mask
-  (inference-backend §3 role B: the loss sees exactly the student-emitted tokens).
+  reward, shaped by the request's lane (:mod:`engine.projections.lanes`): with teacher
+  logprobs captured (``TeacherScored``, the per-token lanes) it carries ``teacher_log_probs``,
+  the teacher's top-K ids and logprobs, the action mask and the is-teacher mask, and its
+  ``loss_mask`` becomes the action mask (inference-backend §3 role B: the loss sees exactly
+  the student-emitted tokens); the mixed lane writes the +1.0 sentinel at teacher positions
+  and trains those too. The CE lane gives, instead of the trajectories, their SFT
+  sub-samples in the iteration's shuffled order (``sample_id`` ``<id>/ce<j>``).
 * An aborted sample becomes ``Sample.masked_dummy`` (two zero tokens, zero loss mask,
   ``remove_sample``, reward 0) keeping its index, group, prompt and the agent's own reason.
 * ``RolloutReady.dummy`` (filters emptied the rollout) gives exactly one masked dummy.
@@ -22,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
 from engine.domain import Task
 from engine.errors import ConfigError, RolloutError
-from engine.events.arrays import LogProbs, concat
+from engine.events.arrays import Mask, concat
 from engine.events.catalog import TaskFetched
+from engine.projections.lanes import CeChunk, Lane, ce_plan, request_lane, teacher_shape
 from engine.projections.rollout import RolloutState, SampleState
 from engine.projections.rows import row_of
 from engine.sample import Sample
@@ -84,7 +90,9 @@ def _metadata(ev: TaskFetched) -> dict[str, Any]:
     }
 
 
-def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
+def sample_of(
+    s: SampleState, *, policy_version: int | None = None, lane: Lane = Lane.PLAIN
+) -> Sample:
     """The trainer's view of one terminal sample (see the module docstring)."""
     task = s.task
     row = row_of(s)  # identity and outcome, as the summaries see them
@@ -107,11 +115,18 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
         )
     # The arrays stay packed: the sample takes the event's bytes, no per-token conversion.
     loss_mask = done.loss_mask
-    teacher: LogProbs | None = None
+    per_token: dict[str, Any] = {}
     if s.teacher is not None:
-        teacher = s.teacher.teacher_logprobs
-        if len(s.teacher.action_mask):
-            loss_mask = s.teacher.action_mask
+        shaped = teacher_shape(done, s.teacher, lane)
+        loss_mask = shaped.loss_mask
+        per_token = {
+            "teacher_log_probs": shaped.teacher_log_probs,
+            "teacher_top_k": shaped.top_k,
+            "teacher_topk_ids": shaped.topk_ids,
+            "teacher_topk_log_probs": shaped.topk_log_probs,
+            "action_mask": shaped.action_mask,
+            "is_teacher_mask": shaped.is_teacher_mask,
+        }
     reward: float | dict[str, float] = float(done.reward)
     if done.reward_detail:
         reward = {str(k): float(v) for k, v in done.reward_detail.items()}
@@ -129,13 +144,53 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
         response_length=len(done.response_ids),
         loss_mask=loss_mask,
         rollout_log_probs=done.logprobs if len(done.logprobs) else None,
-        teacher_log_probs=teacher,
         reward=reward,
         status=row.status,
         termination_reason=row.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
         token_versions=done.token_versions if len(done.token_versions) else None,
         metadata=metadata,
+        **per_token,
+    )
+
+
+def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> Sample:
+    """One SFT sub-sample of a completed trajectory (the CE lane; see
+    :func:`engine.projections.lanes.ce_chunks`): the prompt and the first ``chunk.end``
+    response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``.
+    ``parent`` is ``sample_of(s)`` when the caller has it already."""
+    parent = parent if parent is not None else sample_of(s)
+    done = s.completed
+    assert done is not None
+    end = chunk.end
+    teacher = done.teacher_mask.numpy()[:end]
+    loss = np.zeros(end, dtype=np.uint8)
+    loss[chunk.start : end] = teacher[chunk.start : end]
+    prompt_len = len(done.prompt_ids)
+    metadata = {
+        **parent.metadata,
+        "parent_sample_id": parent.sample_id,
+        "ce_chunk": chunk.chunk,
+        "ce_start": chunk.start,
+    }
+    fields = {name: getattr(parent, name) for name in type(parent).model_fields}
+    return type(parent)(
+        **{
+            **fields,
+            "sample_id": f"{parent.sample_id}/ce{chunk.chunk}",
+            "tokens": parent.tokens[: prompt_len + end],
+            "response_length": end,
+            "response": "",
+            "loss_mask": Mask.from_values(loss),
+            "rollout_log_probs": (
+                parent.rollout_log_probs[:end] if parent.rollout_log_probs is not None else None
+            ),
+            "token_versions": (
+                parent.token_versions[:end] if parent.token_versions is not None else None
+            ),
+            "is_teacher_mask": Mask.from_values(np.ascontiguousarray(teacher)),
+            "metadata": metadata,
+        }
     )
 
 
@@ -154,5 +209,14 @@ def trainer_samples(state: RolloutState) -> list[Sample]:
                 f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
                 f"terminal event in the stream"
             )
-        out.append(sample_of(s))
+    lane = request_lane(state.request)
+    if lane is Lane.CE:
+        plan = ce_plan(state, ready.sample_ids)
+        parents = {sid: sample_of(state.samples[sid]) for sid in {c.sample_id for c in plan.chunks}}
+        chunks = [
+            ce_sample(state.samples[c.sample_id], c, parents[c.sample_id]) for c in plan.chunks
+        ]
+        return chunks or [Sample.masked_dummy(policy_version=ready.policy_version)]
+    for sample_id in ready.sample_ids:
+        out.append(sample_of(state.samples[sample_id], lane=lane))
     return out

@@ -1,5 +1,5 @@
-"""Evaluator config of the bundled tasks ``math`` and ``shell``: ``evaluator_profiles(args)``
-and ``build_agents(args)``.
+"""Evaluator config of the bundled tasks ``math``, ``shell`` and ``dagger``:
+``evaluator_profiles(args)`` and ``build_agents(args)``.
 
 Pass this file as ``--evaluator-config`` (``ROLLOUT_EVALUATOR_CONFIG``); its path is
 ``engine.tasks.EVALUATOR_CONFIG``. The scheduler reads only the profiles (which need nothing
@@ -10,7 +10,12 @@ offers only the tool its task needs):
 
 - ``math``: tool ``python``, ``MathVerifier`` (final answer against the label);
 - ``shell``: tool ``shell``, ``ShellVerifier`` (the label's check command, run in the episode's
-  sandbox after the agent is done).
+  sandbox after the agent is done);
+- ``dagger``: the ``math`` task under a DAgger rollin (``DAggerAgent``: per turn, with
+  probability ``dagger_beta`` and only before turn ``t_max``, the teacher's action is executed
+  instead of the student's). Its datasets are in ``engine.tasks.DAGGER_ROLLOUT_CONFIG``
+  (task type ``dagger``, the math prompts); request it with ``algorithm="dagger_k3"`` (or
+  ``mixed_ce_k3``, ``dagger_ce``) and the knobs ``dagger_beta`` / ``t_max``.
 
 What ``build_agents`` reads from ``args`` (attributes, or keys when ``args`` is a mapping):
 
@@ -18,7 +23,11 @@ What ``build_agents`` reads from ``args`` (attributes, or keys when ``args`` is 
   written by ``rollout tinylm init DIR``; the tokenizer and its chat template load from it
   once, shared by both agents;
 - ``sglang_url`` (optional): the SGLang server; without it each episode uses the worker's
-  ``--sglang-url`` (the default endpoint of ``EpisodeContext.backends``).
+  ``--sglang-url`` (the default endpoint of ``EpisodeContext.backends``);
+- ``teacher`` (optional): the worker's ``TeacherBackend`` (``--teacher-url`` /
+  ``ROLLOUT_TEACHER_URL``), which the ``dagger`` agent uses and never closes. Without it the
+  ``dagger`` agent runs student-only turns, and a turn the teacher should act on fails its
+  sample with an error naming the missing setting.
 
 The sandbox provider is the worker's (``EpisodeContext.sandboxes``); per-sample sandbox
 limits are set here. Resources: no GPU (the model server is its own process), a quarter CPU and
@@ -33,9 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.agents.base import BaseAgent
+from engine.agents.dagger import DAggerAgent
 from engine.agents.tool_agent import ToolAgent, ToolAgentConfig
 from engine.agents.tools import PythonTool, ShellTool
 from engine.backends.sglang import load_tokenizer
+from engine.backends.teacher import TeacherBackend
 from engine.domain import EvaluatorProfile, Resource, StoppingCriteria
 from engine.errors import ConfigError
 from engine.sandbox import SandboxLimits
@@ -107,7 +118,7 @@ def _arg(args: object, name: str) -> Any:
 
 
 def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
-    """The ``math`` and ``shell`` profiles (``args`` is not read)."""
+    """The ``math``, ``shell`` and ``dagger`` profiles (``args`` is not read)."""
     per_sample = Resource(cpu=0.25, memory_gb=0.5)
     return [
         EvaluatorProfile(
@@ -123,6 +134,14 @@ def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
             resource=Resource(cpu=2.0, memory_gb=4.0, concurrency=8),
             run_resource=per_sample,
             eval_resource=per_sample,
+            batch_size=8,
+            default_stopping=DEFAULT_STOPPING,
+        ),
+        EvaluatorProfile(
+            evaluator_id="dagger",
+            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
+            run_resource=per_sample,
+            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
             batch_size=8,
             default_stopping=DEFAULT_STOPPING,
         ),
@@ -142,6 +161,9 @@ def build_agents(args: object) -> dict[str, BaseAgent]:
     url = _arg(args, "sglang_url") or None
     if url is not None and not isinstance(url, str):
         raise ConfigError(f"args.sglang_url must be a URL string, got {url!r}")
+    teacher = _arg(args, "teacher")
+    if teacher is not None and not isinstance(teacher, TeacherBackend):
+        raise ConfigError(f"args.teacher must be a TeacherBackend, got {type(teacher).__name__}")
     tokenizer = load_tokenizer(tokenizer_path)
     return {
         "math": ToolAgent(
@@ -149,5 +171,11 @@ def build_agents(args: object) -> dict[str, BaseAgent]:
         ),
         "shell": ToolAgent(
             shell_agent_config(tokenizer_path, url), verifier=ShellVerifier(), tokenizer=tokenizer
+        ),
+        "dagger": DAggerAgent(
+            math_agent_config(tokenizer_path, url),
+            verifier=MathVerifier(),
+            teacher=teacher,
+            tokenizer=tokenizer,
         ),
     }

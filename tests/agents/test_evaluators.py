@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.agents.dagger import DAggerAgent
 from engine.agents.tool_agent import ToolAgent
 from engine.agents.tools import PythonTool, ShellTool
 from engine.config.evaluators import load_evaluators, load_profiles
@@ -24,10 +25,11 @@ def test_the_config_returns_both_profiles_and_agents(model_dir: Path) -> None:
     args = argparse.Namespace(model_dir=str(model_dir), sglang_url="http://127.0.0.1:30000")
     specs = {spec.evaluator_id: spec for spec in evaluator_profiles(args)}
     agents = build_agents(args)
-    assert list(specs) == ["math", "shell"] == list(agents)
+    assert list(specs) == ["math", "shell", "dagger"] == list(agents)
     for evaluator_id, tool, verifier in (
         ("math", PythonTool, MathVerifier),
         ("shell", ShellTool, ShellVerifier),
+        ("dagger", PythonTool, MathVerifier),
     ):
         spec = specs[evaluator_id]
         agent = agents[evaluator_id]
@@ -39,19 +41,22 @@ def test_the_config_returns_both_profiles_and_agents(model_dir: Path) -> None:
         assert spec.batch_size is not None and spec.resource.concurrency >= spec.batch_size
         stop = spec.default_stopping
         assert stop.max_turns and stop.max_context_len and stop.max_new_tokens and stop.timeout_s
-    # One tokenizer, loaded once, serves both agents.
+    # One tokenizer, loaded once, serves every agent.
     assert agents["math"].tokenizer is agents["shell"].tokenizer  # type: ignore[attr-defined]
+    assert agents["dagger"].tokenizer is agents["math"].tokenizer  # type: ignore[attr-defined]
+    # The DAgger binding: the math agent with the worker's teacher (none given here).
+    assert isinstance(agents["dagger"], DAggerAgent) and agents["dagger"].teacher is None
 
 
 def test_worker_loads_the_config_file(model_dir: Path) -> None:
     specs = load_evaluators(EVALUATOR_CONFIG, argparse.Namespace(tokenizer_path=model_dir))
-    assert set(specs) == {"math", "shell"}
+    assert set(specs) == {"math", "shell", "dagger"}
     assert specs["math"].agent.config.sglang_url is None  # type: ignore[attr-defined]
 
 
 def test_the_scheduler_loads_profiles_without_a_tokenizer() -> None:
     profiles = load_profiles(EVALUATOR_CONFIG, argparse.Namespace())
-    assert list(profiles) == ["math", "shell"]
+    assert list(profiles) == ["math", "shell", "dagger"]
 
 
 @pytest.mark.parametrize("args", [argparse.Namespace(), {"model_dir": None}, object()])

@@ -136,8 +136,10 @@ BASE_SAMPLE: dict[str, Any] = dict(
 
 def _sample_wire(**changes: Any) -> bytes:
     fields = dict(BASE_SAMPLE)
-    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions"):
+    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions",
+                 "teacher_mask"):
         fields[name] = fields[name].data
+    fields["v"] = SampleCompleted.schema_version
     fields.update(changes)
     return _wire(**{k: v for k, v in fields.items() if v is not _DROP})
 
@@ -188,7 +190,7 @@ def test_non_canonical_entries_go_to_pydantic(changes: dict[str, Any],
         (_sample_wire(metrics={"x": msgpack.ExtType(42, b"")}), "ext code 42"),
         (_sample_wire(v=7), "newer than this engine"),
         (_wire(type="NoSuchEvent", a=1), "unknown event type"),
-        (_sample_wire(type="RolloutFailed"), "does not validate"),
+        (_sample_wire(type="RolloutFailed", v=1), "does not validate"),
     ],
     ids=["empty", "garbage", "extra-key", "swapped-key", "none-for-str", "ragged-array",
          "unknown-ext", "newer-version", "unknown-type", "wrong-type-name"],
