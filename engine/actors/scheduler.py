@@ -36,7 +36,8 @@ Event flow (seeds task-scheduler §1-3; docs/architecture.md, "Events and the lo
    be told apart from one still to write after a crash).
    While a weight sync is open or the last one failed (``engine.actors.weight_sync``), no
    batch is admitted: the scheduler follows ``rl:control`` with a ``PolicyWatch`` and waits
-   before each admission until the new weights are active.
+   before each admission until the new weights are active. A request whose
+   ``policy_version`` has been published waits until that version is active too.
 5. The ``RolloutRequested`` entry is acked once every batch is admitted. A request the
    configuration cannot serve (unknown dataset, deadlock for its real batch sizes, ...) gets
    ``RolloutFailed`` on ``rl:control`` and on its rollout stream, and is acked.
@@ -299,11 +300,14 @@ class Scheduler:
                 f"rollout {batches[0].rollout_id!r} was planned for evaluators {unknown}, which "
                 f"the evaluator config does not define (known: {sorted(specs)})"
             )
+        request = env.event
+        version = request.policy_version if isinstance(request, RolloutRequested) else 0
         for batch in batches:
             if self.gate.state.has_acquired(batch.rollout_id, batch.batch_id):
                 continue
-            try:  # no admission while weights change or after a failed sync
-                await self.policy.wait_generation_allowed()
+            try:  # no admission while weights change, after a failed sync, or before the
+                # version the request asks for is active (when it was published)
+                await self.policy.wait_generation_allowed(version)
             except WatchClosed as exc:
                 raise GateClosed(f"stopping before batch {batch.batch_id!r} was admitted") from exc
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)

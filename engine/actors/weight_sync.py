@@ -8,9 +8,11 @@ The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
    ``QuiesceRequested(version)`` with a compare-and-append on ``rl:control``: only one sync
    is ever open, and two syncers cannot both open one.
 3. Schedulers stop admitting batches (``PolicyWatch.wait_generation_allowed`` before each
-   admission); every evaluator worker closes its ``TurnGate`` (``engine/backends/gate.py``):
-   generate calls in flight finish, none starts, so trajectories wait at a turn boundary with
-   their whole state. A worker with nothing in flight appends ``WorkerParked(version, worker)``.
+   admission; a request whose ``policy_version`` is published but not active yet waits for
+   its sync as well, so a rollout requested after a publication runs on the new weights);
+   every evaluator worker closes its ``TurnGate`` (``engine/backends/gate.py``): generate
+   calls in flight finish, none starts, so trajectories wait at a turn boundary with their
+   whole state. A worker with nothing in flight appends ``WorkerParked(version, worker)``.
 4. The syncer waits until every *live* worker is parked, then appends
    ``QuiesceCompleted(version, parked, unparked)``. Live workers are the consumers of the
    ``evaluators`` group on the work streams whose idle time (since their last read, claim or
@@ -186,12 +188,16 @@ class PolicyWatch:
             await self.changed()
         return self.state
 
-    async def wait_generation_allowed(self) -> PolicyState:
-        """Return once no sync is open and the engine is not poisoned (at once if so)."""
+    async def wait_generation_allowed(self, version: int = 0) -> PolicyState:
+        """Return once no sync is open, the engine is not poisoned and work asking for
+        policy ``version`` may run (``PolicyState.may_generate``); at once if so."""
         state = self.state
-        if state.generation_stopped:
-            logger.info("admission paused: %s", state.why_stopped())
-        return await self.wait_until(lambda s: not s.generation_stopped)
+        if not state.may_generate(version):
+            logger.info(
+                "admission paused: %s",
+                state.why_stopped() or f"version {version} is published but not active yet",
+            )
+        return await self.wait_until(lambda s: s.may_generate(version))
 
 
 # ---------------------------------------------------------------------- the worker's side

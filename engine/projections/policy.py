@@ -41,6 +41,7 @@ __all__ = ["PolicyProjection", "PolicyState"]
 @dataclass(frozen=True, slots=True)
 class PolicyState:
     published: int | None = None
+    published_versions: frozenset[int] = frozenset()
     last_published: PolicyVersionPublished | None = None
     last_published_id: str | None = None
     quiesce: QuiesceRequested | None = None
@@ -64,6 +65,18 @@ class PolicyState:
     def generation_stopped(self) -> bool:
         """A sync is open or the last one failed: no generate call may start."""
         return self.quiesce is not None or self.failure is not None
+
+    def needs_sync(self, version: int) -> bool:
+        """Whether work asking for ``version`` must wait for a sync: that version has been
+        published and nothing at least as new is active yet. A version nobody published (a
+        trainer that does not use the weight sync, or the initial weights) never waits."""
+        if version not in self.published_versions:
+            return False
+        return self.active_version is None or self.active_version < version
+
+    def may_generate(self, version: int = 0) -> bool:
+        """No sync open, not poisoned, and ``version`` needs no sync."""
+        return not self.generation_stopped and not self.needs_sync(version)
 
     def why_stopped(self) -> str:
         if self.quiesce is not None:
@@ -91,7 +104,10 @@ class PolicyProjection:
         replace = dataclasses.replace
         if isinstance(ev, PolicyVersionPublished):
             top = ev.version if state.published is None else max(state.published, ev.version)
-            return replace(state, published=top, last_published=ev, last_published_id=env.id)
+            return replace(
+                state, published=top, published_versions=state.published_versions | {ev.version},
+                last_published=ev, last_published_id=env.id,
+            )
         if isinstance(ev, QuiesceRequested):
             return replace(
                 state, quiesce=ev, quiesce_id=env.id, parked=frozenset(), quiesce_done=None
