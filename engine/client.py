@@ -75,6 +75,7 @@ __all__ = [
     "Iteration",
     "RefillLoop",
     "RolloutClient",
+    "SyncRefillLoop",
     "SyncRolloutClient",
     "collate",
 ]
@@ -484,21 +485,9 @@ class SyncRolloutClient:
         """See :meth:`RolloutClient.wait_version_active`."""
         return self._runner.run(self._client.wait_version_active(version, timeout))
 
-    def refill(self, n: int, **loop_kwargs: Any) -> Iterator[tuple[Iteration, RefillLoop]]:
-        """``RefillLoop(client, **loop_kwargs).iterations(n)`` for a synchronous trainer:
-        yields each iteration with its loop (``loop.publish`` is async: call
-        ``publish_version`` here instead, then set ``loop.version``)."""
-        loop = RefillLoop(self._client, **loop_kwargs)
-        it = loop.iterations(n).__aiter__()
-
-        async def step() -> Iteration | None:
-            try:
-                return await it.__anext__()
-            except StopAsyncIteration:
-                return None
-
-        while (item := self._runner.run(step())) is not None:
-            yield item, loop
+    def refill_loop(self, **loop_kwargs: Any) -> SyncRefillLoop:
+        """A :class:`RefillLoop` for synchronous code (same arguments)."""
+        return SyncRefillLoop(self._runner, RefillLoop(self._client, **loop_kwargs))
 
     def close(self) -> None:
         self._runner.run(self._client.aclose())
@@ -509,6 +498,41 @@ class SyncRolloutClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SyncRefillLoop:
+    """:class:`RefillLoop` on a ``SyncRolloutClient``'s event loop::
+
+        loop = client.refill_loop(ahead=1, n_prompts=64, n_samples_per_prompt=8)
+        for it in loop.iterations(num_steps):
+            train_step(collate(it.samples))
+            loop.publish(it.iteration + 1, save_weights(it.iteration + 1))
+    """
+
+    def __init__(self, runner: asyncio.Runner, loop: RefillLoop) -> None:
+        self._runner = runner
+        self.loop = loop
+
+    @property
+    def version(self) -> int:
+        return self.loop.version
+
+    def iterations(self, n: int) -> Iterator[Iteration]:
+        it = self.loop.iterations(n).__aiter__()
+
+        async def step() -> Iteration | None:
+            try:
+                return await it.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        while (item := self._runner.run(step())) is not None:
+            yield item
+
+    def publish(
+        self, version: int, weights_uri: str, *, wait: bool = False
+    ) -> PolicyVersionActivated | None:
+        return self._runner.run(self.loop.publish(version, weights_uri, wait=wait))
 
 
 async def _make(url: str, *, prefix: str, block_ms: int, producer: str) -> RolloutClient:

@@ -51,12 +51,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 async def train(stack: demo.Stack, iterations: int, prompts: int, group: int) -> None:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     base = stack.workdir / "tinylm"
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -73,7 +75,10 @@ async def train(stack: demo.Stack, iterations: int, prompts: int, group: int) ->
             shutil.copytree(base, out)  # tokenizer and chat template beside the weights
             model.save_pretrained(out)
             await loop.publish(version, str(out))
-            spread = ", ".join(f"v{v}: {n}" for v, n in sorted(it.ready.version_tokens.items()))
+            spread = ", ".join(
+                f"{'unknown' if v == '-1' else 'v' + v}: {n}"
+                for v, n in sorted(it.ready.version_tokens.items(), key=lambda kv: int(kv[0]))
+            )
             print(f"iteration {it.iteration}: {len(it.samples)} samples, mean reward "
                   f"{float(batch['rewards'].mean()):.2f}, loss {loss:.4f}, sampled tokens by "
                   f"version [{spread}] -> published v{version}", flush=True)

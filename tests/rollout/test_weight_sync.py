@@ -34,6 +34,7 @@ from engine.events import (
     EventLog,
     PolicyVersionActivated,
     QuiesceCompleted,
+    QuiesceRequested,
     RedisEventLog,
     RedisSettings,
     RolloutRequested,
@@ -46,7 +47,7 @@ from engine.events import connect as redis_connect
 from engine.ops.embedded import free_port
 from tests.backends.test_tinylm_weights import perturbed_copy
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import events_of
+from tests.rollout.conftest import Procs, events_of
 from tests.rollout.play import play_scheduler
 from tinylm.process import ServerProcess, spawn_server
 
@@ -197,10 +198,10 @@ def v1_dir(tinylm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return perturbed_copy(tinylm_dir, tmp_path_factory.mktemp("v1") / "model", seed=11)
 
 
-def serve(model_dir: Path, port: int = 0) -> ServerProcess:
+def serve(model_dir: Path, port: int = 0, *, admin_key: bool = True) -> ServerProcess:
     return spawn_server(
         model_dir, port=port, extra_args=["--weight-version", "0"],
-        env={"TINYLM_ADMIN_API_KEY": ADMIN},
+        env={"TINYLM_ADMIN_API_KEY": ADMIN} if admin_key else None,
     )
 
 
@@ -353,3 +354,56 @@ async def test_a_sync_failing_on_one_server_poisons_generation_until_a_good_sync
             # loaded version 1, yet every turn ran on version 2.
             turns = await events_of(log, log.names.rollout("poisoned"), TurnCompleted)
             assert len(turns) == 8 and {t.weight_version for t in turns} == {2}
+
+
+async def test_a_syncer_killed_mid_sync_is_replaced_and_a_dead_worker_does_not_block_it(
+    redis_server: RedisServer, tinylm_dir: Path, v1_dir: Path, tmp_path: Path
+) -> None:
+    """Syncer A opens the sync of version 1 and waits for a live worker that never parks
+    ("ghost": it reads its work stream but runs no gate). A is killed (SIGKILL); syncer B
+    claims the publication and resumes the same sync -- no second quiesce -- and once the
+    ghost has been silent past the live window it is no longer waited for."""
+    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=BLOCK_MS))
+    await redis.flushall()
+    log = RedisEventLog(redis, producer="test", block_ms=BLOCK_MS)
+    client = RolloutClient(log)
+    procs = Procs(redis_server.url, tmp_path)
+    sync_args = ["--live-window-ms", "5000", "--park-timeout-s", "120"]
+    ghost_alive = asyncio.Event()
+    ghost_alive.set()
+
+    async def ghost() -> None:
+        stream = log.names.work("ghost")
+        await log.ensure_group(stream, "evaluators")
+        while ghost_alive.is_set():
+            await log.read_group("evaluators", "ghost", [stream], block_ms=100)
+
+    with serve(tinylm_dir, admin_key=False) as server:  # the syncers run with no key
+        haunting = asyncio.create_task(ghost())
+        try:
+            procs.spawn("syncA", "workers.sync", "--worker-id", "syncA",
+                        "--sglang-url", server.url, *sync_args)
+            await client.publish_version(1, str(v1_dir))
+            control = log.names.control
+            await until(log, control, lambda evs: any(
+                isinstance(e, QuiesceRequested) for e in evs))
+            procs.procs["syncA"].kill()
+            procs.procs["syncA"].wait(10)
+            ghost_alive.clear()
+            await haunting
+            procs.spawn("syncB", "workers.sync", "--worker-id", "syncB",
+                        "--sglang-url", server.url, *sync_args)
+            activated = await client.wait_version_active(1, timeout=120)
+        finally:
+            ghost_alive.clear()
+            await asyncio.gather(haunting, return_exceptions=True)
+            procs.stop_all()
+        assert activated.producer == "syncB" and activated.servers == [server.url]
+        assert httpx.get(server.url + "/get_model_info", timeout=30).json()[
+            "weight_version"] == "1"
+    (requested,) = await events_of(log, control, QuiesceRequested)
+    assert requested.producer == "syncA" and requested.version == 1
+    (done,) = await events_of(log, control, QuiesceCompleted)
+    assert done.producer == "syncB" and done.parked == [] and done.unparked == []
+    assert len(await events_of(log, control, PolicyVersionActivated)) == 1
+    await redis.aclose()

@@ -10,20 +10,25 @@ import pytest
 
 from engine.actors.weight_sync import weights_path
 from engine.backends.gate import TurnGate
+from engine.client import RefillLoop, RolloutClient
 from engine.errors import ConfigError
 from engine.events import (
     Envelope,
     Event,
+    EventLog,
     PolicyVersionActivated,
     PolicyVersionPublished,
     QuiesceCompleted,
     QuiesceRequested,
+    RolloutReady,
+    RolloutRequested,
     WeightSyncFailed,
     WorkerParked,
 )
 from engine.events.codec import decode
 from engine.projections.base import fold, start
 from engine.projections.policy import PolicyProjection, PolicyState
+from tests.rollout.conftest import events_of
 
 
 def folded(*events: Event) -> PolicyState:
@@ -133,3 +138,49 @@ def test_quiesce_events_of_schema_v1_still_decode() -> None:
         assert isinstance(ev, cls) and ev.version is None and ev.reason == "weight sync"
     done = decode(msgpack.packb({"type": "QuiesceCompleted", "reason": "", "v": 1}))
     assert isinstance(done, QuiesceCompleted) and done.parked == [] and done.unparked == []
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+async def test_the_refill_loop_requests_ahead_and_carries_the_published_version(
+    log: EventLog, ahead: int
+) -> None:
+    """A stand-in finalizer answers every request at once; what matters is which requests
+    exist when the trainer gets each rollout, and the version each one carries."""
+    client = RolloutClient(log)
+
+    async def finalize() -> None:
+        position = "0-0"
+        while True:
+            envs, position = await log.read_after(log.names.control, position, block_ms=50)
+            for env in envs:
+                if isinstance(env.event, RolloutRequested):
+                    rid = env.event.rollout_id
+                    ready = RolloutReady(rollout_id=rid, sample_ids=[])
+                    stream = log.names.rollout(rid)
+                    await log.append_many([(stream, env.event), (stream, ready),
+                                           (log.names.control, ready)])
+
+    def requests() -> list[tuple[int, int]]:
+        return [(r.iteration, r.policy_version) for r in requested]
+
+    answering = asyncio.create_task(finalize())
+    seen: list[list[tuple[int, int]]] = []
+    try:
+        loop = RefillLoop(client, ahead=ahead, n_prompts=2)
+        async for it in loop.iterations(3):
+            requested = await events_of(log, log.names.control, RolloutRequested)
+            seen.append(requests())
+            # one publication per iteration; with ahead=1 it was requested one step earlier
+            assert it.requested_version == max(0, it.iteration - ahead)
+            await loop.publish(it.iteration + 1, f"/weights/v{it.iteration + 1}")
+    finally:
+        answering.cancel()
+        await asyncio.gather(answering, return_exceptions=True)
+    if ahead:  # rollout N+1 was requested (at the version before training on N) before N
+        assert seen == [[(0, 0), (1, 0)], [(0, 0), (1, 0), (2, 1)],
+                        [(0, 0), (1, 0), (2, 1)]]
+    else:
+        assert seen == [[(0, 0)], [(0, 0), (1, 1)], [(0, 0), (1, 1), (2, 2)]]
+    published = await events_of(log, log.names.control, PolicyVersionPublished)
+    assert [(p.version, p.weights_uri) for p in published] == [
+        (1, "/weights/v1"), (2, "/weights/v2"), (3, "/weights/v3")]
