@@ -7,7 +7,7 @@ The trainer (this process) runs ``--iterations`` iterations of the loop of
 ``engine.client.RefillLoop``: wait for rollout N, "train" on it, write new weights (the tiny
 model's weights moved by seeded noise, saved as a Hugging Face folder) and publish them. The
 training step is simulated: it sleeps ``--train-s`` seconds, by default the generation time of
-one rollout measured on a warm-up rollout, so the two take about as long.
+one rollout (the median of three warm-up rollouts), so the two take about as long.
 
 - sync arm (``ahead=0``): request N, wait, train, publish -- generation and training alternate;
 - async arm (``ahead=1``): N+1 is requested before the trainer gets N, so it generates while
@@ -20,7 +20,10 @@ whose weight version was more than ``--max-staleness`` versions behind the train
 at load time (the versions it had published); ``unknown_version_tokens`` counts sampled tokens
 without a version. The last line printed is one JSON object.
 
-    python bench/async_refill.py [--iterations 4] [--prompts 4] [--samples-per-prompt 2]
+    python bench/async_refill.py [--iterations 8] [--prompts 8] [--rounds 3]
+
+``--rounds`` runs the pair of arms that many times, alternating, and reports the median
+ratio (the machine's load moves the figures a lot between runs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -187,52 +191,75 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         client = RolloutClient.connect(engine.redis.url, block_ms=200)
         try:
-            # Warm-up: the processes start, and one rollout's generation time is measured.
+            # Warm-up: the processes start; then the generation time of one rollout, the
+            # median of three (the trainer step is as long unless --train-s says otherwise).
             t0 = time.perf_counter()
             rid = await client.request(iteration=0, n_prompts=args.prompts,
                                        n_samples_per_prompt=args.samples_per_prompt)
             await client.wait_ready(rid, timeout=600)
-            t1 = time.perf_counter()
-            rid = await client.request(iteration=0, n_prompts=args.prompts,
-                                       n_samples_per_prompt=args.samples_per_prompt)
-            await client.wait_ready(rid, timeout=600)
-            generation_s = time.perf_counter() - t1
+            first_s = time.perf_counter() - t0
+            timings = []
+            for _ in range(3):
+                t1 = time.perf_counter()
+                rid = await client.request(iteration=0, n_prompts=args.prompts,
+                                           n_samples_per_prompt=args.samples_per_prompt)
+                await client.wait_ready(rid, timeout=600)
+                timings.append(time.perf_counter() - t1)
+            generation_s = statistics.median(timings)
             train_s = args.train_s if args.train_s is not None else generation_s
-            sync = await arm(client, engine, ahead=0, iterations=args.iterations,
-                             train_s=train_s, version=0, start_iteration=1, args=args)
-            asynchronous = await arm(client, engine, ahead=1, iterations=args.iterations,
-                                     train_s=train_s, version=sync["final_version"],
-                                     start_iteration=sync["next_iteration"], args=args)
+            rounds: list[dict[str, Any]] = []
+            version, iteration = 0, 1
+            for _ in range(args.rounds):  # the arms alternate, versions go on increasing
+                pair: dict[str, Any] = {}
+                for name, ahead in (("sync", 0), ("async", 1)):
+                    pair[name] = await arm(
+                        client, engine, ahead=ahead, iterations=args.iterations,
+                        train_s=train_s, version=version, start_iteration=iteration, args=args,
+                    )
+                    version = pair[name]["final_version"]
+                    iteration = pair[name]["next_iteration"]
+                pair["ratio"] = round(
+                    pair["async"]["iterations_per_s"] / pair["sync"]["iterations_per_s"], 3
+                )
+                rounds.append(pair)
         finally:
             await client.aclose()
     finally:
         engine.close()
+    ratios = [r["ratio"] for r in rounds]
     return {
         "bench": "async_refill",
         "iterations": args.iterations,
+        "rounds": args.rounds,
         "samples_per_rollout": args.prompts * args.samples_per_prompt,
         "workers": args.workers,
-        "first_rollout_s": round(t1 - t0, 3),
+        "first_rollout_s": round(first_s, 3),
         "generation_s": round(generation_s, 3),
         "train_s": round(train_s, 3),
         "max_staleness": args.max_staleness,
-        "sync": sync,
-        "async": asynchronous,
-        "async_vs_sync_ratio": round(
-            asynchronous["iterations_per_s"] / sync["iterations_per_s"], 3
+        "sync_iterations_per_s": [round(r["sync"]["iterations_per_s"], 4) for r in rounds],
+        "async_iterations_per_s": [round(r["async"]["iterations_per_s"], 4) for r in rounds],
+        "ratios": ratios,
+        "async_vs_sync_ratio": statistics.median(ratios),
+        "stale_tokens_loaded": sum(
+            r[a]["stale_tokens_loaded"] for r in rounds for a in ("sync", "async")
         ),
-        "stale_tokens_loaded": sync["stale_tokens_loaded"] + asynchronous["stale_tokens_loaded"],
+        "unknown_version_tokens": sum(
+            r[a]["unknown_version_tokens"] for r in rounds for a in ("sync", "async")
+        ),
+        "detail": rounds,
     }
 
 
 def run_async_refill(
-    *, iterations: int = 4, prompts: int = 4, samples_per_prompt: int = 2, workers: int = 1,
-    train_s: float | None = None, max_staleness: int = 1,
+    *, iterations: int = 8, prompts: int = 8, samples_per_prompt: int = 2, workers: int = 1,
+    train_s: float | None = None, max_staleness: int = 1, rounds: int = 1,
 ) -> dict[str, Any]:
-    """Run both arms (see the module docstring) and return the figures."""
+    """Run both arms ``rounds`` times, alternating (see the module docstring), and return
+    the figures; ``async_vs_sync_ratio`` is the median of the rounds' ratios."""
     args = argparse.Namespace(
         iterations=iterations, prompts=prompts, samples_per_prompt=samples_per_prompt,
-        workers=workers, train_s=train_s, max_staleness=max_staleness,
+        workers=workers, train_s=train_s, max_staleness=max_staleness, rounds=rounds,
     )
     with tempfile.TemporaryDirectory(prefix="async-refill-") as tmp:
         return asyncio.run(run(args, Path(tmp)))
@@ -240,18 +267,20 @@ def run_async_refill(
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python bench/async_refill.py")
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples-per-prompt", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--train-s", type=float, default=None,
                         help="simulated trainer step (default: one rollout's generation time)")
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of arms, alternating; the ratio is the median")
     args = parser.parse_args()
     result = run_async_refill(
         iterations=args.iterations, prompts=args.prompts,
         samples_per_prompt=args.samples_per_prompt, workers=args.workers,
-        train_s=args.train_s, max_staleness=args.max_staleness,
+        train_s=args.train_s, max_staleness=args.max_staleness, rounds=args.rounds,
     )
     print(json.dumps(result))
 

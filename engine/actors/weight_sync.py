@@ -124,6 +124,7 @@ class PolicyWatch:
         self._fold = LiveFold(log, self.stream, PolicyProjection())
         self._changed = asyncio.Event()
         self._closed = False
+        self.version = 0  # counts changes of the state: ``changed(since=...)`` misses none
 
     @property
     def state(self) -> PolicyState:
@@ -134,6 +135,7 @@ class PolicyWatch:
         return self._fold.position
 
     def _notify(self) -> None:
+        self.version += 1
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -174,19 +176,24 @@ class PolicyWatch:
         self._closed = True
         self._notify()
 
-    async def changed(self, timeout: float | None = None) -> None:
-        """Return at the next change of the state (or after ``timeout`` seconds)."""
+    async def changed(self, timeout: float | None = None, *, since: int | None = None) -> None:
+        """Return at the next change of the state (or after ``timeout`` seconds); with
+        ``since`` (a ``version`` read earlier), at once if the state changed after it."""
         if self._closed:
             raise WatchClosed("the policy watch is closed")
+        if since is not None and since != self.version:
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
         if self._closed:
             raise WatchClosed("the policy watch is closed")
 
     async def wait_until(self, predicate: Callable[[PolicyState], bool]) -> PolicyState:
-        while not predicate(self.state):
-            await self.changed()
-        return self.state
+        while True:
+            seen, state = self.version, self.state
+            if predicate(state):
+                return state
+            await self.changed(since=seen)
 
     async def wait_generation_allowed(self, version: int = 0) -> PolicyState:
         """Return once no sync is open, the engine is not poisoned and work asking for
@@ -227,9 +234,11 @@ class WorkerQuiesce:
         """Follow ``rl:control`` and steer the gate until ``stop``."""
         follower = asyncio.create_task(self.watch.follow(stop, backoff=backoff))
         try:
+            seen = -1
             while not follower.done():
                 with contextlib.suppress(WatchClosed):
-                    await self.watch.changed(timeout=0.5)
+                    await self.watch.changed(timeout=0.5, since=seen)
+                seen = self.watch.version
                 self._apply(self.watch.state)
         finally:
             follower.cancel()
@@ -382,7 +391,7 @@ class WeightSyncer:
         ref, version = env.ref, publish.version
         await self.watch.refresh()
         while True:
-            state = self.watch.state
+            seen, state = self.watch.version, self.watch.state
             if state.quiesce is not None and state.quiesce.causation == ref:
                 break  # ours is open: resume it
             if _ended_after(state, env.id, version):
@@ -391,7 +400,7 @@ class WeightSyncer:
                 logger.info("version %d superseded by a later publication", version)
                 return
             if state.quiesce is not None:  # another sync is open: it ends first
-                await self.watch.changed(timeout=1.0)
+                await self.watch.changed(timeout=1.0, since=seen)
                 continue
             request = QuiesceRequested(version=version, reason=f"weight sync to version {version}")
             try:
@@ -412,7 +421,7 @@ class WeightSyncer:
     async def _quiesce(self, version: int, ref: str) -> None:
         deadline = time.monotonic() + self.config.park_timeout_s
         while True:
-            state = self.watch.state
+            seen, state = self.watch.version, self.watch.state
             if state.quiesce_done is not None:
                 return  # written before a restart
             live = await self.live_workers()
@@ -434,8 +443,9 @@ class WeightSyncer:
                 await self.log.append(self.watch.stream, done, causation=ref)
                 await self.watch.refresh()
                 return
-            # Woken by a WorkerParked; the live set is looked at again at least every second.
-            await self.watch.changed(timeout=min(1.0, left))
+            # Woken by a WorkerParked (also one folded while the live set was read); the
+            # live set is looked at again at least every second.
+            await self.watch.changed(timeout=min(1.0, left), since=seen)
 
     async def live_workers(self) -> set[str]:
         """Consumers of the worker group on any work stream, heard from within the window."""
