@@ -33,9 +33,11 @@ The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
 Ordering and recovery: the publication entry is acked only once its sync ended, so a syncer
 that dies mid-saga leaves it pending and another syncer claims it and resumes (every step
 checks the fold of ``rl:control`` first: quiesce is not requested twice, the outcome not
-written twice; loading the same weights again is harmless). A publication followed by a
-later one is superseded (skipped) unless its sync is already open; one whose version (or a
-later one) is already active after it is done.
+written twice; loading the same weights again is harmless). A publication delivered past
+``max_deliveries`` (syncers keep dying on it) ends as ``WeightSyncFailed``, so an open
+quiesce never holds the engine forever. A publication followed by a later one is
+superseded (skipped) unless its sync is already open; one whose version (or a later one) is
+already active after it is done.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from engine.events.catalog import (
     WorkerParked,
 )
 from engine.events.ids import parse_id
-from engine.events.log import EventLog
+from engine.events.log import DeadEntry, EventLog
 from engine.projections.policy import PolicyProjection, PolicyState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
@@ -348,6 +350,7 @@ class WeightSyncer:
             heartbeat_ms=config.heartbeat_ms,
             claim_idle_ms=config.claim_idle_ms,
             block_ms=config.block_ms,
+            ack_dead=False,  # settled once the failure is recorded
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self.outcomes: list[Event] = []
@@ -368,6 +371,7 @@ class WeightSyncer:
                 self.consumer,
                 halt,
                 self._handle,
+                on_dead=self._give_up,
                 grace_s=self.config.grace_s,
                 on_stopping=stopping,
             )
@@ -383,6 +387,24 @@ class WeightSyncer:
                 await self.sync(d.env, ev)
             except WatchClosed as exc:  # stopping: another syncer resumes it
                 raise HandBack from exc
+
+    async def _give_up(self, dead: DeadEntry) -> None:
+        """A publication past ``max_deliveries`` (syncers kept dying on it): its sync ends as
+        failed, so an open quiesce does not hold the engine forever."""
+        ev = dead.event
+        if not isinstance(ev, PolicyVersionPublished):
+            return
+        await self.watch.refresh()
+        if _ended_after(self.watch.state, dead.id, ev.version):
+            return
+        failed = WeightSyncFailed(
+            version=ev.version,
+            error=f"the syncers gave up on the publication: {dead.error}",
+            servers_ok=[],
+            servers_failed=list(self.config.servers),
+        )
+        await self.log.append(self.watch.stream, failed, causation=f"{dead.stream}@{dead.id}")
+        self.outcomes.append(failed)
 
     # -- one publication -------------------------------------------------------------------
 
