@@ -36,7 +36,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -44,10 +45,13 @@ import numpy as np
 import torch
 
 from engine.agents.result import UNKNOWN_VERSION
-from engine.errors import LogUnavailable, RolloutFailed
+from engine.errors import ConfigError, LogUnavailable, RolloutFailed, WeightSyncFailed
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
+from engine.events.base import Envelope
 from engine.events.catalog import (
     FilterSpec,
+    PolicyVersionActivated,
+    PolicyVersionPublished,
     RolloutKind,
     RolloutReady,
     RolloutRequested,
@@ -55,17 +59,30 @@ from engine.events.catalog import (
 from engine.events.catalog import (
     RolloutFailed as RolloutFailedEvent,
 )
-from engine.events.ids import EMPTY_ID, id_before
+from engine.events.catalog import (
+    WeightSyncFailed as WeightSyncFailedEvent,
+)
+from engine.events.ids import EMPTY_ID, id_before, parse_id
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
+from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import scalar_reward, trainer_samples
 from engine.runtime.consumer import Backoff
+from engine.runtime.live import LiveFold
 from engine.runtime.rebuild import rebuild
 from engine.sample import Sample
 
-__all__ = ["TEACHER_ALGORITHMS", "RolloutClient", "SyncRolloutClient", "collate"]
+__all__ = [
+    "TEACHER_ALGORITHMS",
+    "Iteration",
+    "RefillLoop",
+    "RolloutClient",
+    "SyncRefillLoop",
+    "SyncRolloutClient",
+    "collate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +97,8 @@ class RolloutClient:
         self.log = log
         self.names = log.names
         self._requested_at: dict[str, str] = {}
+        self._published_at: dict[int, str] = {}
+        self._policy = LiveFold(log, log.names.control, PolicyProjection())
 
     @classmethod
     def connect(
@@ -147,9 +166,92 @@ class RolloutClient:
 
     async def wait_ready(self, rollout_id: str, timeout: float | None = None) -> RolloutReady:
         """The rollout's ``RolloutReady``; ``RolloutFailed`` raises; ``TimeoutError`` after
-        ``timeout`` seconds."""
+        ``timeout`` seconds. While the engine is poisoned by a failed weight sync (nothing
+        generates), a rollout that is not ready raises ``engine.errors.WeightSyncFailed``
+        with the sync's error; once a later sync succeeded, waiting again goes on."""
         start = self._requested_at.get(rollout_id)
         position = id_before(start) if start is not None else EMPTY_ID
+        poison = None
+        if position != EMPTY_ID:
+            state = await self._policy_now()
+            if state.failure is not None and not _later(state.failure_id, position):
+                poison = state.failure  # failed before the request, and still failed now
+        async for envs, caught_up in self._follow_control(
+            position, timeout, f"rollout {rollout_id} not ready"
+        ):
+            for env in envs:
+                ev = env.event
+                if isinstance(ev, RolloutReady) and ev.rollout_id == rollout_id:
+                    return ev
+                if isinstance(ev, RolloutFailedEvent) and ev.rollout_id == rollout_id:
+                    raise RolloutFailed(rollout_id, ev.reason)
+                if isinstance(ev, WeightSyncFailedEvent):
+                    poison = ev
+                elif isinstance(ev, PolicyVersionActivated):
+                    poison = None
+            if poison is not None and caught_up:
+                raise _sync_error(poison)
+        raise AssertionError("unreachable: _follow_control ends only by raising")
+
+    async def publish_version(self, version: int, weights_uri: str) -> None:
+        """Publish policy ``version``, whose weights are in the directory ``weights_uri`` (a
+        path or ``file://`` URI every model server can read, Hugging Face format). The
+        weight syncer quiesces the engine, loads them on every model server and resumes
+        (``engine.actors.weight_sync``); ``wait_version_active`` waits for that."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError(f"publish_version: version must be an int >= 0, got {version!r}")
+        if not isinstance(weights_uri, str) or not weights_uri:
+            raise ConfigError(
+                f"publish_version: weights_uri must name the weights directory, got "
+                f"{weights_uri!r}"
+            )
+        entry = await self.log.append(
+            self.names.control, PolicyVersionPublished(version=version, weights_uri=weights_uri)
+        )
+        self._published_at[version] = entry
+
+    async def wait_version_active(
+        self, version: int, timeout: float | None = None
+    ) -> PolicyVersionActivated:
+        """The ``PolicyVersionActivated`` of ``version`` or a later one (a publication
+        followed by a later one is skipped: the later weights are loaded instead).
+        ``engine.errors.WeightSyncFailed`` raises with the original error when the sync of
+        ``version`` (or of a later one) failed and no sync succeeded since; ``TimeoutError``
+        after ``timeout`` seconds. Reads ``rl:control`` from this client's publication of the
+        version, or from the start for a version someone else published."""
+        start = self._published_at.get(version)
+        position = id_before(start) if start is not None else EMPTY_ID
+        failure = None
+        async for envs, caught_up in self._follow_control(
+            position, timeout, f"policy version {version} not active"
+        ):
+            for env in envs:
+                ev = env.event
+                if isinstance(ev, PolicyVersionActivated):
+                    if ev.version >= version:
+                        return ev
+                    failure = None
+                elif isinstance(ev, WeightSyncFailedEvent):
+                    failure = ev if ev.version >= version else None
+            if failure is not None and caught_up:
+                raise _sync_error(failure)
+        raise AssertionError("unreachable: _follow_control ends only by raising")
+
+    async def policy_state(self) -> PolicyState:
+        """The weight-sync state folded from ``rl:control`` (``engine.projections.policy``):
+        the trainer's current (highest published) version, the active one, an open sync, a
+        failure that poisons the engine."""
+        return await self._policy_now()
+
+    async def _policy_now(self) -> PolicyState:
+        await self._policy.refresh()
+        return self._policy.state
+
+    async def _follow_control(
+        self, position: str, timeout: float | None, what: str
+    ) -> AsyncIterator[tuple[list[Envelope], bool]]:
+        """Batches of ``rl:control`` past ``position``, each with whether it reached the end
+        of the stream; rides out Redis outages; ``TimeoutError`` (``what``) at the deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         backoff = Backoff(first_s=0.5, max_s=5.0)
         while True:
@@ -157,29 +259,23 @@ class RolloutClient:
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"rollout {rollout_id} not ready after {timeout} s")
+                    raise TimeoutError(f"{what} after {timeout} s")
                 block = max(1, min(block, int(left * 1000)))
             try:
                 envs, position = await self.log.read_after(
-                    self.names.control, position, block_ms=block
+                    self.names.control, position, block_ms=block, count=_READ_COUNT
                 )
             except LogUnavailable as exc:  # an outage: wait through it
                 pause = backoff.next_pause(exc)
                 if deadline is not None:
                     pause = max(0.0, min(pause, deadline - time.monotonic()))
                 logger.warning(
-                    "waiting for rollout %s: Redis unavailable, retrying in %.1f s: %s",
-                    rollout_id, pause, exc,
+                    "%s yet: Redis unavailable, retrying in %.1f s: %s", what, pause, exc
                 )
                 await asyncio.sleep(pause)
                 continue
             backoff.reset()
-            for env in envs:
-                ev = env.event
-                if isinstance(ev, RolloutReady) and ev.rollout_id == rollout_id:
-                    return ev
-                if isinstance(ev, RolloutFailedEvent) and ev.rollout_id == rollout_id:
-                    raise RolloutFailed(rollout_id, ev.reason)
+            yield envs, len(envs) < _READ_COUNT
 
     async def subscribe_ready(self, *, after: str = "$") -> AsyncIterator[RolloutReady]:
         """Every ``RolloutReady`` appended after ``after`` (default: from now on), forever,
@@ -199,6 +295,102 @@ class RolloutClient:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
         folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
         return trainer_samples(folded.state)
+
+
+@dataclass(frozen=True, slots=True)
+class Iteration:
+    """One rollout of a ``RefillLoop``: its number, id, ``RolloutReady`` and samples, and the
+    policy version the trainer was at when it was requested."""
+
+    iteration: int
+    rollout_id: str
+    ready: RolloutReady
+    samples: list[Sample]
+    requested_version: int
+
+
+class RefillLoop:
+    """The trainer's loop with async refill (seeds: "Async AR refills the same manager
+    immediately after collection"): rollout N+1 is requested *before* the trainer gets
+    rollout N, so the engine generates it while the trainer trains on N. ::
+
+        loop = RefillLoop(client, n_prompts=8, n_samples_per_prompt=4)
+        async for it in loop.iterations(100):
+            train(collate(it.samples))
+            await loop.publish(it.iteration + 1, save_weights(it.iteration + 1))
+
+    ``publish`` appends ``PolicyVersionPublished`` and returns at once: the weight syncer
+    lands the new weights at the next turn boundary of the trajectories in flight (the
+    worker's gate), and every later request carries the new ``policy_version``. A failed
+    sync surfaces at the next ``wait_ready`` as ``WeightSyncFailed``. ``ahead`` is how many
+    rollouts are requested beyond the one being trained on (0: the synchronous loop:
+    request, wait, train, publish). ``request_kwargs`` go to every ``client.request``.
+    """
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        *,
+        ahead: int = 1,
+        version: int = 0,
+        start_iteration: int = 0,
+        timeout: float | None = None,
+        **request_kwargs: Any,
+    ) -> None:
+        if ahead < 0:
+            raise ConfigError(f"RefillLoop: ahead must be >= 0, got {ahead}")
+        for reserved in ("iteration", "policy_version", "rollout_id"):
+            if reserved in request_kwargs:
+                raise ConfigError(f"RefillLoop sets {reserved} itself; do not pass it")
+        self.client = client
+        self.ahead = ahead
+        self.version = version
+        self.timeout = timeout
+        self.request_kwargs = request_kwargs
+        self._next = start_iteration
+        self._pending: list[tuple[int, str, int]] = []  # (iteration, rollout id, version)
+
+    async def _request_one(self) -> None:
+        iteration, self._next = self._next, self._next + 1
+        rid = await self.client.request(
+            iteration=iteration, policy_version=self.version, **self.request_kwargs
+        )
+        self._pending.append((iteration, rid, self.version))
+
+    async def iterations(self, n: int) -> AsyncIterator[Iteration]:
+        """``n`` rollouts in order; before waiting for one, the next ``ahead`` are requested."""
+        last = self._next + n
+        while True:
+            while self._next < last and len(self._pending) < self.ahead + 1:
+                await self._request_one()
+            if not self._pending:
+                return
+            iteration, rid, version = self._pending.pop(0)
+            ready = await self.client.wait_ready(rid, self.timeout)
+            samples = await self.client.load(rid)
+            yield Iteration(iteration, rid, ready, samples, version)
+
+    async def publish(
+        self, version: int, weights_uri: str, *, wait: bool = False
+    ) -> PolicyVersionActivated | None:
+        """Publish new weights; requests from now on carry ``version``. ``wait=True`` also
+        waits for them to be active (``wait_version_active``)."""
+        await self.client.publish_version(version, weights_uri)
+        self.version = version
+        if wait:
+            return await self.client.wait_version_active(version, self.timeout)
+        return None
+
+
+_READ_COUNT = 500
+
+
+def _later(a: str | None, b: str) -> bool:
+    return a is not None and parse_id(a) > parse_id(b)
+
+
+def _sync_error(failed: WeightSyncFailedEvent) -> WeightSyncFailed:
+    return WeightSyncFailed(failed.version, failed.error, failed.servers_failed)
 
 
 def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -337,6 +529,20 @@ class SyncRolloutClient:
     def load(self, rollout_id: str) -> list[Sample]:
         return self._runner.run(self._client.load(rollout_id))
 
+    def publish_version(self, version: int, weights_uri: str) -> None:
+        """See :meth:`RolloutClient.publish_version`."""
+        self._runner.run(self._client.publish_version(version, weights_uri))
+
+    def wait_version_active(
+        self, version: int, timeout: float | None = None
+    ) -> PolicyVersionActivated:
+        """See :meth:`RolloutClient.wait_version_active`."""
+        return self._runner.run(self._client.wait_version_active(version, timeout))
+
+    def refill_loop(self, **loop_kwargs: Any) -> SyncRefillLoop:
+        """A :class:`RefillLoop` for synchronous code (same arguments)."""
+        return SyncRefillLoop(self._runner, RefillLoop(self._client, **loop_kwargs))
+
     def close(self) -> None:
         self._runner.run(self._client.aclose())
         self._runner.close()
@@ -346,6 +552,41 @@ class SyncRolloutClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SyncRefillLoop:
+    """:class:`RefillLoop` on a ``SyncRolloutClient``'s event loop::
+
+        loop = client.refill_loop(ahead=1, n_prompts=64, n_samples_per_prompt=8)
+        for it in loop.iterations(num_steps):
+            train_step(collate(it.samples))
+            loop.publish(it.iteration + 1, save_weights(it.iteration + 1))
+    """
+
+    def __init__(self, runner: asyncio.Runner, loop: RefillLoop) -> None:
+        self._runner = runner
+        self.loop = loop
+
+    @property
+    def version(self) -> int:
+        return self.loop.version
+
+    def iterations(self, n: int) -> Iterator[Iteration]:
+        it = self.loop.iterations(n).__aiter__()
+
+        async def step() -> Iteration | None:
+            try:
+                return await it.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        while (item := self._runner.run(step())) is not None:
+            yield item
+
+    def publish(
+        self, version: int, weights_uri: str, *, wait: bool = False
+    ) -> PolicyVersionActivated | None:
+        return self._runner.run(self.loop.publish(version, weights_uri, wait=wait))
 
 
 async def _make(url: str, *, prefix: str, block_ms: int, producer: str) -> RolloutClient:

@@ -32,7 +32,9 @@ evaluator id, the URL, what was expected and what was found.
     ├── AgentError
     │   └── EpisodeTimeout          the per-sample episode window elapsed
     └── RolloutError
-        └── RolloutFailed           the engine gave up on a rollout (carries the reason)
+        ├── RolloutFailed           the engine gave up on a rollout (carries the reason)
+        └── WeightSyncFailed        a weight sync failed: the engine is poisoned until a later
+                                    sync succeeds (carries the original error)
 """
 
 from __future__ import annotations
@@ -157,3 +159,16 @@ class RolloutFailed(RolloutError):
         super().__init__(f"rollout {rollout_id} failed: {reason}")
         self.rollout_id = rollout_id
         self.reason = reason
+
+
+class WeightSyncFailed(RolloutError):
+    """A weight sync failed and the engine is poisoned: nothing generates until a later
+    sync succeeds. ``error`` is the sync's original error text, per failed server."""
+
+    def __init__(
+        self, version: int, error: str, servers_failed: list[str] | None = None
+    ) -> None:
+        super().__init__(f"weight sync to policy version {version} failed: {error}")
+        self.version = version
+        self.error = error
+        self.servers_failed = list(servers_failed or [])

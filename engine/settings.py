@@ -69,6 +69,11 @@ class Settings(FrozenModel):
     sglang_url: str | None = Field(
         None, description="Base URL of the student SGLang server or router."
     )
+    sglang_admin_key_file: Path | None = Field(
+        None,
+        description="File holding the model servers' admin key (SGLang's --admin-api-key); "
+        "read by the weight syncer only, never by evaluator workers.",
+    )
     model_dir: Path | None = Field(
         None,
         description="The policy's Hugging Face folder (tokenizer, chat template), handed to "

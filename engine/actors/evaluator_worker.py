@@ -40,6 +40,10 @@ Contract
   ``max(previous + 1, lease)``, so a re-run never reuses an attempt a previous holder may
   still write. When the heartbeat finds the batch claimed by another worker (this one
   stalled past the idle window), its run here is cancelled.
+* Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` and steers
+  its backend pool's ``TurnGate``: while a sync is open or the engine is poisoned no generate
+  call starts (calls in flight finish), so trajectories wait at a turn boundary; once nothing
+  is in flight it appends ``WorkerParked``. An activation opens the gate again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
   ``grace_s`` to finish; the rest are cancelled and handed back (claimable at once, not
   counted as a delivery) -- samples that finished are recorded, the others re-run on the
@@ -64,7 +68,9 @@ from engine.actors.batch_run import (
     sandbox_labels,
 )
 from engine.actors.recovery import dead_letter_events, plan_recovery
+from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.gate import TurnGate
 from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
@@ -181,6 +187,12 @@ class EvaluatorWorker:
         # The pool as far as recoveries needed it: which tokens a batch still holds.
         self._pool = LiveFold(log, self.names.pool, PoolProjection())
         self._pool_lock = asyncio.Lock()
+        self.quiesce = WorkerQuiesce(
+            log,
+            backends.gate if backends is not None else TurnGate(),
+            worker_id=config.worker_id,
+            block_ms=config.block_ms,
+        )
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -188,7 +200,11 @@ class EvaluatorWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve batches until ``stop`` is set, then shut down as the module docstring says."""
+        done = asyncio.Event()
+        following: asyncio.Task[None] | None = None
         try:
+            await self.quiesce.start(self.consumer.backoff)  # a sync may be open already
+            following = asyncio.create_task(self.quiesce.run(done, Backoff()))
             served = await serve(
                 self.consumer,
                 stop or asyncio.Event(),
@@ -201,6 +217,9 @@ class EvaluatorWorker:
             )
             self.batches_handed_back += served.handed_back
         finally:
+            done.set()
+            if following is not None:
+                await asyncio.gather(following, return_exceptions=True)
             await self.sink.aclose()
 
     # ------------------------------------------------------------------ one batch

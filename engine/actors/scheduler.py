@@ -37,6 +37,10 @@ Event flow (seeds task-scheduler §1-3; docs/architecture.md, "Events and the lo
    admission exactly-once across restarts (a ``BatchAdmitted`` appended on its own could not
    be told apart from one still to write after a crash). After the last batch,
    ``AdmissionClosed`` on ``rl:pool`` (once) closes the rollout's admission.
+   While a weight sync is open or the last one failed (``engine.actors.weight_sync``), no
+   batch is admitted: the scheduler follows ``rl:control`` with a ``PolicyWatch`` and waits
+   before each admission until the new weights are active. A request whose
+   ``policy_version`` has been published waits until that version is active too.
 5. The ``RolloutRequested`` entry is acked once every batch is admitted. A request the
    configuration cannot serve (unknown dataset, deadlock for its real batch sizes, ...) gets
    ``RolloutFailed`` on ``rl:control`` and on its rollout stream, and is acked.
@@ -56,6 +60,7 @@ from dataclasses import dataclass, field
 
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner
+from engine.actors.weight_sync import PolicyWatch, WatchClosed
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, ConfigError, PlacementError
@@ -153,6 +158,7 @@ class Scheduler:
         self.config = config
         self.declaration = declaration_for(layout)
         self.gate = PoolGate(log)
+        self.policy = PolicyWatch(log, block_ms=config.block_ms)
         self._data = LiveFold(log, log.names.data, DataCursorProjection(), owner=True)
         self.consumer = GroupConsumer(
             log,
@@ -201,13 +207,20 @@ class Scheduler:
         """
         if not self._started:
             await ride_out(self.start, self.consumer.backoff, what="scheduler start-up")
+        await ride_out(self.policy.refresh, self.consumer.backoff, what="reading rl:control")
         halt = asyncio.Event()  # the stop, or the pool watch failing
         watch = asyncio.create_task(
             self.gate.watch(backoff=Backoff(limit_s=self.config.outage_limit_s)),
             name="pool-watch",
         )
         watch.add_done_callback(lambda _t: halt.set())
+        following = asyncio.create_task(self.policy.follow(halt), name="policy-watch")
         relay = asyncio.create_task(_relay(stop, halt), name="stop")
+
+        async def stopping() -> None:
+            self.policy.close()
+            await self.gate.close()
+
         try:
             await serve(
                 self.consumer,
@@ -215,12 +228,14 @@ class Scheduler:
                 self._serve,
                 on_dead=self._give_up,
                 grace_s=None,
-                on_stopping=self.gate.close,
+                on_stopping=stopping,
             )
         finally:
             relay.cancel()
+            halt.set()
+            self.policy.close()
             await self.gate.close()
-            await asyncio.gather(relay, watch, return_exceptions=True)
+            await asyncio.gather(relay, watch, following, return_exceptions=True)
         failure = None if watch.cancelled() else watch.exception()
         if failure is not None:
             raise failure
@@ -288,7 +303,16 @@ class Scheduler:
                 f"rollout {batches[0].rollout_id!r} was planned for evaluators {unknown}, which "
                 f"the evaluator config does not define (known: {sorted(specs)})"
             )
+        request = env.event
+        version = request.policy_version if isinstance(request, RolloutRequested) else 0
         for batch in batches:
+            if self.gate.state.has_acquired(batch.rollout_id, batch.batch_id):
+                continue
+            try:  # no admission while weights change, after a failed sync, or before the
+                # version the request asks for is active (when it was published)
+                await self.policy.wait_generation_allowed(version)
+            except WatchClosed as exc:
+                raise GateClosed(f"stopping before batch {batch.batch_id!r} was admitted") from exc
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
         await self.gate.close_admission(batches[0].rollout_id, causation=env.ref)
 

@@ -22,6 +22,10 @@ down) one per episode.
 - The default ``build`` is a token-level ``SGLangBackend`` without a tokenizer: token-level
   callers send ``input_ids`` and read ``token_ids`` back, so the pool needs no model folder.
 - Like the backends it holds, a pool belongs to one event loop (the worker's).
+- ``gate`` is the worker's one ``TurnGate`` (``engine/backends/gate.py``): the pool installs it
+  on every ``SGLangBackend`` it builds, so every generate call of every episode (the tool
+  agent's, the DAgger agent's student turns, the recording proxy's) passes it. The weight
+  sync closes it to quiesce the worker and opens it when the new weights are active.
 
 A router (``sglang-router``) in front of the servers is the other way to run several: give the
 worker the router's URL as its one endpoint, and the router keeps a conversation's requests on
@@ -37,10 +41,11 @@ from types import TracebackType
 
 from engine.backends._http import check_base_url
 from engine.backends.base import ModelBackend
+from engine.backends.gate import TurnGate
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
 
-__all__ = ["BackendBuilder", "BackendPool", "parse_urls", "sglang_backend"]
+__all__ = ["BackendBuilder", "BackendPool", "TurnGate", "parse_urls", "sglang_backend"]
 
 BackendBuilder = Callable[[str], ModelBackend]
 """Builds the backend of one endpoint from its base URL (called once per endpoint)."""
@@ -85,6 +90,7 @@ class _Shared:
         self.closed = False
         self.placed: dict[str, str] = {}
         self.live: Counter[str] = Counter()
+        self.gate = TurnGate()
 
     def place(self, key: str) -> str:
         url = self.placed.get(key)
@@ -122,6 +128,12 @@ class BackendPool:
     def default_url(self) -> str | None:
         """The policy's first server (the only one, unless several were given)."""
         return self._shared.urls[0] if self._shared.urls else None
+
+    @property
+    def gate(self) -> TurnGate:
+        """The gate every generate call of this pool's backends passes (see the module
+        docstring); a bound view shares its pool's."""
+        return self._shared.gate
 
     @property
     def key(self) -> str | None:
@@ -163,6 +175,8 @@ class BackendPool:
         backend = shared.backends.get(endpoint)
         if backend is None:
             backend = shared.backends[endpoint] = shared.build(endpoint)
+            if isinstance(backend, SGLangBackend):
+                backend.gate = shared.gate
         return backend
 
     def server_of(self, key: str) -> str | None:

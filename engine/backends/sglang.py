@@ -39,6 +39,7 @@ import httpx
 
 from engine.backends._http import HTTPSettings, JSONClient, check_base_url
 from engine.backends.base import FinishReason, GenerationResult, Usage, error_finish_reason
+from engine.backends.gate import TurnGate
 from engine.backends.sglang_protocol import (
     SGLangReply,
     parallel_samples,
@@ -107,6 +108,9 @@ class SGLangBackend:
         self.tokenizer = tokenizer
         self._http = JSONClient(base_url=config.url, settings=config.http, transport=transport)
         self._generate_url = config.url + "/generate"
+        # Every /generate call passes it (a worker's BackendPool installs its own): a weight
+        # sync closes it, so no call starts while weights change (``engine.backends.gate``).
+        self.gate = TurnGate()
 
     # -- tokenizer ---------------------------------------------------------------------------
 
@@ -193,7 +197,7 @@ class SGLangBackend:
         if n == 1:
             replies = [await self.generate_raw(payload)]
         else:
-            body = await self._http.post("/generate", payload)
+            body = await self._post_generate(payload)
             replies = parse_batch_reply(body, url=self._generate_url, size=n, logprobs=True)
         return [self._result(reply, len(ids)) for reply in replies]
 
@@ -224,13 +228,17 @@ class SGLangBackend:
 
     async def generate_raw(self, payload: Mapping[str, Any]) -> SGLangReply:
         """POST one (non-batch) ``/generate`` payload and parse the reply strictly."""
-        body = await self._http.post("/generate", payload)
+        body = await self._post_generate(payload)
         return parse_generate_reply(
             body,
             url=self._generate_url,
             logprobs=bool(payload.get("return_logprob")),
             top_logprobs=int(payload.get("top_logprobs_num") or 0) > 0,
         )
+
+    async def _post_generate(self, payload: Mapping[str, Any]) -> Any:
+        async with self.gate.turn():
+            return await self._http.post("/generate", payload)
 
     async def score(
         self,

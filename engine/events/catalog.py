@@ -36,6 +36,7 @@ __all__ = [
     "FilterSpec",
     "GpuShare",
     "NodeDecl",
+    "PolicyVersionActivated",
     "PolicyVersionPublished",
     "PoolDeclared",
     "QuiesceCompleted",
@@ -55,6 +56,8 @@ __all__ = [
     "TokenGrant",
     "TokenReleased",
     "TurnCompleted",
+    "WeightSyncFailed",
+    "WorkerParked",
 ]
 
 
@@ -141,19 +144,85 @@ class RolloutFailed(Event):
 
 
 class PolicyVersionPublished(Event):
+    """A trainer has new weights at ``weights_uri`` (a directory every model server can
+    read, in Hugging Face format) for policy version ``version``."""
+
     type: Literal["PolicyVersionPublished"] = "PolicyVersionPublished"
     version: int
     weights_uri: str = ""
 
 
 class QuiesceRequested(Event):
+    """The weight syncer stops generation before it changes weights: schedulers stop
+    admitting batches, workers let running generate calls finish, start no new one and say
+    so with ``WorkerParked``. ``version`` is the policy version the quiesce is for.
+
+    v1 had no ``version`` (nothing wrote the event then); the upcaster leaves it None."""
+
+    schema_version: ClassVar[int] = 2
+
     type: Literal["QuiesceRequested"] = "QuiesceRequested"
     reason: str = ""
+    version: int | None = None
+
+
+@upcaster("QuiesceRequested", 1)
+def _quiesce_requested_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    payload.setdefault("version", None)
+    return payload
+
+
+class WorkerParked(Event):
+    """An evaluator worker has no generate call in flight and starts none until the
+    quiesce for ``version`` ends: its trajectories wait at a turn boundary."""
+
+    type: Literal["WorkerParked"] = "WorkerParked"
+    version: int | None = None
+    worker: str
 
 
 class QuiesceCompleted(Event):
+    """Every live worker said it is parked (``parked``), or the syncer's bounded wait ran
+    out and ``unparked`` names the live workers that did not say so in time.
+
+    v1 had only ``reason``; the upcaster adds the empty fields."""
+
+    schema_version: ClassVar[int] = 2
+
     type: Literal["QuiesceCompleted"] = "QuiesceCompleted"
     reason: str = ""
+    version: int | None = None
+    parked: list[str] = Field(default_factory=list)
+    unparked: list[str] = Field(default_factory=list)
+
+
+@upcaster("QuiesceCompleted", 1)
+def _quiesce_completed_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    payload.setdefault("version", None)
+    payload.setdefault("parked", [])
+    payload.setdefault("unparked", [])
+    return payload
+
+
+class PolicyVersionActivated(Event):
+    """Every model server in ``servers`` loaded ``version`` and reports it; generation
+    resumes on it."""
+
+    type: Literal["PolicyVersionActivated"] = "PolicyVersionActivated"
+    version: int
+    servers: list[str]
+    weights_uri: str = ""
+
+
+class WeightSyncFailed(Event):
+    """A sync of ``version`` failed on ``servers_failed`` (``error`` says how, per server).
+    The engine is poisoned: nothing generates until a later sync succeeds."""
+
+    type: Literal["WeightSyncFailed"] = "WeightSyncFailed"
+    version: int
+    error: str
+    servers_ok: list[str] = Field(default_factory=list)
+    servers_failed: list[str] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- pool stream

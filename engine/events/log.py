@@ -295,6 +295,11 @@ class EventLog(Protocol):
 
     async def pending_count(self, stream: str, group: str) -> int: ...
 
+    async def group_consumers(self, stream: str, group: str) -> dict[str, int]:
+        """The consumers of ``group`` on ``stream`` and how long each has been idle, in ms
+        (since its last read, claim or keep-alive); empty when the stream or group is missing."""
+        ...
+
     async def trim_acked(
         self, stream: str, *, before: str | None = None, require: Collection[str] = ()
     ) -> int:

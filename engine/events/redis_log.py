@@ -336,6 +336,12 @@ def _translate(what: str) -> Iterator[None]:
     _reraise_swallowed_cancel()
 
 
+def _missing(exc: LogError) -> bool:
+    """A refusal because the stream or the group does not exist (yet)."""
+    text = str(exc).lower()
+    return "nogroup" in text or "no such key" in text
+
+
 def _reraise_swallowed_cancel() -> None:
     """Raise ``CancelledError`` if this task was cancelled but a redis call swallowed it.
 
@@ -916,6 +922,16 @@ class RedisEventLog:
         with _translate(f"XPENDING {stream} {group}"):
             info = await self._r.xpending(stream, group)
         return int(info["pending"])
+
+    async def group_consumers(self, stream: str, group: str) -> dict[str, int]:
+        try:
+            with _translate(f"XINFO CONSUMERS {stream} {group}"):
+                rows = await self._r.xinfo_consumers(stream, group)
+        except LogError as exc:
+            if isinstance(exc, LogUnavailable) or not _missing(exc):
+                raise
+            return {}
+        return {_s(row["name"]): int(row["idle"]) for row in rows}
 
     async def trim_acked(
         self, stream: str, *, before: str | None = None, require: Collection[str] = ()

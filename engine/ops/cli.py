@@ -19,8 +19,9 @@ A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close ma
 
 Processes (each delegates to its own ``main(argv)``, which owns the flags):
 ``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
-(``workers.scheduler``), ``tinylm`` (``tinylm.cli`` through ``engine.ops.tinylm``, which
-passes the bundled agents' system prompts) and ``demo`` (``engine.ops.demo``).
+(``workers.scheduler``), ``sync`` (``workers.sync``, the weight syncer), ``tinylm``
+(``tinylm.cli`` through ``engine.ops.tinylm``, which passes the bundled agents' system
+prompts) and ``demo`` (``engine.ops.demo``).
 Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
@@ -47,6 +48,7 @@ _DELEGATES: dict[str, tuple[str, str, str]] = {
     "finalizer": ("workers.finalizer", "main", "a finalizer process"),
     "capture": ("workers.capture", "main", "a teacher capture process"),
     "scheduler": ("workers.scheduler", "main", "a scheduler process"),
+    "sync": ("workers.sync", "main", "the weight syncer (quiesce, load, verify, resume)"),
     "tinylm": ("engine.ops.tinylm", "main", "the tiny SGLang-compatible model (init/serve)"),
     "demo": ("engine.ops.demo", "main", "a whole rollout on embedded defaults"),
 }

@@ -8,8 +8,9 @@ Embedded defaults, nothing to set up beyond ``pip install``:
   served by its SGLang-compatible server on a free port;
 * the bundled tasks (``engine/tasks``): arithmetic with a python tool and shell/file tasks
   checked by a script, run in the local sandbox;
-* processes: one scheduler, ``--workers`` evaluator workers and a finalizer, each a real
-  ``rollout scheduler|worker|finalizer`` process talking only through the streams.
+* processes: one scheduler, ``--workers`` evaluator workers, a finalizer and a weight syncer
+  (``rollout sync``: a trainer may publish new weights to the stack, see
+  ``examples/async_loop.py``), each a real process talking only through the streams.
 
 It requests a mixed-dataset training rollout and then an eval pass through the trainer
 client, shows live progress from the rollout stream, prints the summary table and where
@@ -228,7 +229,9 @@ def start_stack(args: argparse.Namespace) -> Stack:
                                     "--worker-id", f"demo-worker-{i}"])
     stack.spawn("finalizer", ["-m", "workers.finalizer",
                               "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
-    say(f"processes scheduler, {args.workers} evaluator workers, finalizer "
+    stack.spawn("sync", ["-m", "workers.sync", "--sglang-url", stack.server.url,
+                         "--worker-id", "demo-sync"])
+    say(f"processes scheduler, {args.workers} evaluator workers, finalizer, weight syncer "
         f"(logs in {workdir / 'logs'})")
     return stack
 

@@ -73,12 +73,18 @@ ROUTES: dict[str, Route] = {
                            "the trainer (`wait_ready` raises with the reason)"),
     "DeadLetter": Route("`rl:dead`", "the log adapter (an entry past `max_deliveries`, or "
                         "one that does not decode)", "operators (`rollout tail`)"),
-    "PolicyVersionPublished": Route("`rl:control`", "reserved: nothing writes it yet",
-                                    "nothing yet"),
-    "QuiesceRequested": Route("`rl:control`", "reserved: nothing writes it yet",
-                              "nothing yet"),
-    "QuiesceCompleted": Route("`rl:control`", "reserved: nothing writes it yet",
-                              "nothing yet"),
+    "PolicyVersionPublished": Route("`rl:control`", "the trainer (`publish_version`)",
+                                    "the weight syncer (group `sync`), `wait_version_active`"),
+    "QuiesceRequested": Route("`rl:control`", "the weight syncer",
+                              "schedulers (admission pauses), evaluator workers (gate closes)"),
+    "WorkerParked": Route("`rl:control`", "evaluator workers (no generate call in flight)",
+                          "the weight syncer"),
+    "QuiesceCompleted": Route("`rl:control`", "the weight syncer", "operators"),
+    "PolicyVersionActivated": Route("`rl:control`", "the weight syncer",
+                                    "schedulers and workers (resume), `wait_version_active`"),
+    "WeightSyncFailed": Route("`rl:control`", "the weight syncer",
+                              "workers keep generation stopped; `wait_ready` and "
+                              "`wait_version_active` raise the error"),
 }
 
 _COMMON = ("type", "producer", "causation")

@@ -314,18 +314,27 @@ class RecordingProxy:
         assert self._client is not None
         headers = {"content-type": "application/json"}
         if not stream:
-            reply = await self._client.post("/v1/chat/completions", content=raw, headers=headers)
+            async with self.backend.gate.turn():  # a generation: the weight sync's gate
+                reply = await self._client.post(
+                    "/v1/chat/completions", content=raw, headers=headers
+                )
             return Response(
                 reply.content,
                 status_code=reply.status_code,
                 media_type=reply.headers.get("content-type"),
             )
-        upstream = await self._client.send(
-            self._client.build_request(
-                "POST", "/v1/chat/completions", content=raw, headers=headers
-            ),
-            stream=True,
-        )
+        turn = self.backend.gate.turn()  # held until the stream ends
+        await turn.__aenter__()
+        try:
+            upstream = await self._client.send(
+                self._client.build_request(
+                    "POST", "/v1/chat/completions", content=raw, headers=headers
+                ),
+                stream=True,
+            )
+        except BaseException:
+            await turn.__aexit__(None, None, None)
+            raise
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -333,6 +342,7 @@ class RecordingProxy:
                     yield chunk
             finally:
                 await upstream.aclose()
+                await turn.__aexit__(None, None, None)
 
         return StreamingResponse(
             relay(),

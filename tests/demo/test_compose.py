@@ -36,7 +36,7 @@ def config() -> dict[str, Any]:
     return parsed
 
 
-ENGINE = ("scheduler", "evaluator", "capture", "finalizer", "tinylm")
+ENGINE = ("scheduler", "evaluator", "capture", "finalizer", "sync", "tinylm")
 
 
 def test_services_and_profiles(config: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from engine.events import (
     Event,
     GpuShare,
     NodeDecl,
+    PolicyVersionActivated,
     PolicyVersionPublished,
     PoolDeclared,
     QuiesceCompleted,
@@ -31,6 +32,8 @@ from engine.events import (
     TokenGrant,
     TokenReleased,
     TurnCompleted,
+    WeightSyncFailed,
+    WorkerParked,
 )
 
 
@@ -41,8 +44,12 @@ def example_events() -> list[Event]:
         RolloutReady(rollout_id="r1", sample_ids=["r1-0", "r1-1"], metrics={"reward": 0.5}),
         RolloutFailed(rollout_id="r1", reason="deadlock"),
         PolicyVersionPublished(version=4, weights_uri="file:///w"),
-        QuiesceRequested(reason="weight sync"),
-        QuiesceCompleted(reason="weight sync"),
+        QuiesceRequested(reason="weight sync", version=4),
+        WorkerParked(version=4, worker="w1"),
+        QuiesceCompleted(reason="weight sync", version=4, parked=["w1"], unparked=["w2"]),
+        PolicyVersionActivated(version=4, servers=["http://a:1"], weights_uri="file:///w"),
+        WeightSyncFailed(version=5, error="http://b:2: 400 bad", servers_ok=["http://a:1"],
+                         servers_failed=["http://b:2"]),
         PoolDeclared(nodes=[NodeDecl(node="n0", gpus=[0, 1], cpu=16, memory_gb=64)]),
         TokenAcquired(rollout_id="r1", batch_id="b0", evaluator_id="math", tokens=[
             TokenGrant(token_id="b0:0", node="n0", gpus=[GpuShare(gpu=0, fraction=0.5)],

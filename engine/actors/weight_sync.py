@@ -1,0 +1,535 @@
+"""Weight sync through the log: the syncer actor, and what schedulers and workers do for it.
+
+The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
+--------------------------------------------------------------------------
+1. The trainer appends ``PolicyVersionPublished(version, weights_uri)``
+   (``RolloutClient.publish_version``).
+2. A syncer (consumer group ``sync``; any number of processes, one sync at a time) appends
+   ``QuiesceRequested(version)`` with a compare-and-append on ``rl:control``: only one sync
+   is ever open, and two syncers cannot both open one.
+3. Schedulers stop admitting batches (``PolicyWatch.wait_generation_allowed`` before each
+   admission; a request whose ``policy_version`` is published but not active yet waits for
+   its sync as well, so a rollout requested after a publication runs on the new weights);
+   every evaluator worker closes its ``TurnGate`` (``engine/backends/gate.py``): generate
+   calls in flight finish, none starts, so trajectories wait at a turn boundary with their
+   whole state. A worker with nothing in flight appends ``WorkerParked(version, worker)``.
+4. The syncer waits until every *live* worker is parked, then appends
+   ``QuiesceCompleted(version, parked, unparked)``. Live workers are the consumers of the
+   ``evaluators`` group on the work streams whose idle time (since their last read, claim or
+   heartbeat) is below ``live_window_ms``: a worker that died, parked or not, drops out of the
+   set once it has been silent that long. The wait is bounded as well: after
+   ``park_timeout_s`` the sync goes on and ``unparked`` names the live workers that never said
+   they were parked (their in-flight calls then still cannot straddle the update: SGLang, and
+   tinylm, let running requests finish before they swap weights).
+5. The syncer posts ``/update_weights_from_disk`` (the weights directory, ``weight_version``)
+   to every model server the engine uses (the same ``--sglang-url`` list as the workers),
+   with the admin key, then reads each one's ``/get_model_info`` ``weight_version``.
+6. Every server reports the version: ``PolicyVersionActivated(version, servers)``; workers
+   open their gates and schedulers admit again. Otherwise ``WeightSyncFailed(version, error,
+   servers_ok, servers_failed)``: the engine is *poisoned* -- gates stay closed and admission
+   paused until a later sync succeeds; the trainer's ``wait_ready`` and
+   ``wait_version_active`` raise ``engine.errors.WeightSyncFailed`` with the error.
+
+Ordering and recovery: the publication entry is acked only once its sync ended, so a syncer
+that dies mid-saga leaves it pending and another syncer claims it and resumes (every step
+checks the fold of ``rl:control`` first: quiesce is not requested twice, the outcome not
+written twice; loading the same weights again is harmless). A publication delivered past
+``max_deliveries`` (syncers keep dying on it) ends as ``WeightSyncFailed``, so an open
+quiesce never holds the engine forever. A publication followed by a later one is
+superseded (skipped) unless its sync is already open; one whose version (or a later one) is
+already active after it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+from engine.backends.gate import TurnGate
+from engine.backends.weight_admin import ServerAdmin
+from engine.errors import AppendConflict, BackendError, ConfigError, LogError
+from engine.events.base import Envelope, Event
+from engine.events.catalog import (
+    PolicyVersionActivated,
+    PolicyVersionPublished,
+    QuiesceCompleted,
+    QuiesceRequested,
+    WeightSyncFailed,
+    WorkerParked,
+)
+from engine.events.ids import parse_id
+from engine.events.log import DeadEntry, EventLog
+from engine.projections.policy import PolicyProjection, PolicyState
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
+from engine.runtime.live import LiveFold
+from engine.runtime.loop import HandBack, serve
+
+__all__ = [
+    "SYNC_GROUP",
+    "PolicyWatch",
+    "SyncConfig",
+    "WatchClosed",
+    "WeightSyncer",
+    "WorkerQuiesce",
+    "weights_path",
+]
+
+logger = logging.getLogger(__name__)
+
+SYNC_GROUP = "sync"
+WORKER_GROUP = "evaluators"
+
+
+class WatchClosed(Exception):
+    """``PolicyWatch.close()`` was called while someone waited on it."""
+
+
+def _later(a: str | None, b: str) -> bool:
+    return a is not None and parse_id(a) > parse_id(b)
+
+
+def weights_path(uri: str) -> str:
+    """The local directory of ``weights_uri``: a plain path or a ``file://`` URI.
+
+    ``ConfigError`` for anything else (the model servers load from their own disks)."""
+    if not uri:
+        raise ConfigError("weights_uri is empty: publish the directory the new weights are in")
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"weights_uri {uri!r}: a file:// URI must name a local path")
+        return unquote(parsed.path)
+    if parsed.scheme and len(parsed.scheme) > 1:  # not a Windows drive letter
+        raise ConfigError(
+            f"weights_uri {uri!r}: only local directories (a path or file://) can be loaded "
+            "with /update_weights_from_disk"
+        )
+    return uri
+
+
+# ---------------------------------------------------------------------- the fold, followed
+
+
+class PolicyWatch:
+    """The policy projection of ``rl:control`` (``engine.projections.policy``), kept current
+    by ``follow`` (blocking reads); waiters wake on every change."""
+
+    def __init__(self, log: EventLog, *, block_ms: int | None = None) -> None:
+        self.log = log
+        self.stream = log.names.control
+        self.block_ms = block_ms
+        self._fold = LiveFold(log, self.stream, PolicyProjection())
+        self._changed = asyncio.Event()
+        self._closed = False
+        self.version = 0  # counts changes of the state: ``changed(since=...)`` misses none
+
+    @property
+    def state(self) -> PolicyState:
+        return self._fold.state
+
+    @property
+    def position(self) -> str:
+        return self._fold.position
+
+    def _notify(self) -> None:
+        self.version += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def apply(self, envelopes: Sequence[Envelope], *, at_least: str | None = None) -> None:
+        before = self._fold.state
+        self._fold.apply(envelopes, at_least=at_least)
+        if self._fold.state is not before:
+            self._notify()
+
+    async def refresh(self, *, at_least: str | None = None) -> PolicyState:
+        """Fold the tail of ``rl:control`` past the position (no blocking)."""
+        envs = await self.log.read_all(self.stream, after=self.position)
+        self.apply(envs, at_least=at_least)
+        return self.state
+
+    async def follow(self, stop: asyncio.Event, *, backoff: Backoff | None = None) -> None:
+        """Fold new entries as they are appended until ``stop`` is set (checked between
+        blocking reads, at most ``block_ms`` apart); a read that fails is retried after the
+        runtime's backoff."""
+        backoff = backoff or Backoff()
+        while not stop.is_set() and not self._closed:
+            try:
+                envs, position = await self.log.read_after(
+                    self.stream, self.position, block_ms=self.block_ms
+                )
+            except LogError as exc:
+                pause = backoff.next_pause(exc)
+                logger.warning("following %s failed, retrying in %.1f s: %s",
+                               self.stream, pause, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause)
+                continue
+            backoff.reset()
+            self.apply(envs, at_least=position)
+
+    def close(self) -> None:
+        """Waiters raise ``WatchClosed``; ``follow`` ends after its current read."""
+        self._closed = True
+        self._notify()
+
+    async def changed(self, timeout: float | None = None, *, since: int | None = None) -> None:
+        """Return at the next change of the state (or after ``timeout`` seconds); with
+        ``since`` (a ``version`` read earlier), at once if the state changed after it."""
+        if self._closed:
+            raise WatchClosed("the policy watch is closed")
+        if since is not None and since != self.version:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        if self._closed:
+            raise WatchClosed("the policy watch is closed")
+
+    async def wait_until(self, predicate: Callable[[PolicyState], bool]) -> PolicyState:
+        while True:
+            seen, state = self.version, self.state
+            if predicate(state):
+                return state
+            await self.changed(since=seen)
+
+    async def wait_generation_allowed(self, version: int = 0) -> PolicyState:
+        """Return once no sync is open, the engine is not poisoned and work asking for
+        policy ``version`` may run (``PolicyState.may_generate``); at once if so."""
+        state = self.state
+        if not state.may_generate(version):
+            logger.info(
+                "admission paused: %s",
+                state.why_stopped() or f"version {version} is published but not active yet",
+            )
+        return await self.wait_until(lambda s: s.may_generate(version))
+
+
+# ---------------------------------------------------------------------- the worker's side
+
+
+class WorkerQuiesce:
+    """An evaluator worker's part of the saga: its ``TurnGate`` follows the policy state,
+    and it says ``WorkerParked`` once a quiesce found nothing in flight."""
+
+    def __init__(
+        self, log: EventLog, gate: TurnGate, *, worker_id: str, block_ms: int | None = None
+    ) -> None:
+        self.log = log
+        self.gate = gate
+        self.worker_id = worker_id
+        self.watch = PolicyWatch(log, block_ms=block_ms)
+        self._reported: str | None = None  # the quiesce (its entry id) we said parked for
+        self._parking: asyncio.Task[None] | None = None
+        self.parked_for: list[int | None] = []
+
+    async def start(self, backoff: Backoff) -> None:
+        """The state as the log has it now, before any batch runs."""
+        await ride_out(self.watch.refresh, backoff, what="reading the policy state")
+        self._apply(self.watch.state)
+
+    async def run(self, stop: asyncio.Event, backoff: Backoff) -> None:
+        """Follow ``rl:control`` and steer the gate until ``stop``."""
+        follower = asyncio.create_task(self.watch.follow(stop, backoff=backoff))
+        try:
+            seen = -1
+            while not follower.done():
+                with contextlib.suppress(WatchClosed):
+                    await self.watch.changed(timeout=0.5, since=seen)
+                seen = self.watch.version
+                self._apply(self.watch.state)
+        finally:
+            follower.cancel()
+            parking = self._parking
+            if parking is not None:
+                parking.cancel()
+            await asyncio.gather(follower, *([parking] if parking else []),
+                                 return_exceptions=True)
+
+    def _apply(self, state: PolicyState) -> None:
+        if state.generation_stopped:
+            if self.gate.is_open:
+                logger.info("worker %s: generation stopped: %s", self.worker_id,
+                            state.why_stopped())
+            self.gate.close(state.why_stopped())
+        elif not self.gate.is_open:
+            logger.info("worker %s: generation resumes on version %s", self.worker_id,
+                        state.active_version)
+            self.gate.open()
+        quiesce = state.quiesce
+        if (
+            quiesce is not None
+            and state.quiesce_id != self._reported
+            and self.worker_id not in state.parked
+        ):
+            self._reported = state.quiesce_id
+            self._parking = asyncio.create_task(self._park(quiesce.version, state.quiesce_id))
+
+    async def _park(self, version: int | None, quiesce_id: str | None) -> None:
+        await self.gate.drained()
+        if self.watch.state.quiesce_id != quiesce_id:
+            return  # that sync ended meanwhile
+        await ride_out(
+            lambda: self.log.append(
+                self.log.names.control, WorkerParked(version=version, worker=self.worker_id)
+            ),
+            Backoff(),
+            what="saying the worker is parked",
+        )
+        self.parked_for.append(version)
+        logger.info("worker %s parked for the sync to version %s", self.worker_id, version)
+
+
+# ---------------------------------------------------------------------- the syncer
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Settings of one syncer process.
+
+    ``servers``: every model server to load the weights on (the workers' ``--sglang-url``).
+    ``admin_key``: the servers' admin key (``--admin-api-key``), if they have one.
+    ``park_timeout_s``: the bound on waiting for workers to park. ``live_window_ms``: a
+    worker silent on its work streams for longer is not waited for (default: the claim idle
+    window, after which its work is taken over anyway).
+    """
+
+    syncer_id: str
+    servers: tuple[str, ...]
+    admin_key: str | None = None
+    group: str = SYNC_GROUP
+    worker_group: str = WORKER_GROUP
+    park_timeout_s: float = 120.0
+    live_window_ms: int | None = None
+    heartbeat_ms: int = 10_000
+    claim_idle_ms: int = 60_000
+    block_ms: int | None = None
+    grace_s: float = 30.0
+    outage_limit_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ConfigError(
+                f"syncer {self.syncer_id!r}: no model server to sync (give --sglang-url, the "
+                "servers the workers use)"
+            )
+        if self.park_timeout_s <= 0:
+            raise ConfigError(f"park_timeout_s must be positive, got {self.park_timeout_s}")
+
+    @property
+    def live_ms(self) -> int:
+        return self.live_window_ms if self.live_window_ms is not None else self.claim_idle_ms
+
+
+AdminFactory = Callable[[str], ServerAdmin]
+
+
+class WeightSyncer:
+    """Runs the saga of the module docstring for each ``PolicyVersionPublished``."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        config: SyncConfig,
+        *,
+        admin: AdminFactory | None = None,
+    ) -> None:
+        self.log = log
+        self.config = config
+        self._admin = admin or (lambda url: ServerAdmin(url, admin_key=config.admin_key))
+        self.watch = PolicyWatch(log, block_ms=config.block_ms)
+        self.consumer = GroupConsumer(
+            log,
+            group=config.group,
+            consumer=config.syncer_id,
+            streams=[log.names.control],
+            heartbeat_ms=config.heartbeat_ms,
+            claim_idle_ms=config.claim_idle_ms,
+            block_ms=config.block_ms,
+            ack_dead=False,  # settled once the failure is recorded
+            backoff=Backoff(limit_s=config.outage_limit_s),
+        )
+        self.outcomes: list[Event] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve publications until ``stop``; an unfinished sync is handed back (another
+        syncer, or this one restarted, resumes it from the log)."""
+        await ride_out(self.watch.refresh, self.consumer.backoff, what="reading rl:control")
+        halt = asyncio.Event()
+        follower = asyncio.create_task(self.watch.follow(halt, backoff=Backoff()))
+
+        async def stopping() -> None:
+            self.watch.close()
+
+        relay = asyncio.create_task(_relay(stop, halt))
+        try:
+            await serve(
+                self.consumer,
+                halt,
+                self._handle,
+                on_dead=self._give_up,
+                grace_s=self.config.grace_s,
+                on_stopping=stopping,
+            )
+        finally:
+            halt.set()
+            relay.cancel()
+            await asyncio.gather(follower, relay, return_exceptions=True)
+
+    async def _handle(self, d: Delivery) -> None:
+        ev = d.env.event
+        if isinstance(ev, PolicyVersionPublished):
+            try:
+                await self.sync(d.env, ev)
+            except WatchClosed as exc:  # stopping: another syncer resumes it
+                raise HandBack from exc
+
+    async def _give_up(self, dead: DeadEntry) -> None:
+        """A publication past ``max_deliveries`` (syncers kept dying on it): its sync ends as
+        failed, so an open quiesce does not hold the engine forever."""
+        ev = dead.event
+        if not isinstance(ev, PolicyVersionPublished):
+            return
+        await self.watch.refresh()
+        if _ended_after(self.watch.state, dead.id, ev.version):
+            return
+        failed = WeightSyncFailed(
+            version=ev.version,
+            error=f"the syncers gave up on the publication: {dead.error}",
+            servers_ok=[],
+            servers_failed=list(self.config.servers),
+        )
+        await self.log.append(self.watch.stream, failed, causation=f"{dead.stream}@{dead.id}")
+        self.outcomes.append(failed)
+
+    # -- one publication -------------------------------------------------------------------
+
+    async def sync(self, env: Envelope, publish: PolicyVersionPublished) -> None:
+        """Run (or resume) the sync of one publication to its end."""
+        ref, version = env.ref, publish.version
+        await self.watch.refresh()
+        while True:
+            seen, state = self.watch.version, self.watch.state
+            if state.quiesce is not None and state.quiesce.causation == ref:
+                break  # ours is open: resume it
+            if _ended_after(state, env.id, version):
+                return
+            if _later(state.last_published_id, env.id):
+                logger.info("version %d superseded by a later publication", version)
+                return
+            if state.quiesce is not None:  # another sync is open: it ends first
+                await self.watch.changed(timeout=1.0, since=seen)
+                continue
+            request = QuiesceRequested(version=version, reason=f"weight sync to version {version}")
+            try:
+                await self.log.append_if_last(
+                    self.watch.stream, request, self.watch.position, causation=ref
+                )
+            except AppendConflict as exc:
+                await self.watch.refresh(at_least=exc.current)
+                continue
+            logger.info("quiesce requested for version %d", version)
+            await self.watch.refresh()
+        await self._quiesce(version, ref)
+        outcome = await self._push(publish)
+        await self.log.append(self.watch.stream, outcome, causation=ref)
+        self.outcomes.append(outcome)
+        await self.watch.refresh()
+
+    async def _quiesce(self, version: int, ref: str) -> None:
+        deadline = time.monotonic() + self.config.park_timeout_s
+        while True:
+            seen, state = self.watch.version, self.watch.state
+            if state.quiesce_done is not None:
+                return  # written before a restart
+            live = await self.live_workers()
+            missing = live - state.parked
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                if missing:
+                    logger.warning(
+                        "version %d: %d live workers did not park within %.0f s (%s); syncing "
+                        "anyway", version, len(missing), self.config.park_timeout_s,
+                        ", ".join(sorted(missing)),
+                    )
+                done = QuiesceCompleted(
+                    version=version,
+                    reason=f"weight sync to version {version}",
+                    parked=sorted(state.parked),
+                    unparked=sorted(missing),
+                )
+                await self.log.append(self.watch.stream, done, causation=ref)
+                await self.watch.refresh()
+                return
+            # Woken by a WorkerParked (also one folded while the live set was read); the
+            # live set is looked at again at least every second.
+            await self.watch.changed(timeout=min(1.0, left), since=seen)
+
+    async def live_workers(self) -> set[str]:
+        """Consumers of the worker group on any work stream, heard from within the window."""
+        names = self.log.names
+        live: set[str] = set()
+        for stream in await self.log.list_streams(f"{names.prefix}:work:*"):
+            consumers = await self.log.group_consumers(stream, self.config.worker_group)
+            live.update(name for name, idle in consumers.items() if idle < self.config.live_ms)
+        return live
+
+    async def _push(self, publish: PolicyVersionPublished) -> Event:
+        version = publish.version
+        servers = list(self.config.servers)
+        try:
+            path = weights_path(publish.weights_uri)
+        except ConfigError as exc:
+            return WeightSyncFailed(
+                version=version, error=str(exc), servers_ok=[], servers_failed=servers
+            )
+        errors = await asyncio.gather(*(self._push_one(url, path, version) for url in servers))
+        ok = [url for url, err in zip(servers, errors, strict=True) if err is None]
+        failed = [(url, err) for url, err in zip(servers, errors, strict=True) if err is not None]
+        if not failed:
+            logger.info("version %d active on %s", version, ", ".join(ok))
+            return PolicyVersionActivated(
+                version=version, servers=ok, weights_uri=publish.weights_uri
+            )
+        error = "; ".join(f"{url}: {err}" for url, err in failed)
+        logger.error("weight sync to version %d failed: %s", version, error)
+        return WeightSyncFailed(
+            version=version, error=error, servers_ok=ok, servers_failed=[u for u, _ in failed]
+        )
+
+    async def _push_one(self, url: str, path: str, version: int) -> str | None:
+        """Load and verify on one server; the error text, or None."""
+        admin = self._admin(url)
+        try:
+            await admin.load(path, version)
+            reported = await admin.weight_version()
+        except BackendError as exc:
+            return str(exc)
+        finally:
+            await admin.aclose()
+        if reported != str(version):
+            return (
+                f"after loading, the server reports weight_version {reported!r}, "
+                f"expected {str(version)!r}"
+            )
+        return None
+
+
+def _ended_after(state: PolicyState, entry_id: str, version: int) -> bool:
+    """A sync of ``version`` or later ended (either way) after the publication ``entry_id``."""
+    active = state.activated
+    if active is not None and active.version >= version and _later(state.activated_id, entry_id):
+        return True
+    failure = state.failure
+    return (
+        failure is not None and failure.version >= version and _later(state.failure_id, entry_id)
+    )
+
+
+async def _relay(stop: asyncio.Event, halt: asyncio.Event) -> None:
+    await stop.wait()
+    halt.set()

@@ -1,0 +1,133 @@
+"""The policy projection: which weights are live and whether generation may run, from
+``rl:control``.
+
+The weight sync is a saga on ``rl:control`` (``engine/actors/weight_sync.py``)::
+
+    PolicyVersionPublished(v) -> QuiesceRequested(v) -> WorkerParked(v, w)... ->
+    QuiesceCompleted(v) -> PolicyVersionActivated(v) | WeightSyncFailed(v)
+
+The fold keeps:
+
+* ``published``: the highest version any ``PolicyVersionPublished`` named (the trainer's
+  current version), and the last publication itself;
+* ``quiesce``: the open sync (a ``QuiesceRequested`` not yet ended by an activation or a
+  failure) with the workers parked for it and its ``QuiesceCompleted`` once written;
+* ``activated``: the last ``PolicyVersionActivated``;
+* ``failure``: the last ``WeightSyncFailed`` when no activation came after it -- the engine is
+  *poisoned*: nothing generates until a later sync succeeds.
+
+Generation may run only when no sync is open and the engine is not poisoned
+(``generation_stopped``). The state is a frozen value; ``evolve`` returns a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.events.base import Envelope
+from engine.events.catalog import (
+    PolicyVersionActivated,
+    PolicyVersionPublished,
+    QuiesceCompleted,
+    QuiesceRequested,
+    WeightSyncFailed,
+    WorkerParked,
+)
+
+__all__ = ["PolicyProjection", "PolicyState"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    published: int | None = None
+    published_versions: frozenset[int] = frozenset()
+    last_published: PolicyVersionPublished | None = None
+    last_published_id: str | None = None
+    quiesce: QuiesceRequested | None = None
+    quiesce_id: str | None = None
+    parked: frozenset[str] = frozenset()
+    quiesce_done: QuiesceCompleted | None = None
+    activated: PolicyVersionActivated | None = None
+    activated_id: str | None = None
+    failure: WeightSyncFailed | None = None
+    failure_id: str | None = None
+
+    @property
+    def active_version(self) -> int | None:
+        return None if self.activated is None else self.activated.version
+
+    @property
+    def poisoned(self) -> bool:
+        return self.failure is not None
+
+    @property
+    def generation_stopped(self) -> bool:
+        """A sync is open or the last one failed: no generate call may start."""
+        return self.quiesce is not None or self.failure is not None
+
+    def needs_sync(self, version: int) -> bool:
+        """Whether work asking for ``version`` must wait for a sync: that version has been
+        published and nothing at least as new is active yet. A version nobody published (a
+        trainer that does not use the weight sync, or the initial weights) never waits."""
+        if version not in self.published_versions:
+            return False
+        return self.active_version is None or self.active_version < version
+
+    def may_generate(self, version: int = 0) -> bool:
+        """No sync open, not poisoned, and ``version`` needs no sync."""
+        return not self.generation_stopped and not self.needs_sync(version)
+
+    def why_stopped(self) -> str:
+        if self.quiesce is not None:
+            return f"weight sync to version {self.quiesce.version} in progress"
+        if self.failure is not None:
+            return f"weight sync to version {self.failure.version} failed: {self.failure.error}"
+        return ""
+
+    def current_version(self, requested: int = 0) -> int:
+        """The trainer's current version: the highest published one, or ``requested`` when
+        higher."""
+        return max(requested, self.published if self.published is not None else requested)
+
+
+class PolicyProjection:
+    """Folds the sync events of ``rl:control`` into a :class:`PolicyState` (others pass)."""
+
+    name = "policy"
+
+    def initial(self) -> PolicyState:
+        return PolicyState()
+
+    def evolve(self, state: PolicyState, env: Envelope) -> PolicyState:
+        ev = env.event
+        replace = dataclasses.replace
+        if isinstance(ev, PolicyVersionPublished):
+            top = ev.version if state.published is None else max(state.published, ev.version)
+            return replace(
+                state, published=top, published_versions=state.published_versions | {ev.version},
+                last_published=ev, last_published_id=env.id,
+            )
+        if isinstance(ev, QuiesceRequested):
+            return replace(
+                state, quiesce=ev, quiesce_id=env.id, parked=frozenset(), quiesce_done=None
+            )
+        if isinstance(ev, WorkerParked):
+            if state.quiesce is None or state.quiesce.version != ev.version:
+                return state
+            return replace(state, parked=state.parked | {ev.worker})
+        if isinstance(ev, QuiesceCompleted):
+            if state.quiesce is None or state.quiesce.version != ev.version:
+                return state
+            return replace(state, quiesce_done=ev)
+        if isinstance(ev, PolicyVersionActivated):
+            return replace(
+                state, activated=ev, activated_id=env.id, failure=None, failure_id=None,
+                quiesce=None, quiesce_id=None, parked=frozenset(), quiesce_done=None,
+            )
+        if isinstance(ev, WeightSyncFailed):
+            return replace(
+                state, failure=ev, failure_id=env.id,
+                quiesce=None, quiesce_id=None, parked=frozenset(), quiesce_done=None,
+            )
+        return state
