@@ -10,8 +10,10 @@ chat API. ``InstalledAgent`` runs one per task and owns everything around it; a 
 2. **proxy** (training): a recording proxy per task, and the scaffold is pointed at it; with
    ``capture_tokens=False`` (eval) the scaffold talks to the model server directly. This one
    switch turns eval into training;
-3. **install**: the plug-in's check command must succeed on this machine (else a
-   ``ConfigError`` saying how to install the scaffold);
+3. **install**: the plug-in's check command must succeed on this machine; when it fails and
+   the config allows it (``install=True``) the plug-in's install command runs once per agent
+   and the check is repeated; a scaffold still missing is a ``ConfigError`` saying how to
+   install it;
 4. **run**: the scaffold's process, with its config written into a private run folder, a
    clean environment (never the worker's: it holds credentials), a wall clock, its own process
    group; its commands reach the sandbox through the *command bridge*, a Unix socket served
@@ -49,7 +51,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -169,6 +171,8 @@ class InstalledAgentConfig:
     ``command_timeout_s`` bounds one scaffold command in the sandbox. ``logs_dir``: where each
     run's folder (config, scaffold log, trajectory, artifact) is kept, as
     ``<logs_dir>/<rollout>/<sample>.<attempt>/``; ``None`` keeps them only for the attempt.
+    ``install``: run the scaffold's install command when it is missing (off by default: a
+    worker that installs software mid-rollout is rarely what an operator wants).
     """
 
     scaffold: Scaffold
@@ -186,6 +190,7 @@ class InstalledAgentConfig:
     context_cap: int = INSTALLED_CONTEXT_CAP
     logs_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    install: bool = False
 
     def __post_init__(self) -> None:
         where = f"InstalledAgentConfig for scaffold {self.scaffold.name!r}"
@@ -211,6 +216,33 @@ class InstalledAgent(EpisodeAgent):
 
     def __init__(self, config: InstalledAgentConfig) -> None:
         self.config = config
+        # Whether the scaffold is known to be installed on this machine: a fact about the
+        # worker, not about an episode, so it is shared by all of them.
+        self._installed = False
+        self._install_lock = asyncio.Lock()
+
+    async def ensure_installed(self) -> None:
+        """Check (and with ``config.install``, install) the scaffold, once per agent."""
+        if self._installed:
+            return
+        async with self._install_lock:
+            if self._installed:
+                return
+            scaffold = self.config.scaffold
+            problem = await _check(scaffold.check_command())
+            install = scaffold.install_command() if self.config.install else None
+            if problem is not None and install is not None:
+                log.info("installing scaffold %s: %s", scaffold.name, " ".join(install))
+                failed = await _check(install)
+                problem = await _check(scaffold.check_command()) if failed is None else (
+                    f"its install command failed: {failed}"
+                )
+            if problem is not None:
+                raise ConfigError(
+                    f"scaffold {scaffold.name} is not installed here ({problem}); "
+                    f"{scaffold.install_hint}"
+                )
+            self._installed = True
 
     def episode(self, task: Task) -> InstalledEpisode:
         return InstalledEpisode(self, task)
@@ -262,7 +294,7 @@ class InstalledEpisode(Episode):
         )
         await self.sandbox.start()
         await cfg.task.prepare(self.task, self.sandbox)
-        await _check_installed(cfg.scaffold)
+        await self.agent.ensure_installed()
         backend = context.backends.get(cfg.model_url)
         run_dir = context.tmp_dir / "scaffold"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -480,8 +512,8 @@ def _model_url(backend: ModelBackend, explicit: str | None, context: EpisodeCont
     return url.rstrip("/")
 
 
-async def _check_installed(scaffold: Scaffold) -> None:
-    argv = list(scaffold.check_command())
+async def _check(argv: Sequence[str]) -> str | None:
+    """Run ``argv``; ``None`` when it exits 0, else what went wrong."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -492,15 +524,11 @@ async def _check_installed(scaffold: Scaffold) -> None:
         )
         _, err = await proc.communicate()
     except OSError as exc:
-        raise ConfigError(
-            f"scaffold {scaffold.name} cannot run here ({exc}); {scaffold.install_hint}"
-        ) from exc
+        return f"{' '.join(argv)} cannot run: {exc}"
     if proc.returncode != 0:
-        raise ConfigError(
-            f"scaffold {scaffold.name} is not installed ({' '.join(argv)} exited "
-            f"{proc.returncode}: {err.decode(errors='replace')[-300:].strip()}); "
-            f"{scaffold.install_hint}"
-        )
+        tail = err.decode(errors="replace")[-300:].strip()
+        return f"{' '.join(argv)} exited {proc.returncode}: {tail}"
+    return None
 
 
 def _base_env(run_dir: Path | None) -> dict[str, str]:

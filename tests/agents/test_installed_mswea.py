@@ -245,7 +245,7 @@ async def test_a_missing_scaffold_is_a_config_error_and_the_sandbox_goes(
     config = swe_agent_config(tokenizer=tokenizer)
     broken = replace(config, scaffold=MiniSweAgent(python=str(tmp_path / "no-python")))
     context = context_for(task, tmp_path, sandboxes=provider, backends=backends)
-    with pytest.raises(ConfigError, match="mini-swe-agent cannot run here.*pip install"):
+    with pytest.raises(ConfigError, match="mini-swe-agent is not installed here.*pip install"):
         await episode(InstalledAgent(broken), task, context)
     assert await provider.reap({"rollout.sample": task.sample_id}) == 0
 

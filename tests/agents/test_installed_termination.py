@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.agents.installed import InstalledAgentConfig
+from engine.agents.installed import InstalledAgent, InstalledAgentConfig
 from engine.agents.scaffolds import (
     MiniSweAgent,
     OpenHandsRules,
@@ -203,3 +203,48 @@ def test_capture_refuses_a_scaffold_that_rewrites_its_history() -> None:
         )  # fmt: skip
     # eval (no capture) may run it
     InstalledAgentConfig(scaffold=Summarizing(), task=SweTask(), capture_tokens=False)
+
+
+# -- install ----------------------------------------------------------------------------------
+
+
+class MarkerScaffold(MiniSweAgent):
+    """Installed iff a marker file exists; installing creates it (or fails)."""
+
+    marker: Path = Path("/nonexistent")
+    install_works: bool = True
+
+    def check_command(self) -> list[str]:
+        return ["/bin/sh", "-c", f"test -f {self.marker}"]
+
+    def install_command(self) -> list[str]:
+        return ["/bin/sh", "-c", f"touch {self.marker}" if self.install_works else "exit 3"]
+
+
+def marker_scaffold(marker: Path, install_works: bool = True) -> MarkerScaffold:
+    scaffold = MarkerScaffold()
+    object.__setattr__(scaffold, "marker", marker)
+    object.__setattr__(scaffold, "install_works", install_works)
+    return scaffold
+
+
+async def test_a_missing_scaffold_is_installed_only_when_allowed(tmp_path: Path) -> None:
+    marker = tmp_path / "installed"
+    refuse = InstalledAgent(InstalledAgentConfig(
+        scaffold=marker_scaffold(marker), task=SweTask(), capture_tokens=False))  # fmt: skip
+    with pytest.raises(ConfigError, match="is not installed here.*exited 1.*pip install"):
+        await refuse.ensure_installed()
+    assert not marker.exists()
+    agent = InstalledAgent(InstalledAgentConfig(
+        scaffold=marker_scaffold(marker), task=SweTask(), capture_tokens=False,
+        install=True))  # fmt: skip
+    await agent.ensure_installed()
+    assert marker.exists()
+
+
+async def test_a_failed_install_is_reported(tmp_path: Path) -> None:
+    agent = InstalledAgent(InstalledAgentConfig(
+        scaffold=marker_scaffold(tmp_path / "m", install_works=False), task=SweTask(),
+        capture_tokens=False, install=True))  # fmt: skip
+    with pytest.raises(ConfigError, match="install command failed.*exited 3"):
+        await agent.ensure_installed()

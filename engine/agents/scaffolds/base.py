@@ -6,8 +6,8 @@ speaks the OpenAI chat API to a model and runs commands somewhere. ``InstalledAg
 recording proxy, the command bridge, the process, its logs and the teardown. The plug-in
 supplies only what differs between scaffolds, as plain data in and out:
 
-- ``check_command``: an argv that exits 0 when the scaffold is installed (``install_hint`` says
-  how to install it when it is not);
+- ``check_command``: an argv that exits 0 when the scaffold is installed; ``install_command``
+  installs it (run when the agent is allowed to install), ``install_hint`` says how otherwise;
 - ``prepare(run)``: write its config files into ``run.run_dir`` and return the argv and extra
   environment of the run (shell commands in, files out);
 - ``parse(run, stdout_tail)``: read the artifacts the run left (its trajectory file) into a
@@ -148,6 +148,10 @@ class Scaffold(abc.ABC):
     @abc.abstractmethod
     def check_command(self) -> Sequence[str]:
         """An argv that exits 0 when the scaffold can run on this machine."""
+
+    def install_command(self) -> Sequence[str] | None:
+        """An argv that installs the scaffold on this machine, or ``None`` if it cannot."""
+        return None
 
     @abc.abstractmethod
     def prepare(self, run: ScaffoldRun) -> ScaffoldInvocation:

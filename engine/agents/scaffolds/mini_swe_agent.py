@@ -124,6 +124,9 @@ class MiniSweAgent(Scaffold):
     def check_command(self) -> list[str]:
         return [self.python, "-c", "import minisweagent.run.mini, litellm"]
 
+    def install_command(self) -> list[str]:
+        return [self.python, "-m", "pip", "install", "--quiet", f"mini-swe-agent=={MSWEA_VERSION}"]
+
     def config(self, run: ScaffoldRun) -> dict[str, Any]:
         """The YAML config of one run (also what the tests and the docs show)."""
         kwargs: dict[str, Any] = {
