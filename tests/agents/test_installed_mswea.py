@@ -34,7 +34,7 @@ from engine.agents.scaffolds import MiniSweAgent
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
-from engine.errors import ConfigError, EpisodeTimeout
+from engine.errors import AgentError, ConfigError, EpisodeTimeout
 from engine.ops.tinylm import spawn_server
 from engine.outcomes import TerminationReason
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
@@ -45,7 +45,9 @@ from engine.tasks.swe_format import CORPUS_SEED, format_dialogues, init_swe_mode
 from tests.sandbox.conftest import docker_image  # noqa: F401  (fixture)
 
 pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (extra 'scaffolds')")
-pytestmark = pytest.mark.slow
+# Fixture setup (training the format model) counts against a test's timeout: generous, for
+# a shared 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ITEMS = generate_items(3, seed=CORPUS_SEED)  # the tasks the fixture model was trained on
 
@@ -84,6 +86,18 @@ async def backends(swe_server: str, tokenizer: Any) -> AsyncIterator[BackendPool
     pool = BackendPool(
         swe_server, build=lambda url: SGLangBackend(config=SGLangConfig(url=url),
                                                     tokenizer=tokenizer),
+    )  # fmt: skip
+    yield pool
+    await pool.aclose()
+
+
+@pytest.fixture
+async def idle_backends(tinylm_dir: Path) -> AsyncIterator[BackendPool]:
+    """A pool whose server is never reached (the episode ends before any model call)."""
+    tokenizer = load_tokenizer(tinylm_dir)
+    pool = BackendPool(
+        "http://127.0.0.1:9", build=lambda url: SGLangBackend(config=SGLangConfig(url=url),
+                                                              tokenizer=tokenizer),
     )  # fmt: skip
     yield pool
     await pool.aclose()
@@ -239,32 +253,61 @@ async def test_mini_swe_agent_runs_its_commands_in_a_container(
 
 
 async def test_a_missing_scaffold_is_a_config_error_and_the_sandbox_goes(
-    tmp_path: Path, provider: LocalSandboxProvider, backends: BackendPool, tokenizer: Any
+    tmp_path: Path, provider: LocalSandboxProvider, idle_backends: BackendPool
 ) -> None:
     task = task_for(0, rollout="r-missing")
-    config = swe_agent_config(tokenizer=tokenizer)
+    config = swe_agent_config(tokenizer=object())
     broken = replace(config, scaffold=MiniSweAgent(python=str(tmp_path / "no-python")))
-    context = context_for(task, tmp_path, sandboxes=provider, backends=backends)
+    context = context_for(task, tmp_path, sandboxes=provider, backends=idle_backends)
     with pytest.raises(ConfigError, match="mini-swe-agent is not installed here.*pip install"):
         await episode(InstalledAgent(broken), task, context)
     assert await provider.reap({"rollout.sample": task.sample_id}) == 0
 
 
 async def test_a_run_past_its_wall_clock_is_killed_and_aborts_as_a_timeout(
-    tmp_path: Path, provider: LocalSandboxProvider, backends: BackendPool, tokenizer: Any
+    tmp_path: Path, provider: LocalSandboxProvider, idle_backends: BackendPool, tinylm_dir: Path
 ) -> None:
     task = task_for(0, rollout="r-clock")
-    agent = InstalledAgent(swe_agent_config(tokenizer=tokenizer))
+    agent = InstalledAgent(swe_agent_config(tokenizer=load_tokenizer(tinylm_dir)))
     # mini-swe-agent takes seconds just to import LiteLLM: one second is never enough.
-    context = context_for(task, tmp_path, sandboxes=provider, backends=backends, timeout_s=1.0)
+    context = context_for(
+        task, tmp_path, sandboxes=provider, backends=idle_backends, timeout_s=1.0
+    )
     with pytest.raises(EpisodeTimeout, match="ran past its wall clock"):
         await episode(agent, task, context)
     assert_torn_down(context.tmp_dir / "scaffold")
     assert await provider.reap({"rollout.sample": task.sample_id}) == 0
 
 
-def test_the_agent_config_is_the_one_the_evaluator_config_builds(tokenizer: Any) -> None:
-    config = swe_agent_config(tokenizer=tokenizer)
+async def test_a_reply_the_scaffold_drops_turns_capture_off(
+    tmp_path: Path, tinylm_dir: Path, provider: LocalSandboxProvider
+) -> None:
+    """An untrained model never writes a bash block: mini-swe-agent drops each malformed reply
+    from its history, the proxy's append-only guard fires, and the training episode yields no
+    token data (it raises) instead of a corrupt sample. The scaffold still ran to its end."""
+    tokenizer = load_tokenizer(tinylm_dir)
+    task = task_for(0, rollout="r-drop")
+    agent = InstalledAgent(swe_agent_config(tokenizer=tokenizer))
+    with spawn_server(tinylm_dir) as server:
+        pool = BackendPool(
+            server.url, build=lambda url: SGLangBackend(config=SGLangConfig(url=url),
+                                                        tokenizer=tokenizer),
+        )  # fmt: skip
+        try:
+            context = context_for(task, tmp_path, sandboxes=provider, backends=pool)
+            with pytest.raises(AgentError, match="capture was turned off.*append-only guard"):
+                await episode(agent, task, context)
+        finally:
+            await pool.aclose()
+    run_dir = context.tmp_dir / "scaffold"
+    trajectory = json.loads((run_dir / "trajectory.json").read_text())
+    assert trajectory["info"]["exit_status"] == "RepeatedFormatError"
+    assert_torn_down(run_dir)
+    assert await provider.reap({"rollout.sample": task.sample_id}) == 0
+
+
+def test_the_agent_config_is_the_one_the_evaluator_config_builds() -> None:
+    config = swe_agent_config(tokenizer=object())
     assert isinstance(config, InstalledAgentConfig)
     assert config.capture_tokens and config.proxy is not None
     assert config.context_cap == 131072
