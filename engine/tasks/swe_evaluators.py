@@ -50,7 +50,7 @@ def evaluator_profiles(args: Any) -> list[EvaluatorProfile]:
         EvaluatorProfile(
             evaluator_id="swe",
             batch_size=4,
-            resource=Resource(concurrency=4, cpu=4.0),
+            resource=Resource(concurrency=4, cpu=4.0, memory_gb=4.0),
             run_resource=Resource(cpu=0.5, memory_gb=1.0),
             eval_resource=Resource(cpu=0.25, memory_gb=0.5),
             default_stopping=DEFAULT_STOPPING,

@@ -89,3 +89,13 @@ def test_a_malformed_label_is_refused_with_the_task_named() -> None:
     swe_task = task_of({"prompt": "fix", "label": {"repo": {"a.sh": "x"}, "test": "t.sh"}}, 3)
     with pytest.raises(ConfigError, match=r"swe task r:s3 .*line 4.*label.test"):
         asyncio.run(SweTask().prepare(swe_task, None))  # type: ignore[arg-type]
+
+
+def test_the_swe_profile_pays_for_a_whole_batch() -> None:
+    from engine.actors.admission import budget_tokens
+    from engine.tasks.swe_evaluators import evaluator_profiles
+
+    (profile,) = evaluator_profiles(None)
+    assert profile.evaluator_id == "swe"
+    assert profile.batch_size is not None
+    assert budget_tokens(profile.resource, profile.sample_resource) >= profile.batch_size
