@@ -228,6 +228,7 @@ async def scaffold_episodes(url: str, model: Path, args: argparse.Namespace) -> 
     gate = asyncio.Semaphore(args.scaffold_concurrency)
     outcomes: list[tuple[str, float]] = []  # ("valid" | "invalid" | "aborted:<class>", reward)
     reasons: Counter[str] = Counter()
+    invalid: Counter[str] = Counter()
     seconds: list[float] = []
 
     async def one(i: int, pool: BackendPool, tmp: Path) -> None:
@@ -252,7 +253,12 @@ async def scaffold_episodes(url: str, model: Path, args: argparse.Namespace) -> 
                 outcomes.append(("valid", float(score)))
                 reasons[result.termination_reason.value] += 1
             except AgentError as exc:
-                kind = "invalid" if "capture was turned off" in str(exc) else "aborted:AgentError"
+                text = str(exc)
+                kind = "invalid" if "capture was turned off" in text else "aborted:AgentError"
+                if kind == "invalid":
+                    # "... turned off (<reason>); ...": the guard's reason, numbers dropped
+                    why = text.split("turned off (", 1)[1].rsplit("); ", 1)[0]
+                    invalid["".join("N" if c.isdigit() else c for c in why)] += 1
                 outcomes.append((kind, 0.0))
             except Exception as exc:
                 outcomes.append((f"aborted:{type(exc).__name__}", 0.0))
@@ -278,6 +284,7 @@ async def scaffold_episodes(url: str, model: Path, args: argparse.Namespace) -> 
         "scaffold_reward_mean": round(sum(valid) / len(valid), 3) if valid else 0.0,
         "scaffold_aborted": dict(Counter(k for k, _ in outcomes if k.startswith("aborted"))),
         "scaffold_terminations": dict(reasons),
+        "scaffold_invalid_reasons": dict(invalid),
         "scaffold_seconds_per_episode": round(statistics.median(seconds), 1) if seconds else 0,
     }
 
