@@ -82,6 +82,7 @@ __all__ = [
     "InstalledEpisode",
     "InstalledTask",
     "ProxyFactory",
+    "capped",
 ]
 
 log = logging.getLogger(__name__)
@@ -390,9 +391,7 @@ class InstalledEpisode(Episode):
                 "the episode has no token data to train on"
             )
         length = len(series.prompt_token_ids) + len(series.response_token_ids)
-        if length >= cfg.context_cap and not reason.is_abort:
-            reason = TerminationReason.MAX_CONTEXT
-        result = series.agent_result(reason, text=text)
+        result = series.agent_result(capped(reason, length, cfg.context_cap), text=text)
         return result.model_copy(
             update={"metrics": {**result.metrics, **metrics, "capture_valid": 1.0}}
         )
@@ -595,6 +594,14 @@ def _keep_logs(
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("home"))
     return dest
+
+
+def capped(reason: TerminationReason, series_length: int, context_cap: int) -> TerminationReason:
+    """``max_context`` when a captured series reached the installed-scaffold cap and the run
+    ended on its own terms (an abort keeps its class); else ``reason``."""
+    if series_length >= context_cap and not reason.is_abort:
+        return TerminationReason.MAX_CONTEXT
+    return reason
 
 
 def _last_assistant(report: ScaffoldReport) -> str:

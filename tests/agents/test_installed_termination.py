@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from engine.agents.installed import InstalledAgent, InstalledAgentConfig
+from engine.agents.installed import (
+    INSTALLED_CONTEXT_CAP,
+    InstalledAgent,
+    InstalledAgentConfig,
+    capped,
+)
 from engine.agents.scaffolds import (
     MiniSweAgent,
     OpenHandsRules,
@@ -248,3 +253,20 @@ async def test_a_failed_install_is_reported(tmp_path: Path) -> None:
         capture_tokens=False, install=True))  # fmt: skip
     with pytest.raises(ConfigError, match="install command failed.*exited 3"):
         await agent.ensure_installed()
+
+
+# -- the installed-scaffold context cap ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reason", "length", "expected"),
+    [
+        (R.FINISH, INSTALLED_CONTEXT_CAP - 1, R.FINISH),
+        (R.FINISH, INSTALLED_CONTEXT_CAP, R.MAX_CONTEXT),
+        (R.MAX_TURNS, INSTALLED_CONTEXT_CAP + 5, R.MAX_CONTEXT),
+        (R.AGENT_TIMEOUT, INSTALLED_CONTEXT_CAP + 5, R.AGENT_TIMEOUT),  # an abort keeps its class
+    ],
+)
+def test_a_series_at_the_cap_ends_as_max_context(reason: R, length: int, expected: R) -> None:
+    assert INSTALLED_CONTEXT_CAP == 131072
+    assert capped(reason, length, INSTALLED_CONTEXT_CAP) == expected
