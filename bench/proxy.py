@@ -19,10 +19,21 @@ extra CPU per chat call in the proxy arm over the direct arm (the proxy's HTTP s
 parsing, sync and reply building). The scaffolds' HTTP clients run in a process of their own,
 as real scaffolds do, so their CPU is not in it.
 ``proxy_start_stop_ms`` is the time to start and tear down one proxy (per task, not per call;
-outside the timed arm). ``capture_valid_share`` is the share of proxy conversations whose
-capture stayed valid.
+outside the timed arm). ``conversation_capture_valid_share`` is the share of those scripted
+proxy conversations whose capture stayed valid.
+
+``capture_valid_share`` is the same share over *real scaffold episodes*: ``--scaffold-episodes``
+runs of mini-swe-agent (``InstalledAgent``, the ``swe`` evaluator config) on the bundled
+``swe_eval`` tasks, sampled at temperature 1, through the recording proxy, on a tinylm taught
+mini-swe-agent's format (``engine.tasks.swe_format``; ``--swe-model DIR`` reuses one, e.g. the
+demo's ``runs/demo/tinylm-swe``). Capture goes off when the scaffold drops a malformed reply from
+its history, so this is the share of episodes that yield token data. It is over the episodes
+that ran to their end; aborts (a timeout, a dead server) are counted apart
+(``scaffold_aborted``), with the mean reward and the termination reasons. Needs mini-swe-agent
+(``pip install 'rollout-engine[scaffolds]'``); ``--scaffold-episodes 0`` skips it.
 
     python bench/proxy.py [--rounds 4] [--conversations 8] [--turns 4] [--max-new-tokens 128]
+                          [--scaffold-episodes 8] [--swe-model DIR] [--swe-train-steps 200]
 
 The last line printed is one JSON object with every figure.
 """
@@ -190,7 +201,91 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
         "proxy_vs_direct_ratio_min": round(min(ratios), 3),
         "proxy_cpu_ms_per_call": round(statistics.median(extra_cpu), 2),
         "proxy_start_stop_ms": round(statistics.median(lifecycle), 1),
-        "capture_valid_share": sum(valid) / len(valid) if valid else 0.0,
+        "conversation_capture_valid_share": sum(valid) / len(valid) if valid else 0.0,
+    }
+
+
+async def scaffold_episodes(url: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``args.scaffold_episodes`` real mini-swe-agent episodes through the proxy."""
+    import os
+    import shutil
+    from collections import Counter
+
+    from engine.agents.base import EpisodeContext
+    from engine.agents.installed import InstalledAgent
+    from engine.domain import SamplingParams, StoppingCriteria, Task
+    from engine.errors import AgentError
+    from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
+    from engine.tasks.swe import DATA
+    from engine.tasks.swe_evaluators import swe_agent_config
+
+    tokenizer = load_tokenizer(model)
+    lines = [json.loads(x) for x in (DATA / "swe_eval.jsonl").read_text().splitlines()]
+    agent = InstalledAgent(swe_agent_config(tokenizer=tokenizer))
+    root = Path(tempfile.mkdtemp(prefix="bench-proxy-sandboxes-"))
+    os.chmod(root, 0o711)
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=root))
+    gate = asyncio.Semaphore(args.scaffold_concurrency)
+    outcomes: list[tuple[str, float]] = []  # ("valid" | "invalid" | "aborted:<class>", reward)
+    reasons: Counter[str] = Counter()
+    invalid: Counter[str] = Counter()
+    seconds: list[float] = []
+
+    async def one(i: int, pool: BackendPool, tmp: Path) -> None:
+        line = lines[i % len(lines)]
+        task = Task(sample_id=f"bench:s{i}", rollout_id="bench", index=i, group_index=i,
+                    prompt=line["prompt"], label=line["label"], dataset_name="swe_eval",
+                    task_type="swe", source_line=i % len(lines) + 1)  # fmt: skip
+        context = EpisodeContext(
+            rollout_id="bench", sample_id=task.sample_id, attempt=1,
+            stopping=StoppingCriteria(max_turns=6, max_new_tokens=96, timeout_s=240.0),
+            sampling_params=SamplingParams(temperature=1.0), tmp_dir=tmp / f"s{i}",
+            backends=pool, sandboxes=provider, seed=i,
+        )  # fmt: skip
+        async with gate:
+            episode = agent.episode(task)
+            t0 = time.perf_counter()
+            try:
+                await episode.init(context)
+                result = await episode.run(context)
+                reward = await episode.eval(context, result)
+                score = reward["score"] if isinstance(reward, dict) else reward
+                outcomes.append(("valid", float(score)))
+                reasons[result.termination_reason.value] += 1
+            except AgentError as exc:
+                text = str(exc)
+                kind = "invalid" if "capture was turned off" in text else "aborted:AgentError"
+                if kind == "invalid":
+                    # "... turned off (<reason>); ...": the guard's reason, numbers dropped
+                    why = text.split("turned off (", 1)[1].rsplit("); ", 1)[0]
+                    invalid["".join("N" if c.isdigit() else c for c in why)] += 1
+                outcomes.append((kind, 0.0))
+            except Exception as exc:
+                outcomes.append((f"aborted:{type(exc).__name__}", 0.0))
+            finally:
+                await episode.cleanup(context)
+                seconds.append(time.perf_counter() - t0)
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            async with BackendPool(url) as pool:
+                await asyncio.gather(
+                    *(one(i, pool, Path(tmp)) for i in range(args.scaffold_episodes))
+                )
+    finally:
+        await provider.reap({MANAGED_LABEL: "1"})
+        provider.close()
+        shutil.rmtree(root, ignore_errors=True)
+    ran = [(k, r) for k, r in outcomes if k in ("valid", "invalid")]
+    valid = [r for k, r in ran if k == "valid"]
+    return {
+        "scaffold_episodes": len(outcomes),
+        "capture_valid_share": round(len(valid) / len(ran), 3) if ran else 0.0,
+        "scaffold_reward_mean": round(sum(valid) / len(valid), 3) if valid else 0.0,
+        "scaffold_aborted": dict(Counter(k for k, _ in outcomes if k.startswith("aborted"))),
+        "scaffold_terminations": dict(reasons),
+        "scaffold_invalid_reasons": dict(invalid),
+        "scaffold_seconds_per_episode": round(statistics.median(seconds), 1) if seconds else 0,
     }
 
 
@@ -218,12 +313,33 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--scaffold-episodes", type=int, default=8)
+    parser.add_argument("--scaffold-concurrency", type=int, default=2)
+    parser.add_argument("--swe-model", type=Path, default=None)
+    parser.add_argument("--swe-train-steps", type=int, default=200)
     args = parser.parse_args()
+    result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        init_model(model, seed=0, train_steps=0)
-        with spawn_server(model, extra_args=["--max-running-requests", "16"]) as server:
-            result = asyncio.run(bench(server.url, model, args))
+        if args.rounds > 0:
+            init_model(model, seed=0, train_steps=0)
+            with spawn_server(model, extra_args=["--max-running-requests", "16"]) as server:
+                result = asyncio.run(bench(server.url, model, args))
+        if args.scaffold_episodes > 0:
+            import importlib.util
+
+            if importlib.util.find_spec("minisweagent") is None:
+                result["capture_valid_share"] = None
+                result["scaffold_note"] = "mini-swe-agent is not installed (extra 'scaffolds')"
+            else:
+                from engine.tasks.swe_format import init_swe_model
+
+                swe_model = args.swe_model
+                if swe_model is None:
+                    swe_model = Path(tmp) / "swe-model"
+                    init_swe_model(swe_model, steps=args.swe_train_steps)
+                with spawn_server(swe_model) as server:
+                    result |= asyncio.run(scaffold_episodes(server.url, swe_model, args))
     print(json.dumps(result))
 
 

@@ -63,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"),
                    help="where the model, logs, archives and outputs go (default runs/demo)")
-    p.add_argument("--prompts", type=int, default=24,
-                   help="prompts in the training rollout (16 math, then shell: FIFO)")
+    p.add_argument("--task", choices=["bundled", "swe"], default="bundled",
+                   help="bundled: math and shell with the native tool agent; swe: tiny "
+                        "repositories with a failing test, fixed by mini-swe-agent through the "
+                        "recording proxy (needs pip install 'rollout-engine[scaffolds]')")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts in the training rollout (default 24 bundled: 16 math, then "
+                        "shell, FIFO; 4 swe)")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="group size")
     p.add_argument("--workers", type=int, default=2, help="evaluator worker processes")
     p.add_argument("--train-steps", type=int, default=None,
@@ -90,6 +95,7 @@ class Stack:
     trainer_url: str = ""  # the demo's own client: may only request and read
     redis: EmbeddedRedis | None = None
     server: Any = None
+    model_dir: Path | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
 
@@ -211,17 +217,26 @@ def start_stack(args: argparse.Namespace) -> Stack:
     else:
         stack.redis_url = stack.trainer_url = url
         say(f"redis     {redact(url)} (yours: from --redis-url / ROLLOUT_REDIS_URL)")
-    model_dir = workdir / "tinylm"
-    ensure_model(model_dir, args.train_steps)
+    rollout_yaml, evaluators = ROLLOUT_YAML, EVALUATORS
+    if args.task == "swe":
+        from engine.ops.swe_demo import SWE_EVALUATORS, SWE_ROLLOUT_YAML, ensure_swe_model
+
+        rollout_yaml, evaluators = SWE_ROLLOUT_YAML, SWE_EVALUATORS
+        model_dir = workdir / "tinylm-swe"
+        ensure_swe_model(model_dir, args.train_steps, say)
+    else:
+        model_dir = workdir / "tinylm"
+        ensure_model(model_dir, args.train_steps)
+    stack.model_dir = model_dir
     from engine.ops.tinylm import spawn_server
 
     stack.server = spawn_server(model_dir)
     say(f"policy    tinylm server at {stack.server.url}")
-    evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
+    evaluator = ["--evaluator-config", str(evaluators), "--model-dir", str(model_dir)]
     # The scheduler reads only the evaluator profiles: it needs no model.
     stack.spawn("scheduler", ["-m", "workers.scheduler",
-                              "--rollout-config", str(ROLLOUT_YAML),
-                              "--evaluator-config", str(EVALUATORS),
+                              "--rollout-config", str(rollout_yaml),
+                              "--evaluator-config", str(evaluators),
                               "--scheduler-id", "demo-scheduler"])
     for i in range(args.workers):
         stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *evaluator,
@@ -291,7 +306,8 @@ async def run_rollout(
 
     client = RolloutClient(log)
     if kind is RolloutKind.TRAIN:
-        rid = await client.request(iteration=iteration, n_prompts=args.prompts,
+        prompts = args.prompts or (4 if args.task == "swe" else 24)
+        rid = await client.request(iteration=iteration, n_prompts=prompts,
                                    n_samples_per_prompt=args.samples_per_prompt,
                                    seed=args.seed, kind=kind)
     else:
@@ -328,9 +344,27 @@ async def run_rollout(
     for name in sorted(p.name for p in out_dir.iterdir() if p.name != "summary.json"):
         say(f"  {name:<18} {out_dir / name}")
     say(f"  {'archive':<18} {archive}")
+    if args.task == "swe" and kind is RolloutKind.TRAIN:
+        show_trajectory(stack, samples)
     replay_dir = stack.workdir / "replay" / rid
     say(f"  replay with: rollout replay {rid} --from {archive} --out {replay_dir}")
     return rid
+
+
+def show_trajectory(stack: Stack, samples: Sequence[Any]) -> None:
+    """One scaffold trajectory as the trainer got it: replies (mask 1) and observations."""
+    from engine.backends.sglang import load_tokenizer
+    from engine.ops.swe_demo import trajectory_lines
+
+    captured = [s for s in samples if not s.remove_sample and s.response_length]
+    if not captured or stack.model_dir is None:
+        say("  no captured trajectory to show (every episode was aborted or dropped)")
+        return
+    tokenizer = load_tokenizer(stack.model_dir)
+    best = max(captured, key=lambda s: float(s.reward if not isinstance(s.reward, dict)
+                                               else s.reward.get("score", 0.0)))
+    for line in trajectory_lines(best, lambda ids: tokenizer.decode(ids)):
+        say(f"  {line}")
 
 
 async def run(args: argparse.Namespace, stack: Stack) -> list[str]:

@@ -84,6 +84,8 @@ def test_bundled_files_ship_with_the_package() -> None:
         "math_train.jsonl",
         "shell_eval.jsonl",
         "shell_train.jsonl",
+        "swe_eval.jsonl",
+        "swe_train.jsonl",
     ]
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]["engine"]

@@ -1,0 +1,631 @@
+"""``InstalledAgent``: a black-box scaffold as an episode (inference-backend §5).
+
+A scaffold (mini-swe-agent, OpenHands, Terminus-2) is a program that only speaks the OpenAI
+chat API. ``InstalledAgent`` runs one per task and owns everything around it; a plug-in
+(``engine.agents.scaffolds``) supplies the commands and termination rules. Per task, in order:
+
+1. **environment**: the sample's sandbox from ``context.sandboxes`` (local or Docker, the same
+   ``Sandbox`` protocol), labelled for the attempt so a dead worker's sandboxes are reaped;
+   the task writes its files into it (``InstalledTask.prepare``);
+2. **proxy** (training): a recording proxy per task, and the scaffold is pointed at it; with
+   ``capture_tokens=False`` (eval) the scaffold talks to the model server directly. This one
+   switch turns eval into training;
+3. **install**: the plug-in's check command must succeed on this machine; when it fails and
+   the config allows it (``install=True``) the plug-in's install command runs once per agent
+   and the check is repeated; a scaffold still missing is a ``ConfigError`` saying how to
+   install it;
+4. **run**: the scaffold's process, with its config written into a private run folder, a
+   clean environment (never the worker's: it holds credentials), a wall clock, its own process
+   group; its commands reach the sandbox through the *command bridge*, a Unix socket served
+   here that runs each command with ``Sandbox.exec``;
+5. **collect** the task's artifact (the files it names, after the run) and the scaffold's
+   trajectory file; **parse** it into a ``ScaffoldReport``; **keep the logs** (the run folder
+   is copied under ``logs_dir`` when one is set);
+6. **classify termination** with the plug-in's rules (an abort class raises, so the worker
+   records the sample as aborted with that class);
+7. **tear down**: the proxy, the bridge and the process group go when ``run`` ends, the
+   sandbox in ``cleanup``; the verifier (``InstalledTask.verify``) runs in ``eval``, in the
+   sandbox the agent edited.
+
+The token-level result is the proxy's captured series (``AgentResult`` with ``loss_mask`` and
+logprobs). When capture turned itself off (the scaffold rewrote its history, the server aborted)
+a training episode raises instead of returning a half-valid sample: no token data rather than a
+corrupt one. The context cap of an installed scaffold is fixed at ``INSTALLED_CONTEXT_CAP``
+(131072 tokens), not the episode's ``max_context_len`` (inference-backend §2); a series that
+reaches it ends as ``max_context``.
+
+The recording proxy sits above the agents in the layer map (it imports the chat tokenizer), so
+it is passed in: ``proxy`` is any factory with ``RecordingProxy``'s keyword signature
+(``engine.proxy.RecordingProxy`` itself). The evaluator config wires it
+(``engine/tasks/swe_evaluators.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from engine.agents.base import Episode, EpisodeAgent, EpisodeContext
+from engine.agents.result import AgentResult, Reward
+from engine.agents.scaffolds.base import Scaffold, ScaffoldExit, ScaffoldReport, ScaffoldRun
+from engine.backends.base import ModelBackend
+from engine.backends.sglang import SGLangBackend
+from engine.domain import Task
+from engine.errors import (
+    AgentError,
+    BackendUnavailable,
+    ConfigError,
+    EpisodeTimeout,
+    SandboxError,
+)
+from engine.outcomes import TerminationReason
+from engine.sandbox import Sandbox, SandboxLimits
+
+__all__ = [
+    "INSTALLED_CONTEXT_CAP",
+    "CaptureProxy",
+    "CommandBridge",
+    "InstalledAgent",
+    "InstalledAgentConfig",
+    "InstalledEpisode",
+    "InstalledTask",
+    "ProxyFactory",
+    "capped",
+]
+
+log = logging.getLogger(__name__)
+
+INSTALLED_CONTEXT_CAP = 131072
+"""The context cap of every installed scaffold (inference-backend §2): fixed, not the
+episode's ``max_context_len`` (that one applies to the native agents)."""
+
+_LOG_TAIL = 4000
+
+
+class CapturedSeries(Protocol):
+    """What a proxy hands back after the run: the series as an ``AgentResult``."""
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def response_token_ids(self) -> tuple[int, ...]: ...
+
+    def agent_result(
+        self, termination_reason: TerminationReason, *, text: str = ""
+    ) -> AgentResult: ...
+
+
+class CaptureProxy(Protocol):
+    """A per-task recording proxy (``engine.proxy.RecordingProxy``)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def capture_valid(self) -> bool: ...
+
+    @property
+    def invalid_reason(self) -> str | None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def trajectory(self) -> CapturedSeries | None: ...
+
+
+class ProxyFactory(Protocol):
+    """Builds one task's proxy: ``RecordingProxy(backend=..., tokenizer=..., task_id=...)``."""
+
+    def __call__(
+        self, *, backend: ModelBackend, tokenizer: Any, task_id: str | None = None
+    ) -> CaptureProxy: ...
+
+
+class InstalledTask(Protocol):
+    """The task side of an installed-scaffold episode (``engine.tasks.swe.SweTask``)."""
+
+    def instruction(self, task: Task) -> str:
+        """The task as the scaffold's user states it."""
+        ...
+
+    async def prepare(self, task: Task, sandbox: Sandbox) -> None:
+        """Put the task's files into the fresh sandbox."""
+        ...
+
+    async def collect(self, task: Task, sandbox: Sandbox) -> dict[str, str]:
+        """The artifact of the run (e.g. the edited files), frozen before scoring."""
+        ...
+
+    async def verify(self, task: Task, sandbox: Sandbox) -> Reward:
+        """Score the sandbox as the scaffold left it."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstalledAgentConfig:
+    """How an ``InstalledAgent`` runs its scaffold.
+
+    ``capture_tokens`` is the training switch: the proxy (``proxy``, with the policy's
+    ``tokenizer``) records the series; off, the scaffold talks to ``model_url`` (or the worker's
+    endpoint) directly and the result carries no tokens (eval). A scaffold that rewrites its
+    history cannot be captured (the append-only guard would drop every episode), so that pair
+    is refused here. ``default_*`` stand where ``context.stopping`` leaves a limit unset.
+    ``command_timeout_s`` bounds one scaffold command in the sandbox. ``logs_dir``: where each
+    run's folder (config, scaffold log, trajectory, artifact) is kept, as
+    ``<logs_dir>/<rollout>/<sample>.<attempt>/``; ``None`` keeps them only for the attempt.
+    ``install``: run the scaffold's install command when it is missing (off by default: a
+    worker that installs software mid-rollout is rarely what an operator wants).
+    """
+
+    scaffold: Scaffold
+    task: InstalledTask
+    capture_tokens: bool = True
+    proxy: ProxyFactory | None = None
+    tokenizer: Any = None
+    model_url: str | None = None
+    model_name: str = "policy"
+    sandbox_limits: SandboxLimits | None = None
+    command_timeout_s: float = 30.0
+    default_max_turns: int = 20
+    default_max_new_tokens: int = 512
+    default_timeout_s: float = 600.0
+    context_cap: int = INSTALLED_CONTEXT_CAP
+    logs_dir: Path | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    install: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"InstalledAgentConfig for scaffold {self.scaffold.name!r}"
+        if self.capture_tokens and (self.proxy is None or self.tokenizer is None):
+            raise ConfigError(
+                f"{where}: capture_tokens needs a proxy factory (engine.proxy.RecordingProxy) "
+                "and the policy's tokenizer; set capture_tokens=False for eval"
+            )
+        if self.capture_tokens and self.scaffold.rewrites_history:
+            raise ConfigError(
+                f"{where}: the scaffold rewrites or summarizes its history, which the "
+                "recording proxy cannot capture (append-only); turn that off in the scaffold "
+                "or run it with capture_tokens=False"
+            )
+        if self.command_timeout_s <= 0 or self.default_timeout_s <= 0:
+            raise ConfigError(f"{where}: timeouts must be positive")
+        if self.context_cap < 1:
+            raise ConfigError(f"{where}: context_cap must be positive, got {self.context_cap}")
+
+
+class InstalledAgent(EpisodeAgent):
+    """Runs ``config.scaffold`` on each task (see the module docstring)."""
+
+    def __init__(self, config: InstalledAgentConfig) -> None:
+        self.config = config
+        # Whether the scaffold is known to be installed on this machine: a fact about the
+        # worker, not about an episode, so it is shared by all of them.
+        self._installed = False
+        self._install_lock = asyncio.Lock()
+
+    async def ensure_installed(self) -> None:
+        """Check (and with ``config.install``, install) the scaffold, once per agent."""
+        if self._installed:
+            return
+        async with self._install_lock:
+            if self._installed:
+                return
+            scaffold = self.config.scaffold
+            problem = await _check(scaffold.check_command())
+            install = scaffold.install_command() if self.config.install else None
+            if problem is not None and install is not None:
+                log.info("installing scaffold %s: %s", scaffold.name, " ".join(install))
+                failed = await _check(install)
+                problem = await _check(scaffold.check_command()) if failed is None else (
+                    f"its install command failed: {failed}"
+                )
+            if problem is not None:
+                raise ConfigError(
+                    f"scaffold {scaffold.name} is not installed here ({problem}); "
+                    f"{scaffold.install_hint}"
+                )
+            self._installed = True
+
+    def episode(self, task: Task) -> InstalledEpisode:
+        return InstalledEpisode(self, task)
+
+
+@dataclass
+class _RunRecord:
+    """What one run left, kept on the episode for ``eval`` and diagnostics."""
+
+    run: ScaffoldRun
+    exit: ScaffoldExit
+    reason: TerminationReason
+    artifact: dict[str, str]
+    elapsed_s: float
+    bridge_commands: int
+    sandbox_failures: list[str]
+
+
+class InstalledEpisode(Episode):
+    """One attempt: the sandbox from ``run`` to ``cleanup``, and what the run left."""
+
+    def __init__(self, agent: InstalledAgent, task: Task) -> None:
+        self.agent = agent
+        self.task = task
+        self.sandbox: Sandbox | None = None
+        self.record: _RunRecord | None = None
+
+    async def init(self, context: EpisodeContext) -> None:
+        return None
+
+    async def run(self, context: EpisodeContext) -> AgentResult:
+        cfg = self.agent.config
+        if context.sandboxes is None:
+            raise SandboxError(
+                f"sample {context.sample_id}: scaffold {cfg.scaffold.name} needs a sandbox "
+                "provider, and the worker has none (run it with --sandbox local or docker)"
+            )
+        if context.backends is None:
+            raise BackendUnavailable(
+                f"sample {context.sample_id}: the worker has no model endpoint for the scaffold"
+            )
+        self.sandbox = context.sandboxes.create(
+            labels={
+                "rollout.rollout": context.rollout_id,
+                "rollout.sample": context.sample_id,
+                "rollout.attempt": str(context.attempt),
+            },
+            limits=cfg.sandbox_limits,
+        )
+        await self.sandbox.start()
+        await cfg.task.prepare(self.task, self.sandbox)
+        await self.agent.ensure_installed()
+        backend = context.backends.get(cfg.model_url)
+        run_dir = context.tmp_dir / "scaffold"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        stopping = context.stopping
+        max_turns = stopping.max_turns or cfg.default_max_turns
+        timeout_s = stopping.timeout_s or cfg.default_timeout_s
+        began = time.monotonic()
+        async with contextlib.AsyncExitStack() as stack:
+            proxy: CaptureProxy | None = None
+            if cfg.capture_tokens:
+                assert cfg.proxy is not None
+                proxy = cfg.proxy(
+                    backend=backend,
+                    tokenizer=cfg.tokenizer,
+                    task_id=f"{context.sample_id}.{context.attempt}",
+                )
+                await stack.enter_async_context(proxy)
+                base_url = proxy.url + "/v1"
+            else:
+                base_url = _model_url(backend, cfg.model_url, context) + "/v1"
+            bridge = await stack.enter_async_context(
+                CommandBridge(self.sandbox, command_timeout_s=cfg.command_timeout_s)
+            )
+            run = ScaffoldRun(
+                run_dir=run_dir,
+                base_url=base_url,
+                model_name=cfg.model_name,
+                bridge=bridge.address,
+                instruction=cfg.task.instruction(self.task),
+                max_turns=max_turns,
+                max_new_tokens=stopping.max_new_tokens or cfg.default_max_new_tokens,
+                timeout_s=timeout_s,
+                context_cap=cfg.context_cap,
+                sampling=context.sampling_params.as_request(),
+                seed=context.seed,
+            )
+            invocation = cfg.scaffold.prepare(run)
+            exit_code, timed_out, log_tail = await _run_process(
+                invocation.argv,
+                env={**_base_env(run_dir), **cfg.extra_env, **invocation.env},
+                cwd=run_dir,
+                timeout_s=timeout_s,
+            )
+            # The proxy stops with this block: its series is final from here on.
+        elapsed = time.monotonic() - began
+        report = cfg.scaffold.parse(run)
+        exit = ScaffoldExit(
+            exit_code=exit_code, timed_out=timed_out, log_tail=log_tail, report=report
+        )
+        reason = cfg.scaffold.termination_reason(exit)
+        if bridge.sandbox_failures and reason.is_abort:
+            reason = TerminationReason.INFRA_SANDBOX
+        artifact = await cfg.task.collect(self.task, self.sandbox)
+        self.record = _RunRecord(
+            run=run,
+            exit=exit,
+            reason=reason,
+            artifact=artifact,
+            elapsed_s=elapsed,
+            bridge_commands=bridge.commands,
+            sandbox_failures=list(bridge.sandbox_failures),
+        )
+        kept = _keep_logs(cfg.logs_dir, context, run_dir, artifact)
+        if reason.is_abort:
+            raise _abort_error(reason, cfg.scaffold.name, exit, kept or run_dir, bridge)
+        return self._result(context, proxy, reason, report)
+
+    def _result(
+        self,
+        context: EpisodeContext,
+        proxy: CaptureProxy | None,
+        reason: TerminationReason,
+        report: ScaffoldReport,
+    ) -> AgentResult:
+        cfg = self.agent.config
+        record = self.record
+        assert record is not None
+        code = record.exit.exit_code
+        metrics = {
+            "scaffold_exit_code": float(code if code is not None else -1),
+            "scaffold_steps": float(report.steps),
+            "scaffold_seconds": round(record.elapsed_s, 3),
+            "bridge_commands": float(record.bridge_commands),
+        }
+        text = report.submission or _last_assistant(report)
+        if proxy is None:
+            return AgentResult(termination_reason=reason, metrics=metrics, text=text)
+        series = proxy.trajectory()
+        if series is None:
+            raise AgentError(
+                f"sample {context.sample_id}: scaffold {cfg.scaffold.name} ran, but token "
+                f"capture was turned off ({proxy.invalid_reason or 'nothing was generated'}); "
+                "the episode has no token data to train on"
+            )
+        length = len(series.prompt_token_ids) + len(series.response_token_ids)
+        result = series.agent_result(capped(reason, length, cfg.context_cap), text=text)
+        return result.model_copy(
+            update={"metrics": {**result.metrics, **metrics, "capture_valid": 1.0}}
+        )
+
+    async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
+        if self.sandbox is None or self.record is None:
+            raise AgentError(
+                f"sample {context.sample_id} attempt {context.attempt}: eval before run"
+            )
+        return await self.agent.config.task.verify(self.task, self.sandbox)
+
+    async def cleanup(self, context: EpisodeContext) -> None:
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is not None:
+            await sandbox.stop()
+
+
+class CommandBridge:
+    """Runs the scaffold's commands in the sandbox: a Unix socket in a private (0700) folder.
+
+    One connection per command: a JSON line ``{"command", "timeout", "env"}`` in, a JSON line
+    ``{"output", "returncode", "exception_info"}`` out (stdout then stderr, as a shell shows
+    them). A command that fails in the sandbox (nonzero exit, a limit, its wall clock) is an
+    answer; a sandbox that fails (``SandboxError``) is answered with ``returncode -1`` and
+    recorded in ``sandbox_failures``, so the episode can say the sandbox, not the model, failed.
+    """
+
+    def __init__(self, sandbox: Sandbox, *, command_timeout_s: float) -> None:
+        self.sandbox = sandbox
+        self.command_timeout_s = command_timeout_s
+        self.commands = 0
+        self.sandbox_failures: list[str] = []
+        self._dir: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def address(self) -> str:
+        if self._dir is None:
+            raise RuntimeError("the command bridge is not started")
+        return f"unix:{self._dir}/bridge.sock"
+
+    async def __aenter__(self) -> CommandBridge:
+        # A short path of its own: Unix socket paths are limited to ~107 bytes.
+        self._dir = tempfile.mkdtemp(prefix="rl-bridge-")
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=f"{self._dir}/bridge.sock", limit=2**22
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+            self._server = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            reply = await self._run(line)
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except Exception as exc:  # a broken connection must not take the episode down
+            log.warning("command bridge: %r", exc)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _run(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(line)
+            command = request["command"]
+            if not isinstance(command, str):
+                raise TypeError("command must be a string")
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"output": "", "returncode": -1, "exception_info": f"bad request: {exc}"}
+        timeout = request.get("timeout")
+        timeout_s = min(float(timeout), self.command_timeout_s) if timeout else None
+        env = request.get("env") if isinstance(request.get("env"), dict) else None
+        self.commands += 1
+        try:
+            result = await self.sandbox.exec(
+                command,
+                timeout_s=timeout_s or self.command_timeout_s,
+                env={str(k): str(v) for k, v in (env or {}).items()},
+            )
+        except SandboxError as exc:
+            self.sandbox_failures.append(f"{type(exc).__name__}: {exc}")
+            return {"output": "", "returncode": -1, "exception_info": f"sandbox error: {exc}"}
+        info = ""
+        if result.timed_out:
+            info = f"the command timed out after {result.elapsed_s:.0f}s and was killed"
+        elif result.killed_by is not None:
+            info = f"the command was killed ({result.killed_by})"
+        return {
+            "output": result.stdout + result.stderr,
+            "returncode": result.exit_code,
+            "exception_info": info,
+        }
+
+
+def _model_url(backend: ModelBackend, explicit: str | None, context: EpisodeContext) -> str:
+    if isinstance(backend, SGLangBackend):
+        return backend.config.url.rstrip("/")
+    url = explicit or (context.backends.default_url if context.backends else None)
+    if not url:
+        raise BackendUnavailable(f"sample {context.sample_id}: no model URL for the scaffold")
+    return url.rstrip("/")
+
+
+async def _check(argv: Sequence[str]) -> str | None:
+    """Run ``argv``; ``None`` when it exits 0, else what went wrong."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env=_base_env(None),
+        )
+        _, err = await proc.communicate()
+    except OSError as exc:
+        return f"{' '.join(argv)} cannot run: {exc}"
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace")[-300:].strip()
+        return f"{' '.join(argv)} exited {proc.returncode}: {tail}"
+    return None
+
+
+def _base_env(run_dir: Path | None) -> dict[str, str]:
+    """A clean environment for the scaffold: never the worker's own (credentials)."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    if run_dir is not None:
+        home = run_dir / "home"
+        home.mkdir(exist_ok=True)
+        env["HOME"] = str(home)
+    else:
+        env["HOME"] = tempfile.gettempdir()
+    return env
+
+
+async def _run_process(
+    argv: Any, *, env: Mapping[str, str], cwd: Path, timeout_s: float
+) -> tuple[int | None, bool, str]:
+    """Run the scaffold in its own process group; ``(exit code, timed out, log tail)``.
+
+    Killed with its whole group on the wall clock, on cancellation or on any error here."""
+    log_path = cwd / "scaffold.log"
+    with open(log_path, "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=str(cwd),
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+    finally:
+        if proc.returncode is None or timed_out:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(proc.wait())
+        else:
+            # The scaffold is gone; anything it left behind in its group goes too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    tail = log_path.read_bytes()[-_LOG_TAIL:].decode(errors="replace")
+    return (None if timed_out else proc.returncode), timed_out, tail
+
+
+def _keep_logs(
+    logs_dir: Path | None, context: EpisodeContext, run_dir: Path, artifact: dict[str, str]
+) -> Path | None:
+    (run_dir / "artifact.json").write_text(json.dumps(artifact, indent=2, sort_keys=True))
+    if logs_dir is None:
+        return None
+    dest = logs_dir / context.rollout_id / f"{context.sample_id}.{context.attempt}"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("home"))
+    return dest
+
+
+def capped(reason: TerminationReason, series_length: int, context_cap: int) -> TerminationReason:
+    """``max_context`` when a captured series reached the installed-scaffold cap and the run
+    ended on its own terms (an abort keeps its class); else ``reason``."""
+    if series_length >= context_cap and not reason.is_abort:
+        return TerminationReason.MAX_CONTEXT
+    return reason
+
+
+def _last_assistant(report: ScaffoldReport) -> str:
+    for message in reversed(report.messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return ""
+
+
+def _abort_error(
+    reason: TerminationReason, name: str, exit: ScaffoldExit, logs: Path, bridge: CommandBridge
+) -> Exception:
+    status = exit.report.status or "no status"
+    what = (
+        "ran past its wall clock"
+        if exit.timed_out
+        else f"ended with exit code {exit.exit_code} ({status})"
+    )
+    message = f"scaffold {name} {what}; its logs are in {logs}"
+    if reason is TerminationReason.AGENT_TIMEOUT:
+        return EpisodeTimeout(message)
+    if reason is TerminationReason.INFRA_CONN:
+        return BackendUnavailable(f"{message}; the model server could not be reached")
+    if reason is TerminationReason.INFRA_SANDBOX:
+        return SandboxError(f"{message}; sandbox failures: {bridge.sandbox_failures[:3]}")
+    return AgentError(message)
+
