@@ -59,6 +59,7 @@ from pathlib import Path
 from engine.actors.batch_run import (
     BatchPlan,
     BatchRun,
+    ControlWatch,
     EpisodeSettings,
     OnTaskDone,
     sandbox_labels,
@@ -181,6 +182,8 @@ class EvaluatorWorker:
         # The pool as far as recoveries needed it: which tokens a batch still holds.
         self._pool = LiveFold(log, self.names.pool, PoolProjection())
         self._pool_lock = asyncio.Lock()
+        # rl:control for the staleness bound and partial-rollout tails (issue 12).
+        self.control_watch = ControlWatch(log)
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -188,10 +191,12 @@ class EvaluatorWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve batches until ``stop`` is set, then shut down as the module docstring says."""
+        stop = stop or asyncio.Event()
+        watching = asyncio.create_task(self.control_watch.run(stop))
         try:
             served = await serve(
                 self.consumer,
-                stop or asyncio.Event(),
+                stop,
                 self._run_delivery,
                 on_dead=self._abort_dead,
                 capacity=self.config.max_batches,
@@ -201,6 +206,7 @@ class EvaluatorWorker:
             )
             self.batches_handed_back += served.handed_back
         finally:
+            watching.cancel()
             await self.sink.aclose()
 
     # ------------------------------------------------------------------ one batch
@@ -225,6 +231,7 @@ class EvaluatorWorker:
             backends=self._backends,
             sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
+            watch=self.control_watch,
         )
         await evaluator.run()
         await self._flush()  # every terminal event in Redis before the runtime acks

@@ -2,7 +2,8 @@
 
 ``Planner.plan(request, data)`` decides everything the scheduler writes before admission:
 
-* **fetch**: a training request takes ``n_prompts`` prompts from a ``MultiDataSource`` over
+* **fetch**: a training request takes ``n_prompts`` prompts (``ceil(n_prompts *
+  overprovision)`` for an over-provisioned request, issue 12) from a ``MultiDataSource`` over
   the configured training datasets (or the subset named in ``request.datasets``), starting at
   the cursor folded from ``rl:data`` for that dataset set, or, for the first rollout over it,
   at ``source.start(request.seed)``: the shuffle seed comes from the request, never from
@@ -76,8 +77,9 @@ from engine.events.catalog import (
 )
 from engine.messages import explain
 from engine.projections.data_cursor import DataState
+from engine.projections.rollout import RolloutState
 
-__all__ = ["Plan", "Planner"]
+__all__ = ["Plan", "Planner", "admission_refused", "check_partial"]
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
 
@@ -183,6 +185,7 @@ class Planner:
 
     def plan(self, request: RolloutRequested, data: DataState) -> Plan:
         """The plan of ``request`` given the data cursors folded from ``rl:data``."""
+        check_partial(request)
         if request.kind is RolloutKind.EVAL:
             return self._plan_eval(request)
         names = self._train_names(request)
@@ -244,7 +247,7 @@ class Planner:
         self, request: RolloutRequested, source: MultiDataSource, cursor: DataCursor
     ) -> Plan:
         try:
-            records, after = source.fetch(cursor, request.n_prompts)
+            records, after = source.fetch(cursor, request.n_planned_prompts)
         except ConfigError as exc:
             raise ConfigError(f"rollout {request.rollout_id!r}: {exc}") from None
         copies = request.n_samples_per_prompt
@@ -381,6 +384,34 @@ class Planner:
                 f"{where} placed {len(seen)} of {len(tasks)} samples (missing e.g. {missing})"
             )
         return batches
+
+
+def check_partial(request: RolloutRequested) -> None:
+    """Refuse partial-rollout options the planner cannot honour, naming the rollout:
+    over-provisioning and a carried tail are for training requests (an eval runs every
+    prompt of its datasets)."""
+    where = f"rollout {request.rollout_id!r} ({request.kind.value})"
+    if request.kind is RolloutKind.EVAL and request.overprovision != 1.0:
+        raise ConfigError(f"{where}: overprovision applies to training requests only")
+    if request.tail == "carry":
+        raise ConfigError(
+            f"{where}: tail='carry' is not supported by this engine yet; use tail='abort'"
+        )
+
+
+def admission_refused(state: RolloutState) -> str | None:
+    """Why the scheduler must not admit more batches of a rollout (None: it may).
+
+    A rollout that failed, or that became ready with an aborted tail (an over-provisioned
+    rollout done with its first ``n_prompts`` whole groups), can use no more work: the
+    batches it has not admitted yet would only be aborted. Pure: read off the folded
+    rollout stream."""
+    if state.failed is not None:
+        return "the rollout failed"
+    ready = state.ready
+    if ready is not None and ready.tail_sample_ids and not ready.tail_carried:
+        return "the rollout is ready and its tail was aborted"
+    return None
 
 
 def _layer(model: type[_L], values: Mapping[str, Any], rollout_id: str, what: str) -> _L:

@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
-from engine.actors.planning import Plan, Planner
+from engine.actors.planning import Plan, Planner, admission_refused
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, ConfigError, PlacementError
@@ -285,7 +285,19 @@ class Scheduler:
                 f"rollout {batches[0].rollout_id!r} was planned for evaluators {unknown}, which "
                 f"the evaluator config does not define (known: {sorted(specs)})"
             )
+        request = env.event
+        watch = (
+            isinstance(request, RolloutRequested) and request.n_planned_prompts > request.n_prompts
+        )
+        rollout = LiveFold(
+            self.log, self.log.names.rollout(batches[0].rollout_id), RolloutProjection()
+        )
         for batch in batches:
+            if watch:  # issue 12: a partial rollout done with its groups admits no more
+                await rollout.refresh()
+                if (why := admission_refused(rollout.state)) is not None:
+                    logger.info("rollout %s: %s; batches left unadmitted", batch.rollout_id, why)
+                    return
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
 
     async def _ensure_planned(

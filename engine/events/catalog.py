@@ -12,10 +12,11 @@ family does not decode (the entry goes to the dead letters).
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.domain import SamplingParams, StoppingCriteria
 from engine.events.arrays import LogProbs, Mask, TokenIds
@@ -54,6 +55,7 @@ __all__ = [
     "TokenGrant",
     "TokenReleased",
     "TurnCompleted",
+    "planned_prompts",
 ]
 
 
@@ -79,7 +81,23 @@ class FilterSpec(Record):
 
 
 class RolloutRequested(Event):
-    """A trainer asks for one iteration's trajectories."""
+    """A trainer asks for one iteration's trajectories.
+
+    v2 (issue 12) adds the policy-version and partial-rollout options, all defaulted so a
+    v1 request means what it always meant:
+
+    * ``max_staleness``: how many versions behind the trainer's current one (the highest
+      ``PolicyVersionPublished.version`` on ``rl:control``, or ``policy_version`` when
+      higher) a sampled token may be; None: no bound. A sample with an older token -- or a
+      sampled token of unknown version -- is excluded from the ``RolloutReady``.
+    * ``overprovision``: plan ``ceil(n_prompts * overprovision)`` prompts and become ready
+      once ``n_prompts`` whole groups are terminal.
+    * ``tail``: what happens to the other groups then: ``abort`` (their requests are
+      aborted on the model server, the samples end as ``tail_aborted``) or ``carry`` (they
+      keep running and the next request of the same ``request_stream`` takes them over).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["RolloutRequested"] = "RolloutRequested"
     rollout_id: str
@@ -96,6 +114,36 @@ class RolloutRequested(Event):
     stopping: dict[str, JSON] = Field(default_factory=dict)
     filters: FilterSpec = FilterSpec()
     teacher_capture: bool = False
+    max_staleness: int | None = Field(default=None, ge=0)
+    overprovision: float = Field(default=1.0, ge=1.0, le=16.0)
+    tail: Literal["abort", "carry"] = "abort"
+    request_stream: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _carry_needs_a_stream(self) -> RolloutRequested:
+        if self.tail == "carry" and self.request_stream is None:
+            raise ValueError(
+                f"rollout {self.rollout_id!r}: tail='carry' needs a request_stream (the next "
+                f"request of that stream takes the carried groups over)"
+            )
+        return self
+
+    @property
+    def n_planned_prompts(self) -> int:
+        """Prompts (groups) the plan holds: ``ceil(n_prompts * overprovision)``."""
+        return planned_prompts(self.n_prompts, self.overprovision)
+
+
+def planned_prompts(n_prompts: int, overprovision: float) -> int:
+    """``ceil(n_prompts * overprovision)``, robust to float noise (1.1 * 10 is 11, not 12)."""
+    return max(n_prompts, math.ceil(round(n_prompts * overprovision, 9)))
+
+
+@upcaster("RolloutRequested", 1)
+def _rollout_requested_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 had none of the v2 options; their defaults (no bound, no over-provisioning, no
+    # carry) are exactly what a v1 request meant.
+    return payload
 
 
 class RolloutReady(Event):
@@ -116,6 +164,17 @@ class RolloutReady(Event):
     # keyed by the version as a string (msgpack map keys are strings); "-1" counts tokens of
     # unknown version. Empty for a rollout without kept tokens (and events before it).
     version_tokens: dict[str, int] = Field(default_factory=dict)
+    # Staleness bound (issue 12, request.max_staleness): the trainer's current version the
+    # bound was checked against (None: the request set no bound), the samples it excluded
+    # (in index order; not in ``sample_ids`` / ``dropped_sample_ids``) and their sampled
+    # tokens.
+    trainer_version: int | None = None
+    stale_sample_ids: list[str] = Field(default_factory=list)
+    stale_tokens: int = 0
+    # Partial rollouts (request.overprovision): samples of the groups beyond the first
+    # ``n_prompts`` whole groups, in index order; aborted or carried per ``request.tail``.
+    tail_sample_ids: list[str] = Field(default_factory=list)
+    tail_carried: bool = False  # True: the tail keeps running for the next request
 
 
 class RolloutFailed(Event):
