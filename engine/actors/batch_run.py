@@ -419,7 +419,8 @@ class BatchRun:
                     if not task.done():
                         task.cancel()
                         await asyncio.wait({task})
-                    raise _ReportedAbort(TerminationReason.TAIL_ABORTED)
+                    ended = None if task.cancelled() else task.exception()
+                    raise _ReportedAbort(TerminationReason.TAIL_ABORTED) from ended
             try:
                 result = task.result()
             except Exception as exc:
@@ -723,6 +724,8 @@ class _GuardedBackend:
         return result
 
     def __getattr__(self, name: str) -> Any:  # tokenize, decode, score, abort, ...
+        if name.startswith("__") or name in ("_inner", "_guard"):
+            raise AttributeError(name)  # never recurse (copy, pickle, a half-built object)
         return getattr(self._inner, name)
 
 

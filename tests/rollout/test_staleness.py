@@ -128,6 +128,7 @@ class Rig:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     worker: EvaluatorWorker | None = None
+    backends: BackendPool | None = None
 
     def log(self) -> RedisEventLog:
         log = RedisEventLog(
@@ -140,9 +141,9 @@ class Rig:
     def start(self, agent: BaseAgent, concurrency: int = 16) -> None:
         config = WorkerConfig(worker_id="w1", evaluator_ids=(EVALUATOR,), heartbeat_ms=100,
                               claim_idle_ms=2000, block_ms=200, grace_s=5.0)
+        self.backends = BackendPool(self.server.url)
         self.worker = EvaluatorWorker(
-            self.log(), binding(agent, concurrency), config,
-            backends=BackendPool(self.server.url),
+            self.log(), binding(agent, concurrency), config, backends=self.backends,
         )
         finalizer = Finalizer(
             self.log(),
@@ -159,12 +160,20 @@ class Rig:
                 await asyncio.wait_for(task, 15)
         for log in self.logs:
             await log.aclose()
+        if self.backends is not None:
+            await self.backends.aclose()
 
 
 @pytest.fixture
 def server(tinylm_dir: Path) -> Any:
     with spawn_server(tinylm_dir, extra_args=["--weight-version", "0"]) as proc:
         yield proc
+    # The server has exited: close its output pipe here rather than leave it to the garbage
+    # collector, whose ResourceWarning can land inside pytest's own AST parsing at the end
+    # of the session (CPython 3.11: "AST constructor recursion depth mismatch").
+    if proc.process.stdout is not None:
+        with contextlib.suppress(Exception):
+            proc.process.stdout.close()
 
 
 @pytest.fixture
