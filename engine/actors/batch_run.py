@@ -414,8 +414,9 @@ class BatchRun:
                     waiter.cancel()
                 if not task.done() and guard.tail_aborted():
                     guard.ended = TerminationReason.TAIL_ABORTED
-                    await guard.abort_on_servers()
-                    await asyncio.wait({task}, timeout=self._abort_grace_s)
+                    if guard.servers:  # let the aborted generations end the run itself
+                        await guard.abort_on_servers()
+                        await asyncio.wait({task}, timeout=self._abort_grace_s)
                     if not task.done():
                         task.cancel()
                         await asyncio.wait({task})
