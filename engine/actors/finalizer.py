@@ -42,6 +42,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -65,6 +66,10 @@ from engine.events.catalog import (
     RolloutRequested,
     SampleAborted,
     SampleCompleted,
+    SampleStarted,
+    TailCarried,
+    TeacherScored,
+    TurnCompleted,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import (
@@ -85,6 +90,7 @@ __all__ = [
     "FinalizerConfig",
     "Selection",
     "apply_filters",
+    "carried_sources",
     "decide_capture",
     "decide_ready",
     "groups_needed",
@@ -92,6 +98,7 @@ __all__ = [
     "select_groups",
     "stale_split",
     "tail_aborts",
+    "tail_carried",
     "worth_deciding",
 ]
 
@@ -356,6 +363,30 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
     )
 
 
+_RELAYED = (SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored)
+
+
+def carried_sources(state: RolloutState) -> dict[str, set[str]]:
+    """Per rollout a carried sample runs in, the ids of this rollout's carried samples."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for s in state.samples.values():
+        if s.task.carried_from is not None:
+            out[s.task.carried_from].add(s.sample_id)
+    return dict(out)
+
+
+def tail_carried(state: RolloutState, ready: RolloutReady) -> TailCarried | None:
+    """The ``TailCarried`` (for ``rl:data``) of a rollout ready with a carried tail."""
+    request = state.request
+    if not ready.tail_carried or request is None or request.request_stream is None:
+        return None
+    return TailCarried(
+        rollout_id=ready.rollout_id,
+        request_stream=request.request_stream,
+        tasks=[state.samples[sid].task for sid in ready.tail_sample_ids],
+    )
+
+
 def tail_aborts(state: RolloutState, ready: RolloutReady) -> list[SampleAborted]:
     """The ``SampleAborted`` (``tail_aborted``) of every tail sample still without a
     terminal event, for a request whose tail is aborted; appended with the
@@ -530,11 +561,40 @@ class Finalizer:
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
         f = _Follower(self.log, self.names.rollout(rollout_id))
-        while not f.state.decided:
-            await f.read()
-            if not f.state.decided and worth_deciding(f.state):
-                await self._decide(f)
+        relay: asyncio.Task[None] | None = None
+        try:
+            while not f.state.decided:
+                await f.read()
+                if relay is None and f.state.planned is not None:
+                    sources = carried_sources(f.state)
+                    if sources:
+                        relay = asyncio.create_task(self._relay(f.stream, sources))
+                if not f.state.decided and worth_deciding(f.state):
+                    await self._decide(f)
+        finally:
+            if relay is not None:
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
         return self._finish(rollout_id, f.state)
+
+    async def _relay(self, stream: str, sources: dict[str, set[str]]) -> None:
+        """Copy the lifecycle events of carried samples from the streams of the rollouts
+        they run in into this rollout's stream, as they come (a tail carried over keeps
+        running there), so this rollout's stream alone decides it and replays it. A copy
+        written twice (a restart) is a duplicate the fold ignores."""
+        positions = {self.names.rollout(src): EMPTY_ID for src in sources}
+        wanted = {self.names.rollout(src): ids for src, ids in sources.items()}
+        while True:
+            envs = await self.log.tail(positions)
+            copies: list[tuple[str, Event]] = []
+            for env in envs:
+                positions[env.stream] = env.id
+                ev = env.event
+                if isinstance(ev, _RELAYED) and ev.sample_id in wanted.get(env.stream, ()):
+                    copies.append((stream, ev))
+            if copies:
+                await self.log.append_many(copies)
 
     async def _trainer_version(self, state: RolloutState) -> int | None:
         """The highest version published on ``rl:control`` so far, read only for a request
@@ -559,17 +619,16 @@ class Finalizer:
             # An aborted tail is recorded in the same step (after the RolloutReady, so the
             # artifacts -- folded up to the RolloutReady -- do not depend on it).
             events: list[Event] = [ready, *tail_aborts(f.state, ready)]
-            await self._append(f, events, (self.names.control, ready))
+            also: list[tuple[str, Event]] = [(self.names.control, ready)]
+            carried = tail_carried(f.state, ready)
+            if carried is not None:  # the next request of the stream takes it over
+                also.append((self.names.data, carried))
+            await self._append(f, events, *also)
 
-    async def _append(
-        self,
-        f: _Follower,
-        events: list[Event],
-        also: tuple[str, CaptureRequested | RolloutReady],
-    ) -> None:
+    async def _append(self, f: _Follower, events: list[Event], *also: tuple[str, Event]) -> None:
         event = events[0]
         try:
-            await self.log.append_if_last(f.stream, events, f.position, also=[also])
+            await self.log.append_if_last(f.stream, events, f.position, also=list(also))
         except AppendConflict:
             # Someone appended meanwhile (a late event, another finalizer): the next read
             # picks it up and the decision is taken again on the newer state.

@@ -73,6 +73,7 @@ from engine.events.catalog import (
     RolloutKind,
     RolloutPlanned,
     RolloutRequested,
+    TailCarried,
     TaskFetched,
 )
 from engine.messages import explain
@@ -191,12 +192,28 @@ class Planner:
         names = self._train_names(request)
         source = self._source(names)
         cursor = data.cursor_for(names) or source.start(request.seed)
-        return self._plan_train(request, source, cursor)
+        tails = data.carried_for(request.request_stream) if request.request_stream else []
+        return self._plan_train(request, source, cursor, tails)
 
-    def replan(self, request: RolloutRequested, advanced: DataCursorAdvanced) -> Plan:
-        """The plan that was written with ``advanced`` (same events, same ids)."""
+    def replan(
+        self,
+        request: RolloutRequested,
+        advanced: DataCursorAdvanced,
+        data: DataState | None = None,
+    ) -> Plan:
+        """The plan that was written with ``advanced`` (same events, same ids); ``data``
+        holds the carried tails it took over (``advanced.carried``), if any."""
         if request.kind is RolloutKind.EVAL:
             return self._plan_eval(request)
+        tails: list[TailCarried] = []
+        for rid in advanced.carried:
+            tail = data.tails.get(rid) if data is not None else None
+            if tail is None:
+                raise ConfigError(
+                    f"rollout {request.rollout_id!r}: its plan took over the tail of rollout "
+                    f"{rid!r}, which rl:data does not hold"
+                )
+            tails.append(tail)
         names = self._train_names(request)
         try:
             cursor = DataCursor.model_validate(advanced.previous)
@@ -205,7 +222,7 @@ class Planner:
                 f"rollout {request.rollout_id!r}: its recorded DataCursorAdvanced has an "
                 f"invalid previous cursor: {exc.errors()[0]['msg']}"
             ) from None
-        return self._plan_train(request, self._source(names), cursor)
+        return self._plan_train(request, self._source(names), cursor, tails)
 
     # ------------------------------------------------------------ fetch
 
@@ -244,10 +261,15 @@ class Planner:
         return source
 
     def _plan_train(
-        self, request: RolloutRequested, source: MultiDataSource, cursor: DataCursor
+        self,
+        request: RolloutRequested,
+        source: MultiDataSource,
+        cursor: DataCursor,
+        tails: Sequence[TailCarried] = (),
     ) -> Plan:
+        n_carried = sum(len({t.group_index for t in tail.tasks}) for tail in tails)
         try:
-            records, after = source.fetch(cursor, request.n_planned_prompts)
+            records, after = source.fetch(cursor, max(0, request.n_planned_prompts - n_carried))
         except ConfigError as exc:
             raise ConfigError(f"rollout {request.rollout_id!r}: {exc}") from None
         copies = request.n_samples_per_prompt
@@ -265,8 +287,9 @@ class Planner:
             kind=RolloutKind.TRAIN,
             cursor=after.model_dump(mode="json"),
             previous=cursor.model_dump(mode="json"),
+            carried=[tail.rollout_id for tail in tails],
         )
-        return self._assemble(request, tasks, advanced)
+        return self._assemble(request, tasks, advanced, _carried(request, tasks, tails))
 
     def _plan_eval(self, request: RolloutRequested) -> Plan:
         chosen = self._select(request, self._config.eval_datasets, "eval")
@@ -291,10 +314,14 @@ class Planner:
     # ------------------------------------------------------------ batch + cascade
 
     def _assemble(
-        self, request: RolloutRequested, tasks: list[Task], advanced: DataCursorAdvanced
+        self,
+        request: RolloutRequested,
+        tasks: list[Task],
+        advanced: DataCursorAdvanced,
+        carried: Sequence[TaskFetched] = (),
     ) -> Plan:
         rid = request.rollout_id
-        if not tasks:
+        if not tasks and not carried:
             raise ConfigError(f"rollout {rid!r}: the selected datasets yield no samples")
         flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
         flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
@@ -336,10 +363,12 @@ class Planner:
                         sampling_params=sampling,
                     )
                 )
+            n = len(tasks)
+            out.extend(carried[max(start - n, 0) : max(stop - n, 0)])
             return out
 
         sealed: list[BatchSealed] = []
-        for seq, batch in enumerate(self._batch(rid, tasks)):
+        for seq, batch in enumerate(self._batch(rid, tasks) if tasks else []):
             sealed.append(
                 BatchSealed(
                     rollout_id=rid,
@@ -351,14 +380,17 @@ class Planner:
             )
         planned = RolloutPlanned(
             rollout_id=rid,
-            n_samples=len(tasks),
+            n_samples=len(tasks) + len(carried),
             n_batches=len(sealed),
             batch_ids=[b.batch_id for b in sealed],
         )
         return Plan(
             request=request,
             cursor=advanced,
-            sample_ids=tuple(task.sample_id for task in tasks),
+            sample_ids=(
+                *(task.sample_id for task in tasks),
+                *(ev.sample_id for ev in carried),
+            ),
             batches=tuple(sealed),
             planned=planned,
             make_tasks=make_tasks,
@@ -386,6 +418,38 @@ class Planner:
         return batches
 
 
+def _carried(
+    request: RolloutRequested, tasks: Sequence[Task], tails: Sequence[TailCarried]
+) -> list[TaskFetched]:
+    """The ``TaskFetched`` of the carried samples as they open in this rollout: after its
+    own samples (indices and groups numbered on from them), tail by tail in log order, each
+    marked with the rollout it runs in (``carried_from``) and keeping that rollout's sample
+    id, prompt and resolved settings."""
+    index = len(tasks)
+    group = len({t.group_index for t in tasks})
+    out: list[TaskFetched] = []
+    for tail in tails:
+        groups: dict[int, int] = {}
+        for ev in sorted(tail.tasks, key=lambda t: t.index):
+            if ev.group_index not in groups:
+                groups[ev.group_index] = group
+                group += 1
+            out.append(
+                ev.model_copy(
+                    update={
+                        "rollout_id": request.rollout_id,
+                        "index": index,
+                        "group_index": groups[ev.group_index],
+                        "carried_from": ev.carried_from or tail.rollout_id,
+                        "producer": "",
+                        "causation": None,
+                    }
+                )
+            )
+            index += 1
+    return out
+
+
 def check_partial(request: RolloutRequested) -> None:
     """Refuse partial-rollout options the planner cannot honour, naming the rollout:
     over-provisioning and a carried tail are for training requests (an eval runs every
@@ -393,10 +457,8 @@ def check_partial(request: RolloutRequested) -> None:
     where = f"rollout {request.rollout_id!r} ({request.kind.value})"
     if request.kind is RolloutKind.EVAL and request.overprovision != 1.0:
         raise ConfigError(f"{where}: overprovision applies to training requests only")
-    if request.tail == "carry":
-        raise ConfigError(
-            f"{where}: tail='carry' is not supported by this engine yet; use tail='abort'"
-        )
+    if request.kind is RolloutKind.EVAL and (request.tail == "carry" or request.request_stream):
+        raise ConfigError(f"{where}: tail='carry' and request_stream are for training requests")
 
 
 def admission_refused(state: RolloutState) -> str | None:

@@ -321,7 +321,7 @@ class Scheduler:
             advanced = self._data.state.rollouts.get(rid)
             try:
                 if advanced is not None:
-                    plan = self.planner.replan(request, advanced)
+                    plan = self.planner.replan(request, advanced, self._data.state)
                     await self._complete(plan, rollout, env)
                 else:
                     plan = self.planner.plan(request, self._data.state)

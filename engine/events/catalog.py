@@ -49,6 +49,7 @@ __all__ = [
     "SampleAborted",
     "SampleCompleted",
     "SampleStarted",
+    "TailCarried",
     "TaskFetched",
     "TeacherScored",
     "TokenAcquired",
@@ -94,7 +95,9 @@ class RolloutRequested(Event):
       once ``n_prompts`` whole groups are terminal.
     * ``tail``: what happens to the other groups then: ``abort`` (their requests are
       aborted on the model server, the samples end as ``tail_aborted``) or ``carry`` (they
-      keep running and the next request of the same ``request_stream`` takes them over).
+      keep running and the next request of the same ``request_stream`` takes them over:
+      they count toward its prompts and open its stream as ``TaskFetched`` with
+      ``carried_from``; see ``TailCarried``).
     """
 
     schema_version: ClassVar[int] = 2
@@ -327,6 +330,10 @@ class TaskFetched(Event):
     metadata: dict[str, JSON] = Field(default_factory=dict)
     stopping: StoppingCriteria = StoppingCriteria()
     sampling_params: SamplingParams = SamplingParams()
+    # A sample carried over from an earlier rollout's tail (issue 12, ``tail="carry"``): the
+    # rollout it runs in, whose stream holds its lifecycle events; its ``sample_id`` is that
+    # rollout's. None: a sample of this rollout.
+    carried_from: str | None = None
 
 
 @upcaster("TaskFetched", 1)
@@ -451,13 +458,27 @@ class TeacherScored(Event):
 
 
 class DataCursorAdvanced(Event):
-    """The data source's position after a rollout's fetch, for exact resume."""
+    """The data source's position after a rollout's fetch, for exact resume. ``carried``:
+    the rollouts whose carried tails (``TailCarried``) this rollout took over."""
 
     type: Literal["DataCursorAdvanced"] = "DataCursorAdvanced"
     rollout_id: str
     kind: RolloutKind = RolloutKind.TRAIN
     cursor: dict[str, JSON]
     previous: dict[str, JSON] = Field(default_factory=dict)
+    carried: list[str] = Field(default_factory=list)
+
+
+class TailCarried(Event):
+    """An over-provisioned rollout became ready with ``tail="carry"``: its tail groups keep
+    running, and the next request of ``request_stream`` takes them over (appended to
+    ``rl:data`` with the ``RolloutReady``). ``tasks``: the tail's ``TaskFetched``, in index
+    order."""
+
+    type: Literal["TailCarried"] = "TailCarried"
+    rollout_id: str
+    request_stream: str
+    tasks: list[TaskFetched]
 
 
 class DeadLetter(Event):

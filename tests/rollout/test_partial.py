@@ -113,6 +113,7 @@ async def test_the_tail_is_aborted_on_the_server_and_recorded(rig: Rig, tmp_path
     assert request.n_planned_prompts == 3
     await log.append(log.names.control, request)
     await play_partial(log, request)
+    assert rig.server is not None
     url = rig.server.url
     async with httpx.AsyncClient(timeout=30) as client:
         # the tail's two generations are running on the server, under their rid prefixes

@@ -122,7 +122,7 @@ class Rig:
     """A worker and a finalizer of the engine, in this event loop, on a real redis-server."""
 
     url: str
-    server: ServerProcess
+    server: ServerProcess | None
     out: Path
     logs: list[RedisEventLog] = field(default_factory=list)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
@@ -141,7 +141,7 @@ class Rig:
     def start(self, agent: BaseAgent, concurrency: int = 16) -> None:
         config = WorkerConfig(worker_id="w1", evaluator_ids=(EVALUATOR,), heartbeat_ms=100,
                               claim_idle_ms=2000, block_ms=200, grace_s=5.0)
-        self.backends = BackendPool(self.server.url)
+        self.backends = BackendPool(self.server.url if self.server is not None else None)
         self.worker = EvaluatorWorker(
             self.log(), binding(agent, concurrency), config, backends=self.backends,
         )
@@ -254,6 +254,7 @@ async def test_a_sample_whose_first_turn_fell_behind_the_bound_runs_no_second_tu
     # the trainer moves two versions on; a weight sync brings the server to the newest
     for v in (1, 2):
         await log.append(log.names.control, PolicyVersionPublished(version=v))
+    assert rig.server is not None
     await set_server_version(rig.server, tinylm_dir, 2)
     assert rig.worker is not None
     while rig.worker.control_watch.published != 2:
@@ -293,6 +294,7 @@ async def test_a_random_publish_schedule_never_lets_a_stale_token_into_a_ready_r
         for v, pause in enumerate(schedule, start=1):
             await asyncio.sleep(pause)
             await log.append(log.names.control, PolicyVersionPublished(version=v))
+            assert rig.server is not None
             await set_server_version(rig.server, tinylm_dir, v)
 
     publishing = asyncio.create_task(trainer())

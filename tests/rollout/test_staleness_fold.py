@@ -279,6 +279,9 @@ def test_partial_options_are_validated_with_the_rollout_named() -> None:
         _request(max_staleness=-1)
     with pytest.raises(ConfigError, match="'r'.*training requests"):
         check_partial(_request(kind="eval", overprovision=1.25))
+    with pytest.raises(ConfigError, match="'r'.*training requests"):
+        check_partial(_request(kind="eval", tail="carry", request_stream="run-1"))
+    check_partial(_request(tail="carry", request_stream="run-1", overprovision=1.5))
     assert _request(n_prompts=10, overprovision=1.1).n_planned_prompts == 11
     assert _request(n_prompts=8, overprovision=1.25).n_planned_prompts == math.ceil(8 * 1.25)
 
