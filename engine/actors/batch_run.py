@@ -407,9 +407,11 @@ class BatchRun:
         task = asyncio.ensure_future(run)
         try:
             while not task.done():
+                # the waiter first: a change after the check below still wakes it
                 waiter = asyncio.ensure_future(self._watch.wait_changed())
                 try:
-                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    if not guard.tail_aborted():
+                        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
                 if not task.done() and guard.tail_aborted():
@@ -703,14 +705,12 @@ class SampleGuard:
 
 
 class _GuardedBackend:
-    """A policy backend whose every generation is checked by the attempt's guard first,
-    carries a rid under the attempt's prefix (SGLang backends) and reports its version."""
+    """A policy backend (not SGLang's) whose every generation is checked by the attempt's
+    guard first and reports its version."""
 
     def __init__(self, inner: ModelBackend, guard: SampleGuard) -> None:
         self._inner = inner
         self._guard = guard
-        if isinstance(inner, SGLangBackend) and inner not in guard.servers:
-            guard.servers.append(inner)
 
     @property
     def supports_token_ids(self) -> bool:
@@ -718,8 +718,6 @@ class _GuardedBackend:
 
     async def generate(self, **kwargs: Any) -> GenerationResult:
         self._guard.before_turn()
-        if isinstance(self._inner, SGLangBackend) and kwargs.get("rid") is None:
-            kwargs["rid"] = self._guard.next_rid()
         result = await self._inner.generate(**kwargs)
         self._guard.record(result)
         return result
@@ -728,6 +726,26 @@ class _GuardedBackend:
         if name.startswith("__") or name in ("_inner", "_guard"):
             raise AttributeError(name)  # never recurse (copy, pickle, a half-built object)
         return getattr(self._inner, name)
+
+
+class _GuardedSGLang(SGLangBackend):
+    """An ``SGLangBackend`` sharing the pool's client, guarded like :class:`_GuardedBackend`;
+    still an ``SGLangBackend`` for callers that need one (the recording proxy)."""
+
+    def __init__(self, inner: SGLangBackend, guard: SampleGuard) -> None:  # no super(): a view
+        self.__dict__.update(inner.__dict__)
+        self._guard = guard
+        if inner not in guard.servers:
+            guard.servers.append(inner)
+
+    async def generate(self, *, rid: str | None = None, **kwargs: Any) -> GenerationResult:
+        self._guard.before_turn()
+        result = await super().generate(rid=rid or self._guard.next_rid(), **kwargs)
+        self._guard.record(result)
+        return result
+
+    async def aclose(self) -> None:
+        """The pool owns the client; a trajectory's view closes nothing."""
 
 
 class _GuardedPool(BackendPool):
@@ -742,6 +760,8 @@ class _GuardedPool(BackendPool):
         backend = super().get(url, key=key)
         if url and url.rstrip("/") not in {u.rstrip("/") for u in self.default_urls}:
             return backend  # another endpoint (a teacher, a judge): not the policy
+        if isinstance(backend, SGLangBackend):
+            return _GuardedSGLang(backend, self._guard)
         return cast(ModelBackend, _GuardedBackend(backend, self._guard))
 
 

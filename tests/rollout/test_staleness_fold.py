@@ -313,3 +313,33 @@ def test_control_projection_follows_the_highest_published_version() -> None:
         state = projection.evolve(state, Envelope("c", "2-0", ready))
     assert list(state.tails) == ["x1"]  # only the most recent kept
     assert np.array_equal(sorted(state.tails["x1"][1]), ["x1:s1"])
+
+
+async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server() -> None:
+    """The worker's per-turn check: a sample whose earlier turn ran below the floor gets no
+    further generation (the server here does not exist: a request would fail otherwise),
+    and the guarded backend is still an SGLangBackend (the recording proxy needs one)."""
+    from engine.actors.batch_run import SampleGuard, _GuardedPool
+    from engine.actors.outcomes import ReportedAbort
+    from engine.backends.base import GenerationResult
+    from engine.backends.pool import BackendPool
+    from engine.backends.sglang import SGLangBackend
+    from engine.outcomes import TerminationReason
+
+    class Watch:  # what the guard reads of the worker's ControlWatch
+        published: int | None = 3
+
+        def tail_of(self, rollout_id: str) -> None:
+            return None
+
+    guard = SampleGuard(_request(max_staleness=1), Watch(), RID, _sid(0), 1)  # type: ignore[arg-type]
+    async with BackendPool("http://127.0.0.1:9") as pool:
+        backend = _GuardedPool(pool.bind("k"), guard).get()
+        assert isinstance(backend, SGLangBackend)
+        guard.before_turn()  # nothing generated yet: the sample may start
+        guard.record(GenerationResult(text="", token_ids=(1,), logprobs=(-0.1,),
+                                      finish_reason="stop", weight_version=1))
+        with pytest.raises(ReportedAbort) as refused:
+            await backend.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+        assert refused.value.reason is TerminationReason.STALE and guard.turns == 1
+        assert guard.next_rid() == f"{_sid(0)}/a1/t1"
