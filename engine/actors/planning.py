@@ -78,9 +78,9 @@ from engine.events.catalog import (
 )
 from engine.messages import explain
 from engine.projections.data_cursor import DataState
-from engine.projections.rollout import RolloutState
+from engine.projections.rollout import RolloutState, staleness_floor
 
-__all__ = ["Plan", "Planner", "admission_refused", "check_partial"]
+__all__ = ["Plan", "Planner", "admission_refused", "admission_wait", "check_partial"]
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
 
@@ -474,6 +474,27 @@ def admission_refused(state: RolloutState) -> str | None:
     if ready is not None and ready.tail_sample_ids and not ready.tail_carried:
         return "the rollout is ready and its tail was aborted"
     return None
+
+
+def admission_wait(state: RolloutState, published: int | None) -> str | None:
+    """Why a rollout's batches must wait for a newer policy version (None: they need not).
+
+    A rollout's staleness bound is out of reach by construction while its floor (the
+    trainer's current version minus ``max_staleness``) is above the highest published
+    version: no model server can hold newer weights than were published, so every token
+    it generated now would be excluded. That happens when the request's ``policy_version``
+    is more than ``max_staleness`` ahead of what was published. Before any publication the
+    servers' weights are the trainer's starting point and nothing waits. Pure."""
+    request = state.request
+    if request is None or request.max_staleness is None or published is None:
+        return None
+    floor = staleness_floor(request, published)
+    if floor is None or floor <= published:
+        return None
+    return (
+        f"its staleness bound needs weights of version {floor} or newer; the highest "
+        f"published is {published}"
+    )
 
 
 def _layer(model: type[_L], values: Mapping[str, Any], rollout_id: str, what: str) -> _L:
