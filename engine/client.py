@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -138,8 +138,14 @@ class RolloutClient:
         sampling_params: Mapping[str, Any] | None = None,
         stopping: Mapping[str, Any] | None = None,
         rollout_id: str | None = None,
+        max_staleness: int | None = None,
+        overprovision: float = 1.0,
+        tail: Literal["abort", "carry"] = "abort",
+        request_stream: str | None = None,
     ) -> str:
-        """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm."""
+        """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm.
+        ``max_staleness`` / ``overprovision`` / ``tail`` / ``request_stream``: see
+        ``RolloutRequested`` (docs/configuration.md, "Staleness and partial rollouts")."""
         rid = rollout_id or f"it{iteration}-{secrets.token_hex(4)}"
         event = RolloutRequested(
             rollout_id=rid,
@@ -158,6 +164,10 @@ class RolloutClient:
             teacher_capture=(
                 algorithm in TEACHER_ALGORITHMS if teacher_capture is None else teacher_capture
             ),
+            max_staleness=max_staleness,
+            overprovision=overprovision,
+            tail=tail,
+            request_stream=request_stream,
         )
         self.names.rollout(rid)  # refuses an id that cannot be a stream key
         entry = await self.log.append(self.names.control, event)

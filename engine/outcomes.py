@@ -15,7 +15,9 @@ explicit derivations, so a value of one can never disagree with the others::
   ``classify_abort``); its values are spelled exactly as the reasons they derive from.
 * ``FailureClass``: the eight summary classes (seeds: ``classify_termination``): the four
   abort classes, then ``success`` / ``truncated_turns`` / ``truncated_context`` /
-  ``wrong_answer`` decided by the reward and the reason.
+  ``wrong_answer`` decided by the reward and the reason; plus the two classes of samples the
+  engine ended on purpose (``stale``, ``tail_aborted``; issue 12), which summaries list only
+  when a sample has one, so a rollout without them summarizes as it always did.
 * ``SampleStatus``: the trainer's lifecycle name of a sample (slime's ``Sample.Status``).
 
 Events carry these enums (``SampleCompleted.status`` / ``termination_reason``,
@@ -52,6 +54,15 @@ class FailureClass(StrEnum):
     INFRA_CONN = "infra_conn"
     INFRA_SANDBOX = "infra_sandbox"
     INFRA_OTHER = "infra_other"
+    # Ended by the engine, not by the agent or a failure (issue 12): not among the eight
+    # classes of an ordinary summary, which lists these only when a sample has one.
+    STALE = "stale"
+    TAIL_ABORTED = "tail_aborted"
+
+    @property
+    def engine_ended(self) -> bool:
+        """The engine ended the sample on purpose (staleness bound, partial-rollout tail)."""
+        return self in (FailureClass.STALE, FailureClass.TAIL_ABORTED)
 
     @property
     def correct(self) -> bool:
@@ -72,6 +83,8 @@ class AbortClass(StrEnum):
     INFRA_CONN = "infra_conn"
     INFRA_SANDBOX = "infra_sandbox"
     INFRA_OTHER = "infra_other"
+    STALE = "stale"
+    TAIL_ABORTED = "tail_aborted"
 
     @property
     def reason(self) -> TerminationReason:
@@ -95,6 +108,13 @@ class TerminationReason(StrEnum):
     INFRA_CONN = "infra_conn"  # the model server could not be reached or aborted
     INFRA_SANDBOX = "infra_sandbox"  # the sandbox failed
     INFRA_OTHER = "infra_other"  # anything else, including dead-lettered deliveries
+    # Ended by the engine (issue 12). ``stale``: the sample could no longer meet its
+    # rollout's staleness bound (a turn already ran on weights older than the trainer's
+    # current version minus ``max_staleness``), so no further turn was generated.
+    # ``tail_aborted``: the sample was in the tail of an over-provisioned rollout that became
+    # ready without it (``tail="abort"``); its requests were aborted on the model server.
+    STALE = "stale"
+    TAIL_ABORTED = "tail_aborted"
 
     @property
     def abort_class(self) -> AbortClass | None:

@@ -281,6 +281,10 @@ class PoolGate:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(closed(), seconds)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
         """Stop ``watch`` after its current read and make waiting ``admit`` calls raise
         ``GateClosed`` (their batches stay unadmitted for whoever resumes the rollout)."""

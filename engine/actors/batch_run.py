@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from engine import metrics
 from engine.actors.outcomes import (
@@ -67,7 +67,9 @@ from engine.actors.outcomes import (
 )
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.pool import BackendPool
+from engine.backends.sglang import SGLangBackend
 from engine.domain import (
     SamplingParams,
     StoppingCriteria,
@@ -85,13 +87,19 @@ from engine.events.catalog import (
     TaskFetched,
     TokenReleased,
 )
+from engine.events.log import EMPTY_ID, EventLog
 from engine.events.names import StreamNames
+from engine.outcomes import TerminationReason
+from engine.projections.rollout import ControlProjection, staleness_floor, version_meets
 from engine.projections.rows import SampleRow, sample_row
 from engine.projections.samples import task_of
+from engine.runtime.live import LiveFold
 from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 
 __all__ = [
     "BatchPlan",
+    "ControlWatch",
+    "SampleGuard",
     "EpisodeSettings",
     "BatchRun",
     "EventSink",
@@ -156,8 +164,12 @@ class BatchRun:
         sandboxes: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.monotonic,
+        watch: ControlWatch | None = None,
+        abort_grace_s: float = 10.0,
     ) -> None:
         self.spec = spec
+        self._watch = watch
+        self._abort_grace_s = abort_grace_s
         self.plan = plan
         self._sink = sink
         self._names = names
@@ -186,6 +198,11 @@ class BatchRun:
         # dropped; an explicit ``eval_dagger_beta`` knob re-injects one.
         self._dagger_beta = _float_knob(knobs, "dagger_beta" if self._train else "eval_dagger_beta")
         self._t_max = _int_knob(knobs, "t_max")
+        # Issue 12: only a request with a staleness bound or an over-provisioned plan has
+        # its samples guarded (checked before each sample and turn, rids under a prefix).
+        self._guarded = watch is not None and request is not None and (
+            request.max_staleness is not None or request.n_planned_prompts > request.n_prompts
+        )
         self.completed = 0
         self.aborted = 0
 
@@ -293,6 +310,13 @@ class BatchRun:
         task = task_of(ev)
         stopping, sampling = self._generation(ev)
         rec.window_s = stopping.timeout_s
+        guard = (
+            SampleGuard(self.plan.request, self._watch, ev.rollout_id, sample_id, attempt)
+            if self._guarded
+            else None
+        )
+        if guard is not None:
+            guard.before_turn()  # a sample that can no longer be used is not started
         episode = self.spec.agent.episode(task)
         token: str | None = None
         result: AgentResult | None = None
@@ -300,6 +324,8 @@ class BatchRun:
         failure: BaseException | None = None
         failed_phase = ""
         async with self._sem:
+            if guard is not None:
+                guard.before_turn()  # it may have waited for the semaphore
             tmp = self._tmp_dir(sample_id, attempt)
             # One trajectory, one policy server (BackendPool.bind), released after cleanup.
             backends = (
@@ -307,6 +333,8 @@ class BatchRun:
                 if self._backends is not None
                 else None
             )
+            if backends is not None and guard is not None:
+                backends = _GuardedPool(backends, guard)
             ctx = EpisodeContext(
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
@@ -332,7 +360,7 @@ class BatchRun:
                 ctx = replace(ctx, node=rec.node or None)
                 self._emit([self._started(sample_id, attempt, rec.node)])
                 rec.phase = "run"
-                result = await self._timed(episode.run(ctx), rec)
+                result = await self._timed(self._run(episode.run(ctx), guard), rec)
                 rec.turns = len(result.turns)
                 rec.agent_reason = result.termination_reason
                 self._check_result(task, result)
@@ -366,6 +394,48 @@ class BatchRun:
         assert failure is not None
         rec.phase = failed_phase
         return [self._aborted(sample_id, attempt, rec, failure)], token
+
+    async def _run(
+        self, run: Coroutine[Any, Any, AgentResult], guard: SampleGuard | None
+    ) -> AgentResult:
+        """The run phase; a guarded one is watched: a sample that falls into the aborted
+        tail of its rollout has its generations aborted on the model server
+        (``/abort_request`` with its rid prefix) and ends as ``tail_aborted``; a guard's
+        verdict (stale, tail) wins over what the agent made of a refused turn."""
+        if guard is None or self._watch is None:
+            return await run
+        task = asyncio.ensure_future(run)
+        try:
+            while not task.done():
+                # the waiter first: a change after the check below still wakes it
+                waiter = asyncio.ensure_future(self._watch.wait_changed())
+                try:
+                    if not guard.tail_aborted():
+                        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if not task.done() and guard.tail_aborted():
+                    guard.ended = TerminationReason.TAIL_ABORTED
+                    if guard.servers:  # let the aborted generations end the run itself
+                        await guard.abort_on_servers()
+                        await asyncio.wait({task}, timeout=self._abort_grace_s)
+                    if not task.done():
+                        task.cancel()
+                        await asyncio.wait({task})
+                    ended = None if task.cancelled() else task.exception()
+                    raise _ReportedAbort(TerminationReason.TAIL_ABORTED) from ended
+            try:
+                result = task.result()
+            except Exception as exc:
+                if guard.ended is not None:
+                    raise _ReportedAbort(guard.ended) from exc
+                raise
+            if guard.ended is not None:
+                raise _ReportedAbort(guard.ended)
+            return result
+        finally:
+            if not task.done():
+                task.cancel()
 
     def _generation(self, ev: TaskFetched) -> tuple[StoppingCriteria, SamplingParams]:
         """The sample's stopping criteria and sampling params: the planner resolved the
@@ -501,6 +571,198 @@ class BatchRun:
                 attempt=attempt,
             ),
         )
+
+
+# ---------------------------------------------------------------- issue 12: ending work early
+
+
+class ControlWatch:
+    """``rl:control`` followed by a worker (a blocking read in its own task): the trainer's
+    published version and the tails of over-provisioned rollouts that became ready, which
+    every ``BatchRun`` of the worker reads before each sample and each turn. ``changed``
+    wakes episodes waiting on it whenever something new was folded."""
+
+    def __init__(self, log: EventLog, *, block_ms: int = 1000) -> None:
+        self._fold = LiveFold(log, log.names.control, ControlProjection())
+        self._log = log
+        self._block_ms = block_ms
+        self._changed = asyncio.Event()
+        self._ready = asyncio.Event()
+
+    @property
+    def published(self) -> int | None:
+        return self._fold.state.published
+
+    def tail_of(self, rollout_id: str) -> tuple[str, frozenset[str]] | None:
+        """``(mode, sample ids)`` of a ready rollout's tail; None: not ready with one."""
+        return self._fold.state.tails.get(rollout_id)
+
+    async def wait_changed(self) -> None:
+        """Return once the next change has been folded."""
+        event = self._changed
+        await event.wait()
+
+    async def caught_up(self) -> None:
+        """Return once the stream's history has been folded (the first read)."""
+        await self._ready.wait()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the stream until ``stop``; a Redis error is retried after a pause."""
+        position = EMPTY_ID
+        while not stop.is_set():
+            try:
+                envs, position = await self._log.read_after(
+                    self._log.names.control,
+                    position,
+                    block_ms=0 if not self._ready.is_set() else self._block_ms,
+                    count=2000,
+                )
+            except Exception as exc:  # a transient outage: the next read retries
+                logger.warning("control watch: read failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if envs:
+                self._fold.apply(envs)
+                changed, self._changed = self._changed, asyncio.Event()
+                changed.set()
+            if not envs and not self._ready.is_set():
+                self._ready.set()
+
+
+class SampleGuard:
+    """One attempt's checks against its rollout's staleness bound and partial-rollout tail.
+
+    ``before_turn`` runs before every generation of the policy (each turn) and before the
+    sample starts: it refuses to start work the sample can no longer use -- a turn of a
+    sample whose earlier turns already ran on weights older than the bound (the trainer's
+    current version minus ``max_staleness``; a turn of unknown version never meets a bound),
+    or anything of a sample in the aborted tail of a rollout that became ready. ``ended``
+    is then the reason, which wins over whatever the agent made of the refusal."""
+
+    def __init__(
+        self,
+        request: RolloutRequested | None,
+        watch: ControlWatch | None,
+        rollout_id: str,
+        sample_id: str,
+        attempt: int,
+    ) -> None:
+        self.request = request
+        self.watch = watch
+        self.rollout_id = rollout_id
+        self.sample_id = sample_id
+        # Every generation of the attempt carries a rid under this prefix, so one
+        # /abort_request (SGLang matches rids by prefix) reaches all of them.
+        self.rid_prefix = f"{sample_id}/a{attempt}/"
+        self.oldest: int | None = None  # oldest weight version a turn ran on (-1: unknown)
+        self.turns = 0
+        self.ended: TerminationReason | None = None
+        self.servers: list[SGLangBackend] = []
+
+    def floor(self) -> int | None:
+        published = self.watch.published if self.watch is not None else None
+        return staleness_floor(self.request, published)
+
+    def tail_aborted(self) -> bool:
+        if self.watch is None:
+            return False
+        tail = self.watch.tail_of(self.rollout_id)
+        return tail is not None and tail[0] == "abort" and self.sample_id in tail[1]
+
+    def verdict(self) -> TerminationReason | None:
+        """Why the sample cannot go on (None: it can)."""
+        if self.tail_aborted():
+            return TerminationReason.TAIL_ABORTED
+        floor = self.floor()
+        if floor is not None and self.oldest is not None and not version_meets(
+            self.oldest, floor
+        ):
+            return TerminationReason.STALE
+        return None
+
+    def before_turn(self) -> None:
+        reason = self.verdict()
+        if reason is not None:
+            self.ended = self.ended or reason
+            raise _ReportedAbort(self.ended)
+
+    def record(self, result: GenerationResult) -> None:
+        self.turns += 1
+        version = result.weight_version if result.weight_version is not None else -1
+        if self.oldest is None or version < self.oldest:
+            self.oldest = version
+
+    def next_rid(self) -> str:
+        return f"{self.rid_prefix}t{self.turns}"
+
+    async def abort_on_servers(self) -> None:
+        """``/abort_request`` for the attempt's rid prefix on every server it generated on."""
+        for server in self.servers:
+            try:
+                await server.abort(self.rid_prefix)
+            except Exception as exc:  # the generation ends on its own then
+                logger.warning("abort of %s on a model server failed: %s", self.rid_prefix, exc)
+
+
+class _GuardedBackend:
+    """A policy backend (not SGLang's) whose every generation is checked by the attempt's
+    guard first and reports its version."""
+
+    def __init__(self, inner: ModelBackend, guard: SampleGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    @property
+    def supports_token_ids(self) -> bool:
+        return self._inner.supports_token_ids
+
+    async def generate(self, **kwargs: Any) -> GenerationResult:
+        self._guard.before_turn()
+        result = await self._inner.generate(**kwargs)
+        self._guard.record(result)
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # tokenize, decode, score, abort, ...
+        if name.startswith("__") or name in ("_inner", "_guard"):
+            raise AttributeError(name)  # never recurse (copy, pickle, a half-built object)
+        return getattr(self._inner, name)
+
+
+class _GuardedSGLang(SGLangBackend):
+    """An ``SGLangBackend`` sharing the pool's client, guarded like :class:`_GuardedBackend`;
+    still an ``SGLangBackend`` for callers that need one (the recording proxy)."""
+
+    def __init__(self, inner: SGLangBackend, guard: SampleGuard) -> None:  # no super(): a view
+        self.__dict__.update(inner.__dict__)
+        self._guard = guard
+        if inner not in guard.servers:
+            guard.servers.append(inner)
+
+    async def generate(self, *, rid: str | None = None, **kwargs: Any) -> GenerationResult:
+        self._guard.before_turn()
+        result = await super().generate(rid=rid or self._guard.next_rid(), **kwargs)
+        self._guard.record(result)
+        return result
+
+    async def aclose(self) -> None:
+        """The pool owns the client; a trajectory's view closes nothing."""
+
+
+class _GuardedPool(BackendPool):
+    """A bound view of the worker's pool whose policy backends are guarded."""
+
+    def __init__(self, view: BackendPool, guard: SampleGuard) -> None:  # no super(): a view
+        self._shared = view._shared
+        self._key = view._key
+        self._guard = guard
+
+    def get(self, url: str | None = None, *, key: str | None = None) -> ModelBackend:
+        backend = super().get(url, key=key)
+        if url and url.rstrip("/") not in {u.rstrip("/") for u in self.default_urls}:
+            return backend  # another endpoint (a teacher, a judge): not the policy
+        if isinstance(backend, SGLangBackend):
+            return _GuardedSGLang(backend, self._guard)
+        return cast(ModelBackend, _GuardedBackend(backend, self._guard))
 
 
 def sandbox_labels(

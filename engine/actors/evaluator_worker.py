@@ -63,6 +63,7 @@ from pathlib import Path
 from engine.actors.batch_run import (
     BatchPlan,
     BatchRun,
+    ControlWatch,
     EpisodeSettings,
     OnTaskDone,
     sandbox_labels,
@@ -193,6 +194,8 @@ class EvaluatorWorker:
             worker_id=config.worker_id,
             block_ms=config.block_ms,
         )
+        # rl:control for the staleness bound and partial-rollout tails (issue 12).
+        self.control_watch = ControlWatch(log)
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -200,6 +203,8 @@ class EvaluatorWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Serve batches until ``stop`` is set, then shut down as the module docstring says."""
+        stop = stop or asyncio.Event()
+        watching = asyncio.create_task(self.control_watch.run(stop))
         done = asyncio.Event()
         following: asyncio.Task[None] | None = None
         try:
@@ -207,7 +212,7 @@ class EvaluatorWorker:
             following = asyncio.create_task(self.quiesce.run(done, Backoff()))
             served = await serve(
                 self.consumer,
-                stop or asyncio.Event(),
+                stop,
                 self._run_delivery,
                 on_dead=self._abort_dead,
                 capacity=self.config.max_batches,
@@ -218,6 +223,7 @@ class EvaluatorWorker:
             self.batches_handed_back += served.handed_back
         finally:
             done.set()
+            watching.cancel()
             if following is not None:
                 await asyncio.gather(following, return_exceptions=True)
             await self.sink.aclose()
@@ -244,6 +250,7 @@ class EvaluatorWorker:
             backends=self._backends,
             sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
+            watch=self.control_watch,
         )
         await evaluator.run()
         await self._flush()  # every terminal event in Redis before the runtime acks

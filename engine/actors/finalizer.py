@@ -49,6 +49,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -62,29 +63,51 @@ from engine.actors.dumps import DumpConfig, write_dumps
 from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
+from engine.events.base import Event
 from engine.events.catalog import (
+    AbortClass,
     CaptureRequested,
     FilterSpec,
     RolloutFailed,
     RolloutKind,
     RolloutReady,
     RolloutRequested,
+    SampleAborted,
     SampleCompleted,
+    SampleStarted,
+    TailCarried,
+    TeacherScored,
+    TurnCompleted,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.lanes import needs_teacher, route
-from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
-from engine.projections.summary import FailureClass, eval_metrics, sample_rows
+from engine.projections.rollout import (
+    ControlProjection,
+    RolloutProjection,
+    RolloutState,
+    SampleState,
+    staleness_floor,
+)
+from engine.projections.rows import row_of
+from engine.projections.summary import FailureClass, eval_metrics
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
+from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
 
 __all__ = [
     "Finalizer",
     "FinalizerConfig",
+    "Selection",
     "apply_filters",
+    "carried_sources",
     "decide_capture",
     "decide_ready",
+    "groups_needed",
     "ready_metrics",
+    "select_groups",
+    "stale_split",
+    "tail_aborts",
+    "tail_carried",
     "worth_deciding",
 ]
 
@@ -101,10 +124,13 @@ def _reward(s: SampleState) -> float:
     return float(done.reward) if done is not None else 0.0
 
 
-def apply_filters(state: RolloutState) -> tuple[list[str], list[str]]:
-    """``(kept, dropped)`` sample ids in index order: rejection first, then finish-only."""
+def apply_filters(
+    state: RolloutState, samples: list[SampleState] | None = None
+) -> tuple[list[str], list[str]]:
+    """``(kept, dropped)`` sample ids in index order: rejection first, then finish-only.
+    ``samples`` (index order) restricts the decision to those; default: every sample."""
     filters = state.request.filters if state.request is not None else FilterSpec()
-    ordered = state.ordered()
+    ordered = state.ordered() if samples is None else samples
     kept = ordered
     if filters.reject_equal_rewards:
         rewards: dict[int, set[float]] = defaultdict(set)
@@ -136,13 +162,106 @@ def _unscored(state: RolloutState, kept: list[str]) -> list[str]:
     ]
 
 
-def decide_capture(state: RolloutState, *, top_k: int = 20) -> CaptureRequested | None:
-    """The teacher capture to ask for, once every sample is terminal (None: nothing to ask)."""
+def groups_needed(state: RolloutState) -> int | None:
+    """Whole groups an over-provisioned training rollout becomes ready with (its request's
+    ``n_prompts``); None: the rollout waits for every planned sample."""
+    request = state.request
+    if request is None or request.kind is not RolloutKind.TRAIN:
+        return None
+    if request.n_planned_prompts <= request.n_prompts:
+        return None
+    return request.n_prompts
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The groups a ready rollout is made of: their samples (index order) and the tail --
+    the other samples of an over-provisioned rollout (index order)."""
+
+    samples: list[SampleState]
+    tail: list[str]
+
+
+def select_groups(state: RolloutState) -> Selection | None:
+    """The rollout's groups once it may become ready (None: not yet).
+
+    Without over-provisioning that is every sample, once every planned sample is terminal.
+    With it, the first ``n_prompts`` groups to become whole (every sample terminal), in the
+    order the log made them whole -- a pure function of the rollout stream, so a replay
+    selects the same groups; every other sample is the tail."""
+    planned = state.planned
+    if planned is None or len(state.samples) < planned.n_samples:
+        return None
+    need = groups_needed(state)
+    if need is None or need >= len(state.group_size):
+        if not state.all_terminal():
+            return None
+        return Selection(state.ordered(), [])
+    if len(state.completed_groups) < need:
+        return None
+    chosen = set(state.completed_groups[:need])
+    ordered = state.ordered()
+    return Selection(
+        [s for s in ordered if s.task.group_index in chosen],
+        [s.sample_id for s in ordered if s.task.group_index not in chosen],
+    )
+
+
+def _sampled_versions(done: SampleCompleted) -> np.ndarray:
+    """The weight version of each sampled (loss-masked) token; -1 where unknown."""
+    sampled = done.loss_mask.numpy().astype(bool)
+    if not len(done.token_versions):
+        return np.full(int(sampled.sum()), UNKNOWN_VERSION, dtype=np.int64)
+    versions: np.ndarray = done.token_versions.numpy()[sampled].astype(np.int64)
+    return versions
+
+
+def stale_split(
+    samples: list[SampleState], floor: int | None
+) -> tuple[list[SampleState], list[SampleState], int]:
+    """``(fresh, stale, stale_tokens)``: the samples that meet the staleness bound
+    ``floor`` and those that do not, with the stale ones' sampled tokens.
+
+    A completed sample is stale when any sampled token comes from a version older than
+    ``floor`` or from an unknown version (:func:`version_meets`); a sample the worker ended
+    as ``stale`` (it could no longer meet the bound) is stale too. Observation tokens are
+    not sampled and never count. Without a bound every sample is fresh."""
+    if floor is None:
+        return samples, [], 0
+    fresh: list[SampleState] = []
+    stale: list[SampleState] = []
+    tokens = 0
+    for s in samples:
+        aborted = s.aborted
+        if aborted is not None:
+            (stale if aborted.abort_class is AbortClass.STALE else fresh).append(s)
+            continue
+        done = s.completed
+        if done is None:
+            fresh.append(s)
+            continue
+        versions = _sampled_versions(done)
+        bad = (versions < 0) | (versions < floor)
+        if bad.any():
+            stale.append(s)
+            tokens += len(versions)
+        else:
+            fresh.append(s)
+    return fresh, stale, tokens
+
+
+def decide_capture(
+    state: RolloutState, *, top_k: int = 20, trainer_version: int | None = None
+) -> CaptureRequested | None:
+    """The teacher capture to ask for, once the rollout's groups are terminal (None: nothing
+    to ask)."""
     if state.ready is not None or state.failed is not None or not _needs_teacher(state):
         return None
-    if not state.all_terminal():
+    selection = select_groups(state)
+    if selection is None:
         return None
-    kept, _ = apply_filters(state)
+    fresh, _, _ = stale_split(selection.samples, staleness_floor(state.request, trainer_version))
+    kept, _ = apply_filters(state, fresh)
     missing = _unscored(state, kept)
     if not missing:
         return None
@@ -150,11 +269,18 @@ def decide_capture(state: RolloutState, *, top_k: int = 20) -> CaptureRequested 
     return CaptureRequested(rollout_id=state.rollout_id, sample_ids=missing, top_k=top_k)
 
 
-def ready_metrics(state: RolloutState, kept: list[str], dropped: list[str]) -> dict[str, float]:
-    """Counts, reward statistics, failure-class counts and per-dataset eval metrics."""
-    rows = sample_rows(state)
+def ready_metrics(
+    state: RolloutState,
+    kept: list[str],
+    dropped: list[str],
+    samples: list[SampleState] | None = None,
+) -> dict[str, float]:
+    """Counts, reward statistics, failure-class counts and per-dataset eval metrics of
+    ``samples`` (default: every sample; a partial rollout passes its selected groups')."""
+    chosen = state.ordered() if samples is None else samples
+    rows = [row_of(s) for s in chosen]
     n = len(rows)
-    completed = [s.completed for s in state.samples.values() if s.completed is not None]
+    completed = [s.completed for s in chosen if s.completed is not None]
     out: dict[str, float] = {
         "n_samples": float(n),
         "n_kept": float(len(kept)),
@@ -168,7 +294,9 @@ def ready_metrics(state: RolloutState, kept: list[str], dropped: list[str]) -> d
         ),
     }
     for cls in FailureClass:
-        out[f"class/{cls.value}"] = float(sum(1 for r in rows if r.failure_class is cls))
+        count = sum(1 for r in rows if r.failure_class is cls)
+        if count or not cls.engine_ended:  # the engine's own classes only when present
+            out[f"class/{cls.value}"] = float(count)
     kind = state.request.kind if state.request is not None else RolloutKind.TRAIN
     prefix = "eval" if kind is RolloutKind.EVAL else "rollout"
     out.update(eval_metrics(state, prefix=prefix, rows=rows))
@@ -184,30 +312,47 @@ def version_spread(state: RolloutState, kept: list[str]) -> dict[str, int]:
         done = sample.completed if sample is not None else None
         if done is None:
             continue
-        sampled = done.loss_mask.numpy().astype(bool)
-        if not len(done.token_versions):
-            counts[UNKNOWN_VERSION] += int(sampled.sum())
-            continue
-        values, n = np.unique(done.token_versions.numpy()[sampled], return_counts=True)
+        values, n = np.unique(_sampled_versions(done), return_counts=True)
         counts.update(dict(zip(values.tolist(), n.tolist(), strict=True)))
     return {str(v): counts[v] for v in sorted(counts)}
 
 
-def decide_ready(state: RolloutState) -> RolloutReady | None:
+def decide_ready(state: RolloutState, trainer_version: int | None = None) -> RolloutReady | None:
     """The rollout's ``RolloutReady``, or None while it is not ready (or already decided).
 
-    Ready means: the plan is complete, every sample is terminal, and -- when the request
-    needs teacher logprobs -- every kept completed sample has its ``TeacherScored``.
+    Ready means: the plan is complete, the rollout's groups are terminal (every sample, or
+    the first ``n_prompts`` whole groups of an over-provisioned rollout:
+    :func:`select_groups`), and -- when the request needs teacher logprobs -- every kept
+    completed sample has its ``TeacherScored``. ``trainer_version`` is the highest
+    ``PolicyVersionPublished`` version the finalizer has read (None: none); with the
+    request's ``max_staleness`` it fixes the bound (:func:`stale_split`). The decision is a
+    pure function of the folded stream and ``trainer_version``, and the ``RolloutReady``
+    records the version it used, so it can be re-derived from the log.
     """
-    if state.ready is not None or state.failed is not None or not state.all_terminal():
+    if state.ready is not None or state.failed is not None:
         return None
-    kept, dropped = apply_filters(state)
+    selection = select_groups(state)
+    if selection is None:
+        return None
+    request = state.request
+    floor = staleness_floor(request, trainer_version)
+    fresh, stale, stale_tokens = stale_split(selection.samples, floor)
+    kept, dropped = apply_filters(state, fresh)
     if _needs_teacher(state) and _unscored(state, kept):
         return None
     routed = route(state, kept, dropped)  # route -> shape (engine.projections.lanes)
     kept, dropped = routed.kept, routed.dropped
-    n_completed = sum(1 for s in state.samples.values() if s.completed is not None)
-    request = state.request
+    chosen = selection.samples
+    n_completed = sum(1 for s in chosen if s.completed is not None)
+    metrics = {**ready_metrics(state, kept, dropped, chosen), **(routed.metrics or {})}
+    current = None
+    if floor is not None:
+        assert request is not None and request.max_staleness is not None
+        current = floor + request.max_staleness
+        metrics["n_stale"] = float(len(stale))
+        metrics["stale_tokens"] = float(stale_tokens)
+    if selection.tail:
+        metrics["n_tail"] = float(len(selection.tail))
     assert state.rollout_id is not None
     return RolloutReady(
         rollout_id=state.rollout_id,
@@ -218,11 +363,68 @@ def decide_ready(state: RolloutState) -> RolloutReady | None:
         dropped_sample_ids=dropped,
         dummy=not kept,
         n_completed=n_completed,
-        n_aborted=len(state.samples) - n_completed,
-        metrics={**ready_metrics(state, kept, dropped), **(routed.metrics or {})},
+        n_aborted=len(chosen) - n_completed,
+        metrics=metrics,
         version_tokens=version_spread(state, kept),
         gbs_scale=routed.gbs_scale,
+        trainer_version=current,
+        stale_sample_ids=[s.sample_id for s in stale],
+        stale_tokens=stale_tokens,
+        tail_sample_ids=selection.tail,
+        tail_carried=bool(selection.tail) and request is not None and request.tail == "carry",
     )
+
+
+_RELAYED = (SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored)
+
+
+def carried_sources(state: RolloutState) -> dict[str, set[str]]:
+    """Per rollout a carried sample runs in, the ids of this rollout's carried samples."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for s in state.samples.values():
+        if s.task.carried_from is not None:
+            out[s.task.carried_from].add(s.sample_id)
+    return dict(out)
+
+
+def tail_carried(state: RolloutState, ready: RolloutReady) -> TailCarried | None:
+    """The ``TailCarried`` (for ``rl:data``) of a rollout ready with a carried tail."""
+    request = state.request
+    if not ready.tail_carried or request is None or request.request_stream is None:
+        return None
+    return TailCarried(
+        rollout_id=ready.rollout_id,
+        request_stream=request.request_stream,
+        tasks=[state.samples[sid].task for sid in ready.tail_sample_ids],
+    )
+
+
+def tail_aborts(state: RolloutState, ready: RolloutReady) -> list[SampleAborted]:
+    """The ``SampleAborted`` (``tail_aborted``) of every tail sample still without a
+    terminal event, for a request whose tail is aborted; appended with the
+    ``RolloutReady`` in one step (index order)."""
+    if not ready.tail_sample_ids or ready.tail_carried:
+        return []
+    out: list[SampleAborted] = []
+    for sid in ready.tail_sample_ids:
+        s = state.samples[sid]
+        if s.done:
+            continue
+        out.append(
+            SampleAborted(
+                rollout_id=ready.rollout_id,
+                sample_id=sid,
+                attempt=max(s.attempt, 0),
+                abort_class=AbortClass.TAIL_ABORTED,
+                error=(
+                    "tail of an over-provisioned rollout: it became ready with "
+                    f"{len(ready.sample_ids) + len(ready.dropped_sample_ids)} samples of its "
+                    "first whole groups"
+                ),
+                turns=len(s.turns),
+            )
+        )
+    return out
 
 
 # ---------------------------------------------------------------- the shell
@@ -245,14 +447,22 @@ class FinalizerConfig:
 
 
 Outcome = RolloutReady | RolloutFailed
+_Copied = Outcome | CaptureRequested | TailCarried  # what a finalizer copies to the plane
 
 
 def worth_deciding(state: RolloutState) -> bool:
     """A cheap test, from the fold's counters, that a decision may be due: every planned
-    sample is terminal and, once a capture was asked for, as many samples are scored as
-    it asked for. :func:`decide_capture` and :func:`decide_ready` then check in full."""
+    sample is terminal (an over-provisioned rollout: enough groups are whole) and, once a
+    capture was asked for, as many samples are scored as it asked for.
+    :func:`decide_capture` and :func:`decide_ready` then check in full."""
     planned = state.planned
-    if planned is None or state.n_terminal < planned.n_samples:
+    if planned is None:
+        return False
+    need = groups_needed(state)
+    if need is not None and len(state.samples) >= planned.n_samples:
+        if len(state.completed_groups) < need:
+            return False
+    elif state.n_terminal < planned.n_samples:
         return False
     return state.capture is None or state.n_scored >= len(state.capture.sample_ids)
 
@@ -312,6 +522,8 @@ class Finalizer:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._following: set[str] = set()
+        # rl:control as far as staleness bounds need it (the trainer's current version).
+        self._control = LiveFold(log, self.names.control, ControlProjection())
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Follow requested rollouts until ``stop``; unfinished ones are handed back."""
@@ -366,20 +578,34 @@ class Finalizer:
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
         f = _Follower(self.log, self.names.rollout(rollout_id))
-        while not f.state.decided:
-            await f.read()
-            if f.state.capture is not None and not f.state.decided:
-                # asked for (maybe by a finalizer that died before its copy): make sure
-                # capture workers see it
-                await self._ensure_copy(f, self.names.capture, f.state.capture)
-            if not f.state.decided and worth_deciding(f.state):
-                await self._decide(f)
+        relay: asyncio.Task[None] | None = None
+        try:
+            while not f.state.decided:
+                await f.read()
+                if relay is None and f.state.planned is not None:
+                    sources = carried_sources(f.state)
+                    if sources:
+                        relay = asyncio.create_task(self._relay(f.stream, sources))
+                if f.state.capture is not None and not f.state.decided:
+                    # asked for (maybe by a finalizer that died before its copy): make sure
+                    # capture workers see it
+                    await self._ensure_copy(f, self.names.capture, f.state.capture)
+                if not f.state.decided and worth_deciding(f.state):
+                    await self._decide(f)
+        finally:
+            if relay is not None:
+                relay.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await relay
         if f.state.ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
             await self._ensure_copy(f, self.names.control, f.state.ready)
+            carried = tail_carried(f.state, f.state.ready)
+            if carried is not None:  # the next request of the stream takes it over
+                await self._ensure_copy(f, self.names.data, carried)
         return self._finish(rollout_id, f.state)
 
     async def _ensure_copy(
-        self, f: _Follower, stream: str, event: Outcome | CaptureRequested
+        self, f: _Follower, stream: str, event: _Copied
     ) -> None:
         """Copy ``event`` to ``stream`` once, whoever tries (module doc, step 3)."""
         if event.type in f.copied:
@@ -388,30 +614,66 @@ class Finalizer:
         await self.log.append_once(stream, event, marker)
         f.copied.add(event.type)
 
+    async def _relay(self, stream: str, sources: dict[str, set[str]]) -> None:
+        """Copy the lifecycle events of carried samples from the streams of the rollouts
+        they run in into this rollout's stream, as they come (a tail carried over keeps
+        running there), so this rollout's stream alone decides it and replays it. A copy
+        written twice (a restart) is a duplicate the fold ignores."""
+        positions = {self.names.rollout(src): EMPTY_ID for src in sources}
+        wanted = {self.names.rollout(src): ids for src, ids in sources.items()}
+        while True:
+            envs = await self.log.tail(positions)
+            copies: list[tuple[str, Event]] = []
+            for env in envs:
+                positions[env.stream] = env.id
+                ev = env.event
+                if isinstance(ev, _RELAYED) and ev.sample_id in wanted.get(env.stream, ()):
+                    copies.append((stream, ev))
+            if copies:
+                await self.log.append_many(copies)
+
+    async def _trainer_version(self, state: RolloutState) -> int | None:
+        """The highest version published on ``rl:control`` so far, read only for a request
+        with a staleness bound (the only decision it changes)."""
+        request = state.request
+        if request is None or request.max_staleness is None:
+            return None
+        await self._control.refresh()
+        return self._control.state.published
+
     async def _decide(self, f: _Follower) -> None:
-        capture = decide_capture(f.state, top_k=self.config.top_k)
+        trainer_version = await self._trainer_version(f.state)
+        capture = decide_capture(
+            f.state, top_k=self.config.top_k, trainer_version=trainer_version
+        )
         if capture is not None:
             if f.state.capture is None:  # asked once; then wait for its TeacherScored
-                await self._append(f, capture, (self.names.capture, capture))
+                await self._append(f, [capture], (self.names.capture, capture))
             return
-        ready = decide_ready(f.state)
+        ready = decide_ready(f.state, trainer_version)
         if ready is not None:
-            await self._append(f, ready, (self.names.control, ready))
+            # An aborted tail is recorded in the same step (after the RolloutReady, so the
+            # artifacts -- folded up to the RolloutReady -- do not depend on it).
+            events: list[Event] = [ready, *tail_aborts(f.state, ready)]
+            also: list[tuple[str, _Copied]] = [(self.names.control, ready)]
+            carried = tail_carried(f.state, ready)
+            if carried is not None:  # the next request of the stream takes it over
+                also.append((self.names.data, carried))
+            await self._append(f, events, *also)
 
     async def _append(
-        self,
-        f: _Follower,
-        event: CaptureRequested | RolloutReady,
-        also: tuple[str, CaptureRequested | RolloutReady],
+        self, f: _Follower, events: list[Event], *also: tuple[str, _Copied]
     ) -> None:
+        event = events[0]
         try:
-            await self.log.append_if_last(f.stream, event, f.position)
+            await self.log.append_if_last(f.stream, events, f.position)
         except AppendConflict:
             # Someone appended meanwhile (a late event, another finalizer): the next read
             # picks it up and the decision is taken again on the newer state.
             logger.debug("finalizer: %s on %s lost a race; refolding", event.type, f.stream)
             return
-        await self._ensure_copy(f, also[0], also[1])
+        for stream, copy in also:  # other slots: copied once each, after the decision
+            await self._ensure_copy(f, stream, copy)
 
     def _finish(self, rollout_id: str, state: RolloutState) -> Outcome:
         if state.ready is not None:

@@ -2,7 +2,8 @@
 
 ``Planner.plan(request, data)`` decides everything the scheduler writes before admission:
 
-* **fetch**: a training request takes ``n_prompts`` prompts from a ``MultiDataSource`` over
+* **fetch**: a training request takes ``n_prompts`` prompts (``ceil(n_prompts *
+  overprovision)`` for an over-provisioned request, issue 12) from a ``MultiDataSource`` over
   the configured training datasets (or the subset named in ``request.datasets``), starting at
   the cursor folded from ``rl:data`` for that dataset set, or, for the first rollout over it,
   at ``source.start(request.seed)``: the shuffle seed comes from the request, never from
@@ -72,12 +73,14 @@ from engine.events.catalog import (
     RolloutKind,
     RolloutPlanned,
     RolloutRequested,
+    TailCarried,
     TaskFetched,
 )
 from engine.messages import explain
 from engine.projections.data_cursor import DataState
+from engine.projections.rollout import RolloutState, staleness_floor
 
-__all__ = ["Plan", "Planner"]
+__all__ = ["Plan", "Planner", "admission_refused", "admission_wait", "check_partial"]
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
 
@@ -183,17 +186,34 @@ class Planner:
 
     def plan(self, request: RolloutRequested, data: DataState) -> Plan:
         """The plan of ``request`` given the data cursors folded from ``rl:data``."""
+        check_partial(request)
         if request.kind is RolloutKind.EVAL:
             return self._plan_eval(request)
         names = self._train_names(request)
         source = self._source(names)
         cursor = data.cursor_for(names) or source.start(request.seed)
-        return self._plan_train(request, source, cursor)
+        tails = data.carried_for(request.request_stream) if request.request_stream else []
+        return self._plan_train(request, source, cursor, tails)
 
-    def replan(self, request: RolloutRequested, advanced: DataCursorAdvanced) -> Plan:
-        """The plan that was written with ``advanced`` (same events, same ids)."""
+    def replan(
+        self,
+        request: RolloutRequested,
+        advanced: DataCursorAdvanced,
+        data: DataState | None = None,
+    ) -> Plan:
+        """The plan that was written with ``advanced`` (same events, same ids); ``data``
+        holds the carried tails it took over (``advanced.carried``), if any."""
         if request.kind is RolloutKind.EVAL:
             return self._plan_eval(request)
+        tails: list[TailCarried] = []
+        for rid in advanced.carried:
+            tail = data.tails.get(rid) if data is not None else None
+            if tail is None:
+                raise ConfigError(
+                    f"rollout {request.rollout_id!r}: its plan took over the tail of rollout "
+                    f"{rid!r}, which rl:data does not hold"
+                )
+            tails.append(tail)
         names = self._train_names(request)
         try:
             cursor = DataCursor.model_validate(advanced.previous)
@@ -202,7 +222,7 @@ class Planner:
                 f"rollout {request.rollout_id!r}: its recorded DataCursorAdvanced has an "
                 f"invalid previous cursor: {exc.errors()[0]['msg']}"
             ) from None
-        return self._plan_train(request, self._source(names), cursor)
+        return self._plan_train(request, self._source(names), cursor, tails)
 
     # ------------------------------------------------------------ fetch
 
@@ -241,10 +261,15 @@ class Planner:
         return source
 
     def _plan_train(
-        self, request: RolloutRequested, source: MultiDataSource, cursor: DataCursor
+        self,
+        request: RolloutRequested,
+        source: MultiDataSource,
+        cursor: DataCursor,
+        tails: Sequence[TailCarried] = (),
     ) -> Plan:
+        n_carried = sum(len({t.group_index for t in tail.tasks}) for tail in tails)
         try:
-            records, after = source.fetch(cursor, request.n_prompts)
+            records, after = source.fetch(cursor, max(0, request.n_planned_prompts - n_carried))
         except ConfigError as exc:
             raise ConfigError(f"rollout {request.rollout_id!r}: {exc}") from None
         copies = request.n_samples_per_prompt
@@ -262,8 +287,9 @@ class Planner:
             kind=RolloutKind.TRAIN,
             cursor=after.model_dump(mode="json"),
             previous=cursor.model_dump(mode="json"),
+            carried=[tail.rollout_id for tail in tails],
         )
-        return self._assemble(request, tasks, advanced)
+        return self._assemble(request, tasks, advanced, _carried(request, tasks, tails))
 
     def _plan_eval(self, request: RolloutRequested) -> Plan:
         chosen = self._select(request, self._config.eval_datasets, "eval")
@@ -288,10 +314,14 @@ class Planner:
     # ------------------------------------------------------------ batch + cascade
 
     def _assemble(
-        self, request: RolloutRequested, tasks: list[Task], advanced: DataCursorAdvanced
+        self,
+        request: RolloutRequested,
+        tasks: list[Task],
+        advanced: DataCursorAdvanced,
+        carried: Sequence[TaskFetched] = (),
     ) -> Plan:
         rid = request.rollout_id
-        if not tasks:
+        if not tasks and not carried:
             raise ConfigError(f"rollout {rid!r}: the selected datasets yield no samples")
         flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
         flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
@@ -333,10 +363,12 @@ class Planner:
                         sampling_params=sampling,
                     )
                 )
+            n = len(tasks)
+            out.extend(carried[max(start - n, 0) : max(stop - n, 0)])
             return out
 
         sealed: list[BatchSealed] = []
-        for seq, batch in enumerate(self._batch(rid, tasks)):
+        for seq, batch in enumerate(self._batch(rid, tasks) if tasks else []):
             sealed.append(
                 BatchSealed(
                     rollout_id=rid,
@@ -348,14 +380,17 @@ class Planner:
             )
         planned = RolloutPlanned(
             rollout_id=rid,
-            n_samples=len(tasks),
+            n_samples=len(tasks) + len(carried),
             n_batches=len(sealed),
             batch_ids=[b.batch_id for b in sealed],
         )
         return Plan(
             request=request,
             cursor=advanced,
-            sample_ids=tuple(task.sample_id for task in tasks),
+            sample_ids=(
+                *(task.sample_id for task in tasks),
+                *(ev.sample_id for ev in carried),
+            ),
             batches=tuple(sealed),
             planned=planned,
             make_tasks=make_tasks,
@@ -381,6 +416,85 @@ class Planner:
                 f"{where} placed {len(seen)} of {len(tasks)} samples (missing e.g. {missing})"
             )
         return batches
+
+
+def _carried(
+    request: RolloutRequested, tasks: Sequence[Task], tails: Sequence[TailCarried]
+) -> list[TaskFetched]:
+    """The ``TaskFetched`` of the carried samples as they open in this rollout: after its
+    own samples (indices and groups numbered on from them), tail by tail in log order, each
+    marked with the rollout it runs in (``carried_from``) and keeping that rollout's sample
+    id, prompt and resolved settings."""
+    index = len(tasks)
+    group = len({t.group_index for t in tasks})
+    out: list[TaskFetched] = []
+    for tail in tails:
+        groups: dict[int, int] = {}
+        for ev in sorted(tail.tasks, key=lambda t: t.index):
+            if ev.group_index not in groups:
+                groups[ev.group_index] = group
+                group += 1
+            out.append(
+                ev.model_copy(
+                    update={
+                        "rollout_id": request.rollout_id,
+                        "index": index,
+                        "group_index": groups[ev.group_index],
+                        "carried_from": ev.carried_from or tail.rollout_id,
+                        "producer": "",
+                        "causation": None,
+                    }
+                )
+            )
+            index += 1
+    return out
+
+
+def check_partial(request: RolloutRequested) -> None:
+    """Refuse partial-rollout options the planner cannot honour, naming the rollout:
+    over-provisioning and a carried tail are for training requests (an eval runs every
+    prompt of its datasets)."""
+    where = f"rollout {request.rollout_id!r} ({request.kind.value})"
+    if request.kind is RolloutKind.EVAL and request.overprovision != 1.0:
+        raise ConfigError(f"{where}: overprovision applies to training requests only")
+    if request.kind is RolloutKind.EVAL and (request.tail == "carry" or request.request_stream):
+        raise ConfigError(f"{where}: tail='carry' and request_stream are for training requests")
+
+
+def admission_refused(state: RolloutState) -> str | None:
+    """Why the scheduler must not admit more batches of a rollout (None: it may).
+
+    A rollout that failed, or that became ready with an aborted tail (an over-provisioned
+    rollout done with its first ``n_prompts`` whole groups), can use no more work: the
+    batches it has not admitted yet would only be aborted. Pure: read off the folded
+    rollout stream."""
+    if state.failed is not None:
+        return "the rollout failed"
+    ready = state.ready
+    if ready is not None and ready.tail_sample_ids and not ready.tail_carried:
+        return "the rollout is ready and its tail was aborted"
+    return None
+
+
+def admission_wait(state: RolloutState, published: int | None) -> str | None:
+    """Why a rollout's batches must wait for a newer policy version (None: they need not).
+
+    A rollout's staleness bound is out of reach by construction while its floor (the
+    trainer's current version minus ``max_staleness``) is above the highest published
+    version: no model server can hold newer weights than were published, so every token
+    it generated now would be excluded. That happens when the request's ``policy_version``
+    is more than ``max_staleness`` ahead of what was published. Before any publication the
+    servers' weights are the trainer's starting point and nothing waits. Pure."""
+    request = state.request
+    if request is None or request.max_staleness is None or published is None:
+        return None
+    floor = staleness_floor(request, published)
+    if floor is None or floor <= published:
+        return None
+    return (
+        f"its staleness bound needs weights of version {floor} or newer; the highest "
+        f"published is {published}"
+    )
 
 
 def _layer(model: type[_L], values: Mapping[str, Any], rollout_id: str, what: str) -> _L:

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
-from engine.actors.planning import Plan, Planner
+from engine.actors.planning import Plan, Planner, admission_refused, admission_wait
 from engine.actors.weight_sync import PolicyWatch, WatchClosed
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
@@ -75,7 +75,7 @@ from engine.events.catalog import (
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
-from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.projections.rollout import ControlProjection, RolloutProjection, RolloutState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import HandBack, serve
@@ -172,6 +172,9 @@ class Scheduler:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._rollout_locks: dict[str, _RolloutLock] = {}
+        # rl:control as far as staleness bounds need it (the highest published version)
+        self._control = LiveFold(log, log.names.control, ControlProjection())
+        self.version_waits = 0
         self._started = False
         self.requests_handled = 0
 
@@ -305,9 +308,19 @@ class Scheduler:
             )
         request = env.event
         version = request.policy_version if isinstance(request, RolloutRequested) else 0
+        # Issue 12: a partial rollout done with its groups admits no more batches, and a
+        # bounded one waits while no published version can meet its bound.
+        watch = isinstance(request, RolloutRequested) and (
+            request.n_planned_prompts > request.n_prompts or request.max_staleness is not None
+        )
+        rollout = LiveFold(
+            self.log, self.log.names.rollout(batches[0].rollout_id), RolloutProjection()
+        )
         for batch in batches:
             if self.gate.state.has_acquired(batch.rollout_id, batch.batch_id):
                 continue
+            if watch and not await self._admissible(rollout, batch.rollout_id):
+                break  # the rest will never be admitted: admission closes here
             try:  # no admission while weights change, after a failed sync, or before the
                 # version the request asks for is active (when it was published)
                 await self.policy.wait_generation_allowed(version)
@@ -315,6 +328,27 @@ class Scheduler:
                 raise GateClosed(f"stopping before batch {batch.batch_id!r} was admitted") from exc
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
         await self.gate.close_admission(batches[0].rollout_id, causation=env.ref)
+
+    async def _admissible(self, rollout: LiveFold[RolloutState], rollout_id: str) -> bool:
+        """Whether the rollout's next batch may be admitted (False: it never will be);
+        waits, following rl:control, while its staleness bound is out of reach."""
+        said = False
+        while True:
+            await rollout.refresh()
+            if (why := admission_refused(rollout.state)) is not None:
+                logger.info("rollout %s: %s; batches left unadmitted", rollout_id, why)
+                return False
+            await self._control.refresh()
+            wait = admission_wait(rollout.state, self._control.state.published)
+            if wait is None:
+                return True
+            if self.gate.closed:
+                raise GateClosed(f"stopping while rollout {rollout_id} waits: {wait}")
+            if not said:
+                logger.info("rollout %s: admission waits: %s", rollout_id, wait)
+                said = True
+            self.version_waits += 1
+            await self.log.read_after(self.control, self._control.position, block_ms=500)
 
     async def _ensure_planned(
         self, env: Envelope, request: RolloutRequested
@@ -337,7 +371,7 @@ class Scheduler:
             advanced = self._data.state.rollouts.get(rid)
             try:
                 if advanced is not None:
-                    plan = self.planner.replan(request, advanced)
+                    plan = self.planner.replan(request, advanced, self._data.state)
                     await self._complete(plan, rollout, env)
                 else:
                     plan = self.planner.plan(request, self._data.state)

@@ -12,10 +12,11 @@ family does not decode (the entry goes to the dead letters).
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.domain import SamplingParams, StoppingCriteria
 from engine.events.arrays import LogProbs, Mask, TokenIds
@@ -50,6 +51,7 @@ __all__ = [
     "SampleAborted",
     "SampleCompleted",
     "SampleStarted",
+    "TailCarried",
     "TaskFetched",
     "TeacherScored",
     "TokenAcquired",
@@ -58,6 +60,7 @@ __all__ = [
     "TurnCompleted",
     "WeightSyncFailed",
     "WorkerParked",
+    "planned_prompts",
 ]
 
 
@@ -83,7 +86,25 @@ class FilterSpec(Record):
 
 
 class RolloutRequested(Event):
-    """A trainer asks for one iteration's trajectories."""
+    """A trainer asks for one iteration's trajectories.
+
+    v2 (issue 12) adds the policy-version and partial-rollout options, all defaulted so a
+    v1 request means what it always meant:
+
+    * ``max_staleness``: how many versions behind the trainer's current one (the highest
+      ``PolicyVersionPublished.version`` on ``rl:control``, or ``policy_version`` when
+      higher) a sampled token may be; None: no bound. A sample with an older token -- or a
+      sampled token of unknown version -- is excluded from the ``RolloutReady``.
+    * ``overprovision``: plan ``ceil(n_prompts * overprovision)`` prompts and become ready
+      once ``n_prompts`` whole groups are terminal.
+    * ``tail``: what happens to the other groups then: ``abort`` (their requests are
+      aborted on the model server, the samples end as ``tail_aborted``) or ``carry`` (they
+      keep running and the next request of the same ``request_stream`` takes them over:
+      they count toward its prompts and open its stream as ``TaskFetched`` with
+      ``carried_from``; see ``TailCarried``).
+    """
+
+    schema_version: ClassVar[int] = 2
 
     type: Literal["RolloutRequested"] = "RolloutRequested"
     rollout_id: str
@@ -100,12 +121,43 @@ class RolloutRequested(Event):
     stopping: dict[str, JSON] = Field(default_factory=dict)
     filters: FilterSpec = FilterSpec()
     teacher_capture: bool = False
+    max_staleness: int | None = Field(default=None, ge=0)
+    overprovision: float = Field(default=1.0, ge=1.0, le=16.0)
+    tail: Literal["abort", "carry"] = "abort"
+    request_stream: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _carry_needs_a_stream(self) -> RolloutRequested:
+        if self.tail == "carry" and self.request_stream is None:
+            raise ValueError(
+                f"rollout {self.rollout_id!r}: tail='carry' needs a request_stream (the next "
+                f"request of that stream takes the carried groups over)"
+            )
+        return self
+
+    @property
+    def n_planned_prompts(self) -> int:
+        """Prompts (groups) the plan holds: ``ceil(n_prompts * overprovision)``."""
+        return planned_prompts(self.n_prompts, self.overprovision)
+
+
+def planned_prompts(n_prompts: int, overprovision: float) -> int:
+    """``ceil(n_prompts * overprovision)``, robust to float noise (1.1 * 10 is 11, not 12)."""
+    return max(n_prompts, math.ceil(round(n_prompts * overprovision, 9)))
+
+
+@upcaster("RolloutRequested", 1)
+def _rollout_requested_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 had none of the v2 options; their defaults (no bound, no over-provisioning, no
+    # carry) are exactly what a v1 request meant.
+    return payload
 
 
 class RolloutReady(Event):
     """Every sample of the rollout is terminal and shaped; the trainer may load it.
 
-    v2 added ``gbs_scale``; a v1 event upcasts to 1.0 (no scaling, what it meant then).
+    v2 added ``gbs_scale`` (a v1 event upcasts to 1.0: no scaling, what it meant then) and
+    the staleness and tail fields (their defaults: no bound, no tail).
     """
 
     schema_version: ClassVar[int] = 2
@@ -129,6 +181,17 @@ class RolloutReady(Event):
     # sub-samples per kept trajectory, so a trainer multiplying its batch size by it keeps
     # tasks per optimizer step constant. 1.0 for every other lane (and events before it).
     gbs_scale: float = 1.0
+    # Staleness bound (issue 12, request.max_staleness): the trainer's current version the
+    # bound was checked against (None: the request set no bound), the samples it excluded
+    # (in index order; not in ``sample_ids`` / ``dropped_sample_ids``) and their sampled
+    # tokens.
+    trainer_version: int | None = None
+    stale_sample_ids: list[str] = Field(default_factory=list)
+    stale_tokens: int = 0
+    # Partial rollouts (request.overprovision): samples of the groups beyond the first
+    # ``n_prompts`` whole groups, in index order; aborted or carried per ``request.tail``.
+    tail_sample_ids: list[str] = Field(default_factory=list)
+    tail_carried: bool = False  # True: the tail keeps running for the next request
 
 
 @upcaster("RolloutReady", 1)
@@ -363,6 +426,10 @@ class TaskFetched(Event):
     metadata: dict[str, JSON] = Field(default_factory=dict)
     stopping: StoppingCriteria = StoppingCriteria()
     sampling_params: SamplingParams = SamplingParams()
+    # A sample carried over from an earlier rollout's tail (issue 12, ``tail="carry"``): the
+    # rollout it runs in, whose stream holds its lifecycle events; its ``sample_id`` is that
+    # rollout's. None: a sample of this rollout.
+    carried_from: str | None = None
 
 
 @upcaster("TaskFetched", 1)
@@ -506,13 +573,27 @@ class TeacherScored(Event):
 
 
 class DataCursorAdvanced(Event):
-    """The data source's position after a rollout's fetch, for exact resume."""
+    """The data source's position after a rollout's fetch, for exact resume. ``carried``:
+    the rollouts whose carried tails (``TailCarried``) this rollout took over."""
 
     type: Literal["DataCursorAdvanced"] = "DataCursorAdvanced"
     rollout_id: str
     kind: RolloutKind = RolloutKind.TRAIN
     cursor: dict[str, JSON]
     previous: dict[str, JSON] = Field(default_factory=dict)
+    carried: list[str] = Field(default_factory=list)
+
+
+class TailCarried(Event):
+    """An over-provisioned rollout became ready with ``tail="carry"``: its tail groups keep
+    running, and the next request of ``request_stream`` takes them over (appended to
+    ``rl:data`` with the ``RolloutReady``). ``tasks``: the tail's ``TaskFetched``, in index
+    order."""
+
+    type: Literal["TailCarried"] = "TailCarried"
+    rollout_id: str
+    request_stream: str
+    tasks: list[TaskFetched]
 
 
 class DeadLetter(Event):

@@ -44,6 +44,8 @@ ROUTES: dict[str, Route] = {
                             "the finalizer (how many samples to wait for)"),
     "DataCursorAdvanced": Route("`rl:data`", "the scheduler, before the plan's events",
                                 "the scheduler (exact resume of the data source)"),
+    "TailCarried": Route("`rl:data`", "the finalizer, with a `RolloutReady` whose tail is "
+                         "carried", "the scheduler (the next request of the stream takes it over)"),
     "PoolDeclared": Route("`rl:pool`", "the scheduler at start (the cluster layout)",
                           "the scheduler's pool fold, `rollout pool`, `rollout top`"),
     "TokenAcquired": Route("`rl:pool`", "the scheduler (compare-and-append with the admission)",

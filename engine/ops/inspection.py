@@ -213,7 +213,8 @@ def status_lines(state: RolloutState) -> list[str]:
     if state.ready is not None:
         verdict = (f"READY: {len(state.ready.sample_ids)} kept, "
                    f"{len(state.ready.dropped_sample_ids)} dropped"
-                   + (" (dummy)" if state.ready.dummy else ""))
+                   + (" (dummy)" if state.ready.dummy else "")
+                   + _partial_and_stale(state.ready))
     elif state.failed is not None:
         verdict = f"FAILED: {state.failed.reason}"
     elif state.planned is None:
@@ -236,6 +237,18 @@ def status_lines(state: RolloutState) -> list[str]:
         for b in batches
     )
     return lines
+
+
+def _partial_and_stale(ready: RolloutReady) -> str:
+    """What the staleness bound excluded and a partial rollout left out (issue 12)."""
+    out = ""
+    if ready.trainer_version is not None:
+        out += (f", {len(ready.stale_sample_ids)} stale ({ready.stale_tokens} tokens; trainer "
+                f"at v{ready.trainer_version})")
+    if ready.tail_sample_ids:
+        what = "carried" if ready.tail_carried else "aborted"
+        out += f", tail {len(ready.tail_sample_ids)} {what}"
+    return out
 
 
 def _totals(planned: int | None, fetched: int, started: int, completed: int, aborted: int) -> str:

@@ -31,6 +31,7 @@ from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
     CaptureRequested,
+    PolicyVersionPublished,
     RolloutFailed,
     RolloutPlanned,
     RolloutReady,
@@ -85,9 +86,22 @@ class RolloutState:
     event_count: int = 0
     n_terminal: int = 0
     n_scored: int = 0
+    # Per group index: its planned samples and how many are terminal; ``completed_groups``
+    # lists groups in the order they became whole (every sample terminal), which is log
+    # order -- the order a partial rollout takes its first ``n_prompts`` groups in.
+    group_size: dict[int, int] = field(default_factory=dict)
+    group_done: dict[int, int] = field(default_factory=dict)
+    completed_groups: list[int] = field(default_factory=list)
 
     def copy(self) -> RolloutState:
-        return replace(self, samples=dict(self.samples), batches=dict(self.batches))
+        return replace(
+            self,
+            samples=dict(self.samples),
+            batches=dict(self.batches),
+            group_size=dict(self.group_size),
+            group_done=dict(self.group_done),
+            completed_groups=list(self.completed_groups),
+        )
 
     @property
     def n_samples(self) -> int:
@@ -133,6 +147,8 @@ class RolloutProjection:
             if ev.sample_id not in state.samples:
                 state.samples[ev.sample_id] = SampleState(task=ev)
                 state.rollout_id = state.rollout_id or ev.rollout_id
+                g = ev.group_index
+                state.group_size[g] = state.group_size.get(g, 0) + 1
         elif isinstance(ev, SampleStarted):
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done and ev.attempt >= s.attempt:
@@ -152,6 +168,10 @@ class RolloutProjection:
                     s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
                 )
                 state.n_terminal += 1
+                g = s.task.group_index
+                done = state.group_done[g] = state.group_done.get(g, 0) + 1
+                if done == state.group_size.get(g, 0):
+                    state.completed_groups.append(g)
         elif isinstance(ev, TeacherScored):
             s = state.samples.get(ev.sample_id)
             if (
@@ -181,3 +201,73 @@ class RolloutProjection:
             if state.capture is None:
                 state.capture = ev
         return state
+
+
+# ---------------------------------------------------------------- the control stream
+
+
+@dataclass(slots=True)
+class ControlState:
+    """What the engine's actors need of ``rl:control`` besides requests (issue 12).
+
+    ``published``: the highest ``PolicyVersionPublished.version`` (None before any);
+    ``tails``: per rollout that became ready with a tail (an over-provisioned rollout), the
+    tail's sample ids and what the request said to do with them (``abort`` / ``carry``),
+    so a worker can abort the tail samples it still runs. Only the most recent
+    ``keep_tails`` rollouts are kept (a worker runs recent rollouts only)."""
+
+    published: int | None = None
+    tails: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
+
+    def current_version(self, request: RolloutRequested | None) -> int | None:
+        """The trainer's current version for ``request``: the highest published version,
+        or the request's ``policy_version`` when higher (None: neither is known)."""
+        versions = [v for v in (self.published,) if v is not None]
+        if request is not None:
+            versions.append(request.policy_version)
+        return max(versions) if versions else None
+
+
+class ControlProjection:
+    """Folds ``rl:control`` into a :class:`ControlState` (policy versions, ready tails)."""
+
+    name = "control"
+
+    def __init__(self, keep_tails: int = 256) -> None:
+        self._keep = keep_tails
+
+    def initial(self) -> ControlState:
+        return ControlState()
+
+    def evolve(self, state: ControlState, env: Envelope) -> ControlState:
+        ev = env.event
+        if isinstance(ev, PolicyVersionPublished):
+            if state.published is None or ev.version > state.published:
+                state.published = ev.version
+        elif isinstance(ev, RolloutReady) and ev.tail_sample_ids:
+            if ev.rollout_id not in state.tails:
+                mode = "carry" if ev.tail_carried else "abort"
+                state.tails[ev.rollout_id] = (mode, frozenset(ev.tail_sample_ids))
+                while len(state.tails) > self._keep:
+                    del state.tails[next(iter(state.tails))]
+        return state
+
+
+def staleness_floor(request: RolloutRequested | None, trainer_version: int | None) -> int | None:
+    """The oldest weight version a sampled token of the rollout may come from: the trainer's
+    current version minus ``request.max_staleness`` (None: the request sets no bound).
+    ``trainer_version`` is the highest published version (None: none published); the
+    request's own ``policy_version`` counts when higher."""
+    if request is None or request.max_staleness is None:
+        return None
+    current = request.policy_version
+    if trainer_version is not None and trainer_version > current:
+        current = trainer_version
+    return current - request.max_staleness
+
+
+def version_meets(version: int, floor: int | None) -> bool:
+    """Whether a token of weight ``version`` meets the bound ``floor``. A token of unknown
+    version (-1: the server reported none) never meets a bound: nothing shows its weights
+    were recent enough, so a bounded rollout does not train on it."""
+    return floor is None or (version >= 0 and version >= floor)

@@ -154,5 +154,31 @@ def row_of(s: SampleState) -> SampleRow:
 
 
 def sample_rows(state: RolloutState) -> list[SampleRow]:
-    """Every sample's row, in sample-index order."""
-    return [row_of(s) for s in state.ordered()]
+    """Every sample's row, in sample-index order.
+
+    A ready partial rollout's tail samples that had no terminal event when it became ready
+    (issue 12): with ``tail="abort"`` their ``SampleAborted`` (``tail_aborted``) is written
+    in the same step as the ``RolloutReady``, so their rows say so; a carried tail stays
+    ``pending``, its error naming the request stream that takes it over."""
+    ready = state.ready
+    if ready is None or not ready.tail_sample_ids:
+        return [row_of(s) for s in state.ordered()]
+    tail = set(ready.tail_sample_ids)
+    stream = state.request.request_stream if state.request is not None else None
+    rows: list[SampleRow] = []
+    for s in state.ordered():
+        row = row_of(s)
+        if s.sample_id in tail and s.terminal is None:
+            if ready.tail_carried:
+                row = replace(row, error=f"carried to the next request of stream {stream!r}")
+            else:
+                row = replace(
+                    row,
+                    failure_class=FailureClass.TAIL_ABORTED,
+                    status=SampleStatus.ABORTED,
+                    termination_reason=TerminationReason.TAIL_ABORTED,
+                    abort_class=AbortClass.TAIL_ABORTED,
+                    error="tail of an over-provisioned rollout",
+                )
+        rows.append(row)
+    return rows

@@ -168,19 +168,15 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
     rows = sample_rows(state)
     datasets: dict[str, Any] = {}
     for name, ds_rows in _by_dataset(rows).items():
-        counts = {c.value: 0 for c in FailureClass}
-        for r in ds_rows:
-            counts[r.failure_class.value] += 1
+        counts = _class_counts(ds_rows)
         datasets[name] = {
             "n": len(ds_rows),
             "counts": counts,
             "metrics": _dataset_metrics(ds_rows),
         }
-    totals = {c.value: 0 for c in FailureClass}
-    for r in rows:
-        totals[r.failure_class.value] += 1
+    totals = _class_counts(rows)
     request, ready = state.request, state.ready
-    return {
+    out: dict[str, Any] = {
         "rollout_id": state.rollout_id,
         "iteration": request.iteration if request is not None else None,
         "kind": request.kind.value if request is not None else None,
@@ -203,6 +199,32 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
             for r in rows
         ],
     }
+    # Issue 12's sections, present only for a request that uses them (an older rollout's
+    # summary keeps its bytes).
+    if request is not None and request.max_staleness is not None:
+        out["staleness"] = {
+            "max_staleness": request.max_staleness,
+            "trainer_version": ready.trainer_version if ready is not None else None,
+            "excluded": len(ready.stale_sample_ids) if ready is not None else None,
+            "excluded_tokens": ready.stale_tokens if ready is not None else None,
+        }
+    if request is not None and request.n_planned_prompts > request.n_prompts:
+        out["partial"] = {
+            "overprovision": request.overprovision,
+            "groups_needed": request.n_prompts,
+            "groups_planned": request.n_planned_prompts,
+            "tail": request.tail,
+            "tail_samples": len(ready.tail_sample_ids) if ready is not None else None,
+        }
+    return out
+
+
+def _class_counts(rows: Iterable[SampleRow]) -> dict[str, int]:
+    """Samples per failure class: the eight always, the engine's own two when present."""
+    counts = {c.value: 0 for c in FailureClass if not c.engine_ended}
+    for r in rows:
+        counts[r.failure_class.value] = counts.get(r.failure_class.value, 0) + 1
+    return counts
 
 
 def eval_details(state: RolloutState) -> list[dict[str, Any]]:

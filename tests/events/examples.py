@@ -26,6 +26,7 @@ from engine.events import (
     SampleAborted,
     SampleCompleted,
     SampleStarted,
+    TailCarried,
     TaskFetched,
     TeacherScored,
     TokenAcquired,
@@ -80,6 +81,11 @@ def example_events() -> list[Event]:
                       top_k=2, topk_ids=[4, 9, 5, 8], topk_logprobs=[-0.1, -3, -0.2, -2],
                       action_mask=[1, 1]),
         DataCursorAdvanced(rollout_id="r1", cursor={"epoch": 0, "offset": 4}),
+        DataCursorAdvanced(rollout_id="r2", cursor={"epoch": 0, "offset": 5}, carried=["r1"]),
+        TailCarried(rollout_id="r1", request_stream="run", tasks=[
+            TaskFetched(rollout_id="r1", sample_id="r1-1", index=1, group_index=1,
+                        prompt="p", dataset="math", task_type="math", carried_from="r0"),
+        ]),
         DeadLetter(source_stream="rl:control", source_id="1-0", raw=b"\x00\xff",
                    error="garbage"),
     ]

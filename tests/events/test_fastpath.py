@@ -55,10 +55,13 @@ def test_hot_types_take_the_fast_path() -> None:
 
 
 def test_types_left_to_the_reference_path_are_the_ones_it_cannot_express() -> None:
-    # Nested records (PoolDeclared.nodes, TokenAcquired.tokens, RolloutRequested.filters)
-    # and field constraints (RolloutRequested.n_prompts >= 1) stay with pydantic.
+    # Nested records (PoolDeclared.nodes, TokenAcquired.tokens, RolloutRequested.filters,
+    # TailCarried.tasks) and field constraints (RolloutRequested.n_prompts >= 1) stay with
+    # pydantic.
     production = {n for n, c in registered_types().items() if c.__module__.startswith("engine.")}
-    assert production - fast_types() == {"PoolDeclared", "RolloutRequested", "TokenAcquired"}
+    assert production - fast_types() == {
+        "PoolDeclared", "RolloutRequested", "TailCarried", "TokenAcquired"
+    }
 
 
 @pytest.mark.parametrize("event", example_events(), ids=lambda e: e.type)
