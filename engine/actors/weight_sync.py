@@ -473,7 +473,7 @@ class WeightSyncer:
         """Consumers of the worker group on any work stream, heard from within the window."""
         names = self.log.names
         live: set[str] = set()
-        for stream in await self.log.list_streams(f"{names.prefix}:work:*"):
+        for stream in await self.log.list_streams(names.work_pattern):
             consumers = await self.log.group_consumers(stream, self.config.worker_group)
             live.update(name for name, idle in consumers.items() if idle < self.config.live_ms)
         return live
