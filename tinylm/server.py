@@ -79,7 +79,7 @@ from tinylm.auth import allowed
 from tinylm.chat import ChatError, Follow, chat_completion
 from tinylm.errors import ConfigError
 from tinylm.runtime import TinyLMRuntime
-from tinylm.sampling import LogprobMode, SamplingParams
+from tinylm.sampling import LogprobMode, SamplingParams, logprob_mode_from_env
 from tinylm.scheduler import (
     GenerateOutput,
     GenerateRequest,
@@ -107,20 +107,30 @@ class ServerConfig:
     port: int = 0
     max_running_requests: int = 16
     max_context: int | None = None
-    logprob_mode: LogprobMode = LogprobMode.ORIGINAL
+    # None: as SGLang, from SGLANG_RETURN_ORIGINAL_LOGPROB (unset: temperature-scaled logprobs).
+    logprob_mode: LogprobMode | None = None
     served_model_name: str | None = None
     keepalive_timeout_s: float = 120.0
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
     weight_version: str = "default"
 
+    @property
+    def mode(self) -> LogprobMode:
+        """``logprob_mode`` as resolved (never None after construction)."""
+        assert self.logprob_mode is not None
+        return self.logprob_mode
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        mode: Any = self.logprob_mode
+        if mode is None:
+            mode = logprob_mode_from_env()
         try:
-            object.__setattr__(self, "logprob_mode", LogprobMode(self.logprob_mode))
+            object.__setattr__(self, "logprob_mode", LogprobMode(mode))
         except ValueError as exc:
             raise ConfigError(
                 f"logprob_mode must be one of {[m.value for m in LogprobMode]}, "
@@ -171,7 +181,7 @@ class TinyLMServer:
             runtime,
             self.tokenizer,
             eos_token_ids=_eos_ids(root, self.hf_tokenizer),
-            logprob_mode=config.logprob_mode,
+            logprob_mode=config.mode,
             weight_version=config.weight_version,
         )
         self.weights = WeightControl(self.scheduler, model_path=root)

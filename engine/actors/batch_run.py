@@ -65,6 +65,7 @@ from engine.actors.outcomes import (
     aborted_event,
     completed_events,
 )
+from engine.actors.verify import VerifyPolicy, selected, verify_result
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool
@@ -82,6 +83,7 @@ from engine.events.catalog import (
     SampleAborted,
     SampleCompleted,
     SampleStarted,
+    SampleVerified,
     TaskFetched,
     TokenReleased,
 )
@@ -121,6 +123,7 @@ class EpisodeSettings:
     worker_id: str
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
+    verify: VerifyPolicy = VerifyPolicy()  # re-scoring of completed samples (actors/verify.py)
 
 
 OnTaskDone = Callable[[SampleRow], None]
@@ -186,6 +189,7 @@ class BatchRun:
         # dropped; an explicit ``eval_dagger_beta`` knob re-injects one.
         self._dagger_beta = _float_knob(knobs, "dagger_beta" if self._train else "eval_dagger_beta")
         self._t_max = _int_knob(knobs, "t_max")
+        self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
 
@@ -299,6 +303,7 @@ class BatchRun:
         reward: Reward | None = None
         failure: BaseException | None = None
         failed_phase = ""
+        verified: SampleVerified | None = None
         async with self._sem:
             tmp = self._tmp_dir(sample_id, attempt)
             # One trajectory, one policy server (BackendPool.bind), released after cleanup.
@@ -338,6 +343,11 @@ class BatchRun:
                 self._check_result(task, result)
                 rec.phase = "eval"
                 reward = await self._timed(episode.eval(ctx, result), rec)
+                if selected(sample_id, self._verify.fraction):
+                    verified = await verify_result(
+                        backends, rollout_id=ev.rollout_id, sample_id=sample_id,
+                        attempt=attempt, result=result, threshold=self._verify.threshold,
+                    )  # fmt: skip
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -360,7 +370,10 @@ class BatchRun:
                         backends.release()
         if failure is None and result is not None:
             try:
-                return self._finished(task, attempt, rec, result, reward), token
+                events = self._finished(task, attempt, rec, result, reward)
+                if verified is not None:  # folded before the sample is terminal
+                    events.insert(len(events) - 1, verified)
+                return events, token
             except Exception as exc:
                 failure, failed_phase = exc, "eval"
         assert failure is not None

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.actors.artifacts import write_artifacts
+from engine.actors.verify import VerifyTally
 from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
@@ -62,6 +63,7 @@ from engine.events.catalog import (
     RolloutReady,
     RolloutRequested,
     SampleCompleted,
+    SampleVerified,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.rollout import RolloutProjection, RolloutState, SampleState
@@ -252,6 +254,7 @@ class _Follower:
         self.stream = stream
         self._projection = RolloutProjection()
         self.state = self._projection.initial()
+        self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
         self.position = EMPTY_ID
 
     async def read(self) -> bool:
@@ -264,6 +267,8 @@ class _Follower:
             self.stream, self.position, dead_letter=True
         )
         for env in envs:
+            if isinstance(env.event, SampleVerified):
+                self.verify.add(env.event)
             self.state = self._projection.evolve(self.state, env)
             if self.state.decided:
                 self.position = env.id
@@ -352,7 +357,10 @@ class Finalizer:
         f = _Follower(self.log, self.names.rollout(rollout_id))
         while not f.state.decided:
             await f.read()
-            if not f.state.decided and worth_deciding(f.state):
+            failed = f.verify.failed(rollout_id) if not f.state.decided else None
+            if failed is not None:  # a re-score past its threshold fails the rollout loudly
+                await self._append(f, failed, (self.names.control, failed))
+            elif not f.state.decided and worth_deciding(f.state):
                 await self._decide(f)
         return self._finish(rollout_id, f.state)
 
@@ -363,14 +371,16 @@ class Finalizer:
                 await self._append(f, capture, (self.names.capture, capture))
             return
         ready = decide_ready(f.state)
+        if ready is not None and f.verify.by_sample:
+            ready = ready.model_copy(update={"metrics": {**ready.metrics, **f.verify.metrics()}})
         if ready is not None:
             await self._append(f, ready, (self.names.control, ready))
 
     async def _append(
         self,
         f: _Follower,
-        event: CaptureRequested | RolloutReady,
-        also: tuple[str, CaptureRequested | RolloutReady],
+        event: CaptureRequested | RolloutReady | RolloutFailed,
+        also: tuple[str, CaptureRequested | RolloutReady | RolloutFailed],
     ) -> None:
         try:
             await self.log.append_if_last(f.stream, event, f.position, also=[also])
