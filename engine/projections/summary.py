@@ -180,7 +180,7 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
     for r in rows:
         totals[r.failure_class.value] += 1
     request, ready = state.request, state.ready
-    return {
+    out: dict[str, Any] = {
         "rollout_id": state.rollout_id,
         "iteration": request.iteration if request is not None else None,
         "kind": request.kind.value if request is not None else None,
@@ -203,6 +203,11 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
             for r in rows
         ],
     }
+    # The verification boundary's figures (engine/actors/verify.py), when it re-scored any.
+    checks = {k[7:]: v for k, v in (ready.metrics if ready else {}).items() if k[:7] == "verify/"}
+    if checks:
+        out["verify"] = checks
+    return out
 
 
 def eval_details(state: RolloutState) -> list[dict[str, Any]]:

@@ -23,6 +23,8 @@ from engine.backends.pool import BackendPool
 from engine.client import RolloutClient
 from engine.errors import RolloutFailed
 from engine.events import EventLog, SampleCompleted, SampleVerified
+from engine.ops.replay import replay_state
+from engine.projections.summary import build_summary
 from tests.rollout.conftest import (  # noqa: F401, F811  (fixtures)
     BLOCK_MS,
     CLAIM_IDLE_MS,
@@ -114,6 +116,9 @@ async def test_under_the_threshold_the_checks_fold_into_rollout_ready(
     assert ready.metrics["verify/selected"] == 3 == ready.metrics["verify/checked"]
     assert ready.metrics["verify/max_abs_delta"] == max(e.max_abs_delta for e in verified)
     assert ready.metrics["verify/tokens"] == sum(e.n_tokens for e in verified) > 0
+    # ... and into the rollout's summary.json (as replay renders it from the same events).
+    summary = build_summary(replay_state(await log.read_all(stream)))
+    assert summary["verify"]["checked"] == 3 and summary["verify"]["skipped"] == 0
     # Each check is in the log before its sample's SampleCompleted.
     order = [
         (type(env.event).__name__, env.event.sample_id)
