@@ -14,7 +14,12 @@ Workloads (the direct path agents and the recording proxy use):
                           a request's fixed cost, HTTP included
   health_c8               GET /health at concurrency 8 (requests/s): the HTTP stack alone
 
-    python bench/tinylm_http.py --baseline /work/main [--rounds 5]
+With ``--proxy N``, ``bench/proxy.py``'s measurement (8 conversations of 4 turns through a
+``RecordingProxy`` each vs direct ``/generate``, 2 rounds) also runs N times against each
+server, alternating which goes first, and ``proxy_vs_direct_ratio`` is reported per server
+(medians): the recording proxy's path with each HTTP stack, in one process.
+
+    python bench/tinylm_http.py --baseline /work/main [--rounds 5] [--proxy 3]
 
 The last line printed is one JSON object with every figure.
 """
@@ -126,11 +131,35 @@ async def measure(urls: dict[str, str], rounds: int, scale: int) -> dict[str, An
     return out
 
 
+def proxy_ab(urls: dict[str, str], model: Path, repeats: int) -> dict[str, Any]:
+    """``bench/proxy.py``'s ``bench`` against each server in turn (see the module docstring)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_proxy", Path(__file__).with_name("proxy.py")
+    )
+    assert spec is not None and spec.loader is not None
+    proxy_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proxy_bench)
+    options = argparse.Namespace(rounds=2, conversations=8, turns=4, max_new_tokens=128)
+    ratios: dict[str, list[float]] = {arm: [] for arm in urls}
+    for k in range(repeats):
+        order = ["baseline", "candidate"] if k % 2 == 0 else ["candidate", "baseline"]
+        for arm in order:
+            figures = asyncio.run(proxy_bench.bench(urls[arm], model, options))
+            ratios[arm].append(figures["proxy_vs_direct_ratio"])
+    return {
+        f"proxy_vs_direct_ratio_{arm}": round(statistics.median(values), 3)
+        for arm, values in ratios.items()
+    } | {f"proxy_vs_direct_ratios_{arm}": values for arm, values in ratios.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, required=True, help="tree of the baseline")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scale", type=int, default=1, help="multiplies every request count")
+    parser.add_argument("--proxy", type=int, default=0, help="runs of bench/proxy.py per server")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-tinylm-http-") as tmp:
         model = Path(tmp) / "tinylm"
@@ -141,6 +170,8 @@ def main() -> None:
             with spawn_server(model, extra_args=flags) as cand:
                 urls = {"baseline": base.url, "candidate": cand.url}
                 figures = asyncio.run(measure(urls, args.rounds, args.scale))
+                if args.proxy:
+                    figures.update(proxy_ab(urls, model, args.proxy))
     print(json.dumps({"bench": "tinylm_http", "rounds": args.rounds, **figures}))
 
 

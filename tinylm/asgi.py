@@ -24,7 +24,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -179,34 +179,36 @@ async def wait_outputs(
 ) -> list[GenerateOutput]:
     """The replies of ``pendings``; ``on_gone`` (abort them) if the client disconnects first."""
     loop = asyncio.get_running_loop()
-    finished = asyncio.Event()
+    finished: asyncio.Future[None] = loop.create_future()
     left = len(pendings)
 
     def one_done() -> None:
         nonlocal left
         left -= 1
-        if left == 0:
-            finished.set()
+        if left == 0 and not finished.done():
+            finished.set_result(None)
 
     for pending in pendings:
         pending.on_done(_notifier(loop, one_done))
     if not pendings:
-        finished.set()
-    await _until(finished.wait(), receive, on_gone)
-    return [p.wait() for p in pendings]
+        return []
 
+    # One watcher task per request: a client gone first aborts the requests, whose replies
+    # then resolve ``finished`` at the scheduler's next step.
+    def watch(task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        task.exception()  # retrieved: a receive that failed counts as a client gone
+        if not finished.done():
+            on_gone()
 
-async def _until(done: Awaitable[Any], receive: Receive, on_gone: Callable[[], None]) -> None:
-    waiter = asyncio.ensure_future(done)
-    gone = asyncio.ensure_future(_disconnected(receive))
+    gone = loop.create_task(_disconnected(receive))
+    gone.add_done_callback(watch)
     try:
-        await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not waiter.done():
-            on_gone()  # the client went away: stop generating for it
-            await waiter  # the abort resolves the requests at the next step
+        await finished
     finally:
         gone.cancel()
-        waiter.cancel()
+    return [p.wait() for p in pendings]
 
 
 async def follow_tokens(
