@@ -194,6 +194,20 @@ class Settings(FrozenModel):
         description="How long a process rides out an unreachable Redis (reconnecting with "
         "capped backoff) before it exits with a fatal error.",
     )
+    # -- verification boundary (engine/actors/verify.py, docs/sglang.md) --
+    verify_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of completed samples an evaluator worker re-scores on their model "
+        "server (chosen by sample id; a request's verify_fraction knob overrides it).",
+    )
+    verify_threshold: float = Field(
+        1e-3,
+        ge=0.0,
+        description="Largest |delta logprob| a re-scored sample may show before its rollout "
+        "fails (a request's verify_threshold knob overrides it).",
+    )
     # -- retention (docs/operations.md, "Retention and Redis memory"): `rollout retention` --
     retention_store: Path | None = Field(
         None, description="Directory `rollout retention` archives finished rollouts to."

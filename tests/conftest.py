@@ -3,6 +3,7 @@ models the backend and proxy tests serve (built once per session)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,11 @@ from tinylm.corpus import PYTHON_TOOL, Dialogue
 from tinylm.model import TrainSettings
 
 ClientFactory = Callable[[], aioredis.Redis]
+
+# Every tinylm the tests serve (in-process or as a subprocess, which inherits this) returns the
+# raw logprobs, as an RL deployment of SGLang must be launched (engine.ops.tinylm.RL_SERVER_ENV).
+# Tests of SGLang's default (temperature-scaled) logprobs remove it for their server.
+os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ from tinylm.sampling import SamplingParams
 from tinylm.scheduler import GenerateOutput, GenerateRequest, TokenEvent
 from tinylm.toolcalls import OPEN, split_tool_calls
 
-Follow = Iterator[tuple[list[TokenEvent], GenerateOutput | None]]
+Follow = AsyncIterator[tuple[list[TokenEvent], GenerateOutput | None]]
 
 __all__ = ["ChatError", "ChatReply", "chat_completion", "sse_events"]
 
@@ -128,7 +128,7 @@ class ChatReply:
     """A chat completion: one JSON ``body``, or the SSE ``events`` of a streamed one."""
 
     body: dict[str, Any] | None = None
-    events: Iterable[str] | None = None
+    events: Iterable[str] | AsyncIterator[str] | None = None
 
 
 def _check_fields(body: dict[str, Any]) -> None:
@@ -274,23 +274,24 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return stream and bool(options.get("include_usage"))  # SGLang ignores it without stream
 
 
-def chat_completion(
+async def chat_completion(
     body: dict[str, Any],
     *,
     tokenizer: Any,
     encode: Callable[[str], list[int]],
     decode: Callable[[Sequence[int]], str],
     new_rid: Callable[[], str],
-    run: Callable[[list[GenerateRequest]], list[GenerateOutput]],
+    run: Callable[[list[GenerateRequest]], Awaitable[list[GenerateOutput]]],
     model_name: str,
     decode_text: Callable[[Sequence[int], bool], str] | None = None,
-    follow: Callable[[GenerateRequest], Follow] | None = None,
+    follow: Callable[[GenerateRequest], Awaitable[Follow]] | None = None,
 ) -> ChatReply:
     """Serve one chat completion; ``ChatError`` for a request that cannot be served.
 
     ``decode`` shows one token as logprobs name it; ``run`` generates requests to the end;
     ``follow`` (with ``decode_text(ids, skip_special_tokens)``) submits one ``stream`` request
-    and yields its tokens as they come: without both, streams are generated whole first."""
+    and returns an iterator of its tokens as they come: without both, streams are generated
+    whole first."""
     _check_fields(body)
     stream = _flag(body, "stream", False)
     include_usage = _stream_options(body, stream)
@@ -362,7 +363,7 @@ def chat_completion(
         and decode_text is not None
     ):
         live = dataclasses.replace(requests[0], stream=True)
-        tokens = follow(live)  # submitted now: a refused request is still a 400
+        tokens = await follow(live)  # submitted now: a refused request is still a 400
         return ChatReply(
             events=_live_events(
                 head, tokens, prefix=forced, prompt_tokens=len(input_ids),
@@ -371,7 +372,7 @@ def chat_completion(
                 want_logprobs=want_logprobs, include_usage=include_usage,
             )
         )  # fmt: skip
-    outputs = run(requests)
+    outputs = await run(requests)
     choices = [
         _choice(i, out, forced, tools, f"call_{base}_{i}_", decode if want_logprobs else None)
         for i, out in enumerate(outputs)
@@ -554,7 +555,7 @@ def _token_logprob(event: TokenEvent, decode: Callable[[Sequence[int]], str]) ->
             "top_logprobs": top}  # fmt: skip
 
 
-def _live_events(
+async def _live_events(
     head: dict[str, Any],
     tokens: Follow,
     *,
@@ -564,7 +565,7 @@ def _live_events(
     decode_text: Callable[[Sequence[int]], str],
     want_logprobs: bool,
     include_usage: bool,
-) -> Iterator[str]:
+) -> AsyncIterator[str]:
     """A plain single answer streamed as it is generated (see the module docstring)."""
 
     def delta(d: dict[str, Any], logprobs: Any = None) -> str:
@@ -577,7 +578,7 @@ def _live_events(
     sent = ""
     output: GenerateOutput | None = None
     try:
-        for events, output in tokens:
+        async for events, output in tokens:
             ids.extend(e.token_id for e in events)
             if want_logprobs:
                 unsent.extend(_token_logprob(e, decode) for e in events)
@@ -589,9 +590,9 @@ def _live_events(
                 yield delta({"content": piece}, {"content": unsent} if want_logprobs else None)
                 unsent = []
     finally:
-        close = getattr(tokens, "close", None)
+        close = getattr(tokens, "aclose", None)
         if close is not None:
-            close()
+            await close()
     if output is None:  # the client went away: the request was aborted, nobody to tell
         return
     if unsent:  # e.g. the stop token, whose text is not part of the answer

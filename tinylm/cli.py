@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--logprobs",
         choices=[m.value for m in LogprobMode],
-        default=LogprobMode.ORIGINAL.value,
-        help="original: log-softmax of raw logits (as SGLANG_RETURN_ORIGINAL_LOGPROB=1); "
-        "processed: of the temperature/top-p distribution (SGLang's default)",
+        default=None,
+        help="original: log-softmax of raw logits; processed: of the temperature-scaled "
+        "logits. Default: as SGLang, original only when SGLANG_RETURN_ORIGINAL_LOGPROB is "
+        "1/true (unset: processed, which skews RL importance ratios)",
     )
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument(
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None, *, system_prompts: SystemPrompts | None 
             port=args.port,
             max_running_requests=args.max_running_requests,
             max_context=args.context_length,
-            logprob_mode=LogprobMode(args.logprobs),
+            logprob_mode=None if args.logprobs is None else LogprobMode(args.logprobs),
             served_model_name=args.served_model_name,
             weight_version=args.weight_version,
             api_key=_key(args.api_key_file, API_KEY_ENV),

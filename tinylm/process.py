@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -69,9 +69,18 @@ def spawn_server(
     port: int = 0,
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 120.0,
-    env: dict[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
 ) -> ServerProcess:
-    """Start ``rollout tinylm serve`` in a subprocess; ``ServerUnavailable`` if never ready."""
+    """Start ``rollout tinylm serve`` in a subprocess; ``ServerUnavailable`` if never ready.
+
+    ``env`` is laid over this process's environment; a ``None`` value removes the variable
+    (e.g. ``{"SGLANG_RETURN_ORIGINAL_LOGPROB": None}`` for SGLang's default logprobs)."""
+    environ = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
     cmd = [
         sys.executable,
         "-m",
@@ -91,7 +100,7 @@ def spawn_server(
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        env={**os.environ, **(env or {})},
+        env=environ,
     )
     assert process.stdout is not None
     tail: collections.deque[str] = collections.deque(maxlen=50)

@@ -13,19 +13,26 @@ message naming it, as SGLang refuses unknown keys).
   distribution when nothing is filtered). A request seeded with ``sampling_seed`` therefore
   draws the same tokens whatever else is in the batch.
 
-Reported logprobs (``LogprobMode``):
+Reported logprobs (``LogprobMode``), as SGLang 0.5.23 computes them (``srt/layers/sampler.py``,
+``Sampler.forward``):
 
-- ``original`` (default): ``log_softmax`` of the raw logits, before temperature or filtering.
-  That is what a force-decode of the same tokens computes, so sampling-time and scoring-time
-  logprobs agree to float rounding whatever the sampling parameters. SGLang gives this only
-  with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, which RL deployments set for exactly that reason.
-- ``processed``: SGLang's default, the log of the temperature-scaled, top-p-renormalised
-  distribution the token was drawn from (greedy requests report raw logprobs). At
-  ``temperature=1, top_p=1`` the two modes coincide.
+- ``processed`` (SGLang's default): the log-softmax of the temperature-scaled logits,
+  ``log_softmax(logits / temperature)``, the distribution before top-k / top-p / min-p
+  filtering (SGLang's renormalising filters build new tensors; ``logprobs = log(probs)`` reads
+  the unfiltered one). Greedy requests report the raw logprobs. A prefill re-score of the same
+  tokens reports raw logprobs (``logprob_processor.py``), so at a temperature other than 1 the
+  two disagree: an importance ratio built from them is skewed.
+- ``original``: ``log_softmax`` of the raw logits, before temperature or filtering; what a
+  force-decode computes, so sampling-time and scoring-time logprobs agree to float rounding.
+  SGLang returns this only with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set true (``1`` / ``true``,
+  read once at start; unset or anything else is false), which RL deployments set for exactly
+  that reason. tinylm reads the same variable (``logprob_mode_from_env``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,12 +40,38 @@ from typing import Any
 
 import torch
 
-__all__ = ["LogprobMode", "SamplingParams", "next_token"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "RETURN_ORIGINAL_LOGPROB_ENV",
+    "LogprobMode",
+    "SamplingParams",
+    "logprob_mode_from_env",
+    "next_token",
+]
+
+RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
 class LogprobMode(StrEnum):
     ORIGINAL = "original"
     PROCESSED = "processed"
+
+
+def logprob_mode_from_env(environ: Mapping[str, str] | None = None) -> LogprobMode:
+    """``original`` when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is ``1`` or ``true`` (any case),
+    else ``processed``: SGLang 0.5.23's ``get_bool_env_var`` (``srt/utils/common.py``,
+    default ``"false"``; an unrecognised value is false, with a warning there and here)."""
+    env = os.environ if environ is None else environ
+    value = env.get(RETURN_ORIGINAL_LOGPROB_ENV, "false").lower()
+    if value not in ("true", "1", "false", "0"):
+        log.warning(
+            "%s=%r is neither true/1 nor false/0: treated as false (temperature-scaled "
+            "logprobs), as SGLang does",
+            RETURN_ORIGINAL_LOGPROB_ENV,
+            value,
+        )
+    return LogprobMode.ORIGINAL if value in ("true", "1") else LogprobMode.PROCESSED
 
 
 # Keys SGLang accepts that this server honours only at their neutral value.
@@ -193,10 +226,4 @@ def next_token(
     token = int(order[index])
     if mode == LogprobMode.ORIGINAL:
         return token, raw
-    nucleus = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if params.top_p < 1.0:
-        nucleus = (sorted_probs.cumsum(0) - sorted_probs) <= params.top_p
-    renorm = torch.where(nucleus, sorted_probs, torch.zeros_like(sorted_probs))
-    renorm = renorm / renorm.sum()
-    processed = torch.zeros_like(probs).scatter_(0, order, renorm)
-    return token, torch.log(processed).clamp(min=torch.finfo(probs.dtype).min)
+    return token, torch.log_softmax(logits / params.temperature, dim=-1)

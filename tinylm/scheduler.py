@@ -131,6 +131,16 @@ class Pending:
         self._tokens: list[TokenEvent] = []
         self._progress_cv = threading.Condition()
         self._callbacks: list[Callable[[], None]] = []
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (on the scheduler thread) after every token a ``stream`` request
+        publishes and once it has finished: how an event loop learns there is news."""
+        with self._progress_cv:
+            self._watchers.append(fn)
+            done = self._done.is_set()
+        if done:
+            fn()
 
     def on_done(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once the request has finished (at once if it has)."""
@@ -146,13 +156,17 @@ class Pending:
             self._done.set()
             self._progress_cv.notify_all()
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+            watchers = list(self._watchers)
+        for fn in [*callbacks, *watchers]:
             fn()
 
     def _publish(self, event: TokenEvent) -> None:
         with self._progress_cv:
             self._tokens.append(event)
             self._progress_cv.notify_all()
+            watchers = list(self._watchers)
+        for fn in watchers:
+            fn()
 
     def progress(self, seen: int, timeout: float) -> tuple[list[TokenEvent], bool]:
         """Tokens published after the first ``seen`` (waiting up to ``timeout`` for one), and

@@ -1,6 +1,7 @@
 """``rollout tinylm serve``: an SGLang-compatible HTTP server for a tinylm model, on CPU.
 
-Routes (JSON over HTTP/1.1 with keep-alive, stdlib ``ThreadingHTTPServer``):
+Routes (JSON over HTTP/1.1 with keep-alive; Starlette on uvicorn, as SGLang's FastAPI app,
+with the plumbing in ``asgi.py``):
 
 - ``POST /generate``: SGLang's native endpoint. ``input_ids`` or ``text`` (a list of either is a
   batch and returns a list), ``sampling_params`` (see ``sampling.py``), ``rid``,
@@ -30,9 +31,14 @@ admin key, only its holder may call the admin routes (``/abort_request`` and the
 pause and cache routes); a request without the right ``Authorization: Bearer`` key gets 401.
 
 Errors are JSON ``{"object": "error", "message", "type", "code"}`` with status 400 (bad request:
-the message names the field), 404, 411, 500 or 503 (shutting down). A request whose client
-disconnects is aborted. ``close()`` aborts everything in flight, lets those replies go out,
-then closes every connection.
+the message names the field), 401, 404, 405 (a known route, another method), 500 or 503
+(shutting down). A request whose client disconnects is aborted. ``close()`` aborts everything
+in flight, lets those replies go out, then closes every connection.
+
+Request handlers run on uvicorn's event loop and never block it: generation is submitted to
+the scheduler thread and awaited (``asgi.wait_outputs`` / ``follow_tokens``); calls that may
+wait (a request arriving while generation is paused or an update waits, the update itself, a
+pause that drains) run in worker threads.
 
 Port 0 binds a free port; ``TinyLMServer.url`` (and the ready line ``serve`` prints,
 ``tinylm ready on http://HOST:PORT ...``) says which. Tests start a server in-process with
@@ -44,30 +50,42 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import select
 import signal
-import socket
 import threading
 import time
-import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from tinylm.asgi import (
+    UvicornThread,
+    error_body,
+    follow_tokens,
+    json_response,
+    listen,
+    wait_outputs,
+)
 from tinylm.auth import allowed
-from tinylm.chat import ChatError, chat_completion
+from tinylm.chat import ChatError, Follow, chat_completion
 from tinylm.errors import ConfigError
 from tinylm.runtime import TinyLMRuntime
-from tinylm.sampling import LogprobMode, SamplingParams
+from tinylm.sampling import LogprobMode, SamplingParams, logprob_mode_from_env
 from tinylm.scheduler import (
     GenerateOutput,
     GenerateRequest,
     GenerationScheduler,
     Pending,
     SchedulerClosed,
-    TokenEvent,
 )
 from tinylm.weights import UpdateFromDisk, WeightControl, WeightRequestError
 
@@ -75,8 +93,9 @@ __all__ = ["READY_PREFIX", "ServerConfig", "TinyLMServer", "serve", "start_serve
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 READY_PREFIX = "tinylm ready on "
-_POLL_S = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,43 +107,35 @@ class ServerConfig:
     port: int = 0
     max_running_requests: int = 16
     max_context: int | None = None
-    logprob_mode: LogprobMode = LogprobMode.ORIGINAL
+    # None: as SGLang, from SGLANG_RETURN_ORIGINAL_LOGPROB (unset: temperature-scaled logprobs).
+    logprob_mode: LogprobMode | None = None
     served_model_name: str | None = None
     keepalive_timeout_s: float = 120.0
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
     weight_version: str = "default"
 
+    @property
+    def mode(self) -> LogprobMode:
+        """``logprob_mode`` as resolved (never None after construction)."""
+        assert self.logprob_mode is not None
+        return self.logprob_mode
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        mode: Any = self.logprob_mode
+        if mode is None:
+            mode = logprob_mode_from_env()
         try:
-            object.__setattr__(self, "logprob_mode", LogprobMode(self.logprob_mode))
+            object.__setattr__(self, "logprob_mode", LogprobMode(mode))
         except ValueError as exc:
             raise ConfigError(
                 f"logprob_mode must be one of {[m.value for m in LogprobMode]}, "
                 f"got {self.logprob_mode!r}"
             ) from exc
-
-
-Follow = Iterator[tuple[list[TokenEvent], GenerateOutput | None]]
-
-
-@dataclass(frozen=True)
-class EventStream:
-    """A ``text/event-stream`` reply: the SSE events, each written as an HTTP chunk as soon as
-    it is produced (an iterator may still be generating)."""
-
-    events: Iterable[str]
-
-
-@dataclass(frozen=True)
-class PlainText:
-    """A ``text/plain`` reply (SGLang's ``/flush_cache`` answers text, not JSON)."""
-
-    text: str
 
 
 class BadRequest(ValueError):
@@ -146,7 +157,7 @@ def _field(body: dict[str, Any], key: str, index: int, batch: int | None, defaul
 
 
 class TinyLMServer:
-    """Model, scheduler and HTTP front end of one tinylm server."""
+    """Model, scheduler and HTTP front end (Starlette on uvicorn) of one tinylm server."""
 
     def __init__(self, config: ServerConfig) -> None:
         from transformers import AutoTokenizer
@@ -160,7 +171,7 @@ class TinyLMServer:
             )
         self.hf_tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
         # Encode and decode with the Rust tokenizer inside the transformers one: the same
-        # pipeline clients get from AutoTokenizer, and safe to share across handler threads
+        # pipeline clients get from AutoTokenizer, and safe to share with the scheduler thread
         # (only the transformers wrapper mutates it, when asked to pad or truncate).
         self.tokenizer = self.hf_tokenizer.backend_tokenizer
         runtime = TinyLMRuntime.load(
@@ -170,20 +181,38 @@ class TinyLMServer:
             runtime,
             self.tokenizer,
             eos_token_ids=_eos_ids(root, self.hf_tokenizer),
-            logprob_mode=config.logprob_mode,
+            logprob_mode=config.mode,
             weight_version=config.weight_version,
         )
         self.weights = WeightControl(self.scheduler, model_path=root)
         self.model_name = config.served_model_name or root.name
-        self._httpd = _HTTPServer((config.host, config.port), self)
-        self._serving: threading.Thread | None = None
         self._closed = threading.Event()
         self._active = 0
         self._active_cv = threading.Condition()
+        # Blocking calls leave the event loop for threads: requests waiting out a pause or
+        # an update (as many as arrive) apart from the admin calls, so those always get one.
+        self._waiting_threads = anyio.CapacityLimiter(4096)
+        self._admin_threads = anyio.CapacityLimiter(8)
+        self.app = Starlette(
+            routes=self._routes(),
+            exception_handlers={HTTPException: self._http_exception},
+        )
+        self._sock = listen(config.host, config.port)
+        host, port = self._sock.getsockname()[:2]
+        self._address = (str(host), int(port))
+        self._http = UvicornThread(
+            self._asgi, self._sock, keepalive_timeout_s=config.keepalive_timeout_s
+        )
+        self._started = False
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return self._address[1]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The address the server listens on (host, port)."""
+        return self._address
 
     @property
     def url(self) -> str:
@@ -193,14 +222,13 @@ class TinyLMServer:
         return f"http://{host}:{self.port}"
 
     def start(self) -> TinyLMServer:
-        """Serve in a background thread; returns self."""
-        self._serving = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"tinylm-http-{self.port}",
-            daemon=True,
-        )
-        self._serving.start()
+        """Serve in a background thread (its own event loop); returns self once listening."""
+        try:
+            self._http.start()
+        except BaseException:
+            self.close()
+            raise
+        self._started = True
         return self
 
     def close(self, timeout: float = 10.0) -> None:
@@ -209,17 +237,15 @@ class TinyLMServer:
             return
         self._closed.set()
         self.weights.close()
-        if self._serving is not None:
-            self._httpd.shutdown()
         self.scheduler.close(timeout)
         deadline = time.monotonic() + timeout
         with self._active_cv:
             while self._active and time.monotonic() < deadline:
                 self._active_cv.wait(deadline - time.monotonic())
-        self._httpd.close_connections()
-        self._httpd.server_close()
-        if self._serving is not None:
-            self._serving.join(timeout)
+        if self._started:
+            self._http.stop(max(1.0, deadline - time.monotonic()))
+        else:
+            self._sock.close()
 
     def __enter__(self) -> TinyLMServer:
         return self
@@ -227,70 +253,100 @@ class TinyLMServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- request handling (called on handler threads) ---------------------------------------
+    def connections(self) -> list[Any]:
+        """The open HTTP connections' transports (for tests: e.g. their socket options)."""
+        return [c.transport for c in self._http.connections()]
 
-    def track(self, delta: int) -> None:
+    # -- ASGI: auth, shutdown, counting --------------------------------------------------------
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self._track(+1)
+        try:
+            config = self.config
+            method, path = scope["method"], scope["path"]
+            if (config.api_key or config.admin_api_key) and not allowed(
+                method,
+                path,
+                _header(scope, b"authorization"),
+                api_key=config.api_key,
+                admin_api_key=config.admin_api_key,
+            ):
+                message = f"{path} needs a valid 'Authorization: Bearer' key"
+                response = json_response(error_body(message, 401), 401)
+            elif self._closed.is_set():
+                message = "tinylm server is shutting down"
+                response = json_response(error_body(message, 503), 503)
+            else:
+                await self.app(scope, receive, send)
+                return
+            await response(scope, receive, send)
+        finally:
+            self._track(-1)
+
+    def _track(self, delta: int) -> None:
         """Count requests being handled, reply included, so ``close`` can wait for them."""
         with self._active_cv:
             self._active += delta
-            self._active_cv.notify_all()
+            if not self._active:
+                self._active_cv.notify_all()
 
-    def handle(
-        self, method: str, path: str, body: Any, client_gone: Callable[[], bool]
-    ) -> tuple[int, Any]:
-        """Route one request; returns (status, JSON-able body or None)."""
-        route = (method, path.split("?", 1)[0].rstrip("/") or "/")
-        if self._closed.is_set():
-            raise BadRequest("tinylm server is shutting down", 503)
-        if route in (("GET", "/health"), ("GET", "/health_generate")):
-            return 200, None
-        if route == ("GET", "/get_model_info"):
-            return 200, self._model_info()
-        if route == ("GET", "/get_server_info"):
-            return 200, {
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+        else:
+            message = str(exc.detail)
+        return json_response(error_body(message, exc.status_code), exc.status_code)
+
+    def _routes(self) -> list[Route]:
+        post, get = ["POST"], ["GET"]
+        return [
+            Route("/generate", _endpoint(self._generate), methods=post),
+            Route("/v1/chat/completions", _endpoint(self._chat), methods=post),
+            Route("/abort_request", _endpoint(self._abort), methods=post),
+            Route("/health", _endpoint(self._health), methods=get),
+            Route("/health_generate", _endpoint(self._health), methods=get),
+            Route("/get_model_info", _endpoint(self._get_model_info), methods=get),
+            Route("/get_server_info", _endpoint(self._get_server_info), methods=get),
+            Route("/v1/models", _endpoint(self._models), methods=get),
+            Route("/v1/models/{model_id:path}", _endpoint(self._model), methods=get),
+            Route("/update_weights_from_disk", _endpoint(self._update), methods=post),
+            Route("/get_weight_version", _endpoint(self._weight_version), methods=get),
+            Route("/pause_generation", _endpoint(self._pause), methods=post),
+            Route("/continue_generation", _endpoint(self._continue), methods=post),
+            Route("/flush_cache", _endpoint(self._flush), methods=["GET", "POST"]),
+        ]
+
+    # -- info routes ---------------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        return json_response(None)
+
+    async def _get_model_info(self, request: Request) -> Response:
+        return json_response(self._model_info())
+
+    async def _get_server_info(self, request: Request) -> Response:
+        return json_response(
+            {
                 **self._model_info(),
                 "running_rids": self.scheduler.running_rids(),
                 "forward_steps": self.scheduler.steps,
             }
-        if route == ("GET", "/v1/models"):
-            return 200, {"object": "list", "data": [self._model_card()]}
-        if route[0] == "GET" and route[1].startswith("/v1/models/"):
-            model_id = urllib.parse.unquote(route[1][len("/v1/models/") :])
-            if model_id != self.model_name:
-                raise BadRequest(f"the model {model_id!r} does not exist", 404)
-            return 200, self._model_card()
-        if route == ("POST", "/generate"):
-            return 200, self._generate(_object(body), client_gone)
-        if route == ("POST", "/v1/chat/completions"):
-            return 200, self._chat(_object(body), client_gone)
-        if route == ("POST", "/abort_request"):
-            return self._abort(_object(body))
-        try:
-            return self._weight_route(route, body)
-        except WeightRequestError as exc:
-            raise BadRequest(str(exc)) from exc
-        except SchedulerClosed as exc:  # closed while an update or a pause waited
-            raise BadRequest(str(exc), 503) from exc
+        )
 
-    def _weight_route(self, route: tuple[str, str], body: Any) -> tuple[int, Any]:
-        """The routes of ``weights.py`` (see its docstring for their SGLang sources)."""
-        if route == ("POST", "/update_weights_from_disk"):
-            ok, message = self.weights.update_from_disk(UpdateFromDisk.from_json(_object(body)))
-            reply = {"success": ok, "message": message, "num_paused_requests": 0}
-            return (200 if ok else 400), reply
-        if route == ("GET", "/get_weight_version"):
-            return 200, {"weight_version": self.scheduler.weight_version}
-        if route == ("POST", "/pause_generation"):
-            self.weights.pause(_object(body if body is not None else {}))
-            return 200, {"message": "Generation paused successfully.", "status": "ok"}
-        if route == ("POST", "/continue_generation"):
-            self.weights.resume()
-            return 200, {"message": "Generation continued successfully.", "status": "ok"}
-        if route in (("GET", "/flush_cache"), ("POST", "/flush_cache")):
-            ok, text = self.weights.flush()
-            return (200 if ok else 400), PlainText(text)
-        method, path = route
-        raise BadRequest(f"no route for {method} {path}", 404)
+    async def _models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise BadRequest(f"the model {model_id!r} does not exist", 404)
+        return json_response(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
         # SGLang's ModelCard (entrypoints/openai/protocol.py): id, object, created, owned_by, root
@@ -315,16 +371,48 @@ class TinyLMServer:
             "logprob_mode": str(self.config.logprob_mode),
         }
 
-    def _abort(self, body: dict[str, Any]) -> tuple[int, None]:
+    # -- admin routes (``weights.py`` says what they do and where SGLang does it) --------------
+
+    async def _abort(self, request: Request) -> Response:
+        body = _object(await _json(request))
         if body.get("abort_all") is True:
             self.scheduler.abort(None)
         elif isinstance(body.get("rid"), str) and body["rid"]:
             self.scheduler.abort(body["rid"])
         else:
             raise BadRequest("abort_request needs a string 'rid' or 'abort_all': true")
-        return 200, None
+        return json_response(None)
 
-    def _generate(self, body: dict[str, Any], client_gone: Callable[[], bool]) -> Any:
+    async def _update(self, request: Request) -> Response:
+        update = _weights_call(UpdateFromDisk.from_json, _object(await _json(request)))
+        ok, message = await self._admin(self.weights.update_from_disk, update)
+        reply = {"success": ok, "message": message, "num_paused_requests": 0}
+        return json_response(reply, 200 if ok else 400)
+
+    async def _weight_version(self, request: Request) -> Response:
+        return json_response({"weight_version": self.scheduler.weight_version})
+
+    async def _pause(self, request: Request) -> Response:
+        body = await _json(request)
+        await self._admin(self.weights.pause, _object(body if body is not None else {}))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: Request) -> Response:
+        self.weights.resume()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _flush(self, request: Request) -> Response:
+        ok, text = self.weights.flush()
+        return Response(text, status_code=200 if ok else 400, media_type="text/plain")
+
+    async def _admin(self, fn: Callable[[Any], T], arg: Any) -> T:
+        """Run a blocking weight call in a thread (it may wait for requests to finish)."""
+        return await anyio.to_thread.run_sync(_weights_call, fn, arg, limiter=self._admin_threads)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request) -> Response:
+        body = _object(await _json(request))
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by tinylm")
         has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
@@ -352,13 +440,11 @@ class TinyLMServer:
         requests = [self._request(body, i, size, p) for i, p in enumerate(prompts)]
         if n > 1:
             requests = self._expand(requests, n, body.get("rid"))
-        outputs = self._run(requests, client_gone)
+        outputs = await self._run(requests, request.receive)
         replies = [o.to_json() for o in outputs]
-        return replies if batch or n > 1 else replies[0]
+        return json_response(replies if batch or n > 1 else replies[0])
 
-    def _expand(
-        self, requests: list[GenerateRequest], n: int, rid: Any
-    ) -> list[GenerateRequest]:
+    def _expand(self, requests: list[GenerateRequest], n: int, rid: Any) -> list[GenerateRequest]:
         """``n`` samples of each request, prompt-major, named ``{rid}_{j}`` (module docstring)."""
         out: list[GenerateRequest] = []
         for req in requests:
@@ -425,75 +511,56 @@ class TinyLMServer:
             return_text_in_logprobs=text_in,
         )
 
-    def _run(
-        self, requests: Sequence[GenerateRequest], client_gone: Callable[[], bool]
+    async def _run(
+        self, requests: Sequence[GenerateRequest], receive: Receive
     ) -> list[GenerateOutput]:
         pendings: list[Pending] = []
         try:
             for req in requests:
-                pendings.append(self._submit(req))
-        except SchedulerClosed as exc:
+                pendings.append(await self._submit(req))
+        except BaseException:
             self._abort_all(pendings)
-            raise BadRequest(str(exc), 503) from exc
-        except ValueError as exc:
-            self._abort_all(pendings)
-            raise BadRequest(str(exc)) from exc
-        aborted = False
-        for pending in pendings:
-            while not pending.wait_done(_POLL_S):
-                if not aborted and client_gone():
-                    aborted = True
-                    self._abort_all(pendings, "client disconnected")
-        return [p.wait() for p in pendings]
+            raise
+        return await wait_outputs(
+            pendings, receive, lambda: self._abort_all(pendings, "client disconnected")
+        )
 
-    def _follow(self, req: GenerateRequest, client_gone: Callable[[], bool]) -> Follow:
+    async def _follow(self, req: GenerateRequest) -> Follow:
         """Submit a ``stream`` request now (so a bad one is refused before any reply is sent);
         the returned iterator yields its tokens as they are drawn, then the output."""
-        try:
-            pending = self._submit(req)
-        except SchedulerClosed as exc:
-            raise BadRequest(str(exc), 503) from exc
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        return self._progress(pending, client_gone)
+        pending = await self._submit(req)
+        return follow_tokens(
+            pending, lambda: self.scheduler.abort(pending.rid, message="client disconnected")
+        )
 
-    def _submit(self, req: GenerateRequest) -> Pending:
+    async def _submit(self, req: GenerateRequest) -> Pending:
         """Submit ``req`` once generation is not paused and no weight update is waiting; it
         holds the model-update lock's reader side until it finishes (``weights.py``)."""
-        self.weights.enter()
+        try:
+            if not self.weights.try_enter():
+                await anyio.to_thread.run_sync(self.weights.enter, limiter=self._waiting_threads)
+        except SchedulerClosed as exc:
+            raise BadRequest(str(exc), 503) from exc
         try:
             pending = self.scheduler.submit(req)
-        except BaseException:
+        except BaseException as exc:
             self.weights.leave()
+            if isinstance(exc, SchedulerClosed):
+                raise BadRequest(str(exc), 503) from exc
+            if isinstance(exc, ValueError):
+                raise BadRequest(str(exc)) from exc
             raise
         pending.on_done(self.weights.leave)
         return pending
-
-    def _progress(self, pending: Pending, client_gone: Callable[[], bool]) -> Follow:
-        seen, finished = 0, False
-        try:
-            while True:
-                events, done = pending.progress(seen, _POLL_S)
-                seen += len(events)
-                if done:
-                    finished = True
-                    yield events, pending.wait()
-                    return
-                if events:
-                    yield events, None
-                elif client_gone():
-                    return
-        finally:
-            if not finished:  # the client left, or the reply could not be written
-                self.scheduler.abort(pending.rid, message="client disconnected")
 
     def _abort_all(self, pendings: Sequence[Pending], message: str = "batch refused") -> None:
         for p in pendings:
             self.scheduler.abort(p.rid, message=message)
 
-    def _chat(self, body: dict[str, Any], client_gone: Callable[[], bool]) -> Any:
+    async def _chat(self, request: Request) -> Response:
+        body = _object(await _json(request))
         try:
-            reply = chat_completion(
+            reply = await chat_completion(
                 body,
                 tokenizer=self.hf_tokenizer,
                 encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids,
@@ -502,13 +569,19 @@ class TinyLMServer:
                     list(ids), skip_special_tokens=skip
                 ),
                 new_rid=self.scheduler.new_rid,
-                run=lambda reqs: self._run(reqs, client_gone),
-                follow=lambda req: self._follow(req, client_gone),
+                run=lambda reqs: self._run(reqs, request.receive),
+                follow=self._follow,
                 model_name=self.model_name,
             )
         except ChatError as exc:
             raise BadRequest(str(exc)) from exc
-        return reply.body if reply.events is None else EventStream(reply.events)
+        if reply.events is None:
+            return json_response(reply.body)
+        return StreamingResponse(
+            _sse(reply.events, request.url.path),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
 
 def _parallel_samples(raw: Any) -> int:
@@ -545,168 +618,65 @@ def _eos_ids(root: Path, tokenizer: Any) -> list[int]:
     return [int(tokenizer.eos_token_id)]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    wbufsize = 1 << 16  # headers and body leave in one write
-    server: _HTTPServer
+def _endpoint(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` with tinylm's errors as JSON replies: ``BadRequest`` with its status, and
+    anything unexpected as a 500 naming the exception (logged with its traceback)."""
 
-    def setup(self) -> None:
-        super().setup()
-        # Bounds how long an idle keep-alive connection holds its thread.
-        self.connection.settimeout(self.server.app.config.keepalive_timeout_s)
-        self.server.track(self.connection, add=True)
-
-    def finish(self) -> None:
+    async def endpoint(request: Request) -> Response:
         try:
-            super().finish()
-        finally:
-            self.server.track(self.connection, add=False)
-
-    def do_GET(self) -> None:
-        self._dispatch()
-
-    def do_POST(self) -> None:
-        self._dispatch()
-
-    def _client_gone(self) -> bool:
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
-    def _dispatch(self) -> None:
-        self.server.app.track(+1)
-        try:
-            self._respond()
-        finally:
-            self.server.app.track(-1)
-
-    def _respond(self) -> None:
-        try:
-            body: Any = None
-            if self.command == "POST":
-                length = self.headers.get("Content-Length")
-                if length is None:
-                    raise BadRequest("a POST needs a Content-Length header", 411)
-                raw = self.rfile.read(int(length))
-                try:
-                    body = json.loads(raw) if raw else None
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-            config = self.server.app.config
-            if not allowed(
-                self.command,
-                self.path,
-                self.headers.get("Authorization"),
-                api_key=config.api_key,
-                admin_api_key=config.admin_api_key,
-            ):
-                raise BadRequest(f"{self.path} needs a valid 'Authorization: Bearer' key", 401)
-            status, reply = self.server.app.handle(self.command, self.path, body, self._client_gone)
+            return await handler(request)
         except BadRequest as exc:
-            status, reply = exc.status, _error(str(exc), exc.status)
+            return json_response(error_body(str(exc), exc.status), exc.status)
         except Exception as exc:
-            log.exception("tinylm: %s %s failed", self.command, self.path)
-            status, reply = 500, _error(f"internal error: {exc!r}", 500)
-        if isinstance(reply, EventStream):
-            self._send_events(status, reply)
-            return
-        if isinstance(reply, PlainText):
-            payload, kind = reply.text.encode(), "text/plain; charset=utf-8"
+            log.exception("tinylm: %s %s failed", request.method, request.url.path)
+            return json_response(error_body(f"internal error: {exc!r}", 500), 500)
+
+    return endpoint
+
+
+async def _json(request: Request) -> Any:
+    """The request's JSON body (``None`` when empty)."""
+    raw = await request.body()
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _weights_call(fn: Callable[[Any], T], arg: Any) -> T:
+    try:
+        return fn(arg)
+    except WeightRequestError as exc:
+        raise BadRequest(str(exc)) from exc
+    except SchedulerClosed as exc:  # closed while an update or a pause waited
+        raise BadRequest(str(exc), 503) from exc
+
+
+async def _sse(events: Iterable[str] | AsyncIterator[str], path: str) -> AsyncIterator[bytes]:
+    """The SSE events as body chunks; an error after the headers went out ends the stream with
+    SGLang's error event and ``[DONE]``."""
+    try:
+        if isinstance(events, AsyncIterator):
+            async for event in events:
+                yield event.encode()
         else:
-            payload = b"" if reply is None else json.dumps(reply).encode()
-            kind = "application/json"
-        try:
-            self.send_response(status)
-            if reply is not None:
-                self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-            self.wfile.flush()  # before ``close`` may count this request as answered
-        except OSError:
-            self.close_connection = True  # the client went away; nobody to tell
-
-    def _send_events(self, status: int, reply: EventStream) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for event in reply.events:
-                data = event.encode()
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True  # the client went away: stop generating for it
-        except Exception as exc:  # headers are out: end the stream with SGLang's error event
-            log.exception("tinylm: streaming %s failed", self.path)
-            error = json.dumps(_error(f"internal error: {exc!r}", 500))
-            try:
-                for event in (f"data: {error}\n\n", "data: [DONE]\n\n"):
-                    data = event.encode()
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-            except OSError:
-                self.close_connection = True
-        finally:
-            close = getattr(reply.events, "close", None)
-            if close is not None:
-                close()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-
-def _error(message: str, status: int) -> dict[str, Any]:
-    kinds = {
-        400: "BadRequestError",
-        401: "Unauthorized",
-        404: "NotFoundError",
-        411: "LengthRequired",
-        503: "ServiceUnavailable",
-    }
-    return {
-        "object": "error",
-        "message": message,
-        "type": kinds.get(status, "InternalServerError"),
-        "param": None,
-        "code": status,
-    }
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False  # idle keep-alive threads must not hold up close()
-    # socketserver's listen backlog is 5: a rollout opening a connection per episode (dozens
-    # at once) overflowed it and the kernel reset the excess connections, which the agents
-    # saw as ReadError and aborted as infra_conn.
-    request_queue_size = socket.SOMAXCONN
-
-    def __init__(self, address: tuple[str, int], app: TinyLMServer) -> None:
-        self.app = app
-        self._connections: set[socket.socket] = set()
-        self._conn_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def track(self, conn: socket.socket, *, add: bool) -> None:
-        with self._conn_lock:
-            (self._connections.add if add else self._connections.discard)(conn)
-
-    def close_connections(self) -> None:
-        with self._conn_lock:
-            conns = list(self._connections)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for event in events:
+                yield event.encode()
+    except Exception as exc:
+        log.exception("tinylm: streaming %s failed", path)
+        error = json.dumps(error_body(f"internal error: {exc!r}", 500))
+        yield f"data: {error}\n\ndata: [DONE]\n\n".encode()
 
 
 def start_server(

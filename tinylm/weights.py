@@ -112,6 +112,7 @@ class WeightControl:
         self._writers = 0  # updates waiting for or holding the writer side
         self._update = threading.Lock()  # one update at a time
         self._closed = False
+        self._waiting = 0  # requests in ``enter`` waiting for a pause or an update to end
 
     @property
     def paused(self) -> bool:
@@ -123,10 +124,29 @@ class WeightControl:
         for the lock (writers first, as SGLang's ``RWLock``). Pair with ``leave``, called when
         the scheduler has finished the request (``Pending.on_done``)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._closed or not (self._paused or self._writers))
+            self._waiting += 1
+            try:
+                self._cv.wait_for(lambda: self._closed or not (self._paused or self._writers))
+            finally:
+                self._waiting -= 1
             if self._closed:
                 raise SchedulerClosed("tinylm server is shutting down")
             self._readers += 1
+
+    def waiting(self) -> int:
+        """How many requests wait in ``enter`` now."""
+        with self._cv:
+            return self._waiting
+
+    def try_enter(self) -> bool:
+        """``enter`` without waiting: False (and nothing taken) while it would have to wait."""
+        with self._cv:
+            if self._closed:
+                raise SchedulerClosed("tinylm server is shutting down")
+            if self._paused or self._writers:
+                return False
+            self._readers += 1
+            return True
 
     def leave(self) -> None:
         with self._cv:

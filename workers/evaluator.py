@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
+from engine.actors.verify import VerifyPolicy
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.pool import BackendPool, parse_urls
 from engine.backends.teacher import TeacherBackend, TeacherConfig
@@ -114,6 +115,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         help="the teacher's tokenizer / chat template folder (default: ROLLOUT_TEACHER_TOKENIZER)",
     )
     add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
+    add("--verify-fraction", type=float, default=settings.verify_fraction,
+        help="share of completed samples re-scored on their server (default: "
+        "ROLLOUT_VERIFY_FRACTION; a request's verify_fraction knob overrides it)")
+    add("--verify-threshold", type=float, default=settings.verify_threshold,
+        help="largest |delta logprob| of a re-score before the rollout fails (default: "
+        "ROLLOUT_VERIFY_THRESHOLD)")
     add(
         "--sandbox",
         choices=("local", "docker", "none"),
@@ -286,6 +293,7 @@ async def _serve(
             outage_limit_s=args.outage_limit_s,
             grace_s=args.grace_s,
             tmp_root=args.tmp_dir,
+            verify=VerifyPolicy(fraction=args.verify_fraction, threshold=args.verify_threshold),
         ),
         backends=backends,
         sandboxes=provider,
@@ -302,6 +310,9 @@ async def _serve(
                 print(f"error: --sandbox docker: {exc}", file=sys.stderr)
                 return 2
         await worker.run(stop)
+    except ConfigError as exc:  # e.g. a model server with temperature-scaled logprobs
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (LogError, OutageExceeded) as exc:
         logger.error("worker %s: %s", args.worker_id, exc)
         return 1

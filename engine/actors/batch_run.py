@@ -65,6 +65,7 @@ from engine.actors.outcomes import (
     aborted_event,
     completed_events,
 )
+from engine.actors.verify import VerifyPolicy, selected, verify_result
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.base import GenerationResult, ModelBackend
@@ -84,6 +85,7 @@ from engine.events.catalog import (
     SampleAborted,
     SampleCompleted,
     SampleStarted,
+    SampleVerified,
     TaskFetched,
     TokenReleased,
 )
@@ -129,6 +131,7 @@ class EpisodeSettings:
     worker_id: str
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
+    verify: VerifyPolicy = VerifyPolicy()  # re-scoring of completed samples (actors/verify.py)
 
 
 OnTaskDone = Callable[[SampleRow], None]
@@ -203,6 +206,7 @@ class BatchRun:
         self._guarded = watch is not None and request is not None and (
             request.max_staleness is not None or request.n_planned_prompts > request.n_prompts
         )
+        self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
 
@@ -323,6 +327,7 @@ class BatchRun:
         reward: Reward | None = None
         failure: BaseException | None = None
         failed_phase = ""
+        verified: SampleVerified | None = None
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
@@ -366,6 +371,11 @@ class BatchRun:
                 self._check_result(task, result)
                 rec.phase = "eval"
                 reward = await self._timed(episode.eval(ctx, result), rec)
+                if selected(sample_id, self._verify.fraction):
+                    verified = await verify_result(
+                        backends, rollout_id=ev.rollout_id, sample_id=sample_id,
+                        attempt=attempt, result=result, threshold=self._verify.threshold,
+                    )  # fmt: skip
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -388,7 +398,10 @@ class BatchRun:
                         backends.release()
         if failure is None and result is not None:
             try:
-                return self._finished(task, attempt, rec, result, reward), token
+                events = self._finished(task, attempt, rec, result, reward)
+                if verified is not None:  # folded before the sample is terminal
+                    events.insert(len(events) - 1, verified)
+                return events, token
             except Exception as exc:
                 failure, failed_phase = exc, "eval"
         assert failure is not None

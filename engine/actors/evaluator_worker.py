@@ -69,6 +69,7 @@ from engine.actors.batch_run import (
     sandbox_labels,
 )
 from engine.actors.recovery import dead_letter_events, plan_recovery
+from engine.actors.verify import VerifyPolicy, check_servers
 from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.gate import TurnGate
@@ -108,6 +109,7 @@ class WorkerConfig:
     task_cache_rollouts: int = 16
     group: str = GROUP
     outage_limit_s: float | None = 300.0
+    verify: VerifyPolicy = VerifyPolicy()
 
     def __post_init__(self) -> None:
         if not self.evaluator_ids:
@@ -170,6 +172,7 @@ class EvaluatorWorker:
             worker_id=config.worker_id,
             tmp_root=config.tmp_root,
             cleanup_timeout_s=config.cleanup_timeout_s,
+            verify=config.verify,
         )
         self._tasks: OrderedDict[str, _RolloutTasks] = OrderedDict()
         self.sink = GroupAppender(log)
@@ -202,7 +205,9 @@ class EvaluatorWorker:
     # ------------------------------------------------------------------ loop
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve batches until ``stop`` is set, then shut down as the module docstring says."""
+        """Serve batches until ``stop`` is set, then shut down as the module docstring says.
+        A model server that reports temperature-scaled logprobs is refused first."""
+        await check_servers(self._backends, threshold=self.config.verify.threshold)
         stop = stop or asyncio.Event()
         watching = asyncio.create_task(self.control_watch.run(stop))
         done = asyncio.Event()

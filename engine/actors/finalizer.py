@@ -60,6 +60,7 @@ import numpy as np
 
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
+from engine.actors.verify import VerifyTally
 from engine.agents.result import UNKNOWN_VERSION
 from engine.domain import TerminationReason
 from engine.errors import AppendConflict
@@ -75,6 +76,7 @@ from engine.events.catalog import (
     SampleAborted,
     SampleCompleted,
     SampleStarted,
+    SampleVerified,
     TailCarried,
     TeacherScored,
     TurnCompleted,
@@ -475,6 +477,7 @@ class _Follower:
         self.stream = stream
         self._projection = RolloutProjection()
         self.state = self._projection.initial()
+        self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
         self.position = EMPTY_ID
         self.copied: set[str] = set()  # event types this follower has copied itself
 
@@ -488,6 +491,8 @@ class _Follower:
             self.stream, self.position, dead_letter=True
         )
         for env in envs:
+            if isinstance(env.event, SampleVerified):
+                self.verify.add(env.event)
             self.state = self._projection.evolve(self.state, env)
             if self.state.decided:
                 self.position = env.id
@@ -590,7 +595,10 @@ class Finalizer:
                     # asked for (maybe by a finalizer that died before its copy): make sure
                     # capture workers see it
                     await self._ensure_copy(f, self.names.capture, f.state.capture)
-                if not f.state.decided and worth_deciding(f.state):
+                failed = f.verify.failed(rollout_id) if not f.state.decided else None
+                if failed is not None:  # a re-score past its threshold fails the rollout loudly
+                    await self._append(f, [failed], (self.names.control, failed))
+                elif not f.state.decided and worth_deciding(f.state):
                     await self._decide(f)
         finally:
             if relay is not None:
@@ -602,6 +610,8 @@ class Finalizer:
             carried = tail_carried(f.state, f.state.ready)
             if carried is not None:  # the next request of the stream takes it over
                 await self._ensure_copy(f, self.names.data, carried)
+        elif f.state.failed is not None and f.state.failed == f.verify.failed(rollout_id):
+            await self._ensure_copy(f, self.names.control, f.state.failed)  # ours, as above
         return self._finish(rollout_id, f.state)
 
     async def _ensure_copy(
@@ -651,6 +661,8 @@ class Finalizer:
                 await self._append(f, [capture], (self.names.capture, capture))
             return
         ready = decide_ready(f.state, trainer_version)
+        if ready is not None and f.verify.by_sample:
+            ready = ready.model_copy(update={"metrics": {**ready.metrics, **f.verify.metrics()}})
         if ready is not None:
             # An aborted tail is recorded in the same step (after the RolloutReady, so the
             # artifacts -- folded up to the RolloutReady -- do not depend on it).

@@ -10,6 +10,17 @@ with ``return_logprob``, via ``SGLangBackend.score``), takes the logprob of each
 given everything before it, and compares it with the recorded value. On tinylm (fp32, raw
 logprobs) the difference is float rounding, far below the default tolerance of ``1e-5``.
 ``compare_logprobs`` is the pure comparison, for callers that already have both series.
+
+Two uses on the rollout path (``engine.actors.verify``):
+
+- ``check_sampled_tokens`` re-scores one finished multi-turn sample: one prefill of
+  ``prompt + response`` and the sampled positions compared, but only those the server's current
+  weight version sampled (a position of another version is counted, never compared: a weight
+  update between generation and re-score must not read as a mismatch).
+- ``check_server_logprobs`` runs once when a worker starts: a short seeded generation at
+  temperature 2 is re-scored. A server reporting temperature-scaled logprobs (SGLang without
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) is off by far more than rounding there, and is refused
+  with ``TemperatureScaledLogprobs`` naming the flag.
 """
 
 from __future__ import annotations
@@ -20,14 +31,22 @@ from dataclasses import dataclass
 
 from engine.backends.base import GenerationResult
 from engine.backends.sglang import SGLangBackend
+from engine.errors import ConfigError
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "ORIGINAL_LOGPROB_FLAG",
     "FidelityReport",
+    "SampledCheck",
+    "TemperatureScaledLogprobs",
     "check_generation",
+    "check_sampled_tokens",
+    "check_server_logprobs",
     "check_token_fidelity",
     "compare_logprobs",
 ]
+
+ORIGINAL_LOGPROB_FLAG = "SGLANG_RETURN_ORIGINAL_LOGPROB=1"
 
 DEFAULT_TOLERANCE = 1e-5
 
@@ -113,3 +132,89 @@ async def check_generation(
         sampled_logprobs=result.logprobs,
         tolerance=tolerance,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SampledCheck:
+    """One sample's sampled tokens re-scored at the server's current weight version.
+
+    ``n_tokens`` positions were compared; ``n_other_version`` sampled positions were not (their
+    version is not the one the server scored with). ``position`` is the response index of the
+    largest ``|delta logprob|`` (None when nothing was compared)."""
+
+    n_tokens: int
+    n_other_version: int
+    max_abs_delta: float
+    position: int | None
+    weight_version: int | None
+
+
+async def check_sampled_tokens(
+    backend: SGLangBackend,
+    *,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    logprobs: Sequence[float],
+    sampled: Sequence[bool],
+    versions: Sequence[int | None],
+) -> SampledCheck:
+    """Re-score ``response_ids`` after ``prompt_ids`` and compare, at each ``sampled`` position
+    whose ``versions`` entry equals the version the server reports for the re-score (None ==
+    None: a server that names no versions is taken to keep its weights), the recorded logprob
+    with the re-scored one."""
+    n = len(response_ids)
+    if not len(logprobs) == len(sampled) == len(versions) == n:
+        raise ValueError(
+            f"{n} response tokens but {len(logprobs)} logprobs, {len(sampled)} mask entries "
+            f"and {len(versions)} versions"
+        )
+    score = await backend.score(prompt_ids, response_ids)
+    current = score.weight_version
+    worst: int | None = None
+    worst_delta = 0.0
+    compared = other = 0
+    for i in range(n):
+        if not sampled[i]:
+            continue
+        if versions[i] != current:
+            other += 1
+            continue
+        compared += 1
+        a, b = logprobs[i], score.logprobs[i]
+        delta = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+        if worst is None or delta > worst_delta:
+            worst, worst_delta = i, delta
+    return SampledCheck(compared, other, worst_delta, worst, current)
+
+
+class TemperatureScaledLogprobs(ConfigError):
+    """The model server reports logprobs of the temperature-scaled distribution."""
+
+
+_PROBE_PROMPT = tuple(range(10, 26))
+
+
+async def check_server_logprobs(
+    backend: SGLangBackend, *, tolerance: float = DEFAULT_TOLERANCE, tokens: int = 16
+) -> FidelityReport:
+    """Generate ``tokens`` seeded tokens at temperature 2 and re-score them; raise
+    ``TemperatureScaledLogprobs`` (naming ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) when they
+    disagree by more than ``tolerance``. Returns the report when they agree."""
+    result = await backend.generate(
+        input_ids=_PROBE_PROMPT,
+        sampling_params={
+            "max_new_tokens": tokens,
+            "temperature": 2.0,
+            "ignore_eos": True,
+            "sampling_seed": 0,
+        },
+    )
+    report = await check_generation(backend, _PROBE_PROMPT, result, tolerance=tolerance)
+    if not report.ok:
+        raise TemperatureScaledLogprobs(
+            f"the model server at {backend.config.url} reports logprobs that a re-score of the "
+            f"same tokens does not reproduce ({report.describe()}, sampled at temperature 2): "
+            f"it returns temperature-scaled logprobs, which skew every importance ratio. "
+            f"Launch SGLang with {ORIGINAL_LOGPROB_FLAG} in its environment."
+        )
+    return report

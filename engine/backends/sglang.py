@@ -78,6 +78,7 @@ class ForceDecodeScore:
     logprobs: tuple[float, ...]
     top_token_ids: tuple[tuple[int, ...], ...]
     top_logprobs: tuple[tuple[float, ...], ...]
+    weight_version: int | None = None  # what the server reported scoring with (None: unknown)
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -315,7 +316,9 @@ class SGLangBackend:
                     )
                 top_ids.append(tuple(tid for _, tid in top))
                 top_lps.append(tuple(lp for lp, _ in top))
-        return ForceDecodeScore(tuple(response), tuple(logprobs), tuple(top_ids), tuple(top_lps))
+        return ForceDecodeScore(
+            tuple(response), tuple(logprobs), tuple(top_ids), tuple(top_lps), reply.weight_version
+        )
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort request ``rid`` on the server, or every request when ``rid`` is None."""

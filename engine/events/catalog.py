@@ -52,6 +52,7 @@ __all__ = [
     "SampleCompleted",
     "SampleStarted",
     "TailCarried",
+    "SampleVerified",
     "TaskFetched",
     "TeacherScored",
     "TokenAcquired",
@@ -567,6 +568,31 @@ class TeacherScored(Event):
     topk_ids: TokenIds = Field(default_factory=TokenIds.empty)
     topk_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
     action_mask: Mask = Field(default_factory=Mask.empty)
+
+
+class SampleVerified(Event):
+    """The verification boundary (``engine.actors.verify``): a completed sample's sampled
+    tokens re-scored on the server that generated them, at its current weight version.
+
+    Written by the evaluator worker just before the sample's ``SampleCompleted``, for the
+    fraction of samples the request selects. ``n_tokens`` sampled tokens were compared and
+    ``n_other_version`` were not (a weight update since they were sampled); ``skipped`` says
+    why nothing was compared (empty when something was). ``max_abs_delta`` is the largest
+    ``|recorded - re-scored|`` logprob, at response index ``position``; ``exceeded`` is
+    ``max_abs_delta > threshold``, and fails the rollout."""
+
+    type: Literal["SampleVerified"] = "SampleVerified"
+    rollout_id: str
+    sample_id: str
+    attempt: int = 0
+    n_tokens: int = 0
+    n_other_version: int = 0
+    max_abs_delta: float = 0.0
+    position: int | None = None
+    weight_version: int | None = None
+    threshold: float
+    exceeded: bool = False
+    skipped: str = ""
 
 
 # ---------------------------------------------------------------- data / dead

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shell, FIFO; 4 swe)")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="group size")
     p.add_argument("--workers", type=int, default=2, help="evaluator worker processes")
+    p.add_argument("--verify-fraction", type=float, default=1.0,
+                   help="share of samples re-scored on the model server (the verification "
+                   "boundary, docs/sglang.md; default 1: every sample)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="tinylm training steps when the model is first built (default: tinylm's)")
     p.add_argument("--no-eval", action="store_true", help="skip the eval pass")
@@ -305,13 +308,15 @@ async def run_rollout(
     from engine.ops.replay import archive_rollout
 
     client = RolloutClient(log)
+    knobs = {"verify_fraction": args.verify_fraction}
     if kind is RolloutKind.TRAIN:
         prompts = args.prompts or (4 if args.task == "swe" else 24)
         rid = await client.request(iteration=iteration, n_prompts=prompts,
                                    n_samples_per_prompt=args.samples_per_prompt,
-                                   seed=args.seed, kind=kind)
+                                   seed=args.seed, kind=kind, knobs=knobs)
     else:
-        rid = await client.request(iteration=iteration, n_prompts=1, seed=args.seed, kind=kind)
+        rid = await client.request(iteration=iteration, n_prompts=1, seed=args.seed, kind=kind,
+                                   knobs=knobs)
     say(f"\n{kind.value} rollout {rid} requested")
     t0 = time.monotonic()
     first_abort = await asyncio.wait_for(follow(log, stack, rid, kind.value), args.timeout)
@@ -338,6 +343,11 @@ async def run_rollout(
         f"{kept}, {len(ready.dropped_sample_ids)} dropped, {n_tokens} tokens")
     for line in table(summary):
         say(line)
+    if ready.metrics.get("verify/selected"):
+        m = ready.metrics
+        say(f"  {'verified':<18} {m['verify/checked']:.0f} samples re-scored on the server "
+            f"({m['verify/tokens']:.0f} tokens): max |delta logprob| "
+            f"{m['verify/max_abs_delta']:.2g}")
     if first_abort is not None:
         say(f"  first abort  {first_abort[:300]}")
     say(f"  {'summary':<18} {summary_path}")

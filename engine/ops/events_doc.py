@@ -68,6 +68,9 @@ ROUTES: dict[str, Route] = {
     "CaptureRequested": Route("`rl:capture` and `rl:{rollout:ID}`", "the finalizer",
                               "capture workers (group `capture`)"),
     "TeacherScored": Route("`rl:{rollout:ID}`", "capture workers", "the finalizer, `load`"),
+    "SampleVerified": Route("`rl:{rollout:ID}`", "evaluator workers (before the sample's "
+                            "`SampleCompleted`)", "the finalizer (fails past the threshold, "
+                            "folds the rest into `RolloutReady.metrics`)"),
     "RolloutReady": Route("`rl:{rollout:ID}`, then a copy on `rl:control`", "the finalizer",
                           "the trainer (`wait_ready`), `rollout status`"),
     "RolloutFailed": Route("`rl:{rollout:ID}` and `rl:control`",

@@ -6,10 +6,17 @@ context it will be served in, and translates tinylm's errors into the engine's:
 ``tinylm.errors.ConfigError`` -> :class:`engine.errors.ConfigError`,
 ``tinylm.errors.ServerUnavailable`` -> :class:`engine.errors.BackendUnavailable`.
 ``rollout tinylm ...`` runs :func:`main`.
+
+The engine's launchers serve tinylm as an RL deployment must run SGLang: with
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, so the logprobs of sampled tokens are those of the raw
+distribution (what a re-score computes), not the temperature-scaled one. A variable the
+caller set explicitly is left alone. An evaluator worker refuses, at start, a server that
+returns temperature-scaled logprobs (``engine.backends.fidelity.check_server_logprobs``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +29,10 @@ if TYPE_CHECKING:
     from tinylm.model import InitReport
     from tinylm.process import ServerProcess
 
-__all__ = ["SYSTEM_PROMPTS", "init_model", "main", "spawn_server"]
+__all__ = ["RL_SERVER_ENV", "SYSTEM_PROMPTS", "init_model", "main", "spawn_server"]
+
+RL_SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""What an RL deployment of SGLang must set, and the engine's launchers of tinylm set."""
 
 SYSTEM_PROMPTS = SystemPrompts(math=MATH_SYSTEM_PROMPT, shell=SHELL_SYSTEM_PROMPT)
 """The bundled agents' system prompts, as the tinylm corpus takes them."""
@@ -44,6 +54,8 @@ def spawn_server(model_dir: str | Path, **kwargs: Any) -> ServerProcess:
     :class:`BackendUnavailable`."""
     from tinylm.process import spawn_server as spawn
 
+    env = {k: v for k, v in RL_SERVER_ENV.items() if k not in os.environ}
+    kwargs["env"] = {**env, **(kwargs.get("env") or {})}
     try:
         return spawn(model_dir, **kwargs)
     except tinylm_errors.ServerUnavailable as exc:
@@ -54,4 +66,6 @@ def main(argv: list[str]) -> int:
     """``rollout tinylm ...``: tinylm's own command, with the bundled agents' prompts."""
     from tinylm.cli import main as tinylm_main
 
+    for key, value in RL_SERVER_ENV.items():
+        os.environ.setdefault(key, value)
     return tinylm_main(argv, system_prompts=SYSTEM_PROMPTS)

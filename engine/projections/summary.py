@@ -216,6 +216,10 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
             "tail": request.tail,
             "tail_samples": len(ready.tail_sample_ids) if ready is not None else None,
         }
+    # The verification boundary's figures (engine/actors/verify.py), when it re-scored any.
+    checks = {k[7:]: v for k, v in (ready.metrics if ready else {}).items() if k[:7] == "verify/"}
+    if checks:
+        out["verify"] = checks
     return out
 
 

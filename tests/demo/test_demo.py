@@ -79,6 +79,7 @@ def test_demo_runs_train_and_eval_and_says_where_things_are(demo_run: tuple[Path
     assert out.count(": READY in") == 2
     assert "replay with: rollout replay" in out
     assert "every process stopped" in out
+    assert out.count("samples re-scored on the server") == 2  # the verification boundary
     dirs = _rollout_dirs(workdir)
     assert len(dirs) == 2
     kinds = {json.loads((d / "summary.json").read_text())["kind"] for d in dirs}

@@ -74,7 +74,7 @@ def test_admin_routes_need_the_admin_key(model_server: TinyLMServer) -> None:
 def test_servers_bind_loopback_unless_told_otherwise(model_dir: Path) -> None:
     assert ServerConfig(model_dir=model_dir).host == "127.0.0.1"
     with start_server(model_dir, max_running_requests=1) as server:
-        assert server._httpd.socket.getsockname()[0] == "127.0.0.1"
+        assert server.address[0] == "127.0.0.1"
         other = _an_address_of_this_host()
         if other is not None:
             with pytest.raises(OSError):
