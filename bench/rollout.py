@@ -68,9 +68,18 @@ def scheduler_available() -> bool:
 
 
 class EngineArm:
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        tmp: Path,
+        *,
+        env: dict[str, str] | None = None,
+        timings: list[str] | None = None,
+    ) -> None:
         self.args = args
         self.tmp = tmp
+        self.extra_env = dict(env or {})
+        self.timings = list(TIMINGS if timings is None else timings)
         self.redis = start_redis_server()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.real_scheduler = scheduler_available() and not args.play_scheduler
@@ -81,8 +90,9 @@ class EngineArm:
     def spawn(self, name: str, module: str, *extra: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         env["PYTHONPATH"] = str(ROOT)
+        env.update(self.extra_env)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *TIMINGS, *extra],
+            [sys.executable, "-m", module, "--redis-url", self.redis.url, *self.timings, *extra],
             cwd=ROOT,
             env=env,
             stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process

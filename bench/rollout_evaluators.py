@@ -2,10 +2,14 @@
 engine (events, Redis, scheduling, finalizing) and nothing else.
 
 ``fast``: one turn, 16 response tokens with logprobs, reward 1. Batches of 256 samples; a
-batch may run all of its samples at once.
+batch may run all of its samples at once. ``BENCH_AGENT_LATENCY_MS`` (default 0) makes each
+episode's ``run`` sleep that long first (``bench/peers.py``'s 50 ms agent).
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
 
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
 from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
@@ -17,7 +21,12 @@ RESPONSE_TOKENS = 16
 class ZeroLatencyAgent(BaseAgent):
     """Answers at once with a fixed-size trajectory derived from the task index."""
 
+    def __init__(self, latency_s: float = 0.0) -> None:
+        self.latency_s = latency_s
+
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
         base = task.index % 1000
         return AgentResult(
             prompt_token_ids=(1, 2, 3, 4, 5, 6, 7, base),
@@ -45,4 +54,5 @@ def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
 
 
 def build_agents(args: object) -> dict[str, BaseAgent]:
-    return {"fast": ZeroLatencyAgent()}
+    latency_ms = float(os.environ.get("BENCH_AGENT_LATENCY_MS", "0"))
+    return {"fast": ZeroLatencyAgent(latency_ms / 1000)}
