@@ -387,9 +387,18 @@ class RqArm:
     def gather(self, jobs: list[tuple[Any, int]], deadline: float) -> tuple[int, int, list[Any]]:
         delivered = lost = 0
         out: list[Any] = []
+        from redis.exceptions import TimeoutError as RedisTimeout
+
         for job, size in jobs:
-            left = max(1, int(deadline - time.perf_counter()))
-            result = job.latest_result(timeout=left)
+            result = None
+            while result is None and time.perf_counter() < deadline:
+                left = max(1, min(5, int(deadline - time.perf_counter())))
+                try:  # a blocking read of the job's result stream
+                    result = job.latest_result(timeout=left)
+                except RedisTimeout:
+                    pass
+            if result is None:  # past the deadline: what is there now
+                result = job.latest_result()
             if result is not None and result.type == result.Type.SUCCESSFUL:
                 out.append(result.return_value)
                 delivered += len(result.return_value)
@@ -423,7 +432,10 @@ class RqArm:
             t0 = time.perf_counter()
             jobs = self.submit(make_tasks(n, "rq-kill"), latency_ms)
             time.sleep(kill_after)
-            os.killpg(self.procs[0].pid, signal.SIGKILL)  # the worker and its work horse
+            while not (horses := descendants(self.procs[0].pid)):  # a horse runs a job
+                time.sleep(0.001)
+            for pid in (self.procs[0].pid, *horses):  # the worker and its work horse (the
+                os.kill(pid, signal.SIGKILL)  # horse runs in a session of its own)
             delivered, lost, _ = self.gather(jobs, time.perf_counter() + wait_s)
             wall = time.perf_counter() - t0
             stuck = [j.get_status() for j, _ in jobs if j.get_status() != "finished"]

@@ -91,8 +91,11 @@ class EngineArm:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         env["PYTHONPATH"] = str(ROOT)
         env.update(self.extra_env)
+        prof = getattr(self.args, "profile", None)
+        wrap = ["-m", "cProfile", "-o", str(Path(prof) / f"{name}.prof")] if prof else []
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *self.timings, *extra],
+            [sys.executable, *wrap, "-m", module, "--redis-url", self.redis.url,
+             *self.timings, *extra],
             cwd=ROOT,
             env=env,
             stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process
@@ -279,7 +282,11 @@ def main() -> None:
     parser.add_argument("--max-batches", type=int, default=8)
     parser.add_argument("--play-scheduler", action="store_true",
                         help="use the tests' scheduler player even if workers.scheduler exists")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="run the engine's processes under cProfile, one DIR/<name>.prof each")
     args = parser.parse_args()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     if args.samples % PER_PROMPT:
         parser.error(f"--samples must be a multiple of {PER_PROMPT}")
     result = asyncio.run(main_async(args))
