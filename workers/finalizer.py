@@ -19,9 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.actors.finalizer import Finalizer, FinalizerConfig
+from engine.actors.finalizer import Finalizer, FinalizerConfig, RetentionConfig
 from engine.errors import LogError, OutageExceeded
 from engine.events.catalog import RolloutReady
+from engine.ops.retention import ACTOR_GROUPS
 from engine.settings import Settings
 from workers._common import (
     add_common_flags,
@@ -50,6 +51,19 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
     parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
+    parser.add_argument(
+        "--retention-store", type=Path, default=settings.retention_store,
+        help="run retention in this finalizer: archive finished rollouts to this directory "
+        "(default ROLLOUT_RETENTION_STORE; unset: no retention here)",
+    )
+    parser.add_argument(
+        "--retention-keep-s", type=float, default=settings.retention_keep_s,
+        help="retention window (default ROLLOUT_RETENTION_KEEP_S)",
+    )
+    parser.add_argument(
+        "--retention-every-s", type=float, default=60.0,
+        help="seconds between two retention passes (default 60)",
+    )
     return parser
 
 
@@ -74,6 +88,16 @@ async def _serve(args: argparse.Namespace) -> int:
             claim_idle_ms=args.claim_idle_ms,
             block_ms=args.block_ms,
             outage_limit_s=args.outage_limit_s,
+            retention=(
+                RetentionConfig(
+                    store=args.retention_store,
+                    keep_s=args.retention_keep_s,
+                    every_s=args.retention_every_s,
+                    groups=ACTOR_GROUPS,
+                )
+                if args.retention_store is not None
+                else None
+            ),
         ),
         on_ready=_print_ready,
     )
@@ -95,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(settings)
     args = parser.parse_args(argv)
     check_timings(parser, args)
+    if args.retention_keep_s < 0:
+        parser.error(f"--retention-keep-s must be >= 0, got {args.retention_keep_s}")
+    if args.retention_every_s <= 0:
+        parser.error(f"--retention-every-s must be > 0, got {args.retention_every_s}")
     setup_logging(args.log_level)
     serve_metrics(settings)
     return asyncio.run(_serve(args))
