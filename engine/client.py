@@ -16,6 +16,10 @@ Contract
 * ``load(rollout_id)`` rebuilds the samples from the rollout stream
   (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
   its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
+* ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
+  of ``chunk_size``: each sample's folded events are let go of once its ``Sample`` is
+  built, so a trainer that consumes chunk by chunk holds the folded events and one chunk of
+  samples, never every ``Sample`` of a large rollout at once.
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
   prompt), ``teacher_log_probs`` (only when every sample has them), ``rewards`` (the scalar
@@ -32,7 +36,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -56,7 +60,7 @@ from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.projections.rollout import RolloutProjection
-from engine.projections.samples import scalar_reward, trainer_samples
+from engine.projections.samples import scalar_reward, trainer_sample_chunks, trainer_samples
 from engine.runtime.consumer import Backoff
 from engine.runtime.rebuild import rebuild
 from engine.sample import Sample
@@ -192,6 +196,16 @@ class RolloutClient:
         folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
         return trainer_samples(folded.state)
 
+    async def iter_load(
+        self, rollout_id: str, chunk_size: int = 1024
+    ) -> AsyncIterator[list[Sample]]:
+        """``load``'s samples, ``chunk_size`` at a time (see the module docstring)."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
+        for chunk in trainer_sample_chunks(folded.state, chunk_size):
+            yield chunk
+
 
 def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad samples into a batch of tensors (see the module docstring).
@@ -282,6 +296,18 @@ class SyncRolloutClient:
 
     def load(self, rollout_id: str) -> list[Sample]:
         return self._runner.run(self._client.load(rollout_id))
+
+    def iter_load(self, rollout_id: str, chunk_size: int = 1024) -> Iterator[list[Sample]]:
+        """See :meth:`RolloutClient.iter_load`."""
+        chunks = self._client.iter_load(rollout_id, chunk_size)
+        try:
+            while True:
+                try:
+                    yield self._runner.run(anext(chunks))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._runner.run(chunks.aclose())
 
     def close(self) -> None:
         self._runner.run(self._client.aclose())

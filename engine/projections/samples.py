@@ -3,6 +3,8 @@ state to the trainer's ``Sample`` list.
 
 ``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
 client's ``load`` and ``rollout replay`` both call it, so they agree by construction.
+``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
+time, letting go of each sample's folded events as it goes (``RolloutClient.iter_load``).
 
 * The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
 * A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
@@ -19,7 +21,7 @@ A reward given as a dict of named scores keeps the dict on the sample; its scala
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,6 +36,7 @@ from engine.sample import Sample
 
 __all__ = [
     "sample_of",
+    "trainer_sample_chunks",
     "scalar_reward",
     "task_of",
     "trainer_samples",
@@ -141,18 +144,41 @@ def sample_of(s: SampleState, *, policy_version: int | None = None) -> Sample:
 
 def trainer_samples(state: RolloutState) -> list[Sample]:
     """The samples ``RolloutReady`` names, in its order; raises if the rollout is not ready."""
+    return [s for chunk in _chunks(state, None, consume=False) for s in chunk]
+
+
+def trainer_sample_chunks(state: RolloutState, chunk_size: int) -> Iterator[list[Sample]]:
+    """:func:`trainer_samples` in lists of ``chunk_size`` (the last may be shorter).
+
+    It consumes ``state``: each sample's folded events are dropped from ``state.samples``
+    once its ``Sample`` is built, so a caller that lets go of each chunk holds one chunk of
+    samples, never the whole rollout twice. Raises as :func:`trainer_samples` does, before
+    the chunk that names a sample with no terminal event.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    return _chunks(state, chunk_size, consume=True)
+
+
+def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator[list[Sample]]:
     ready = state.ready
     if ready is None:
         raise RolloutError(f"rollout {state.rollout_id} has no RolloutReady yet")
     if ready.dummy:
-        return [Sample.masked_dummy(policy_version=ready.policy_version)]
-    out: list[Sample] = []
-    for sample_id in ready.sample_ids:
-        s = state.samples.get(sample_id)
-        if s is None or not s.done:
-            raise RolloutError(
-                f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
-                f"terminal event in the stream"
-            )
-        out.append(sample_of(s))
-    return out
+        yield [Sample.masked_dummy(policy_version=ready.policy_version)]
+        return
+    ids = ready.sample_ids
+    step = size or max(1, len(ids))
+    for at in range(0, len(ids), step):
+        part = ids[at : at + step]
+        for sample_id in part:
+            s = state.samples.get(sample_id)
+            if s is None or not s.done:
+                raise RolloutError(
+                    f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
+                    f"terminal event in the stream"
+                )
+        if consume:
+            yield [sample_of(state.samples.pop(sample_id)) for sample_id in part]
+        else:
+            yield [sample_of(state.samples[sample_id]) for sample_id in part]
