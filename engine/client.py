@@ -36,7 +36,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -198,7 +198,7 @@ class RolloutClient:
 
     async def iter_load(
         self, rollout_id: str, chunk_size: int = 1024
-    ) -> AsyncIterator[list[Sample]]:
+    ) -> AsyncGenerator[list[Sample], None]:
         """``load``'s samples, ``chunk_size`` at a time (see the module docstring)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")

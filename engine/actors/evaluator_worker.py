@@ -61,6 +61,7 @@ from engine.actors.batch_run import (
     BatchRun,
     EpisodeSettings,
     OnTaskDone,
+    PromptStore,
     sandbox_labels,
 )
 from engine.actors.recovery import dead_letter_events, plan_recovery
@@ -165,6 +166,7 @@ class EvaluatorWorker:
             cleanup_timeout_s=config.cleanup_timeout_s,
         )
         self._tasks: OrderedDict[str, _RolloutTasks] = OrderedDict()
+        self._prompts = PromptStore()  # a group's prompt tokens stored once (batch_run)
         self.sink = GroupAppender(log)
         self.consumer = GroupConsumer(
             log,
@@ -225,6 +227,7 @@ class EvaluatorWorker:
             backends=self._backends,
             sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
+            prompts=self._prompts,
         )
         await evaluator.run()
         await self._flush()  # every terminal event in Redis before the runtime acks

@@ -37,6 +37,7 @@ __all__ = [
     "NodeDecl",
     "PolicyVersionPublished",
     "PoolDeclared",
+    "PromptStored",
     "QuiesceCompleted",
     "QuiesceRequested",
     "Record",
@@ -355,6 +356,21 @@ class SampleCompleted(Event):
     # Per response token, the server-reported weight version of the turn that sampled it; -1
     # for observation tokens and unknown versions. Empty: not recorded (events before it).
     token_versions: TokenIds = Field(default_factory=TokenIds.empty)
+    # Prompt stored once (issue 16): non-empty when ``prompt_ids`` is left empty and the
+    # prompt tokens are those of the rollout stream's ``PromptStored`` with this key (the n
+    # samples of a group share one). Empty: ``prompt_ids`` holds them (events before it).
+    prompt_key: str = ""
+
+
+class PromptStored(Event):
+    """Prompt tokens that several ``SampleCompleted`` of the rollout refer to by
+    ``prompt_key`` instead of repeating them (written before the first that refers to it;
+    a repeat with the same key is ignored)."""
+
+    type: Literal["PromptStored"] = "PromptStored"
+    rollout_id: str
+    prompt_key: str
+    prompt_ids: TokenIds
 
 
 class SampleAborted(Event):

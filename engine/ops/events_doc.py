@@ -63,6 +63,8 @@ ROUTES: dict[str, Route] = {
                            "the finalizer (masked dummies), summaries"),
     "CaptureRequested": Route("`rl:capture` and `rl:{rollout:ID}`", "the finalizer",
                               "capture workers (group `capture`)"),
+    "PromptStored": Route("`rl:{rollout:ID}`", "evaluator workers",
+                          "the rollout fold (fills in the SampleCompleted that refer to it)"),
     "TeacherScored": Route("`rl:{rollout:ID}`", "capture workers", "the finalizer, `load`"),
     "RolloutReady": Route("`rl:{rollout:ID}` and `rl:control`", "the finalizer",
                           "the trainer (`wait_ready`), `rollout status`"),

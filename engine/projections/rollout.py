@@ -11,7 +11,10 @@ Idempotence rules (at-least-once delivery, crashed workers):
 * the first terminal event (``SampleCompleted`` or ``SampleAborted``) of a sample wins; any
   later terminal, whatever its attempt, is a duplicate and ignored;
 * ``TeacherScored`` counts only for the attempt that produced the terminal trajectory;
-* the first ``CaptureRequested`` and the first ``RolloutReady`` win.
+* the first ``CaptureRequested`` and the first ``RolloutReady`` win;
+* ``PromptStored`` keeps the first prompt of each key; a ``SampleCompleted`` that refers to
+  one (``prompt_key``) is kept with its ``prompt_ids`` filled in from it, so every reader
+  sees the trajectory whole, as if the prompt had been stored with the sample.
 
 Counters kept by the fold, so that a follower can tell cheaply whether deciding is worth
 it: ``n_terminal`` (samples with a terminal event) and ``n_scored`` (samples with their
@@ -27,10 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from engine.errors import RolloutError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
     CaptureRequested,
+    PromptStored,
     RolloutFailed,
     RolloutPlanned,
     RolloutReady,
@@ -82,12 +87,18 @@ class RolloutState:
     ready: RolloutReady | None = None
     failed: RolloutFailed | None = None
     capture: CaptureRequested | None = None
+    prompts: dict[str, PromptStored] = field(default_factory=dict)
     event_count: int = 0
     n_terminal: int = 0
     n_scored: int = 0
 
     def copy(self) -> RolloutState:
-        return replace(self, samples=dict(self.samples), batches=dict(self.batches))
+        return replace(
+            self,
+            samples=dict(self.samples),
+            batches=dict(self.batches),
+            prompts=dict(self.prompts),
+        )
 
     @property
     def n_samples(self) -> int:
@@ -147,6 +158,8 @@ class RolloutProjection:
         elif isinstance(ev, SampleCompleted | SampleAborted):
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done:
+                if isinstance(ev, SampleCompleted) and ev.prompt_key:
+                    ev = _with_prompt(ev, state.prompts.get(ev.prompt_key))
                 turns = s.turns if ev.attempt == s.attempt else ()
                 state.samples[ev.sample_id] = replace(
                     s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
@@ -162,6 +175,8 @@ class RolloutProjection:
             ):
                 state.samples[ev.sample_id] = replace(s, teacher=ev)
                 state.n_scored += 1
+        elif isinstance(ev, PromptStored):
+            state.prompts.setdefault(ev.prompt_key, ev)
         elif isinstance(ev, BatchSealed):
             state.batches.setdefault(ev.batch_id, ev)
         elif isinstance(ev, RolloutPlanned):
@@ -181,3 +196,15 @@ class RolloutProjection:
             if state.capture is None:
                 state.capture = ev
         return state
+
+
+def _with_prompt(ev: SampleCompleted, stored: PromptStored | None) -> SampleCompleted:
+    """``ev`` with the prompt tokens it refers to filled in (as validated in the
+    ``PromptStored``). A reference to a prompt the stream does not hold cannot be resolved:
+    it is an error in the writer, named here rather than turned into a wrong trajectory."""
+    if stored is None:
+        raise RolloutError(
+            f"SampleCompleted {ev.sample_id} (rollout {ev.rollout_id}) refers to prompt "
+            f"{ev.prompt_key!r}, which no earlier PromptStored of the stream holds"
+        )
+    return ev.model_copy(update={"prompt_ids": stored.prompt_ids})

@@ -136,10 +136,10 @@ async def retention_pass(
         *((stream, groups.work) for stream in work),
     ]
     busy: set[str] = set()  # rollouts some shared-stream entry still refers to
-    for stream, groups in shared:
+    for stream, readers in shared:
         if not await log.stream_length(stream):
             continue
-        report.trimmed[stream] = await log.trim_acked(stream, before=before, require=groups)
+        report.trimmed[stream] = await log.trim_acked(stream, before=before, require=readers)
         for env in await log.read_all(stream):
             rollout_id = getattr(env.event, "rollout_id", None)
             if isinstance(rollout_id, str):
