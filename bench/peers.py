@@ -177,6 +177,7 @@ async def engine_arm(n: int, workers: int, latency_ms: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         arm = EngineArm(_EngineArgs(n, workers), Path(tmp),
                         env={"BENCH_AGENT_LATENCY_MS": str(latency_ms)})
+        arm.iter_load = False  # the driver loads once, as the other arms receive once
         arm.start()
         try:
             await arm.rollout(max(PER_PROMPT * 64, n // 10))  # warm-up

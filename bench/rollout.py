@@ -80,6 +80,7 @@ class EngineArm:
         self.args = args
         self.tmp = tmp
         self.extra_env = dict(env or {})
+        self.iter_load = True  # also time client.iter_load after client.load
         self.timings = list(TIMINGS if timings is None else timings)
         self.redis = start_redis_server()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -166,12 +167,14 @@ class EngineArm:
         if ready.n_completed != n_samples or len(samples) != n_samples:
             raise RuntimeError(f"rollout {rid}: {ready.n_completed} of {n_samples} completed")
         del samples
-        t2, n_iter = time.perf_counter(), 0
-        async for chunk in client.iter_load(rid, 4096):
-            n_iter += len(chunk)
-        iter_load_s = time.perf_counter() - t2
-        if n_iter != n_samples:
-            raise RuntimeError(f"rollout {rid}: iter_load gave {n_iter} of {n_samples} samples")
+        iter_load_s = 0.0
+        if self.iter_load:
+            t2, n_iter = time.perf_counter(), 0
+            async for chunk in client.iter_load(rid, 4096):
+                n_iter += len(chunk)
+            iter_load_s = time.perf_counter() - t2
+            if n_iter != n_samples:
+                raise RuntimeError(f"rollout {rid}: iter_load gave {n_iter} of {n_samples}")
         return {
             "iter_load_s": iter_load_s,
             "samples_per_s": n_samples / wall,
