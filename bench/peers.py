@@ -479,7 +479,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if "engine" in arms:
         for key, lat in latencies.items():
             record("engine", key, lambda lat=lat: asyncio.run(engine_arm(n, w, lat)))
-        after = KILL_AT * results["engine"][f"{args.slow_ms:g}ms"]["wall_s"]
+        slow = results["engine"][f"{args.slow_ms:g}ms"]
+        after = KILL_AT * (slow["wall_s"] - slow["load_s"])  # while samples still run
         losses["engine"] = asyncio.run(engine_kill(n, w, args.slow_ms, after))
         _log(f"engine kill: {json.dumps(losses['engine'])}")
     if "ray" in arms:
