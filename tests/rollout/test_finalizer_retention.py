@@ -94,3 +94,18 @@ async def test_a_rollout_inside_the_window_stays(log: RedisEventLog, tmp_path: P
 def test_retention_settings_are_checked(keep_s: float, every_s: float, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="retention"):
         RetentionConfig(store=tmp_path, keep_s=keep_s, every_s=every_s, groups=ACTOR_GROUPS)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--retention-keep-s", "-1"), ("--retention-every-s", "0")]
+)
+def test_the_finalizer_command_refuses_bad_retention_flags(
+    flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers import finalizer as command
+
+    with pytest.raises(SystemExit) as exited:
+        command.main(["--redis-url", "redis://127.0.0.1:1", "--retention-store",
+                      str(tmp_path), flag, value])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
