@@ -2,7 +2,8 @@
 
 The stack of ``bench/rollout.py`` (a real redis-server, the scheduler, ``--workers``
 evaluator worker processes and a finalizer; the zero-latency agent, 16 response tokens with
-logprobs and a mask per sample, 8 samples per prompt). The trainer (this process) requests
+logprobs and a mask per sample, 8 samples per prompt; ``--prompt-tokens`` and
+``--response-tokens`` change the lengths). The trainer (this process) requests
 ``--rollouts`` rollouts of ``--samples`` samples one after the other and loads each.
 
 * **Bytes per stored token**: right after the first rollout is ready, ``MEMORY USAGE`` of its
@@ -20,6 +21,12 @@ logprobs and a mask per sample, 8 samples per prompt). The trainer (this process
   ``rl:data``, which retention does not touch (one small event per rollout), too.
 
     python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
+    python bench/memory.py --rollouts 5 --samples 1024 --prompt-tokens 512 --response-tokens 1024
+
+``per_sample_overhead_bytes`` is what a sample costs beyond its token arrays (9 bytes per
+response token, plus the prompt's 4-byte ids once per group when they are longer than 64
+bytes, else once per sample): ``bytes_per_response_token`` is about 9 + overhead / response
+length, so it depends on the response length the workload has.
 
 The last line printed is one JSON object.
 """
@@ -38,8 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.rollout import EngineArm  # noqa: E402
-from bench.rollout_evaluators import RESPONSE_TOKENS  # noqa: E402
+from bench.rollout import PER_PROMPT, EngineArm  # noqa: E402
 from engine.client import RolloutClient  # noqa: E402
 from engine.events.codec import decode  # noqa: E402
 from engine.events.redis_log import RedisEventLog  # noqa: E402
@@ -57,7 +63,10 @@ async def used_memory(log: RedisEventLog) -> int:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp_dir:
         tmp = Path(tmp_dir)
-        arm = EngineArm(args, tmp)
+        arm = EngineArm(args, tmp, env={
+            "BENCH_PROMPT_TOKENS": str(args.prompt_tokens),
+            "BENCH_RESPONSE_TOKENS": str(args.response_tokens),
+        })
         try:
             arm.start()
             arm.client = RolloutClient.connect(arm.redis.url, block_ms=1000)
@@ -96,17 +105,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             archived_bytes = sum(p.stat().st_size for p in store.iterdir())
         finally:
             await arm.close()
-    tokens = args.samples * RESPONSE_TOKENS
+    n_response = args.response_tokens
+    tokens = args.samples * n_response
     baseline = statistics.mean(memory[BASELINE])
     rest = [m - p for m, p in zip(memory, pool, strict=True)]
     per_sample = stream_bytes / args.samples
+    # The token arrays themselves: 9 bytes per response token, and the prompt's int32 ids
+    # once per group when they are stored once (PromptStored), else once per sample.
+    prompt_once = args.prompt_tokens * 4 > 64
+    prompt_bytes = args.prompt_tokens * 4 / (PER_PROMPT if prompt_once else 1)
+    arrays = n_response * RAW_BYTES_PER_TOKEN + prompt_bytes
     return {
         "rollouts": args.rollouts,
         "samples_per_rollout": args.samples,
-        "response_tokens_per_sample": RESPONSE_TOKENS,
+        "response_tokens_per_sample": n_response,
+        "prompt_tokens_per_sample": args.prompt_tokens,
+        "samples_per_prompt": PER_PROMPT,
         "rollout_stream_bytes": stream_bytes,
         "bytes_per_sample": round(per_sample, 1),
-        "per_sample_overhead_bytes": round(per_sample - RESPONSE_TOKENS * RAW_BYTES_PER_TOKEN, 1),
+        "token_array_bytes_per_sample": round(arrays, 1),
+        "per_sample_overhead_bytes": round(per_sample - arrays, 1),
+        "raw_bytes_per_response_token": RAW_BYTES_PER_TOKEN,
         "bytes_per_response_token": round(stream_bytes / tokens, 2),
         "used_memory_first": memory[0],
         "used_memory_baseline": round(baseline),
@@ -132,6 +151,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-batches", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=8,
+                        help="prompt length of the bench agent (a group shares its prompt)")
+    parser.add_argument("--response-tokens", type=int, default=16,
+                        help="response length of the bench agent")
     parser.add_argument("--keep-s", type=float, default=0.0,
                         help="retention window of the pass run after each rollout")
     parser.add_argument("--play-scheduler", action="store_true",

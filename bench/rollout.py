@@ -15,6 +15,7 @@ process -- per sample a semaphore, init -> run -> eval -> cleanup and
 Rounds alternate the arms; medians are reported. The last line printed is one JSON object.
 
     python bench/rollout.py [--samples 20000] [--rounds 3] [--workers 2]
+    python bench/rollout.py --scaling 10000,100000   # per-sample cost by rollout size
 """
 
 from __future__ import annotations
@@ -68,9 +69,19 @@ def scheduler_available() -> bool:
 
 
 class EngineArm:
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        tmp: Path,
+        *,
+        env: dict[str, str] | None = None,
+        timings: list[str] | None = None,
+    ) -> None:
         self.args = args
         self.tmp = tmp
+        self.extra_env = dict(env or {})
+        self.iter_load = True  # also time client.iter_load after client.load
+        self.timings = list(TIMINGS if timings is None else timings)
         self.redis = start_redis_server()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.real_scheduler = scheduler_available() and not args.play_scheduler
@@ -81,8 +92,12 @@ class EngineArm:
     def spawn(self, name: str, module: str, *extra: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         env["PYTHONPATH"] = str(ROOT)
+        env.update(self.extra_env)
+        prof = getattr(self.args, "profile", None)
+        wrap = ["-m", "cProfile", "-o", str(Path(prof) / f"{name}.prof")] if prof else []
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *TIMINGS, *extra],
+            [sys.executable, *wrap, "-m", module, "--redis-url", self.redis.url,
+             *self.timings, *extra],
             cwd=ROOT,
             env=env,
             stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process
@@ -151,7 +166,17 @@ class EngineArm:
         load_s = time.perf_counter() - t1
         if ready.n_completed != n_samples or len(samples) != n_samples:
             raise RuntimeError(f"rollout {rid}: {ready.n_completed} of {n_samples} completed")
+        del samples
+        iter_load_s = 0.0
+        if self.iter_load:
+            t2, n_iter = time.perf_counter(), 0
+            async for chunk in client.iter_load(rid, 4096):
+                n_iter += len(chunk)
+            iter_load_s = time.perf_counter() - t2
+            if n_iter != n_samples:
+                raise RuntimeError(f"rollout {rid}: iter_load gave {n_iter} of {n_samples}")
         return {
+            "iter_load_s": iter_load_s,
             "samples_per_s": n_samples / wall,
             "engine_cpu_ms_per_sample": 1000 * cpu / n_samples,
             "redis_cpu_ms_per_sample": 1000 * redis_cpu / n_samples,
@@ -221,7 +246,44 @@ async def inprocess(n_samples: int) -> float:
     return n_samples / elapsed
 
 
+def rss_mb(pid: int) -> float:
+    """Peak resident memory of a process (``VmHWM``), in MiB."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """One rollout per size, on one engine: per-sample cost by process, and of loading."""
+    sizes = [int(x) for x in args.scaling.split(",")]
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp_name:
+        arm = EngineArm(args, Path(tmp_name))
+        arm.start()
+        try:
+            await arm.rollout(PER_PROMPT * 64)  # warm-up
+            for n in sizes:
+                r = await arm.rollout(n)
+                row = {
+                    "samples_per_s": round(r["samples_per_s"], 1),
+                    "engine_cpu_ms_per_sample": round(r["engine_cpu_ms_per_sample"], 4),
+                    "by_process_ms_per_sample": arm.breakdown,
+                    "load_ms_per_sample": round(1000 * r["load_s"] / n, 4),
+                    "iter_load_ms_per_sample": round(1000 * r["iter_load_s"] / n, 4),
+                    "finalizer_peak_rss_mb": round(rss_mb(arm.procs["finalizer"].pid), 1),
+                }
+                out[str(n)] = row
+                print(f"{n} samples: {json.dumps(row)}", flush=True)
+        finally:
+            await arm.close()
+    return {"scaling": out, "workers": args.workers, "batch_size": BATCH_SIZE}
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    if args.scaling:
+        return await scaling(args)
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp_name:
         arm = EngineArm(args, Path(tmp_name))
         arm.start()
@@ -254,6 +316,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "engine_cpu_ms_per_sample": round(med["engine_cpu_ms_per_sample"], 4),
         "redis_cpu_ms_per_sample": round(med["redis_cpu_ms_per_sample"], 4),
         "load_s": round(med["load_s"], 3),
+        "iter_load_s": round(med["iter_load_s"], 3),
         "inprocess_samples_per_s": round(inproc, 1),
         "vs_inprocess_ratio": round(med["samples_per_s"] / inproc, 4),
         "target_samples_per_s": 2000,
@@ -269,7 +332,13 @@ def main() -> None:
     parser.add_argument("--max-batches", type=int, default=8)
     parser.add_argument("--play-scheduler", action="store_true",
                         help="use the tests' scheduler player even if workers.scheduler exists")
+    parser.add_argument("--scaling", metavar="N,N,...",
+                        help="instead of rounds: one rollout of each size, per-sample costs")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="run the engine's processes under cProfile, one DIR/<name>.prof each")
     args = parser.parse_args()
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     if args.samples % PER_PROMPT:
         parser.error(f"--samples must be a multiple of {PER_PROMPT}")
     result = asyncio.run(main_async(args))

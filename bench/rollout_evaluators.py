@@ -1,30 +1,52 @@
 """Evaluator config of ``bench/rollout.py``: one zero-latency agent, so the bench measures the
 engine (events, Redis, scheduling, finalizing) and nothing else.
 
-``fast``: one turn, 16 response tokens with logprobs, reward 1. Batches of 256 samples; a
-batch may run all of its samples at once.
+``fast``: one turn, 16 response tokens with logprobs after an 8-token prompt that the
+samples of a group share, reward 1. Batches of 256 samples; a batch may run all of its
+samples at once. ``BENCH_AGENT_LATENCY_MS`` (default 0) makes each episode's ``run`` sleep
+that long first (``bench/peers.py``'s 50 ms agent); ``BENCH_PROMPT_TOKENS`` and
+``BENCH_RESPONSE_TOKENS`` set the lengths (``bench/memory.py --prompt-tokens
+--response-tokens``).
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
 
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
 from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
 
 BATCH_SIZE = 256
 RESPONSE_TOKENS = 16
+PROMPT_TOKENS = 8
 
 
 class ZeroLatencyAgent(BaseAgent):
     """Answers at once with a fixed-size trajectory derived from the task index."""
 
+    def __init__(
+        self,
+        latency_s: float = 0.0,
+        prompt_tokens: int = PROMPT_TOKENS,
+        response_tokens: int = RESPONSE_TOKENS,
+    ) -> None:
+        self.latency_s = latency_s
+        self.prompt_tokens = prompt_tokens
+        self.response_tokens = response_tokens
+
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
         base = task.index % 1000
+        group = task.group_index % 1000  # a group's samples share their prompt
+        n_prompt, n_response = self.prompt_tokens, self.response_tokens
         return AgentResult(
-            prompt_token_ids=(1, 2, 3, 4, 5, 6, 7, base),
-            response_token_ids=tuple(base + i for i in range(RESPONSE_TOKENS)),
-            response_logprobs=(-0.5,) * RESPONSE_TOKENS,
-            loss_mask=(1,) * RESPONSE_TOKENS,
-            turns=(TurnRecord(index=0, prompt_tokens=8, response_tokens=RESPONSE_TOKENS),),
+            prompt_token_ids=(*range(1, n_prompt), group),
+            response_token_ids=tuple(base + i for i in range(n_response)),
+            response_logprobs=(-0.5,) * n_response,
+            loss_mask=(1,) * n_response,
+            turns=(TurnRecord(index=0, prompt_tokens=n_prompt, response_tokens=n_response),),
             termination_reason=TerminationReason.FINISH,
         )
 
@@ -45,4 +67,11 @@ def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
 
 
 def build_agents(args: object) -> dict[str, BaseAgent]:
-    return {"fast": ZeroLatencyAgent()}
+    env = os.environ
+    return {
+        "fast": ZeroLatencyAgent(
+            float(env.get("BENCH_AGENT_LATENCY_MS", "0")) / 1000,
+            int(env.get("BENCH_PROMPT_TOKENS", PROMPT_TOKENS)),
+            int(env.get("BENCH_RESPONSE_TOKENS", RESPONSE_TOKENS)),
+        )
+    }

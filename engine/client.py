@@ -16,6 +16,10 @@ Contract
 * ``load(rollout_id)`` rebuilds the samples from the rollout stream
   (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
   its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
+* ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
+  of ``chunk_size``: each sample's folded events are let go of once its ``Sample`` is
+  built, so a trainer that consumes chunk by chunk holds the folded events and one chunk of
+  samples, never every ``Sample`` of a large rollout at once.
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
   prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
@@ -36,7 +40,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -68,7 +72,7 @@ from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.rollout import RolloutProjection
-from engine.projections.samples import scalar_reward, trainer_samples
+from engine.projections.samples import scalar_reward, trainer_sample_chunks, trainer_samples
 from engine.runtime.consumer import Backoff
 from engine.runtime.live import LiveFold
 from engine.runtime.rebuild import rebuild
@@ -305,6 +309,16 @@ class RolloutClient:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
         folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
         return trainer_samples(folded.state)
+
+    async def iter_load(
+        self, rollout_id: str, chunk_size: int = 1024
+    ) -> AsyncGenerator[list[Sample], None]:
+        """``load``'s samples, ``chunk_size`` at a time (see the module docstring)."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
+        for chunk in trainer_sample_chunks(folded.state, chunk_size):
+            yield chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -552,6 +566,18 @@ class SyncRolloutClient:
     def refill_loop(self, **loop_kwargs: Any) -> SyncRefillLoop:
         """A :class:`RefillLoop` for synchronous code (same arguments)."""
         return SyncRefillLoop(self._runner, RefillLoop(self._client, **loop_kwargs))
+
+    def iter_load(self, rollout_id: str, chunk_size: int = 1024) -> Iterator[list[Sample]]:
+        """See :meth:`RolloutClient.iter_load`."""
+        chunks = self._client.iter_load(rollout_id, chunk_size)
+        try:
+            while True:
+                try:
+                    yield self._runner.run(anext(chunks))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._runner.run(chunks.aclose())
 
     def close(self) -> None:
         self._runner.run(self._client.aclose())

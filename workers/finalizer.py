@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.actors.dumps import DumpConfig
-from engine.actors.finalizer import Finalizer, FinalizerConfig
+from engine.actors.finalizer import Finalizer, FinalizerConfig, RetentionConfig
 from engine.errors import LogError, OutageExceeded
 from engine.events.catalog import RolloutReady
+from engine.ops.retention import ACTOR_GROUPS
 from engine.settings import Settings
 from workers._common import (
     add_common_flags,
@@ -57,6 +58,19 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
             f"--{name}-dump-dir", type=Path, default=getattr(settings, f"{name}_dump_dir"),
             help=f"write the {what} dump here (default: ROLLOUT_{name.upper()}_DUMP_DIR; off)",
         )
+    parser.add_argument(
+        "--retention-store", type=Path, default=settings.retention_store,
+        help="run retention in this finalizer: archive finished rollouts to this directory "
+        "(default ROLLOUT_RETENTION_STORE; unset: no retention here)",
+    )
+    parser.add_argument(
+        "--retention-keep-s", type=float, default=settings.retention_keep_s,
+        help="retention window (default ROLLOUT_RETENTION_KEEP_S)",
+    )
+    parser.add_argument(
+        "--retention-every-s", type=float, default=60.0,
+        help="seconds between two retention passes (default 60)",
+    )
     return parser
 
 
@@ -86,6 +100,16 @@ async def _serve(args: argparse.Namespace) -> int:
                 mixed_dir=args.mixed_dump_dir,
                 student_dir=args.student_dump_dir,
             ),
+            retention=(
+                RetentionConfig(
+                    store=args.retention_store,
+                    keep_s=args.retention_keep_s,
+                    every_s=args.retention_every_s,
+                    groups=ACTOR_GROUPS,
+                )
+                if args.retention_store is not None
+                else None
+            ),
         ),
         on_ready=_print_ready,
     )
@@ -107,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(settings)
     args = parser.parse_args(argv)
     check_timings(parser, args)
+    if args.retention_keep_s < 0:
+        parser.error(f"--retention-keep-s must be >= 0, got {args.retention_keep_s}")
+    if args.retention_every_s <= 0:
+        parser.error(f"--retention-every-s must be > 0, got {args.retention_every_s}")
     setup_logging(args.log_level)
     serve_metrics(settings)
     return asyncio.run(_serve(args))

@@ -17,7 +17,10 @@ Per sample, in this order (rollout-engine §3):
    attempt's ``tmp_dir`` (a path reserved inside a per-batch directory, which the agent
    creates if it needs one) is removed;
 5. the outcome is emitted: one ``TurnCompleted`` per ``AgentResult.turns`` entry, then
-   ``SampleCompleted`` -- or ``SampleAborted`` when anything raised;
+   ``SampleCompleted`` -- or ``SampleAborted`` when anything raised. With a
+   :class:`PromptStore` (the worker's), prompt tokens are stored once per rollout and prompt
+   (``PromptStored``, emitted before the first sample that refers to it) and each
+   ``SampleCompleted`` carries only its ``prompt_key``: the n samples of a group share one;
 6. the token goes back to the batch; tokens no remaining sample can use (more tokens held
    than ``min(unfinished samples, concurrency)``) are released at once with
    ``TokenReleased`` on the pool, and the rest when the batch ends.
@@ -43,12 +46,14 @@ waits for Redis, order is preserved, and the worker flushes before it acks the b
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import secrets
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,9 +82,11 @@ from engine.domain import (
     Task,
 )
 from engine.errors import AgentError, EpisodeTimeout
+from engine.events.arrays import TokenIds
 from engine.events.base import Event
 from engine.events.catalog import (
     BatchAdmitted,
+    PromptStored,
     RolloutKind,
     RolloutRequested,
     SampleAborted,
@@ -99,6 +106,7 @@ from engine.runtime.live import LiveFold
 from engine.sandbox.base import Sandbox, SandboxLimits, SandboxProvider
 
 __all__ = [
+    "PromptStore",
     "BatchPlan",
     "ControlWatch",
     "SampleGuard",
@@ -132,6 +140,39 @@ class EpisodeSettings:
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
     verify: VerifyPolicy = VerifyPolicy()  # re-scoring of completed samples (actors/verify.py)
+
+
+class PromptStore:
+    """Which prompts this process has stored (``PromptStored``) per rollout, so a group's
+    n samples carry a reference to one copy instead of n (see the module docstring).
+
+    A prompt is marked stored when its event is emitted: the sink writes in emit order and
+    keeps failed writes at the head of its queue, so the ``PromptStored`` is in the log
+    before any event that refers to it. Another process keeps its own marks and may store
+    the same prompt again; the fold keeps the first. Prompts of at most ``inline_bytes``
+    bytes stay inline (a reference would not be smaller). The marks are bounded
+    (``max_keys``, oldest forgotten first: a forgotten prompt is just stored again).
+    """
+
+    def __init__(self, *, inline_bytes: int = 64, max_keys: int = 65_536) -> None:
+        self.inline_bytes = inline_bytes
+        self.max_keys = max_keys
+        self._stored: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def refer(self, rollout_id: str, prompt_ids: TokenIds) -> tuple[str, PromptStored | None]:
+        """``(prompt_key, event to emit first or None)``; ``("", None)``: keep it inline."""
+        data = prompt_ids.data
+        if len(data) <= self.inline_bytes:
+            return "", None
+        key = hashlib.blake2b(data, digest_size=12).hexdigest()
+        mark = (rollout_id, key)
+        if mark in self._stored:
+            self._stored.move_to_end(mark)
+            return key, None
+        self._stored[mark] = None
+        while len(self._stored) > self.max_keys:
+            self._stored.popitem(last=False)
+        return key, PromptStored(rollout_id=rollout_id, prompt_key=key, prompt_ids=prompt_ids)
 
 
 OnTaskDone = Callable[[SampleRow], None]
@@ -169,6 +210,7 @@ class BatchRun:
         clock: Callable[[], float] = time.monotonic,
         watch: ControlWatch | None = None,
         abort_grace_s: float = 10.0,
+        prompts: PromptStore | None = None,
     ) -> None:
         self.spec = spec
         self._watch = watch
@@ -181,6 +223,7 @@ class BatchRun:
         self._sandboxes = sandboxes
         self._on_task_done = on_task_done
         self._clock = clock
+        self._prompts = prompts
         self._sem = asyncio.Semaphore(spec.profile.resource.concurrency)
         self._gated = bool(plan.tokens)
         self._held: set[str] = set(plan.tokens)
@@ -514,8 +557,14 @@ class BatchRun:
         result: AgentResult,
         reward: Reward | None,
     ) -> list[Event]:
+        rollout_id = self.plan.admitted.rollout_id
+        key, stored = (
+            self._prompts.refer(rollout_id, result.prompt_token_ids)
+            if self._prompts is not None
+            else ("", None)
+        )
         events = completed_events(
-            rollout_id=self.plan.admitted.rollout_id,
+            rollout_id=rollout_id,
             sample_id=task.sample_id,
             attempt=attempt,
             rec=rec,
@@ -523,7 +572,10 @@ class BatchRun:
             reward=reward,
             policy_version=self._policy_version,
             causation=self.plan.causation,
+            prompt_key=key,
         )
+        if stored is not None:
+            events.insert(0, stored)
         self.completed += 1
         return events
 

@@ -66,6 +66,7 @@ from engine.actors.batch_run import (
     ControlWatch,
     EpisodeSettings,
     OnTaskDone,
+    PromptStore,
     sandbox_labels,
 )
 from engine.actors.recovery import dead_letter_events, plan_recovery
@@ -175,6 +176,7 @@ class EvaluatorWorker:
             verify=config.verify,
         )
         self._tasks: OrderedDict[str, _RolloutTasks] = OrderedDict()
+        self._prompts = PromptStore()  # a group's prompt tokens stored once (batch_run)
         self.sink = GroupAppender(log)
         self.consumer = GroupConsumer(
             log,
@@ -256,6 +258,7 @@ class EvaluatorWorker:
             sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
             watch=self.control_watch,
+            prompts=self._prompts,
         )
         await evaluator.run()
         await self._flush()  # every terminal event in Redis before the runtime acks

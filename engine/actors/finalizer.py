@@ -39,6 +39,13 @@ Contract
   blocking read); further requests wait in the group.
 * The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
   and tested directly; the shell only reads, appends and acks.
+* With ``retention`` set, the finalizer also keeps Redis memory bounded on its own: every
+  ``retention.every_s`` seconds it runs one retention pass
+  (:func:`engine.runtime.retention.retention_pass`: acked shared-stream entries trimmed,
+  finished rollouts past the window archived to the store, verified and deleted), so no
+  operator command is needed. A pass that fails (Redis away) is logged and retried at the
+  next tick; several finalizers may all run passes (archives are written atomically and
+  verified before a delete).
 * With ``out_dir`` set, the rollout's artifacts (``summary.json``, eval details, placement
   log, samples) are written to ``out_dir/<rollout id>/`` by
   :func:`engine.actors.artifacts.write_artifacts` from the state folded up to and
@@ -95,11 +102,13 @@ from engine.projections.summary import FailureClass, eval_metrics
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
+from engine.runtime.retention import RetentionGroups, retention_pass
 
 __all__ = [
     "Finalizer",
     "FinalizerConfig",
     "Selection",
+    "RetentionConfig",
     "apply_filters",
     "carried_sources",
     "decide_capture",
@@ -433,6 +442,22 @@ def tail_aborts(state: RolloutState, ready: RolloutReady) -> list[SampleAborted]
 
 
 @dataclass(frozen=True, kw_only=True)
+class RetentionConfig:
+    """Retention run inside the finalizer (see the module docstring)."""
+
+    store: Path
+    keep_s: float
+    groups: RetentionGroups
+    every_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.keep_s < 0:
+            raise ValueError(f"retention keep_s must be >= 0, got {self.keep_s}")
+        if self.every_s <= 0:
+            raise ValueError(f"retention every_s must be > 0, got {self.every_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FinalizerConfig:
     consumer: str
     out_dir: Path | None = None
@@ -446,6 +471,7 @@ class FinalizerConfig:
     dumps: DumpConfig | None = None  # analysis dumps, best-effort (engine.actors.dumps)
     group: str = GROUP
     outage_limit_s: float | None = 300.0
+    retention: RetentionConfig | None = None
 
 
 Outcome = RolloutReady | RolloutFailed
@@ -529,16 +555,47 @@ class Finalizer:
         self._following: set[str] = set()
         # rl:control as far as staleness bounds need it (the trainer's current version).
         self._control = LiveFold(log, self.names.control, ControlProjection())
+        self.retention_passes = 0
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Follow requested rollouts until ``stop``; unfinished ones are handed back."""
-        await serve(
-            self.consumer,
-            stop or asyncio.Event(),
-            self._serve,
-            on_dead=self._fail_dead,
-            capacity=self.config.max_rollouts,
+        stop = stop or asyncio.Event()
+        keeper = (
+            asyncio.create_task(self._retain(self.config.retention, stop), name="retention")
+            if self.config.retention is not None
+            else None
         )
+        try:
+            await serve(
+                self.consumer,
+                stop,
+                self._serve,
+                on_dead=self._fail_dead,
+                capacity=self.config.max_rollouts,
+            )
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeper
+
+    async def _retain(self, retention: RetentionConfig, stop: asyncio.Event) -> None:
+        """One retention pass every ``retention.every_s`` seconds until ``stop``."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=retention.every_s)
+            if stop.is_set():
+                return
+            try:
+                report = await retention_pass(
+                    self.log, retention.store, keep_s=retention.keep_s, groups=retention.groups
+                )
+            except Exception as exc:  # Redis away, a full disk: try again next tick
+                logger.warning("retention pass failed: %s", exc)
+                continue
+            self.retention_passes += 1
+            if report.archived or report.conflicts or any(report.trimmed.values()):
+                logger.info("retention: %s", report.summary())
 
     async def _serve(self, d: Delivery) -> None:
         ev = d.env.event

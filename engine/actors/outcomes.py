@@ -25,7 +25,7 @@ from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, Reward
 from engine.domain import TerminationReason
 from engine.errors import AgentError
-from engine.events.arrays import Mask
+from engine.events.arrays import Mask, TokenIds
 from engine.events.base import Event
 from engine.events.catalog import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
 from engine.projections.samples import scalar_reward
@@ -69,8 +69,11 @@ def completed_events(
     reward: Reward | None,
     policy_version: int,
     causation: str | None,
+    prompt_key: str = "",
 ) -> list[Event]:
-    """``TurnCompleted`` per turn, then ``SampleCompleted`` (see the module docstring)."""
+    """``TurnCompleted`` per turn, then ``SampleCompleted`` (see the module docstring).
+    With ``prompt_key`` the prompt tokens are not repeated: the event refers to the
+    rollout's ``PromptStored`` of that key."""
     reason = result.termination_reason
     detail: dict[str, Any] = {}
     if isinstance(reward, Mapping):
@@ -104,7 +107,8 @@ def completed_events(
         rollout_id=rollout_id,
         sample_id=sample_id,
         attempt=attempt,
-        prompt_ids=result.prompt_token_ids,
+        prompt_ids=TokenIds.empty() if prompt_key else result.prompt_token_ids,
+        prompt_key=prompt_key,
         response_ids=result.response_token_ids,
         logprobs=result.response_logprobs,
         loss_mask=result.loss_mask,

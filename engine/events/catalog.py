@@ -40,6 +40,7 @@ __all__ = [
     "PolicyVersionActivated",
     "PolicyVersionPublished",
     "PoolDeclared",
+    "PromptStored",
     "QuiesceCompleted",
     "QuiesceRequested",
     "Record",
@@ -530,6 +531,11 @@ class SampleCompleted(Event):
     # The response offsets where each student-executed turn begins (the CE lane's cuts).
     student_cut_points: list[int] = Field(default_factory=list)
 
+    # Prompt stored once (issue 16): non-empty when ``prompt_ids`` is left empty and the
+    # prompt tokens are those of the rollout stream's ``PromptStored`` with this key (the n
+    # samples of a group share one). Empty: ``prompt_ids`` holds them (events before it).
+    prompt_key: str = ""
+
 
 @upcaster("SampleCompleted", 1)
 def _sample_completed_v1(payload: dict[str, Any]) -> dict[str, Any]:
@@ -537,6 +543,17 @@ def _sample_completed_v1(payload: dict[str, Any]) -> dict[str, Any]:
     payload.pop("teacher_mask", None)
     payload.pop("student_cut_points", None)
     return payload
+
+
+class PromptStored(Event):
+    """Prompt tokens that several ``SampleCompleted`` of the rollout refer to by
+    ``prompt_key`` instead of repeating them (written before the first that refers to it;
+    a repeat with the same key is ignored)."""
+
+    type: Literal["PromptStored"] = "PromptStored"
+    rollout_id: str
+    prompt_key: str
+    prompt_ids: TokenIds
 
 
 class SampleAborted(Event):

@@ -129,6 +129,17 @@ end
 return lost
 """
 
+# KEYS[1] stream; ARGV[1..] encoded events. Appends them in order (one entry each) and
+# returns their ids: one command for a run of events to one stream, instead of one XADD per
+# event (a pipelined XADD costs the client ~8 us to pack and parse, this ~0.5 us an event).
+_APPEND_SCRIPT = """
+local out = {}
+for i = 1, #ARGV do
+  out[i] = redis.call('XADD', KEYS[1], '*', 'e', ARGV[i])
+end
+return out
+"""
+
 # KEYS[1] the dead-letter stream, KEYS[2] the set of entries already dead-lettered; ARGV in
 # pairs: "stream@id", the encoded DeadLetter. Appends only letters for entries not yet in
 # the set; returns how many it appended.
@@ -462,16 +473,34 @@ class RedisEventLog:
             return []
         ref = causation.ref if isinstance(causation, Envelope) else causation
         producer = self.producer or None
+        # Consecutive events to one stream form a run; a run goes as one script call (one
+        # key: atomic per stream, cluster-safe), a single event as a plain XADD. The runs
+        # travel in one pipeline, in order. An event that fails to encode raises here,
+        # before anything is sent.
+        runs: list[tuple[str, list[bytes]]] = []
+        for stream, ev in items:
+            data = encode(ev, producer=None if ev.producer else producer, causation=ref)
+            if runs and runs[-1][0] == stream:
+                runs[-1][1].append(data)
+            else:
+                runs.append((stream, [data]))
         with _translate(f"pipelined XADD of {len(items)} events"):
             async with self._r.pipeline(transaction=False) as pipe:
-                # An event that fails to encode raises here, before anything is sent.
-                # XADD straight through execute_command: redis-py's xadd() helper rebuilds
-                # its argument list per call, a measurable share of a pipelined append.
-                for stream, ev in items:
-                    data = encode(ev, producer=None if ev.producer else producer, causation=ref)
-                    pipe.execute_command("XADD", stream, "*", FIELD, data)
-                ids = await pipe.execute()
-        return [_s(i) for i in ids]
+                for stream, datas in runs:
+                    if len(datas) == 1:
+                        # straight through execute_command: redis-py's xadd() helper
+                        # rebuilds its argument list per call
+                        pipe.execute_command("XADD", stream, "*", FIELD, datas[0])
+                    else:  # EVAL, not EVALSHA: nothing to load first or after a restart
+                        pipe.execute_command("EVAL", _APPEND_SCRIPT, 1, stream, *datas)
+                replies = await pipe.execute()
+        out: list[str] = []
+        for (_stream, datas), reply in zip(runs, replies, strict=True):
+            if len(datas) == 1:
+                out.append(_s(reply))
+            else:
+                out.extend(_s(i) for i in reply)
+        return out
 
     async def append_if_last(
         self,

@@ -67,6 +67,8 @@ ROUTES: dict[str, Route] = {
                            "the finalizer (masked dummies), summaries"),
     "CaptureRequested": Route("`rl:capture` and `rl:{rollout:ID}`", "the finalizer",
                               "capture workers (group `capture`)"),
+    "PromptStored": Route("`rl:{rollout:ID}`", "evaluator workers",
+                          "the rollout fold (fills in the SampleCompleted that refer to it)"),
     "TeacherScored": Route("`rl:{rollout:ID}`", "capture workers", "the finalizer, `load`"),
     "SampleVerified": Route("`rl:{rollout:ID}`", "evaluator workers (before the sample's "
                             "`SampleCompleted`)", "the finalizer (fails past the threshold, "

@@ -11,7 +11,10 @@ Idempotence rules (at-least-once delivery, crashed workers):
 * the first terminal event (``SampleCompleted`` or ``SampleAborted``) of a sample wins; any
   later terminal, whatever its attempt, is a duplicate and ignored;
 * ``TeacherScored`` counts only for the attempt that produced the terminal trajectory;
-* the first ``CaptureRequested`` and the first ``RolloutReady`` win.
+* the first ``CaptureRequested`` and the first ``RolloutReady`` win;
+* ``PromptStored`` keeps the first prompt of each key; a ``SampleCompleted`` that refers to
+  one (``prompt_key``) is kept with its ``prompt_ids`` filled in from it, so every reader
+  sees the trajectory whole, as if the prompt had been stored with the sample.
 
 Counters kept by the fold, so that a follower can tell cheaply whether deciding is worth
 it: ``n_terminal`` (samples with a terminal event) and ``n_scored`` (samples with their
@@ -27,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from engine.errors import RolloutError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     BatchSealed,
     CaptureRequested,
     PolicyVersionPublished,
+    PromptStored,
     RolloutFailed,
     RolloutPlanned,
     RolloutReady,
@@ -83,6 +88,7 @@ class RolloutState:
     ready: RolloutReady | None = None
     failed: RolloutFailed | None = None
     capture: CaptureRequested | None = None
+    prompts: dict[str, PromptStored] = field(default_factory=dict)
     event_count: int = 0
     n_terminal: int = 0
     n_scored: int = 0
@@ -101,6 +107,7 @@ class RolloutState:
             group_size=dict(self.group_size),
             group_done=dict(self.group_done),
             completed_groups=list(self.completed_groups),
+            prompts=dict(self.prompts),
         )
 
     @property
@@ -163,6 +170,8 @@ class RolloutProjection:
         elif isinstance(ev, SampleCompleted | SampleAborted):
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done:
+                if isinstance(ev, SampleCompleted) and ev.prompt_key:
+                    ev = _with_prompt(ev, state.prompts.get(ev.prompt_key))
                 turns = s.turns if ev.attempt == s.attempt else ()
                 state.samples[ev.sample_id] = replace(
                     s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
@@ -182,6 +191,8 @@ class RolloutProjection:
             ):
                 state.samples[ev.sample_id] = replace(s, teacher=ev)
                 state.n_scored += 1
+        elif isinstance(ev, PromptStored):
+            state.prompts.setdefault(ev.prompt_key, ev)
         elif isinstance(ev, BatchSealed):
             state.batches.setdefault(ev.batch_id, ev)
         elif isinstance(ev, RolloutPlanned):
@@ -271,3 +282,13 @@ def version_meets(version: int, floor: int | None) -> bool:
     version (-1: the server reported none) never meets a bound: nothing shows its weights
     were recent enough, so a bounded rollout does not train on it."""
     return floor is None or (version >= 0 and version >= floor)
+def _with_prompt(ev: SampleCompleted, stored: PromptStored | None) -> SampleCompleted:
+    """``ev`` with the prompt tokens it refers to filled in (as validated in the
+    ``PromptStored``). A reference to a prompt the stream does not hold cannot be resolved:
+    it is an error in the writer, named here rather than turned into a wrong trajectory."""
+    if stored is None:
+        raise RolloutError(
+            f"SampleCompleted {ev.sample_id} (rollout {ev.rollout_id}) refers to prompt "
+            f"{ev.prompt_key!r}, which no earlier PromptStored of the stream holds"
+        )
+    return ev.model_copy(update={"prompt_ids": stored.prompt_ids})

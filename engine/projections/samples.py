@@ -3,6 +3,8 @@ state to the trainer's ``Sample`` list.
 
 ``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
 client's ``load`` and ``rollout replay`` both call it, so they agree by construction.
+``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
+time, letting go of each sample's folded events as it goes (``RolloutClient.iter_load``).
 
 * The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
 * A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
@@ -23,7 +25,7 @@ A reward given as a dict of named scores keeps the dict on the sample; its scala
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,7 @@ from engine.sample import Sample
 
 __all__ = [
     "sample_of",
+    "trainer_sample_chunks",
     "scalar_reward",
     "task_of",
     "trainer_samples",
@@ -196,27 +199,62 @@ def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> S
 
 def trainer_samples(state: RolloutState) -> list[Sample]:
     """The samples ``RolloutReady`` names, in its order; raises if the rollout is not ready."""
+    return [s for chunk in _chunks(state, None, consume=False) for s in chunk]
+
+
+def trainer_sample_chunks(state: RolloutState, chunk_size: int) -> Iterator[list[Sample]]:
+    """:func:`trainer_samples` in lists of ``chunk_size`` (the last may be shorter).
+
+    It consumes ``state``: each sample's folded events are dropped from ``state.samples``
+    once its ``Sample`` is built, so a caller that lets go of each chunk holds one chunk of
+    samples, never the whole rollout twice. Raises as :func:`trainer_samples` does, before
+    the chunk that names a sample with no terminal event.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    return _chunks(state, chunk_size, consume=True)
+
+
+def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator[list[Sample]]:
     ready = state.ready
     if ready is None:
         raise RolloutError(f"rollout {state.rollout_id} has no RolloutReady yet")
     if ready.dummy:
-        return [Sample.masked_dummy(policy_version=ready.policy_version)]
-    out: list[Sample] = []
-    for sample_id in ready.sample_ids:
-        s = state.samples.get(sample_id)
-        if s is None or not s.done:
-            raise RolloutError(
-                f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
-                f"terminal event in the stream"
-            )
+        yield [Sample.masked_dummy(policy_version=ready.policy_version)]
+        return
+    ids = ready.sample_ids
+    step = size or max(1, len(ids))
     lane = request_lane(state.request)
     if lane is Lane.CE:
-        plan = ce_plan(state, ready.sample_ids)
+        # The SFT sub-samples are shuffled across the whole rollout, so the lane builds them
+        # all (each parent once), then hands them out in chunks.
+        for sample_id in ids:
+            _check_terminal(state, sample_id)
+        plan = ce_plan(state, ids)
         parents = {sid: sample_of(state.samples[sid]) for sid in {c.sample_id for c in plan.chunks}}
         chunks = [
             ce_sample(state.samples[c.sample_id], c, parents[c.sample_id]) for c in plan.chunks
         ]
-        return chunks or [Sample.masked_dummy(policy_version=ready.policy_version)]
-    for sample_id in ready.sample_ids:
-        out.append(sample_of(state.samples[sample_id], lane=lane))
-    return out
+        if not chunks:
+            yield [Sample.masked_dummy(policy_version=ready.policy_version)]
+            return
+        for at in range(0, len(chunks), size or len(chunks)):
+            yield chunks[at : at + (size or len(chunks))]
+        return
+    for at in range(0, len(ids), step):
+        part = ids[at : at + step]
+        for sample_id in part:
+            _check_terminal(state, sample_id)
+        if consume:
+            yield [sample_of(state.samples.pop(sample_id), lane=lane) for sample_id in part]
+        else:
+            yield [sample_of(state.samples[sample_id], lane=lane) for sample_id in part]
+
+
+def _check_terminal(state: RolloutState, sample_id: str) -> None:
+    s = state.samples.get(sample_id)
+    if s is None or not s.done:
+        raise RolloutError(
+            f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
+            f"terminal event in the stream"
+        )

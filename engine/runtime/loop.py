@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -46,7 +47,22 @@ from engine.events.ids import id_ms
 from engine.events.log import DeadEntry
 from engine.runtime.consumer import Delivery, GroupConsumer, ride_out
 
-__all__ = ["FETCH_COUNT", "HandBack", "Served", "serve"]
+__all__ = ["FETCH_COUNT", "GC_THRESHOLD", "HandBack", "Served", "serve", "tune_gc"]
+
+GC_THRESHOLD = (10_000, 20, 100)
+"""The cyclic collector's thresholds in an actor process. Actors keep large, long-lived,
+acyclic folds (a finalizer follows 100k-sample rollouts) and allocate many short-lived
+events: with Python's defaults (700, 10, 10) the collector scans the whole fold over and
+over, which cost more than the fold itself and grew with the rollout (a 100k-sample fold
+took 96 us per sample against 68 us at 10k; with these thresholds 40 us at both). Garbage is
+still collected, only in larger steps."""
+
+
+def tune_gc() -> None:
+    """Raise the collector's thresholds to at least :data:`GC_THRESHOLD` (never lowers a
+    threshold a process set itself)."""
+    current = gc.get_threshold()
+    gc.set_threshold(*(max(c, t) for c, t in zip(current, GC_THRESHOLD, strict=True)))
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +102,7 @@ async def serve(
     """Run the actor loop until ``stop`` is set (see the module docstring)."""
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be at least 1, got {capacity}")
+    tune_gc()
     served = Served()
     handed: list[Delivery] = []
     active: dict[asyncio.Task[None], Delivery] = {}

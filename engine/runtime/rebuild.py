@@ -7,6 +7,9 @@ so a replay folds exactly what the live actor folded.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import TypeVar
 
 import msgpack
@@ -28,10 +31,27 @@ async def rebuild(
     since: Folded[S] | None = None,
     until: str | None = None,
 ) -> Folded[S]:
-    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``."""
+    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``.
+
+    The cyclic collector is paused while the fold runs: a fold builds one large, acyclic
+    state, and collections in the middle of it would scan that state again and again (a
+    100k-sample rollout's fold cost twice as much per sample as a 10k one). It is switched
+    back on afterwards, and collects as usual from then on."""
     folded = since if since is not None else start(projection)
     envelopes = await log.read_all(stream, after=folded.position)
-    return fold(projection, folded, envelopes, until=until)
+    with _gc_paused():
+        return fold(projection, folded, envelopes, until=until)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 async def save_snapshot(log: EventLog, projection: Snapshottable[S], folded: Folded[S]) -> None:
