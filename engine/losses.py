@@ -73,17 +73,26 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp(min=1.0)
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, vocab_size: int | None = None
+) -> torch.Tensor:
     """``[B, T]`` logprob of ``tokens[b, t]`` under ``logits[b, t - 1]``; position 0 is 0.
 
     ``logits`` is the model's ``[B, T, V]`` output on ``tokens`` (``[B, T]``), so the result
-    lines up with ``collate``'s ``loss_mask`` and ``rollout_log_probs``.
+    lines up with ``collate``'s ``loss_mask`` and ``rollout_log_probs``. ``vocab_size`` cuts
+    the logits to the ids the tokenizer has before the softmax: checkpoints pad their
+    embedding rows, and a server that never samples the spare ids (SGLang, tinylm) normalizes
+    over the real ones only, so without the cut every logprob is off by the spare rows' mass.
     """
     if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
         raise ValueError(
             f"logits must be [B, T, V] over tokens {tuple(tokens.shape)}, "
             f"got {tuple(logits.shape)}"
         )
+    if vocab_size is not None:
+        if not 0 < vocab_size <= logits.shape[-1]:
+            raise ValueError(f"vocab_size must be in [1, {logits.shape[-1]}], got {vocab_size}")
+        logits = logits[..., :vocab_size]
     shifted = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = shifted.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0), value=0.0)

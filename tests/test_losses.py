@@ -40,6 +40,19 @@ def test_token_log_probs_line_up_with_the_tokens() -> None:
     assert out[0, 2].item() == pytest.approx(math.log(0.75))
 
 
+def test_token_log_probs_normalize_over_the_tokenizer_vocabulary_only() -> None:
+    # 2 real ids and 2 spare rows of a padded embedding: with the cut, the spare rows'
+    # mass does not lower the real ids' logprobs (what a server that never samples them
+    # reports).
+    logits = torch.zeros(1, 2, 4)
+    tokens = torch.tensor([[0, 1]])
+    assert token_log_probs(logits, tokens)[0, 1].item() == pytest.approx(math.log(0.25))
+    cut = token_log_probs(logits, tokens, vocab_size=2)
+    assert cut[0, 1].item() == pytest.approx(math.log(0.5))
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_log_probs(logits, tokens, vocab_size=5)
+
+
 def test_token_mean_divides_by_the_masked_count_and_survives_an_empty_mask() -> None:
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])

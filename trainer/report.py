@@ -1,0 +1,73 @@
+"""Per-iteration metrics (``metrics.jsonl``) and a plot of reward and KL (``curves.png``).
+
+``MetricsWriter`` appends one JSON object per line and flushes it, so a run that is stopped
+keeps every finished iteration. ``plot`` draws, from those rows, the training reward, the eval
+reward (where measured, with the teacher's as a line when known) and the KL per iteration;
+it needs matplotlib (``pip install 'rollout-engine[train]'``), and says so instead of failing
+the run when it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["MetricsWriter", "plot", "read_rows"]
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[str] = open(path, "w")  # closed in close()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(
+    rows: Sequence[dict[str, Any]], out: Path, *, title: str,
+    teacher_eval_reward: float | None = None,
+) -> Path | None:
+    """Write the curves to ``out`` (PNG); None (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    train = [(r["iteration"], r["reward"]) for r in rows if "reward" in r]
+    evals = [(r["iteration"], r["eval_reward"]) for r in rows if "eval_reward" in r]
+    if train:
+        top.plot(*zip(*train, strict=True), label="train reward", alpha=0.6)
+    if evals:
+        top.plot(*zip(*evals, strict=True), "o-", label="eval reward (student)")
+    if teacher_eval_reward is not None:
+        top.axhline(teacher_eval_reward, color="grey", linestyle="--",
+                    label="eval reward (teacher)")
+    top.set_ylabel("mean reward")
+    top.set_ylim(-0.05, 1.05)
+    top.legend(loc="best", fontsize=8)
+    top.set_title(title)
+    kl = [(r["iteration"], r["kl"]) for r in rows if "kl" in r]
+    if kl:
+        bottom.plot(*zip(*kl, strict=True), color="tab:red", label="KL (K3)")
+        bottom.legend(loc="best", fontsize=8)
+    bottom.set_xlabel("iteration")
+    bottom.set_ylabel("KL")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
