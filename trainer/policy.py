@@ -38,7 +38,8 @@ def load_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     # fp32 whatever the transformers release's default dtype: the server computes in fp32
-    return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).float()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    return model.float()
 
 
 class Policy:
