@@ -35,6 +35,12 @@ from trainer.stack import TrainStack, ensure_model, start_stack
 
 __all__ = ["build_parser", "main", "run", "train_on_stack"]
 
+KL_LABELS = {
+    "grpo": "KL(policy || initial policy), K3 on sampled tokens",
+    "opd": "KL(student || teacher), K3 on student tokens",
+    "mixed": "KL(student || teacher), K3 on student tokens",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -153,7 +159,7 @@ async def train_on_stack(
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     png = plot(rows, workdir / "curves.png", title=f"{args.algorithm}: {student.name}",
-               teacher_eval_reward=teacher_eval)
+               teacher_eval_reward=teacher_eval, kl_label=KL_LABELS[args.algorithm])
     summary["plot"] = str(png) if png else None
     summary["metrics"] = str(workdir / "metrics.jsonl")
     if png is None:

@@ -36,7 +36,10 @@ def tokenizer_vocab_size(model_dir: Path) -> int:
 
 def load_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    hf_logging: Any = transformers_logging  # its toggles are unannotated
+    hf_logging.disable_progress_bar()  # a bar per load and save of a tiny model is noise
     # fp32 whatever the transformers release's default dtype: the server computes in fp32
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     return model.float()

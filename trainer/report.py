@@ -37,7 +37,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 def plot(
     rows: Sequence[dict[str, Any]], out: Path, *, title: str,
-    teacher_eval_reward: float | None = None,
+    teacher_eval_reward: float | None = None, kl_label: str = "KL (K3)",
 ) -> Path | None:
     """Write the curves to ``out`` (PNG); None (and nothing written) without matplotlib."""
     try:
@@ -63,7 +63,7 @@ def plot(
     top.set_title(title)
     kl = [(r["iteration"], r["kl"]) for r in rows if "kl" in r]
     if kl:
-        bottom.plot(*zip(*kl, strict=True), color="tab:red", label="KL (K3)")
+        bottom.plot(*zip(*kl, strict=True), color="tab:red", label=kl_label)
         bottom.legend(loc="best", fontsize=8)
     bottom.set_xlabel("iteration")
     bottom.set_ylabel("KL")
