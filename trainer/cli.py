@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     student, teacher = _models(args)
     stack = start_stack(workdir, student_dir=student, teacher_dir=teacher,
-                        workers=args.workers, redis_url=args.redis_url)
+                        workers=args.workers, redis_url=args.redis_url,
+                        dagger=args.algorithm == "mixed")
     try:
         return asyncio.run(train_on_stack(args, stack, student, teacher, workdir))
     finally:

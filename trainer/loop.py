@@ -79,8 +79,8 @@ def _need(batch: dict[str, torch.Tensor], algorithm: str, *keys: str) -> None:
     if missing:
         raise ConfigError(
             f"algorithm {algorithm!r} needs {', '.join(missing)} from collate, which this "
-            f"rollout's batch lacks (it has {', '.join(sorted(batch))}): the lane of "
-            "rollout-engine §5 must run for the request (a teacher and a capture worker)"
+            f"rollout's batch lacks (it has {', '.join(sorted(batch))}): the engine's lane for "
+            f"{ALGORITHMS[algorithm]!r} (rollout-engine §5) did not produce them"
         )
 
 

@@ -5,7 +5,8 @@ an authenticated embedded Redis (or the caller's URL), the student's tinylm serv
 with a fresh admin key (only the trainer's publisher holds it; the evaluator workers, whose
 sandboxes run model-written code, never see it), the scheduler, evaluator workers and a
 finalizer on the bundled tasks, and, when a teacher is given, the teacher's tinylm server
-and a capture worker that force-decodes kept samples on it.
+and a capture worker that force-decodes kept samples on it; for ``mixed``, workers whose
+agents roll in the teacher (``trainer.dagger``).
 
 Models (``ensure_models``): the student and the teacher are tinylm models built from the same
 seed, hence the same tokenizer (the teacher force-decodes the student's token ids), trained
@@ -84,10 +85,16 @@ def start_stack(
     teacher_dir: Path | None,
     workers: int = 1,
     redis_url: str | None = None,
+    dagger: bool = False,
 ) -> TrainStack:
+    """Start everything (see the module docstring). ``dagger``: the workers run DAgger agents
+    that roll in the teacher (``trainer.dagger``; needs ``teacher_dir``)."""
+    if dagger and teacher_dir is None:
+        raise ConfigError("DAgger workers need a teacher model")
     for sub in ("logs", "out"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
+    train = TrainStack(stack, policy_url="", admin_key=secrets.token_urlsafe(24))
     try:
         if redis_url is None:
             stack.redis = start_redis()
@@ -95,25 +102,11 @@ def start_stack(
         else:
             stack.redis_url = stack.trainer_url = redis_url
         say(f"redis     {redact(stack.redis_url)}")
-        admin_key = secrets.token_urlsafe(24)
-        stack.server = spawn_server(student_dir, env={ADMIN_KEY_ENV: admin_key})
-        say(f"policy    tinylm server at {stack.server.url} (admin key: the trainer only)")
-        common = ["--evaluator-config", str(EVALUATORS)]
-        stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
-                                  str(ROLLOUT_YAML), *common, "--scheduler-id", "train-sched"])
-        for i in range(workers):
-            stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common,
-                                        "--model-dir", str(student_dir),
-                                        "--sglang-url", stack.server.url,
-                                        "--worker-id", f"train-worker-{i}"])
-        stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
-                                  str(workdir / "out"), "--worker-id", "train-finalizer"])
-        train = TrainStack(stack, policy_url=stack.server.url, admin_key=admin_key)
-    except BaseException:
-        stack.stop()
-        raise
-    if teacher_dir is not None:
-        try:
+        stack.server = spawn_server(student_dir, env={ADMIN_KEY_ENV: train.admin_key})
+        train.policy_url = stack.server.url
+        say(f"policy    tinylm server at {train.policy_url} (admin key: the trainer only)")
+        worker_config = EVALUATORS
+        if teacher_dir is not None:
             same_tokenizer(student_dir, teacher_dir)
             train.teacher = spawn_server(teacher_dir)
             train.teacher_url = train.teacher.url
@@ -121,7 +114,25 @@ def start_stack(
             stack.spawn("capture", ["-m", "workers.capture", "--teacher-url", train.teacher_url,
                                     "--teacher-tokenizer", str(teacher_dir),
                                     "--worker-id", "train-capture"])
-        except BaseException:
-            train.stop()
-            raise
+            if dagger:
+                from trainer.dagger import write_config
+
+                worker_config = write_config(workdir / "evaluators_dagger.py",
+                                             teacher_url=train.teacher_url,
+                                             teacher_dir=teacher_dir)
+        # The scheduler reads only the profiles, the bundled ones either way.
+        stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
+                                  str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATORS),
+                                  "--scheduler-id", "train-sched"])
+        for i in range(workers):
+            stack.spawn(f"worker-{i}", ["-m", "workers.evaluator",
+                                        "--evaluator-config", str(worker_config),
+                                        "--model-dir", str(student_dir),
+                                        "--sglang-url", train.policy_url,
+                                        "--worker-id", f"train-worker-{i}"])
+        stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
+                                  str(workdir / "out"), "--worker-id", "train-finalizer"])
+    except BaseException:
+        train.stop()
+        raise
     return train
