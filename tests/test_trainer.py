@@ -133,3 +133,25 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
         mine = token_log_probs(logits, ids, vocab_size=tokenizer_vocab_size(student))
     mine_list = mine[0, 1:].tolist()
     assert max(abs(a - b) for a, b in zip(mine_list, after, strict=True)) < 1e-4
+
+
+@pytest.mark.slow
+def test_publishing_to_a_server_that_refuses_names_the_server_and_its_answer(
+    tmp_path: Path,
+) -> None:
+    from tinylm.process import spawn_server
+    from trainer.publish import DiskPushPublisher, PublishFailed
+    from trainer.stack import ADMIN_KEY_ENV
+
+    model = tmp_path / "model"
+    init_model(model, seed=0, train_steps=0)
+    with spawn_server(model, env={ADMIN_KEY_ENV: "the-admin-key"}) as server:
+        wrong_key = DiskPushPublisher([server.url], admin_key="not-the-key")
+        with pytest.raises(PublishFailed, match=rf"{server.url}.*answered 401"):
+            asyncio.run(wrong_key.publish(1, str(model)))
+        right_key = DiskPushPublisher([server.url], admin_key="the-admin-key")
+        with pytest.raises(PublishFailed, match=r"answered 400: Failed to get weights"):
+            asyncio.run(right_key.publish(1, str(tmp_path / "missing")))
+        asyncio.run(right_key.publish(7, str(model)))
+        info = httpx.get(server.url + "/get_weight_version", timeout=30).json()
+    assert info["weight_version"] == "7"

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.client import RolloutClient
 from engine.errors import EngineError
 from engine.ops.demo import say
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dagger-beta", type=float, default=0.5,
                    help="mixed: the teacher's per-turn probability (knob dagger_beta)")
     p.add_argument("--workers", type=int, default=1, help="evaluator worker processes")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of the training step (default 1, as tinylm's server: "
+                        "a tiny model loses to thread sync)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait per rollout")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
@@ -171,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run (models, stack, training); returns the summary. Stops what it started."""
     workdir: Path = (args.workdir or Path(f"runs/train-{args.algorithm}")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.torch_threads)
     student, teacher = _models(args)
     stack = start_stack(workdir, student_dir=student, teacher_dir=teacher,
                         workers=args.workers, redis_url=args.redis_url,
