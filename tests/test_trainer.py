@@ -74,6 +74,10 @@ def test_grpo_lane_normalizes_rewards_within_groups_of_kept_rows() -> None:
     # advantages +1 / -1 (mean 0.5, std 0.5); ratio 1: -(1 * 2 tokens - 1 * 3 tokens) / 5
     assert out.loss.item() == pytest.approx(1 / 5, rel=1e-5)
     assert out.metrics["kl"] == pytest.approx(0.0)
+    assert out.metrics["signal_groups"] == 1.0
+    same = lane_loss("grpo", s, {**batch, "rewards": torch.tensor([1.0, 1.0])},
+                     groups=torch.tensor([3, 3]))
+    assert same.metrics["signal_groups"] == 0.0 and same.loss.item() == 0.0
 
 
 def test_a_lane_without_its_tensors_names_what_is_missing() -> None:

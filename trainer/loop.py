@@ -111,6 +111,13 @@ def lane_loss(
         if reference_log_probs is not None:
             kl = token_mean(k3(log_probs.detach(), reference_log_probs), mask)
             out.metrics["kl"] = float(kl)
+        # The share of groups whose rewards differ: only they carry a gradient.
+        kept = groups[valid]
+        ids = torch.unique(kept)
+        out.metrics["signal_groups"] = (
+            sum(int(torch.unique(batch["rewards"][valid][kept == g]).numel() > 1) for g in ids)
+            / max(1, ids.numel())
+        )
         return out
     if algorithm == "opd":
         _need(batch, algorithm, "teacher_log_probs")
