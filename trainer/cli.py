@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
     p.add_argument("--eval-every", type=int, default=5,
                    help="eval pass every N iterations (and before the first, after the last)")
+    p.add_argument("--eval-samples-per-prompt", type=int, default=4,
+                   help="samples per eval prompt (the bundled eval sets have 14 prompts; "
+                        "their own setting is 2, too few to see a change of 0.1)")
     p.add_argument("--no-eval", action="store_true",
                    help="skip every eval pass (the teacher's too): training iterations only")
     p.add_argument("--dagger-beta", type=float, default=0.5,
@@ -116,7 +119,8 @@ async def train_on_stack(
             # eval pass, then the student's initial weights come back.
             await publisher.load(str(teacher), label="teacher")
             scores = await evaluate(client, iteration=0, version=0, seed=args.seed,
-                                    timeout_s=args.timeout)
+                                    timeout_s=args.timeout,
+                                    samples_per_prompt=args.eval_samples_per_prompt)
             teacher_eval = scores.get("eval_reward")
             say(f"teacher   eval reward {teacher_eval}")
             await publisher.load(str(student), label="0")
@@ -126,6 +130,7 @@ async def train_on_stack(
             algorithm=args.algorithm, iterations=args.iterations, n_prompts=args.prompts,
             samples_per_prompt=args.samples_per_prompt, clip_eps=args.clip_eps,
             seed=args.seed, eval_every=args.eval_every, eval_passes=not args.no_eval,
+            eval_samples_per_prompt=args.eval_samples_per_prompt,
             timeout_s=args.timeout,
             datasets=args.datasets.split(",") if args.datasets else None,
             knobs={"dagger_beta": args.dagger_beta} if args.algorithm == "mixed" else {},

@@ -61,6 +61,7 @@ class LoopConfig:
     seed: int = 0
     eval_every: int = 0  # 0: only before the first update and after the last
     eval_passes: bool = True
+    eval_samples_per_prompt: int | None = None  # None: the eval datasets' own
     timeout_s: float = 900.0
     datasets: Sequence[str] | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
@@ -143,10 +144,13 @@ def _rewards(samples: Sequence[Sample]) -> dict[str, float]:
 
 
 async def evaluate(
-    client: RolloutClient, *, iteration: int, version: int, seed: int, timeout_s: float
+    client: RolloutClient, *, iteration: int, version: int, seed: int, timeout_s: float,
+    samples_per_prompt: int | None = None,
 ) -> dict[str, float]:
-    """One eval pass of the current policy: mean reward overall and per eval dataset."""
+    """One eval pass of the current policy: mean reward overall and per eval dataset.
+    ``samples_per_prompt`` overrides the eval datasets' ``n_samples_per_eval_prompt``."""
     rid = await client.request(iteration=iteration, n_prompts=1, kind=RolloutKind.EVAL,
+                               n_samples_per_prompt=samples_per_prompt,
                                policy_version=version, seed=seed)
     await client.wait_ready(rid, timeout=timeout_s)
     samples = await client.load(rid)
@@ -179,7 +183,8 @@ async def train(
         if config.eval_passes and (i == 0 or (config.eval_every and i % config.eval_every == 0)):
             check_alive()
             row |= await evaluate(client, iteration=i, version=version,
-                                  seed=config.seed, timeout_s=config.timeout_s)
+                                  seed=config.seed, timeout_s=config.timeout_s,
+                                  samples_per_prompt=config.eval_samples_per_prompt)
         t1 = time.monotonic()
         check_alive()
         rid = await client.request(
@@ -233,7 +238,8 @@ async def train(
         final = {"iteration": config.iterations, "version": version,
                  "algorithm": config.algorithm}
         final |= await evaluate(client, iteration=config.iterations, version=version,
-                                seed=config.seed, timeout_s=config.timeout_s)
+                                seed=config.seed, timeout_s=config.timeout_s,
+                                samples_per_prompt=config.eval_samples_per_prompt)
         final["wall_s"] = round(time.monotonic() - began, 3)
         rows.append(final)
         on_row(final)
