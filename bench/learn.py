@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.cli import build_parser, run
+from trainer.cli import build_parser, run, stop_on_signals
 from trainer.report import read_rows
 
 
@@ -41,6 +41,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.workdir is None:
         args.workdir = Path(f"runs/bench-learn-{args.algorithm}")
+    stop_on_signals()
     load_before = os.getloadavg()[0]
     cpu0 = _cpu_s()
     t0 = time.monotonic()

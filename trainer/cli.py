@@ -35,7 +35,7 @@ from trainer.publish import DiskPushPublisher
 from trainer.report import MetricsWriter, plot
 from trainer.stack import TrainStack, ensure_model, start_stack
 
-__all__ = ["build_parser", "main", "run", "train_on_stack"]
+__all__ = ["build_parser", "main", "run", "stop_on_signals", "train_on_stack"]
 
 KL_LABELS = {
     "grpo": "KL(policy || initial policy), K3 on sampled tokens",
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated training datasets (default: all, FIFO)")
     p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
+    p.add_argument("--steps-per-rollout", type=int, default=1,
+                   help="optimizer steps on each rollout's batch (PPO epochs)")
     p.add_argument("--eval-every", type=int, default=5,
                    help="eval pass every N iterations (and before the first, after the last)")
     p.add_argument("--eval-samples-per-prompt", type=int, default=4,
@@ -129,6 +131,7 @@ async def train_on_stack(
         config = LoopConfig(
             algorithm=args.algorithm, iterations=args.iterations, n_prompts=args.prompts,
             samples_per_prompt=args.samples_per_prompt, clip_eps=args.clip_eps,
+            steps_per_rollout=args.steps_per_rollout,
             seed=args.seed, eval_every=args.eval_every, eval_passes=not args.no_eval,
             eval_samples_per_prompt=args.eval_samples_per_prompt,
             timeout_s=args.timeout,
@@ -196,9 +199,16 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the run through ``KeyboardInterrupt``, so ``run`` stops every
+    process it started. SIGINT too: a shell starts background jobs with it ignored."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()
     try:
         summary = run(args)
     except KeyboardInterrupt:

@@ -5,8 +5,9 @@ One iteration (``train``):
 1. ``client.request(iteration=i, policy_version=v, algorithm=...)`` for a training rollout;
 2. ``client.wait_ready`` (a ``RolloutFailed`` ends the run with the engine's reason);
 3. ``client.load`` and ``collate``;
-4. the student's logprobs on the sampled tokens, the lane's loss (:func:`lane_loss`), one
-   optimizer step;
+4. the student's logprobs on the sampled tokens, the lane's loss (:func:`lane_loss`) and an
+   optimizer step, ``steps_per_rollout`` times on the same batch (the metrics are the first
+   step's: the loss and KL of the policy that sampled the rollout);
 5. the new weights saved as ``weights/v<v+1>`` and ``publisher.publish(v + 1, folder)``: the
    next request samples them.
 
@@ -58,6 +59,7 @@ class LoopConfig:
     n_prompts: int = 8
     samples_per_prompt: int = 4
     clip_eps: float = 0.2
+    steps_per_rollout: int = 1
     seed: int = 0
     eval_every: int = 0  # 0: only before the first update and after the last
     eval_passes: bool = True
@@ -73,6 +75,8 @@ class LoopConfig:
             )
         if self.iterations < 1:
             raise ConfigError(f"iterations must be >= 1, got {self.iterations}")
+        if self.steps_per_rollout < 1:
+            raise ConfigError(f"steps_per_rollout must be >= 1, got {self.steps_per_rollout}")
 
 
 def _need(batch: dict[str, torch.Tensor], algorithm: str, *keys: str) -> None:
@@ -204,12 +208,16 @@ async def train(
             trained = samples
         batch = collate(trained, pad_token_id=pad_token_id)
         t2 = time.monotonic()
-        log_probs = policy.log_probs(batch)
         groups = torch.tensor([s.group_index for s in trained], dtype=torch.int64)
         ref = reference.log_probs(batch) if reference is not None else None
-        out = lane_loss(config.algorithm, log_probs, batch, groups=groups,
-                        clip_eps=config.clip_eps, reference_log_probs=ref)
-        grad_norm = policy.step(out.loss)
+        for step in range(config.steps_per_rollout):
+            # Later steps reuse the rollout: GRPO's ratio then moves off 1 and the clip acts.
+            log_probs = policy.log_probs(batch)
+            out = lane_loss(config.algorithm, log_probs, batch, groups=groups,
+                            clip_eps=config.clip_eps, reference_log_probs=ref)
+            if step == 0:
+                first = out
+            grad_norm = policy.step(out.loss)
         t3 = time.monotonic()
         version += 1
         uri = policy.save(weights_dir / f"v{version}")
@@ -221,8 +229,10 @@ async def train(
             "dropped": len(ready.dropped_sample_ids),
             "aborted": sum(s.remove_sample for s in samples),
             **_rewards(samples),
-            "loss": float(out.loss.detach()),
-            **out.metrics,
+            "loss": float(first.loss.detach()),
+            **first.metrics,
+            **({"loss_last_step": float(out.loss.detach())}
+               if config.steps_per_rollout > 1 else {}),
             "grad_norm": grad_norm,
             "published_version": version,
             "eval_s": round(t1 - t0, 3),
