@@ -11,7 +11,9 @@ where ``metrics.jsonl`` and ``curves.png`` stay. Models are built once into ``--
 Last line, JSON: ``algorithm``, ``iterations``, ``eval_reward_first`` (before the first
 update), ``eval_reward_last`` (after the last), ``teacher_eval_reward`` (None for grpo without
 ``--teacher-eval``), ``wall_s`` (training, evals included), then the training-rollout
-reward and KL of the first and last iterations, the CPU seconds of the bench and every process
+reward and KL of the first and last iterations and their means over the first and last
+four iterations (single iterations alternate between the math and shell datasets), every
+eval reward, the CPU seconds of the bench and every process
 it started (``cpu_s``: on a shared machine wall time says little), the mean seconds per
 iteration and the load average before and after.
 """
@@ -24,6 +26,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trainer.cli import build_parser, run, stop_on_signals
 from trainer.report import read_rows
@@ -33,6 +36,17 @@ def _cpu_s() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def window_means(rows: list[dict[str, Any]], key: str, n: int = 4) -> tuple[Any, Any]:
+    """Mean of ``key`` over the first and the last ``n`` training iterations: single
+    iterations alternate between datasets (FIFO) and are noisy."""
+    values = [float(r[key]) for r in rows if key in r and "train_s" in r]
+    return _mean(values[:n]), _mean(values[-n:])
 
 
 def main() -> int:
@@ -53,6 +67,8 @@ def main() -> int:
         sum(r["eval_s"] + r["rollout_s"] + r["train_s"] + r["publish_s"] for r in iters)
         / len(iters) if iters else None
     )
+    kl_head, kl_tail = window_means(rows, "kl")
+    reward_head, reward_tail = window_means(rows, "reward")
     out = {
         "algorithm": summary["algorithm"],
         "iterations": summary["iterations"],
@@ -64,6 +80,11 @@ def main() -> int:
         "train_reward_last": summary["train_reward_last"],
         "kl_first": summary["kl_first"],
         "kl_last": summary["kl_last"],
+        "kl_mean_first_4": kl_head,
+        "kl_mean_last_4": kl_tail,
+        "train_reward_mean_first_4": reward_head,
+        "train_reward_mean_last_4": reward_tail,
+        "eval_rewards": [round(r["eval_reward"], 4) for r in rows if "eval_reward" in r],
         "seconds_per_iteration": round(per_iter, 2) if per_iter is not None else None,
         "cpu_s": round(_cpu_s() - cpu0, 1),
         "total_wall_s": round(total_wall, 1),
