@@ -192,8 +192,11 @@ def k3_loss(
 ) -> LossOutput:
     """On-policy distillation: the token mean of :func:`k3` over ``action_mask`` (the
     student's own action tokens), differentiated through ``log_probs`` only: the teacher's
-    logprobs are data. Its gradient raises the student's logprob where the teacher's is
-    higher and lowers it where it is lower. Metric ``kl``: the loss's value."""
+    logprobs are data. Its gradient, ``(1 - exp(t - s)) * grad s`` per token, raises the
+    student's logprob where the teacher's is higher and lowers it where it is lower; over
+    tokens the student sampled its expectation is ``-grad E_teacher[log p_student]`` (the
+    forward KL's, weighted by the unbounded ``q / p``). Metric ``kl``: the loss's value, an
+    estimate of the reverse KL."""
     _check_same_shape("teacher_log_probs", teacher_log_probs, log_probs)
     _check_same_shape("action_mask", action_mask, log_probs)
     loss = token_mean(k3(log_probs, teacher_log_probs), action_mask)
