@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["MetricsWriter", "plot", "read_rows"]
+__all__ = ["MetricsWriter", "main", "plot", "read_rows"]
 
 
 class MetricsWriter:
@@ -48,10 +48,11 @@ def plot(
     except ImportError:
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    train = [(r["iteration"], r["reward"]) for r in rows if "reward" in r]
+    datasets = sorted({k for r in rows for k in r if k.startswith("reward/")})
+    for key in datasets:  # one line per dataset: the FIFO data path alternates them
+        train = [(r["iteration"], r[key]) for r in rows if key in r]
+        top.plot(*zip(*train, strict=True), ".-", label=f"train {key}", alpha=0.5)
     evals = [(r["iteration"], r["eval_reward"]) for r in rows if "eval_reward" in r]
-    if train:
-        top.plot(*zip(*train, strict=True), label="train reward", alpha=0.6)
     if evals:
         top.plot(*zip(*evals, strict=True), "o-", label="eval reward (student)")
     if teacher_eval_reward is not None:
@@ -71,3 +72,26 @@ def plot(
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainer.report METRICS.jsonl OUT.png``: plot a run's metrics again."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m trainer.report")
+    p.add_argument("metrics", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--title", default="")
+    p.add_argument("--teacher-eval-reward", type=float, default=None)
+    args = p.parse_args(argv)
+    done = plot(read_rows(args.metrics), args.out, title=args.title or str(args.metrics),
+                teacher_eval_reward=args.teacher_eval_reward)
+    if done is None:
+        print("matplotlib is missing: pip install 'rollout-engine[train]'")
+        return 1
+    print(done)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
