@@ -1,7 +1,7 @@
 """``python -m trainer``: train the tiny student on the bundled tasks through the engine.
 
     python -m trainer --algorithm grpo --iterations 30
-    python -m trainer --algorithm opd --iterations 30 --teacher-steps 450
+    python -m trainer --algorithm opd --iterations 60 --steps-per-rollout 2
 
 Builds (once, into ``--models-dir``) a student tinylm trained for ``--student-steps`` and,
 for ``opd`` / ``mixed`` or ``--teacher-eval``, a teacher trained for ``--teacher-steps`` from
@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="metrics, plot, weights and logs (default runs/train-<algorithm>)")
     p.add_argument("--models-dir", type=Path, default=Path("runs/train-models"),
                    help="where the student and teacher models are built once and reused")
-    p.add_argument("--student-steps", type=int, default=100,
+    p.add_argument("--student-steps", type=int, default=450,
                    help="tinylm training steps of the student (weaker than the teacher)")
-    p.add_argument("--teacher-steps", type=int, default=450,
+    p.add_argument("--teacher-steps", type=int, default=1200,
                    help="tinylm training steps of the teacher")
     p.add_argument("--student-model", type=Path, default=None,
                    help="use this model folder as the student instead of building one")
