@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-prompt", type=int, default=4, help="GRPO group size")
     p.add_argument("--datasets", default=None,
                    help="comma-separated training datasets (default: all, FIFO)")
-    p.add_argument("--lr", type=float, default=2e-4, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate")
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
     p.add_argument("--steps-per-rollout", type=int, default=1,
                    help="optimizer steps on each rollout's batch (PPO epochs)")
