@@ -1,0 +1,161 @@
+"""The reference trainer (``trainer``): each lane's loss on hand-built batches with the fixed
+tensor names, and one whole iteration against the real stack (redis-server, tinylm servers,
+scheduler, worker, finalizer, capture worker as processes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.losses import token_log_probs
+from engine.ops.tinylm import init_model
+from tinylm.model import ModelSize
+from trainer.cli import build_parser, train_on_stack
+from trainer.loop import lane_loss
+from trainer.policy import load_model, tokenizer_vocab_size
+from trainer.stack import start_stack
+
+
+def hand_batch() -> dict[str, torch.Tensor]:
+    """Two rows of 4 positions: prompt at 0, response at 1..3; row 1 is a removed dummy."""
+    return {
+        "tokens": torch.tensor([[5, 6, 7, 8], [0, 0, 0, 0]]),
+        "loss_mask": torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]),
+        "rollout_log_probs": torch.zeros(2, 4),
+        "rewards": torch.tensor([1.0, 0.0]),
+        "remove_sample": torch.tensor([False, True]),
+        # position 1: a teacher token (sentinel), 2: tool output, 3: a student token
+        "teacher_log_probs": torch.tensor([[0.0, 1.0, 0.0, math.log(0.25)], [0.0] * 4]),
+        "action_mask": torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]),
+        "is_teacher_mask": torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+    }
+
+
+def test_mixed_lane_trains_teacher_tokens_with_ce_and_student_tokens_with_k3() -> None:
+    batch = hand_batch()
+    s = torch.log(torch.full((2, 4), 0.5)).requires_grad_(True)
+    out = lane_loss("mixed", s, batch, groups=torch.tensor([0, 1]))
+    # row 0: CE at 1 (-log 1/2), K3 at 3 (teacher 1/4, student 1/2); tool output and the
+    # removed row take no part
+    k3_3 = 0.5 - math.log(0.5) - 1
+    assert out.loss.item() == pytest.approx((math.log(2) + k3_3) / 2, rel=1e-5)
+    assert (out.metrics["ce_tokens"], out.metrics["k3_tokens"]) == (1.0, 1.0)
+
+
+def test_opd_lane_reads_the_action_mask_and_skips_removed_rows() -> None:
+    batch = hand_batch()
+    s = torch.log(torch.full((2, 4), 0.5))
+    out = lane_loss("opd", s, batch, groups=torch.tensor([0, 1]))
+    # only row 0 position 3 (the sentinel at 1 is off the action mask)
+    assert out.loss.item() == pytest.approx(0.5 - math.log(0.5) - 1, rel=1e-5)
+    without_action = {k: v for k, v in batch.items() if k != "action_mask"}
+    without_action["teacher_log_probs"] = torch.tensor([[0.0, -1.0, 0.0, -1.0], [0.0] * 4])
+    out = lane_loss("opd", s, without_action, groups=torch.tensor([0, 1]))
+    # falls back to loss_mask (positions 1 and 3 of row 0)
+    per = math.exp(-1 - math.log(0.5)) - (-1 - math.log(0.5)) - 1
+    assert out.loss.item() == pytest.approx(per, rel=1e-5)
+
+
+def test_grpo_lane_normalizes_rewards_within_groups_of_kept_rows() -> None:
+    batch = hand_batch()
+    batch["rewards"] = torch.tensor([1.0, 0.0])
+    batch["remove_sample"] = torch.tensor([False, False])
+    s = torch.zeros(2, 4, requires_grad=True)
+    out = lane_loss("grpo", s, batch, groups=torch.tensor([3, 3]),
+                    reference_log_probs=torch.zeros(2, 4))
+    # advantages +1 / -1 (mean 0.5, std 0.5); ratio 1: -(1 * 2 tokens - 1 * 3 tokens) / 5
+    assert out.loss.item() == pytest.approx(1 / 5, rel=1e-5)
+    assert out.metrics["kl"] == pytest.approx(0.0)
+    assert out.metrics["signal_groups"] == 1.0
+    same = lane_loss("grpo", s, {**batch, "rewards": torch.tensor([1.0, 1.0])},
+                     groups=torch.tensor([3, 3]))
+    assert same.metrics["signal_groups"] == 0.0 and same.loss.item() == 0.0
+
+
+def test_a_lane_without_its_tensors_names_what_is_missing() -> None:
+    batch = {k: v for k, v in hand_batch().items()
+             if k not in ("is_teacher_mask", "action_mask")}
+    with pytest.raises(ConfigError, match="action_mask, is_teacher_mask"):
+        lane_loss("mixed", torch.zeros(2, 4), batch, groups=torch.tensor([0, 1]))
+
+
+def server_log_probs(url: str, tokens: list[int]) -> list[float]:
+    reply = httpx.post(url + "/generate", json={
+        "input_ids": tokens, "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0,
+    }, timeout=120).json()
+    return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
+
+
+@pytest.mark.slow
+@pytest.mark.redis_server
+def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
+    tmp_path: Path,
+) -> None:
+    # Same seed, hence the same tokenizer; a different width, hence different weights, so
+    # the K3 gradient is not zero. No training: the fixtures build in seconds.
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    init_model(student, seed=0, train_steps=0)
+    init_model(teacher, seed=0, train_steps=0,
+               size=ModelSize(hidden_size=64, intermediate_size=192))
+    workdir = tmp_path / "run"
+    args: argparse.Namespace = build_parser().parse_args([
+        "--algorithm", "opd", "--iterations", "1", "--prompts", "2",
+        "--samples-per-prompt", "2", "--no-eval", "--datasets", "math_train",
+        "--lr", "1e-2", "--timeout", "240",
+    ])
+    stack = start_stack(workdir, student_dir=student, teacher_dir=teacher)
+    try:
+        probe = list(range(3, 40))
+        before = server_log_probs(stack.policy_url, probe)
+        summary = asyncio.run(train_on_stack(args, stack, student, teacher, workdir))
+        after = server_log_probs(stack.policy_url, probe)
+    finally:
+        stack.stop()
+
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["iteration"] == 0 and row["published_version"] == 1
+    assert row["samples"] == 4 and row["kl"] > 0 and row["tokens"] > 0
+    assert summary["algorithm"] == "opd" and summary["kl_first"] == row["kl"]
+    # The server now serves the published version: other logprobs for the same tokens, and
+    # the ones torch computes from the saved folder.
+    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
+    saved = load_model(workdir / "weights" / "v1")
+    with torch.no_grad():
+        ids = torch.tensor([probe])
+        logits = saved(input_ids=ids).logits
+        mine = token_log_probs(logits, ids, vocab_size=tokenizer_vocab_size(student))
+    mine_list = mine[0, 1:].tolist()
+    assert max(abs(a - b) for a, b in zip(mine_list, after, strict=True)) < 1e-4
+
+
+@pytest.mark.slow
+def test_publishing_to_a_server_that_refuses_names_the_server_and_its_answer(
+    tmp_path: Path,
+) -> None:
+    from tinylm.process import spawn_server
+    from trainer.publish import DiskPushPublisher, PublishFailed
+    from trainer.stack import ADMIN_KEY_ENV
+
+    model = tmp_path / "model"
+    init_model(model, seed=0, train_steps=0)
+    with spawn_server(model, env={ADMIN_KEY_ENV: "the-admin-key"}) as server:
+        wrong_key = DiskPushPublisher([server.url], admin_key="not-the-key")
+        with pytest.raises(PublishFailed, match=rf"{server.url}.*answered 401"):
+            asyncio.run(wrong_key.publish(1, str(model)))
+        right_key = DiskPushPublisher([server.url], admin_key="the-admin-key")
+        with pytest.raises(PublishFailed, match=r"answered 400: Failed to get weights"):
+            asyncio.run(right_key.publish(1, str(tmp_path / "missing")))
+        asyncio.run(right_key.publish(7, str(model)))
+        info = httpx.get(server.url + "/get_weight_version", timeout=30).json()
+    assert info["weight_version"] == "7"

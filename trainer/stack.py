@@ -1,0 +1,138 @@
+"""The processes a training run needs on one machine, started and stopped together.
+
+``start_stack`` uses the demo's pieces (``engine.ops.demo.Stack``, ``engine.ops.embedded``):
+an authenticated embedded Redis (or the caller's URL), the student's tinylm server started
+with a fresh admin key (only the trainer's publisher holds it; the evaluator workers, whose
+sandboxes run model-written code, never see it), the scheduler, evaluator workers and a
+finalizer on the bundled tasks, and, when a teacher is given, the teacher's tinylm server
+and a capture worker that force-decodes kept samples on it; for ``mixed``, workers whose
+agents roll in the teacher (``trainer.dagger``).
+
+Models (``ensure_models``): the student and the teacher are tinylm models built from the same
+seed, hence the same tokenizer (the teacher force-decodes the student's token ids), trained
+for different numbers of steps: the teacher longer, so it is the stronger policy.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, say
+from engine.ops.embedded import redact, start_redis
+from engine.ops.tinylm import init_model, spawn_server
+
+__all__ = ["ADMIN_KEY_ENV", "TrainStack", "ensure_model", "start_stack"]
+
+ADMIN_KEY_ENV = "TINYLM_ADMIN_API_KEY"
+"""Where ``rollout tinylm serve`` reads its admin key (tinylm.cli; never argv)."""
+
+
+@dataclass
+class TrainStack:
+    """The demo's ``Stack`` plus the teacher's server and the student server's admin key."""
+
+    stack: Stack
+    policy_url: str
+    admin_key: str
+    teacher: Any = None  # tinylm.process.ServerProcess
+    teacher_url: str | None = None
+
+    @property
+    def trainer_url(self) -> str:
+        return self.stack.trainer_url
+
+    def check_alive(self) -> None:
+        self.stack.check_alive()
+
+    def stop(self) -> None:
+        try:
+            self.stack.stop()
+        finally:
+            if self.teacher is not None:
+                self.teacher.close()
+                self.teacher = None
+
+
+def ensure_model(model_dir: Path, *, steps: int, seed: int = 0) -> Path:
+    """A tinylm trained for ``steps`` steps in ``model_dir`` (built once, then reused)."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    say(f"model     building tinylm ({steps} training steps) into {model_dir}")
+    report = init_model(model_dir, seed=seed, train_steps=steps)
+    say(f"model     built in {report.seconds:.0f}s, final loss {report.final_loss}")
+    return model_dir
+
+
+def same_tokenizer(a: Path, b: Path) -> None:
+    """Refuse a teacher whose tokenizer differs from the student's: force-decoding the
+    student's token ids on it would score other strings."""
+    ta, tb = a / "tokenizer.json", b / "tokenizer.json"
+    if not (ta.is_file() and tb.is_file()) or ta.read_bytes() != tb.read_bytes():
+        raise ConfigError(
+            f"the teacher {b} and the student {a} must share one tokenizer (tokenizer.json "
+            "differs or is missing): build both with the same seed"
+        )
+
+
+def start_stack(
+    workdir: Path,
+    *,
+    student_dir: Path,
+    teacher_dir: Path | None,
+    workers: int = 1,
+    redis_url: str | None = None,
+    dagger: bool = False,
+) -> TrainStack:
+    """Start everything (see the module docstring). ``dagger``: the workers run DAgger agents
+    that roll in the teacher (``trainer.dagger``; needs ``teacher_dir``)."""
+    if dagger and teacher_dir is None:
+        raise ConfigError("DAgger workers need a teacher model")
+    for sub in ("logs", "out"):
+        (workdir / sub).mkdir(parents=True, exist_ok=True)
+    stack = Stack(workdir)
+    train = TrainStack(stack, policy_url="", admin_key=secrets.token_urlsafe(24))
+    try:
+        if redis_url is None:
+            stack.redis = start_redis()
+            stack.redis_url, stack.trainer_url = stack.redis.engine_url, stack.redis.trainer_url
+        else:
+            stack.redis_url = stack.trainer_url = redis_url
+        say(f"redis     {redact(stack.redis_url)}")
+        stack.server = spawn_server(student_dir, env={ADMIN_KEY_ENV: train.admin_key})
+        train.policy_url = stack.server.url
+        say(f"policy    tinylm server at {train.policy_url} (admin key: the trainer only)")
+        worker_config = EVALUATORS
+        if teacher_dir is not None:
+            same_tokenizer(student_dir, teacher_dir)
+            train.teacher = spawn_server(teacher_dir)
+            train.teacher_url = train.teacher.url
+            say(f"teacher   tinylm server at {train.teacher_url}")
+            stack.spawn("capture", ["-m", "workers.capture", "--teacher-url", train.teacher_url,
+                                    "--teacher-tokenizer", str(teacher_dir),
+                                    "--worker-id", "train-capture"])
+            if dagger:
+                from trainer.dagger import write_config
+
+                worker_config = write_config(workdir / "evaluators_dagger.py",
+                                             teacher_url=train.teacher_url,
+                                             teacher_dir=teacher_dir)
+        # The scheduler reads only the profiles, the bundled ones either way.
+        stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
+                                  str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATORS),
+                                  "--scheduler-id", "train-sched"])
+        for i in range(workers):
+            stack.spawn(f"worker-{i}", ["-m", "workers.evaluator",
+                                        "--evaluator-config", str(worker_config),
+                                        "--model-dir", str(student_dir),
+                                        "--sglang-url", train.policy_url,
+                                        "--worker-id", f"train-worker-{i}"])
+        stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
+                                  str(workdir / "out"), "--worker-id", "train-finalizer"])
+    except BaseException:
+        train.stop()
+        raise
+    return train
