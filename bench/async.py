@@ -15,7 +15,7 @@ machine) and whose figures it joins:
     vs waiting for every sample of the same number of groups: ``partial_vs_full_ratio``
     (target >= 1.5).
 
-    python bench/async.py [--refill-rounds 3 --refill-iterations 16] [--partial-rounds 3]
+    python bench/async.py [--refill-rounds 3 --refill-iterations 32 --refill-prompts 32] [--partial-rounds 3]
 
 The last line printed is one JSON object with both parts' figures.
 """
@@ -46,8 +46,8 @@ def _load(name: str) -> ModuleType:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refill-rounds", type=int, default=3)
-    parser.add_argument("--refill-iterations", type=int, default=16)
-    parser.add_argument("--refill-prompts", type=int, default=8)
+    parser.add_argument("--refill-iterations", type=int, default=32)
+    parser.add_argument("--refill-prompts", type=int, default=32)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--partial-rounds", type=int, default=3)
     parser.add_argument("--partial-groups", type=int, default=32)
