@@ -14,9 +14,11 @@ import httpx
 import pytest
 import torch
 
+from engine.client import RolloutClient
 from engine.errors import ConfigError
 from engine.losses import token_log_probs
 from engine.ops.tinylm import init_model
+from engine.projections.policy import PolicyState
 from tinylm.model import ModelSize
 from trainer.cli import build_parser, train_on_stack
 from trainer.loop import lane_loss
@@ -95,6 +97,14 @@ def server_log_probs(url: str, tokens: list[int]) -> list[float]:
     return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
 
 
+async def control_policy(url: str) -> PolicyState:
+    client = RolloutClient.connect(url, producer="test")
+    try:
+        return await client.policy_state()
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.slow
 @pytest.mark.redis_server
 def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
@@ -118,8 +128,21 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
         before = server_log_probs(stack.policy_url, probe)
         summary = asyncio.run(train_on_stack(args, stack, student, teacher, workdir))
         after = server_log_probs(stack.policy_url, probe)
+        served = httpx.get(stack.policy_url + "/get_weight_version", timeout=30).json()
+        policy = asyncio.run(control_policy(stack.trainer_url))
+        sync_log = (workdir / "logs" / "sync.log").read_text()
     finally:
         stack.stop()
+
+    # The version went through the policy-version API: the syncer (which holds the admin
+    # key, from its file) loaded it and recorded PolicyVersionActivated on control.
+    assert policy.published == 1 and policy.failure is None
+    assert policy.activated is not None and policy.activated.version == 1
+    assert policy.activated.weights_uri == str((workdir / "weights" / "v1").resolve())
+    assert policy.activated.servers == [stack.policy_url]
+    assert served["weight_version"] == "1"
+    assert "version 1 active" in sync_log
+    assert stack.secrets_dir is None  # the key file is gone with the stack
 
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1

@@ -31,7 +31,7 @@ from engine.errors import EngineError
 from engine.ops.demo import say
 from trainer.loop import ALGORITHMS, TEACHER_ALGORITHMS, LoopConfig, evaluate, train
 from trainer.policy import FrozenModel, Policy
-from trainer.publish import DiskPushPublisher
+from trainer.publish import DiskPushPublisher, VersionPublisher
 from trainer.report import MetricsWriter, plot
 from trainer.stack import TrainStack, ensure_model, start_stack
 
@@ -111,7 +111,9 @@ async def train_on_stack(
     workdir: Path,
 ) -> dict[str, Any]:
     client = RolloutClient.connect(stack.trainer_url, block_ms=500, producer="trainer")
-    publisher = DiskPushPublisher([stack.policy_url], admin_key=stack.admin_key)
+    publisher = VersionPublisher(client, timeout_s=args.timeout)
+    # Not policy versions: the teacher's eval pass loads weights on the server directly.
+    direct = DiskPushPublisher([stack.policy_url], admin_key=stack.admin_key)
     metrics = MetricsWriter(workdir / "metrics.jsonl")
     began = time.monotonic()
     try:
@@ -119,13 +121,13 @@ async def train_on_stack(
         if teacher is not None and not args.no_eval:
             # Not a policy version: the teacher's weights visit the policy server for one
             # eval pass, then the student's initial weights come back.
-            await publisher.load(str(teacher), label="teacher")
+            await direct.load(str(teacher), label="teacher")
             scores = await evaluate(client, iteration=0, version=0, seed=args.seed,
                                     timeout_s=args.timeout,
                                     samples_per_prompt=args.eval_samples_per_prompt)
             teacher_eval = scores.get("eval_reward")
             say(f"teacher   eval reward {teacher_eval}")
-            await publisher.load(str(student), label="0")
+            await direct.load(str(student), label="0")
         policy = Policy(student, lr=args.lr, seed=args.seed)
         reference = FrozenModel(student) if args.algorithm == "grpo" else None
         config = LoopConfig(
