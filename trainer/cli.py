@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip every eval pass (the teacher's too): training iterations only")
     p.add_argument("--dagger-beta", type=float, default=0.5,
                    help="mixed: the teacher's per-turn probability (knob dagger_beta)")
+    p.add_argument("--dagger-t-max", type=int, default=None,
+                   help="mixed: the teacher acts only on turns below this (knob t_max; "
+                        "default: no limit)")
     p.add_argument("--workers", type=int, default=1, help="evaluator worker processes")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of the training step (default 1, as tinylm's server: "
@@ -106,6 +109,16 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return student, teacher
 
 
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's knobs: the DAgger rollin's for ``mixed``, none otherwise."""
+    if args.algorithm != "mixed":
+        return {}
+    knobs: dict[str, Any] = {"dagger_beta": args.dagger_beta}
+    if args.dagger_t_max is not None:
+        knobs["t_max"] = args.dagger_t_max
+    return knobs
+
+
 async def train_on_stack(
     args: argparse.Namespace, stack: TrainStack, student: Path, teacher: Path | None,
     workdir: Path,
@@ -124,7 +137,8 @@ async def train_on_stack(
             await direct.load(str(teacher), label="teacher")
             scores = await evaluate(client, iteration=0, version=0, seed=args.seed,
                                     timeout_s=args.timeout,
-                                    samples_per_prompt=args.eval_samples_per_prompt)
+                                    samples_per_prompt=args.eval_samples_per_prompt,
+                                    check_alive=stack.check_alive)
             teacher_eval = scores.get("eval_reward")
             say(f"teacher   eval reward {teacher_eval}")
             await direct.load(str(student), label="0")
@@ -138,7 +152,7 @@ async def train_on_stack(
             eval_samples_per_prompt=args.eval_samples_per_prompt,
             timeout_s=args.timeout,
             datasets=args.datasets.split(",") if args.datasets else None,
-            knobs={"dagger_beta": args.dagger_beta} if args.algorithm == "mixed" else {},
+            knobs=_knobs(args),
         )
 
         def on_row(row: dict[str, Any]) -> None:

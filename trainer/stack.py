@@ -131,7 +131,7 @@ def start_stack(
         train.policy_url = stack.server.url
         say(f"policy    tinylm server at {train.policy_url} (admin key: the syncer and "
             "the trainer)")
-        worker_config = EVALUATORS
+        worker_config, worker_teacher = EVALUATORS, []
         if teacher_dir is not None:
             same_tokenizer(student_dir, teacher_dir)
             train.teacher = spawn_server(teacher_dir)
@@ -140,12 +140,12 @@ def start_stack(
             stack.spawn("capture", ["-m", "workers.capture", "--teacher-url", train.teacher_url,
                                     "--teacher-tokenizer", str(teacher_dir),
                                     "--worker-id", "train-capture"])
-            if dagger:
-                from trainer.dagger import write_config
+            if dagger:  # the workers' own teacher port, for DAgger turns
+                from trainer.dagger import DAGGER_CONFIG
 
-                worker_config = write_config(workdir / "evaluators_dagger.py",
-                                             teacher_url=train.teacher_url,
-                                             teacher_dir=teacher_dir)
+                worker_config = DAGGER_CONFIG
+                worker_teacher = ["--teacher-url", train.teacher_url,
+                                  "--teacher-tokenizer", str(teacher_dir)]
         # The scheduler reads only the profiles, the bundled ones either way.
         stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
                                   str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATORS),
@@ -155,6 +155,7 @@ def start_stack(
                                         "--evaluator-config", str(worker_config),
                                         "--model-dir", str(student_dir),
                                         "--sglang-url", train.policy_url,
+                                        *worker_teacher,
                                         "--worker-id", f"train-worker-{i}"])
         stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
                                   str(workdir / "out"), "--worker-id", "train-finalizer"])
