@@ -109,7 +109,9 @@ def lane_loss(
     ``reference_log_probs`` the metric ``kl`` is K3 of the policy against that reference.
     ``opd``: K3 against ``teacher_log_probs`` over ``action_mask`` (``loss_mask`` when the
     batch has none: the capture lane already made it the action mask). ``mixed``: the
-    sentinel kernel over ``action_mask`` or ``is_teacher_mask``.
+    sentinel kernel over ``action_mask`` or ``is_teacher_mask`` (the mixed lane's
+    ``loss_mask``, engine.projections.lanes): CE where ``teacher_log_probs`` holds the +1.0
+    sentinel (teacher tokens), K3 on the student's action tokens.
     """
     valid = ~batch["remove_sample"].bool()
     rows = valid[:, None].to(log_probs.dtype)
