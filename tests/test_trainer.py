@@ -93,6 +93,28 @@ def test_a_lane_without_its_tensors_names_what_is_missing() -> None:
         lane_loss("mixed", torch.zeros(2, 4), batch, groups=torch.tensor([0, 1]))
 
 
+def test_a_wait_ends_with_the_error_of_a_stack_process_that_died() -> None:
+    from engine.errors import EngineError
+    from trainer.loop import watched
+
+    async def scenario() -> tuple[bool, int]:
+        never = asyncio.get_running_loop().create_future()
+        checks = []
+
+        def check_alive() -> None:
+            checks.append(1)
+            if len(checks) == 2:
+                raise EngineError("worker-0 exited with status 2")
+
+        with pytest.raises(EngineError, match="worker-0 exited"):
+            await watched(never, check_alive, every_s=0.01)
+        return never.cancelled(), len(checks)
+
+    cancelled, checks = asyncio.run(scenario())
+    assert cancelled and checks == 2  # the wait was cancelled, not left running
+    assert asyncio.run(watched(asyncio.sleep(0, result=7), lambda: None)) == 7
+
+
 def server_log_probs(url: str, tokens: list[int]) -> list[float]:
     reply = httpx.post(url + "/generate", json={
         "input_ids": tokens, "sampling_params": {"max_new_tokens": 0},
