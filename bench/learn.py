@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/learn.py --algorithm grpo --iterations 20
     PYTHONPATH=$PWD python bench/learn.py --algorithm opd --iterations 20
+    PYTHONPATH=$PWD python bench/learn.py --algorithm mixed --iterations 40 --dagger-beta 0.5
 
 Every ``python -m trainer`` flag is accepted (``--student-steps``, ``--teacher-steps``, ``--lr``,
 ``--prompts``, ``--eval-every`` ...); the workdir defaults to ``runs/bench-learn-<algorithm>``,

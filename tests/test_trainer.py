@@ -14,10 +14,16 @@ import httpx
 import pytest
 import torch
 
+from engine.agents.tools import PythonTool
+from engine.client import RolloutClient, collate
 from engine.errors import ConfigError
 from engine.losses import token_log_probs
 from engine.ops.tinylm import init_model
-from tinylm.model import ModelSize
+from engine.projections.lanes import TEACHER_SENTINEL
+from engine.projections.policy import PolicyState
+from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
+from tinylm.corpus import Dialogue
+from tinylm.model import ModelSize, TrainSettings
 from trainer.cli import build_parser, train_on_stack
 from trainer.loop import lane_loss
 from trainer.policy import load_model, tokenizer_vocab_size
@@ -87,12 +93,42 @@ def test_a_lane_without_its_tensors_names_what_is_missing() -> None:
         lane_loss("mixed", torch.zeros(2, 4), batch, groups=torch.tensor([0, 1]))
 
 
+def test_a_wait_ends_with_the_error_of_a_stack_process_that_died() -> None:
+    from engine.errors import EngineError
+    from trainer.loop import watched
+
+    async def scenario() -> tuple[bool, int]:
+        never = asyncio.get_running_loop().create_future()
+        checks = []
+
+        def check_alive() -> None:
+            checks.append(1)
+            if len(checks) == 2:
+                raise EngineError("worker-0 exited with status 2")
+
+        with pytest.raises(EngineError, match="worker-0 exited"):
+            await watched(never, check_alive, every_s=0.01)
+        return never.cancelled(), len(checks)
+
+    cancelled, checks = asyncio.run(scenario())
+    assert cancelled and checks == 2  # the wait was cancelled, not left running
+    assert asyncio.run(watched(asyncio.sleep(0, result=7), lambda: None)) == 7
+
+
 def server_log_probs(url: str, tokens: list[int]) -> list[float]:
     reply = httpx.post(url + "/generate", json={
         "input_ids": tokens, "sampling_params": {"max_new_tokens": 0},
         "return_logprob": True, "logprob_start_len": 0,
     }, timeout=120).json()
     return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
+
+
+async def control_policy(url: str) -> PolicyState:
+    client = RolloutClient.connect(url, producer="test")
+    try:
+        return await client.policy_state()
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.slow
@@ -118,8 +154,21 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
         before = server_log_probs(stack.policy_url, probe)
         summary = asyncio.run(train_on_stack(args, stack, student, teacher, workdir))
         after = server_log_probs(stack.policy_url, probe)
+        served = httpx.get(stack.policy_url + "/get_weight_version", timeout=30).json()
+        policy = asyncio.run(control_policy(stack.trainer_url))
+        sync_log = (workdir / "logs" / "sync.log").read_text()
     finally:
         stack.stop()
+
+    # The version went through the policy-version API: the syncer (which holds the admin
+    # key, from its file) loaded it and recorded PolicyVersionActivated on control.
+    assert policy.published == 1 and policy.failure is None
+    assert policy.activated is not None and policy.activated.version == 1
+    assert policy.activated.weights_uri == str((workdir / "weights" / "v1").resolve())
+    assert policy.activated.servers == [stack.policy_url]
+    assert served["weight_version"] == "1"
+    assert "version 1 active" in sync_log
+    assert stack.secrets_dir is None  # the key file is gone with the stack
 
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
@@ -159,3 +208,82 @@ def test_publishing_to_a_server_that_refuses_names_the_server_and_its_answer(
         asyncio.run(right_key.publish(7, str(model)))
         info = httpx.get(server.url + "/get_weight_version", timeout=30).json()
     assert info["weight_version"] == "7"
+
+
+def math_episode(question: str, expression: str, answer: str) -> Dialogue:
+    """A ``math`` agent episode written as the agent renders it (tests/agents/conftest.py)."""
+    return Dialogue(
+        messages=[
+            {"role": "system", "content": MATH_SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "type": "function",
+                "function": {"name": "python", "arguments": {"code": f"print({expression})"}},
+            }]},
+            {"role": "tool", "content": answer},
+            {"role": "assistant", "content": f"The answer is <answer>{answer}</answer>"},
+        ],
+        tools=[PythonTool().schema()],
+    )
+
+
+async def rollout_masks(url: str, rollout_id: str) -> tuple[int, int, int]:
+    """Teacher tokens, student action tokens and positions with the sentinel, over the
+    rollout's samples as ``collate`` gives them to the trainer."""
+    client = RolloutClient.connect(url, producer="test")
+    try:
+        samples = [s for s in await client.load(rollout_id) if s.teacher_log_probs is not None]
+    finally:
+        await client.aclose()
+    batch = collate(samples)
+    teacher = batch["is_teacher_mask"].bool()
+    sentinel = batch["teacher_log_probs"].eq(TEACHER_SENTINEL) & batch["loss_mask"].bool()
+    return int(teacher.sum()), int(batch["action_mask"].sum()), int(sentinel.sum())
+
+
+@pytest.mark.slow
+@pytest.mark.redis_server
+def test_one_mixed_iteration_trains_teacher_tokens_with_ce_and_student_tokens_with_k3(
+    tmp_path: Path,
+) -> None:
+    # The teacher is overfit on the episodes of the two prompts the rollout takes (the
+    # first two of math_train), so its turn 0 (beta 1, t_max 1) is a well-formed tool call;
+    # the untrained student acts on every later turn. Same seed and corpus: one tokenizer.
+    episodes = [math_episode(*row) for row in (("Compute 38 plus 6.", "38 + 6", "44"),
+                                               ("Compute 33 plus 30.", "33 + 30", "63"))]
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    init_model(student, seed=0, dialogues=episodes, train_steps=0)
+    init_model(teacher, seed=0, dialogues=episodes, train=TrainSettings(
+        steps=120, batch_size=1, learning_rate=5e-3, warmup_steps=3))
+    workdir = tmp_path / "run"
+    args: argparse.Namespace = build_parser().parse_args([
+        "--algorithm", "mixed", "--iterations", "1", "--prompts", "2",
+        "--samples-per-prompt", "2", "--no-eval", "--datasets", "math_train",
+        "--dagger-beta", "1", "--dagger-t-max", "1", "--lr", "1e-2", "--timeout", "240",
+    ])
+    stack = start_stack(workdir, student_dir=student, teacher_dir=teacher, dagger=True)
+    try:
+        probe = list(range(3, 40))
+        before = server_log_probs(stack.policy_url, probe)
+        summary = asyncio.run(train_on_stack(args, stack, student, teacher, workdir))
+        after = server_log_probs(stack.policy_url, probe)
+        policy = asyncio.run(control_policy(stack.trainer_url))
+        rows = [json.loads(line)
+                for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        teacher_tokens, student_tokens, sentinels = asyncio.run(
+            rollout_masks(stack.trainer_url, rows[0]["rollout_id"]))
+    finally:
+        stack.stop()
+
+    assert len(rows) == 1 and summary["algorithm"] == "mixed"
+    row = rows[0]
+    assert row["samples"] == 4 and row["aborted"] == 0
+    # Both kernels ran, each on exactly the lane's positions: CE on every teacher token
+    # (the sentinel's), K3 on every student action token.
+    assert teacher_tokens > 0 and student_tokens > 0
+    assert sentinels == teacher_tokens
+    assert (row["ce_tokens"], row["k3_tokens"]) == (teacher_tokens, student_tokens)
+    assert row["ce"] > 0 and row["kl"] >= 0 and math.isfinite(row["loss"])
+    # The step was published through the syncer and the server serves it.
+    assert policy.activated is not None and policy.activated.version == 1
+    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3

@@ -31,7 +31,7 @@ from engine.errors import EngineError
 from engine.ops.demo import say
 from trainer.loop import ALGORITHMS, TEACHER_ALGORITHMS, LoopConfig, evaluate, train
 from trainer.policy import FrozenModel, Policy
-from trainer.publish import DiskPushPublisher
+from trainer.publish import DiskPushPublisher, VersionPublisher
 from trainer.report import MetricsWriter, plot
 from trainer.stack import TrainStack, ensure_model, start_stack
 
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip every eval pass (the teacher's too): training iterations only")
     p.add_argument("--dagger-beta", type=float, default=0.5,
                    help="mixed: the teacher's per-turn probability (knob dagger_beta)")
+    p.add_argument("--dagger-t-max", type=int, default=None,
+                   help="mixed: the teacher acts only on turns below this (knob t_max; "
+                        "default: no limit)")
     p.add_argument("--workers", type=int, default=1, help="evaluator worker processes")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of the training step (default 1, as tinylm's server: "
@@ -106,12 +109,24 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return student, teacher
 
 
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's knobs: the DAgger rollin's for ``mixed``, none otherwise."""
+    if args.algorithm != "mixed":
+        return {}
+    knobs: dict[str, Any] = {"dagger_beta": args.dagger_beta}
+    if args.dagger_t_max is not None:
+        knobs["t_max"] = args.dagger_t_max
+    return knobs
+
+
 async def train_on_stack(
     args: argparse.Namespace, stack: TrainStack, student: Path, teacher: Path | None,
     workdir: Path,
 ) -> dict[str, Any]:
     client = RolloutClient.connect(stack.trainer_url, block_ms=500, producer="trainer")
-    publisher = DiskPushPublisher([stack.policy_url], admin_key=stack.admin_key)
+    publisher = VersionPublisher(client, timeout_s=args.timeout)
+    # Not policy versions: the teacher's eval pass loads weights on the server directly.
+    direct = DiskPushPublisher([stack.policy_url], admin_key=stack.admin_key)
     metrics = MetricsWriter(workdir / "metrics.jsonl")
     began = time.monotonic()
     try:
@@ -119,13 +134,14 @@ async def train_on_stack(
         if teacher is not None and not args.no_eval:
             # Not a policy version: the teacher's weights visit the policy server for one
             # eval pass, then the student's initial weights come back.
-            await publisher.load(str(teacher), label="teacher")
+            await direct.load(str(teacher), label="teacher")
             scores = await evaluate(client, iteration=0, version=0, seed=args.seed,
                                     timeout_s=args.timeout,
-                                    samples_per_prompt=args.eval_samples_per_prompt)
+                                    samples_per_prompt=args.eval_samples_per_prompt,
+                                    check_alive=stack.check_alive)
             teacher_eval = scores.get("eval_reward")
             say(f"teacher   eval reward {teacher_eval}")
-            await publisher.load(str(student), label="0")
+            await direct.load(str(student), label="0")
         policy = Policy(student, lr=args.lr, seed=args.seed)
         reference = FrozenModel(student) if args.algorithm == "grpo" else None
         config = LoopConfig(
@@ -136,7 +152,7 @@ async def train_on_stack(
             eval_samples_per_prompt=args.eval_samples_per_prompt,
             timeout_s=args.timeout,
             datasets=args.datasets.split(",") if args.datasets else None,
-            knobs={"dagger_beta": args.dagger_beta} if args.algorithm == "mixed" else {},
+            knobs=_knobs(args),
         )
 
         def on_row(row: dict[str, Any]) -> None:

@@ -18,12 +18,14 @@ appends one JSON row to ``metrics.jsonl`` (``trainer.report``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -50,6 +52,8 @@ ALGORITHMS: dict[str, str] = {"grpo": "grpo", "opd": "opd", "mixed": "mixed_ce_k
 """The trainer's ``--algorithm`` and the request's ``algorithm`` (which picks the lane)."""
 
 TEACHER_ALGORITHMS = frozenset({"opd", "mixed"})
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +109,9 @@ def lane_loss(
     ``reference_log_probs`` the metric ``kl`` is K3 of the policy against that reference.
     ``opd``: K3 against ``teacher_log_probs`` over ``action_mask`` (``loss_mask`` when the
     batch has none: the capture lane already made it the action mask). ``mixed``: the
-    sentinel kernel over ``action_mask`` or ``is_teacher_mask``.
+    sentinel kernel over ``action_mask`` or ``is_teacher_mask`` (the mixed lane's
+    ``loss_mask``, engine.projections.lanes): CE where ``teacher_log_probs`` holds the +1.0
+    sentinel (teacher tokens), K3 on the student's action tokens.
     """
     valid = ~batch["remove_sample"].bool()
     rows = valid[:, None].to(log_probs.dtype)
@@ -135,6 +141,26 @@ def lane_loss(
     raise ConfigError(f"unknown algorithm {algorithm!r}: expected one of {sorted(ALGORITHMS)}")
 
 
+async def watched(
+    waiting: Awaitable[T], check_alive: Callable[[], None], *, every_s: float = 2.0
+) -> T:
+    """Await ``waiting`` while calling ``check_alive`` every ``every_s`` seconds: a stack
+    process that died (a worker that could not start, say) ends the wait with its error
+    instead of the rollout's timeout."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            check_alive()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 def _rewards(samples: Sequence[Sample]) -> dict[str, float]:
     """Mean reward overall and per dataset, over samples that were not removed."""
     by: dict[str, list[float]] = defaultdict(list)
@@ -149,14 +175,14 @@ def _rewards(samples: Sequence[Sample]) -> dict[str, float]:
 
 async def evaluate(
     client: RolloutClient, *, iteration: int, version: int, seed: int, timeout_s: float,
-    samples_per_prompt: int | None = None,
+    samples_per_prompt: int | None = None, check_alive: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """One eval pass of the current policy: mean reward overall and per eval dataset.
     ``samples_per_prompt`` overrides the eval datasets' ``n_samples_per_eval_prompt``."""
     rid = await client.request(iteration=iteration, n_prompts=1, kind=RolloutKind.EVAL,
                                n_samples_per_prompt=samples_per_prompt,
                                policy_version=version, seed=seed)
-    await client.wait_ready(rid, timeout=timeout_s)
+    await watched(client.wait_ready(rid, timeout=timeout_s), check_alive)
     samples = await client.load(rid)
     return {"eval_" + k: v for k, v in _rewards(samples).items()} | {
         "eval_samples": float(sum(not s.remove_sample for s in samples))
@@ -188,7 +214,8 @@ async def train(
             check_alive()
             row |= await evaluate(client, iteration=i, version=version,
                                   seed=config.seed, timeout_s=config.timeout_s,
-                                  samples_per_prompt=config.eval_samples_per_prompt)
+                                  samples_per_prompt=config.eval_samples_per_prompt,
+                                  check_alive=check_alive)
         t1 = time.monotonic()
         check_alive()
         rid = await client.request(
@@ -198,7 +225,7 @@ async def train(
             datasets=list(config.datasets) if config.datasets else None,
             knobs=config.knobs,
         )
-        ready = await client.wait_ready(rid, timeout=config.timeout_s)
+        ready = await watched(client.wait_ready(rid, timeout=config.timeout_s), check_alive)
         samples = await client.load(rid)
         if config.algorithm in TEACHER_ALGORITHMS:
             # An aborted sample is a masked dummy without teacher logprobs; it carries no
@@ -221,7 +248,7 @@ async def train(
         t3 = time.monotonic()
         version += 1
         uri = policy.save(weights_dir / f"v{version}")
-        await publisher.publish(version, str(uri))
+        await watched(publisher.publish(version, str(uri)), check_alive)
         t4 = time.monotonic()
         row |= {
             "rollout_id": rid,
@@ -249,7 +276,8 @@ async def train(
                  "algorithm": config.algorithm}
         final |= await evaluate(client, iteration=config.iterations, version=version,
                                 seed=config.seed, timeout_s=config.timeout_s,
-                                samples_per_prompt=config.eval_samples_per_prompt)
+                                samples_per_prompt=config.eval_samples_per_prompt,
+                                check_alive=check_alive)
         final["wall_s"] = round(time.monotonic() - began, 3)
         rows.append(final)
         on_row(final)

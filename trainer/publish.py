@@ -1,12 +1,18 @@
 """Publishing a new policy version: ``publish(version, weights_uri)``.
 
 The loop saves each version as a model folder and calls ``Publisher.publish(version,
-weights_uri)``, the signature of ``RolloutClient.publish_version``, so the engine's
-policy-version API can take this module's place. ``DiskPushPublisher`` is the direct form
-for a stack without that API: it posts SGLang's ``/update_weights_from_disk`` (``model_path``
-= the folder, ``weight_version`` = the version) to every model server with the admin key and
-returns once each answered ``success``; the servers wait for in-flight generations before
-swapping (tinylm and SGLang alike), so the next rollout samples the new weights.
+weights_uri)``. ``VersionPublisher`` is the engine's policy-version API: it appends
+``PolicyVersionPublished`` (``RolloutClient.publish_version``) and waits for the weight
+syncer's ``PolicyVersionActivated`` (``wait_version_active``): the syncer quiesces the
+engine, loads the folder on every model server with the admin key, checks that each reports
+the version, and resumes, so the next rollout samples the new weights; a failed sync
+raises ``engine.errors.WeightSyncFailed`` with the servers' error.
+
+``DiskPushPublisher`` is the direct form, with no syncer: it posts SGLang's
+``/update_weights_from_disk`` (``model_path`` = the folder, ``weight_version`` = a label) to
+every server with the admin key and returns once each answered ``success`` (the servers wait
+for in-flight generations before swapping). The trainer uses it only for loads that are not
+policy versions (the teacher's eval pass, ``trainer.cli``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import Protocol
 
 import httpx
 
+from engine.client import RolloutClient
 from engine.errors import EngineError
 
-__all__ = ["DiskPushPublisher", "PublishFailed", "Publisher"]
+__all__ = ["DiskPushPublisher", "PublishFailed", "Publisher", "VersionPublisher"]
 
 
 class PublishFailed(EngineError):
@@ -27,6 +34,18 @@ class PublishFailed(EngineError):
 
 class Publisher(Protocol):
     async def publish(self, version: int, weights_uri: str) -> None: ...
+
+
+class VersionPublisher:
+    """Publish through the policy-version API and wait until the version is active."""
+
+    def __init__(self, client: RolloutClient, *, timeout_s: float | None = 300.0) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def publish(self, version: int, weights_uri: str) -> None:
+        await self.client.publish_version(version, weights_uri)
+        await self.client.wait_version_active(version, timeout=self.timeout_s)
 
 
 class DiskPushPublisher:

@@ -2,7 +2,8 @@
 
 ``MetricsWriter`` appends one JSON object per line and flushes it, so a run that is stopped
 keeps every finished iteration. ``plot`` draws, from those rows, the training reward, the eval
-reward (where measured, with the teacher's as a line when known) and the KL per iteration;
+reward (where measured, with the teacher's as a line when known) and the KL per iteration
+(and, for the mixed lane, the CE on the teacher's tokens);
 it needs matplotlib (``pip install 'rollout-engine[train]'``), and says so instead of failing
 the run when it is missing.
 """
@@ -65,9 +66,14 @@ def plot(
     kl = [(r["iteration"], r["kl"]) for r in rows if "kl" in r]
     if kl:
         bottom.plot(*zip(*kl, strict=True), color="tab:red", label=kl_label)
+    ce = [(r["iteration"], r["ce"]) for r in rows if "ce" in r]
+    if ce:  # the mixed lane: CE on the teacher's tokens
+        bottom.plot(*zip(*ce, strict=True), color="tab:purple",
+                    label="CE on teacher tokens (nats/token)")
+    if kl or ce:
         bottom.legend(loc="best", fontsize=8)
     bottom.set_xlabel("iteration")
-    bottom.set_ylabel("KL")
+    bottom.set_ylabel("KL / CE" if ce else "KL")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

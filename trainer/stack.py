@@ -2,11 +2,16 @@
 
 ``start_stack`` uses the demo's pieces (``engine.ops.demo.Stack``, ``engine.ops.embedded``):
 an authenticated embedded Redis (or the caller's URL), the student's tinylm server started
-with a fresh admin key (only the trainer's publisher holds it; the evaluator workers, whose
-sandboxes run model-written code, never see it), the scheduler, evaluator workers and a
-finalizer on the bundled tasks, and, when a teacher is given, the teacher's tinylm server
-and a capture worker that force-decodes kept samples on it; for ``mixed``, workers whose
-agents roll in the teacher (``trainer.dagger``).
+with a fresh admin key, the scheduler, evaluator workers, a finalizer on the bundled tasks
+and the weight syncer (``rollout sync``: it loads each published policy version on the
+student's server), and, when a teacher is given, the teacher's tinylm server and a capture
+worker that force-decodes kept samples on it; for ``mixed``, workers whose agents roll in
+the teacher (``trainer.dagger``).
+
+The admin key goes to the syncer in a file (``ROLLOUT_SGLANG_ADMIN_KEY_FILE``, mode 0600, in
+a private folder removed when the stack stops) and to the trainer process itself, for its one
+direct load outside the policy versions (the teacher's eval pass, ``trainer.cli``); the
+evaluator workers, whose sandboxes run model-written code, never see it.
 
 Models (``ensure_models``): the student and the teacher are tinylm models built from the same
 seed, hence the same tokenizer (the teacher force-decodes the student's token ids), trained
@@ -15,7 +20,10 @@ for different numbers of steps: the teacher longer, so it is the stronger policy
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +33,13 @@ from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, say
 from engine.ops.embedded import redact, start_redis
 from engine.ops.tinylm import init_model, spawn_server
 
-__all__ = ["ADMIN_KEY_ENV", "TrainStack", "ensure_model", "start_stack"]
+__all__ = ["ADMIN_KEY_ENV", "ADMIN_KEY_FILE_ENV", "TrainStack", "ensure_model", "start_stack"]
 
 ADMIN_KEY_ENV = "TINYLM_ADMIN_API_KEY"
 """Where ``rollout tinylm serve`` reads its admin key (tinylm.cli; never argv)."""
+
+ADMIN_KEY_FILE_ENV = "ROLLOUT_SGLANG_ADMIN_KEY_FILE"
+"""Where ``rollout sync`` finds the file holding the servers' admin key (engine.settings)."""
 
 
 @dataclass
@@ -40,6 +51,7 @@ class TrainStack:
     admin_key: str
     teacher: Any = None  # tinylm.process.ServerProcess
     teacher_url: str | None = None
+    secrets_dir: Path | None = None  # holds the admin key file; removed by stop()
 
     @property
     def trainer_url(self) -> str:
@@ -55,6 +67,9 @@ class TrainStack:
             if self.teacher is not None:
                 self.teacher.close()
                 self.teacher = None
+            if self.secrets_dir is not None:
+                shutil.rmtree(self.secrets_dir, ignore_errors=True)
+                self.secrets_dir = None
 
 
 def ensure_model(model_dir: Path, *, steps: int, seed: int = 0) -> Path:
@@ -65,6 +80,16 @@ def ensure_model(model_dir: Path, *, steps: int, seed: int = 0) -> Path:
     report = init_model(model_dir, seed=seed, train_steps=steps)
     say(f"model     built in {report.seconds:.0f}s, final loss {report.final_loss}")
     return model_dir
+
+
+def _write_key(train: TrainStack) -> Path:
+    """The admin key in a file only this user can read, in a fresh private folder."""
+    train.secrets_dir = Path(tempfile.mkdtemp(prefix="rollout-trainer-"))  # mode 0700
+    path = train.secrets_dir / "sglang-admin.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(train.admin_key + "\n")
+    return path
 
 
 def same_tokenizer(a: Path, b: Path) -> None:
@@ -104,8 +129,9 @@ def start_stack(
         say(f"redis     {redact(stack.redis_url)}")
         stack.server = spawn_server(student_dir, env={ADMIN_KEY_ENV: train.admin_key})
         train.policy_url = stack.server.url
-        say(f"policy    tinylm server at {train.policy_url} (admin key: the trainer only)")
-        worker_config = EVALUATORS
+        say(f"policy    tinylm server at {train.policy_url} (admin key: the syncer and "
+            "the trainer)")
+        worker_config, worker_teacher = EVALUATORS, []
         if teacher_dir is not None:
             same_tokenizer(student_dir, teacher_dir)
             train.teacher = spawn_server(teacher_dir)
@@ -114,12 +140,12 @@ def start_stack(
             stack.spawn("capture", ["-m", "workers.capture", "--teacher-url", train.teacher_url,
                                     "--teacher-tokenizer", str(teacher_dir),
                                     "--worker-id", "train-capture"])
-            if dagger:
-                from trainer.dagger import write_config
+            if dagger:  # the workers' own teacher port, for DAgger turns
+                from trainer.dagger import DAGGER_CONFIG
 
-                worker_config = write_config(workdir / "evaluators_dagger.py",
-                                             teacher_url=train.teacher_url,
-                                             teacher_dir=teacher_dir)
+                worker_config = DAGGER_CONFIG
+                worker_teacher = ["--teacher-url", train.teacher_url,
+                                  "--teacher-tokenizer", str(teacher_dir)]
         # The scheduler reads only the profiles, the bundled ones either way.
         stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
                                   str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATORS),
@@ -129,9 +155,14 @@ def start_stack(
                                         "--evaluator-config", str(worker_config),
                                         "--model-dir", str(student_dir),
                                         "--sglang-url", train.policy_url,
+                                        *worker_teacher,
                                         "--worker-id", f"train-worker-{i}"])
         stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
                                   str(workdir / "out"), "--worker-id", "train-finalizer"])
+        key_file = _write_key(train)
+        stack.spawn("sync", ["-m", "workers.sync", "--sglang-url", train.policy_url,
+                             "--worker-id", "train-sync"],
+                    env={ADMIN_KEY_FILE_ENV: str(key_file)})
     except BaseException:
         train.stop()
         raise

@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -102,17 +102,22 @@ class Stack:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: Sequence[str]) -> None:
+    def spawn(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
+    ) -> None:
+        """Start ``python argv`` with its output in ``logs/<name>.log``. The process gets no
+        ``ROLLOUT_*`` variable of ours but the engine's Redis URL and those in ``env``."""
         log_path = self.workdir / "logs" / f"{name}.log"
         fh = open(log_path, "wb")  # closed in stop()
         self.logs.append(fh)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+        child = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         if self.redis_url:
             # The URL holds the engine user's password: the environment, unlike argv, is not
             # readable by other users (sandboxes) in /proc.
-            env["ROLLOUT_REDIS_URL"] = self.redis_url
+            child["ROLLOUT_REDIS_URL"] = self.redis_url
+        child.update(env or {})
         proc = subprocess.Popen(
-            [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=child,
             start_new_session=True,
         )
         self.procs.append((name, proc))
