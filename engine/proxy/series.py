@@ -121,6 +121,7 @@ class Recorder:
     chat: ChatTokens | None = None
     tools_sig: str | None = None
     consumed: list[tuple[Any, ...]] = field(default_factory=list)
+    seen: list[dict[str, Any]] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)
     response: list[int] = field(default_factory=list)
@@ -142,7 +143,6 @@ class Recorder:
         Raises ``AppendOnlyViolation`` when they do not extend what was consumed; the series
         is left as it was (the caller turns capture off)."""
         tools_sig = json.dumps(list(tools) if tools else None, sort_keys=True)
-        sigs = [message_signature(m) for m in messages]
         if self.chat is None:
             if not messages:
                 raise AppendOnlyViolation("the first call has no messages")
@@ -150,16 +150,20 @@ class Recorder:
             self.tools_sig = tools_sig
             self.history = [dict(m) for m in messages]
             self.prompt = self.chat.prompt_ids(self.history)
-            self.consumed = sigs
+            self.consumed = [message_signature(m) for m in messages]
+            self.seen = [dict(m) for m in messages]
             return self.series()
         if tools_sig != self.tools_sig:
             raise AppendOnlyViolation("the tools changed between calls")
-        if len(sigs) < len(self.consumed):
+        if len(messages) < len(self.consumed):
             raise AppendOnlyViolation(
-                f"history shrank from {len(self.consumed)} to {len(sigs)} messages"
+                f"history shrank from {len(self.consumed)} to {len(messages)} messages"
             )
-        for i, (old, new) in enumerate(zip(self.consumed, sigs, strict=False)):
-            if old != new:
+        # A consumed message the scaffold sent back unchanged (the usual case) compares equal
+        # to what was seen, a C-level dict comparison; only one that differs is reduced to its
+        # signature (re-spaced tool-call arguments and the like are the same message).
+        for i, (seen, old) in enumerate(zip(self.seen, self.consumed, strict=True)):
+            if messages[i] != seen and message_signature(messages[i]) != old:
                 raise AppendOnlyViolation(f"history rewritten at message {i}")
         fresh = list(messages[len(self.consumed) :])
         if self.last is None:
@@ -187,7 +191,8 @@ class Recorder:
         self.response.extend(obs.token_ids)
         self.logprobs.extend(0.0 for _ in obs.token_ids)
         self.mask.extend(0 for _ in obs.token_ids)
-        self.consumed = sigs
+        self.consumed = [*self.consumed, *(message_signature(m) for m in fresh)]
+        self.seen = [*self.seen, *(dict(m) for m in fresh)]
         self.last = None
         return self.series()
 

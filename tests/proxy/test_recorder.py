@@ -87,3 +87,26 @@ def test_nothing_generated_is_no_trajectory(random_tokenizer: Any) -> None:
     assert rec.trajectory() is None
     rec.sync([USER], None)
     assert rec.trajectory() is None
+
+
+def test_a_consumed_message_is_checked_by_signature_when_it_differs(
+    random_tokenizer: Any,
+) -> None:
+    """The guard's fast path (an unchanged consumed message compares equal) must not let a
+    rewrite through, nor refuse a message that differs only where the signature ignores."""
+    rec, ids = _one_turn(random_tokenizer)
+    echo = {"role": "assistant", "content": "hi there"}
+    obs = {"role": "user", "content": "next"}
+    rec.sync([USER, echo, obs], None)
+    rec.generated(ids, [-0.5] * len(ids), content="hi there", calls=[], prompt_tokens=1,
+                  elapsed_s=0.0, finish_reason="stop")  # fmt: skip
+    before = rec.series()
+    # an extra field the signature ignores, and text parts for a string: the same history
+    same = [{**USER, "extra": 1}, echo, {"role": "user", "content": [{"type": "text",
+                                                                     "text": "next"}]}]
+    with pytest.raises(AppendOnlyViolation, match="rewritten at message 2"):
+        rec.sync([USER, echo, {"role": "user", "content": "changed"}, echo, obs], None)
+    assert rec.series() == before
+    rec.sync([*same, echo, obs], None)
+    assert len(rec.series()) > len(before)
+    assert len(rec.consumed) == len(rec.seen) == 5
