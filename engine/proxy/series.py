@@ -22,6 +22,7 @@ corrupt sample.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Recorder:
     tokenizer: Any
     chat: ChatTokens | None = None
     tools_sig: str | None = None
+    tools_seen: list[Any] | None = None
     consumed: list[tuple[Any, ...]] = field(default_factory=list)
     seen: list[dict[str, Any]] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
@@ -142,26 +144,31 @@ class Recorder:
 
         Raises ``AppendOnlyViolation`` when they do not extend what was consumed; the series
         is left as it was (the caller turns capture off)."""
-        tools_sig = json.dumps(list(tools) if tools else None, sort_keys=True)
+        tool_list = list(tools) if tools else None
         if self.chat is None:
             if not messages:
                 raise AppendOnlyViolation("the first call has no messages")
             self.chat = ChatTokens(self.tokenizer, tools)
-            self.tools_sig = tools_sig
+            self.tools_sig = json.dumps(tool_list, sort_keys=True)
+            self.tools_seen = copy.deepcopy(tool_list)
             self.history = [dict(m) for m in messages]
             self.prompt = self.chat.prompt_ids(self.history)
             self.consumed = [message_signature(m) for m in messages]
-            self.seen = [dict(m) for m in messages]
+            self.seen = [copy.deepcopy(dict(m)) for m in messages]
             return self.series()
-        if tools_sig != self.tools_sig:
+        # the same tools as the first call (the usual case) compare equal without re-encoding
+        if tool_list != self.tools_seen and (
+            json.dumps(tool_list, sort_keys=True) != self.tools_sig
+        ):
             raise AppendOnlyViolation("the tools changed between calls")
         if len(messages) < len(self.consumed):
             raise AppendOnlyViolation(
                 f"history shrank from {len(self.consumed)} to {len(messages)} messages"
             )
         # A consumed message the scaffold sent back unchanged (the usual case) compares equal
-        # to what was seen, a C-level dict comparison; only one that differs is reduced to its
-        # signature (re-spaced tool-call arguments and the like are the same message).
+        # to the deep copy kept when it was consumed (a C-level comparison); only one that
+        # differs is reduced to its signature (re-spaced tool-call arguments and the like are
+        # the same message), so the per-call check does no JSON work.
         for i, (seen, old) in enumerate(zip(self.seen, self.consumed, strict=True)):
             if messages[i] != seen and message_signature(messages[i]) != old:
                 raise AppendOnlyViolation(f"history rewritten at message {i}")
@@ -192,7 +199,7 @@ class Recorder:
         self.logprobs.extend(0.0 for _ in obs.token_ids)
         self.mask.extend(0 for _ in obs.token_ids)
         self.consumed = [*self.consumed, *(message_signature(m) for m in fresh)]
-        self.seen = [*self.seen, *(dict(m) for m in fresh)]
+        self.seen = [*self.seen, *(copy.deepcopy(dict(m)) for m in fresh)]
         self.last = None
         return self.series()
 

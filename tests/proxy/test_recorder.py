@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -110,3 +111,14 @@ def test_a_consumed_message_is_checked_by_signature_when_it_differs(
     rec.sync([*same, echo, obs], None)
     assert len(rec.series()) > len(before)
     assert len(rec.consumed) == len(rec.seen) == 5
+
+
+def test_tools_mutated_in_place_are_still_a_rewrite(random_tokenizer: Any) -> None:
+    """The copy kept of the first call's tools is the recorder's own: a caller that edits its
+    list in place between calls cannot make a change look like no change."""
+    tools = [json.loads(json.dumps(PYTHON_TOOL))]
+    rec, _ = _one_turn(random_tokenizer, tools)
+    tools[0]["function"]["description"] = "something else"
+    echo = {"role": "assistant", "content": "hi there"}
+    with pytest.raises(AppendOnlyViolation, match="tools changed"):
+        rec.sync([USER, echo, USER], tools)
