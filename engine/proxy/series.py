@@ -173,6 +173,10 @@ class Recorder:
             if messages[i] != seen and message_signature(messages[i]) != old:
                 raise AppendOnlyViolation(f"history rewritten at message {i}")
         fresh = list(messages[len(self.consumed) :])
+        # what is kept of the new messages, made before any state changes (a refused or
+        # failing call leaves the series as it was)
+        fresh_sigs = [message_signature(m) for m in fresh]
+        fresh_seen = [copy.deepcopy(dict(m)) for m in fresh]
         if self.last is None:
             raise AppendOnlyViolation("a new call arrived while the last one gave no reply")
         if not fresh or fresh[0].get("role") != "assistant":
@@ -198,8 +202,8 @@ class Recorder:
         self.response.extend(obs.token_ids)
         self.logprobs.extend(0.0 for _ in obs.token_ids)
         self.mask.extend(0 for _ in obs.token_ids)
-        self.consumed = [*self.consumed, *(message_signature(m) for m in fresh)]
-        self.seen = [*self.seen, *(copy.deepcopy(dict(m)) for m in fresh)]
+        self.consumed = [*self.consumed, *fresh_sigs]
+        self.seen = [*self.seen, *fresh_seen]
         self.last = None
         return self.series()
 

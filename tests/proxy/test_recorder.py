@@ -122,3 +122,14 @@ def test_tools_mutated_in_place_are_still_a_rewrite(random_tokenizer: Any) -> No
     echo = {"role": "assistant", "content": "hi there"}
     with pytest.raises(AppendOnlyViolation, match="tools changed"):
         rec.sync([USER, echo, USER], tools)
+
+
+def test_a_call_that_fails_midway_leaves_the_series_as_it_was(random_tokenizer: Any) -> None:
+    rec, _ = _one_turn(random_tokenizer)
+    before, consumed = rec.series(), list(rec.consumed)
+    echo = {"role": "assistant", "content": "hi there"}
+    # renders (the template ignores a user message's tool_calls) but has no signature
+    odd = {"role": "user", "content": "x", "tool_calls": 5}
+    with pytest.raises(TypeError):  # the server turns capture off on such an error
+        rec.sync([USER, echo, odd], None)
+    assert rec.series() == before and rec.consumed == consumed and len(rec.seen) == 1
