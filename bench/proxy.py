@@ -18,6 +18,12 @@ time), median over rounds; target >= 0.9. ``proxy_cpu_ms_per_call`` is the bench
 extra CPU per chat call in the proxy arm over the direct arm (the proxy's HTTP server, request
 parsing, sync and reply building). The scaffolds' HTTP clients run in a process of their own,
 as real scaffolds do, so their CPU is not in it.
+``proxy_extra_ms_per_call`` is the fixed cost of the proxy's path per call: one conversation
+at a time (``--latency-turns`` turns, ``--latency-reps`` times), one output token per turn,
+median ms per call through the proxy (``proxy_ms_per_call_1tok``) minus direct
+(``direct_ms_per_call_1tok``): the second HTTP hop, the scaffold's client, the proxy's
+server, guard and reply. Against a turn of T ms it bounds the ratio near T / (T + extra) at
+one conversation; with several at once the calls that end together queue on one event loop.
 ``proxy_start_stop_ms`` is the time to start and tear down one proxy (per task, not per call;
 outside the timed arm). ``conversation_capture_valid_share`` is the share of those scripted
 proxy conversations whose capture stayed valid.
@@ -33,6 +39,7 @@ that ran to their end; aborts (a timeout, a dead server) are counted apart
 (``pip install 'rollout-engine[scaffolds]'``); ``--scaffold-episodes 0`` skips it.
 
     python bench/proxy.py [--rounds 4] [--conversations 8] [--turns 4] [--max-new-tokens 128]
+                          [--latency-reps 8] [--latency-turns 16]
                           [--scaffold-episodes 8] [--swe-model DIR] [--swe-train-steps 200]
 
 The last line printed is one JSON object with every figure.
@@ -187,8 +194,30 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
             direct_tps.append(d_tps)
             ratios.append(p_tps / d_tps)
             extra_cpu.append((got["proxy"][1] - got["direct"][1]) / calls * 1000.0)
+        # The fixed cost per call: one conversation at a time, one output token per turn, so
+        # the model's step is negligible and what is left is the path around it.
+        fixed_direct: list[float] = []
+        fixed_proxy: list[float] = []
+        for r in range(args.latency_reps):
+            t0 = time.perf_counter()
+            await direct_conversation(backend, chat, r, args.latency_turns, 1)
+            fixed_direct.append((time.perf_counter() - t0) / args.latency_turns * 1000)
+            async with RecordingProxy(backend=backend, tokenizer=tokenizer) as one:
+                job = {"urls": [one.url], "turns": args.latency_turns, "max_new": 1}
+                t0 = time.perf_counter()
+                to_scaffolds.write((json.dumps(job) + "\n").encode())
+                await from_scaffolds.readline()
+                fixed_proxy.append((time.perf_counter() - t0) / args.latency_turns * 1000)
         to_scaffolds.close()
         await scaffolds.wait()
+    fixed: dict[str, Any] = {}
+    if fixed_direct:
+        d_ms, p_ms = statistics.median(fixed_direct), statistics.median(fixed_proxy)
+        fixed = {
+            "direct_ms_per_call_1tok": round(d_ms, 2),
+            "proxy_ms_per_call_1tok": round(p_ms, 2),
+            "proxy_extra_ms_per_call": round(p_ms - d_ms, 2),
+        }
     return {
         "bench": "proxy",
         "rounds": args.rounds,
@@ -202,6 +231,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
         "proxy_cpu_ms_per_call": round(statistics.median(extra_cpu), 2),
         "proxy_start_stop_ms": round(statistics.median(lifecycle), 1),
         "conversation_capture_valid_share": sum(valid) / len(valid) if valid else 0.0,
+        **fixed,
     }
 
 
@@ -313,6 +343,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--latency-reps", type=int, default=8)
+    parser.add_argument("--latency-turns", type=int, default=16)
     parser.add_argument("--scaffold-episodes", type=int, default=8)
     parser.add_argument("--scaffold-concurrency", type=int, default=2)
     parser.add_argument("--swe-model", type=Path, default=None)

@@ -1,5 +1,11 @@
 """Prometheus metrics of an engine process, and the /metrics server.
 
+The server is a one-route Starlette app on uvicorn (the stack the recording proxy and the
+tiny model server run on, so the project has one HTTP server implementation), run by its
+own event loop in a daemon thread: the workers start it before ``asyncio.run`` of their
+actor (``workers._common.serve_metrics``), and a scrape never waits on the actor's loop nor
+holds it up.
+
 Every engine process (scheduler, evaluator workers, finalizer, capture) serves these on
 ``ROLLOUT_METRICS_HOST:ROLLOUT_METRICS_PORT`` when the port is set (``serve``); without it
 nothing listens. They live in the process's default prometheus-client registry, as
@@ -31,11 +37,21 @@ bounded.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import Counter, Gauge, start_http_server
+import uvicorn
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 __all__ = [
     "ADMISSION_WAITS",
@@ -43,11 +59,13 @@ __all__ = [
     "CONSUMER_LAG",
     "DEAD_LETTERS",
     "DELIVERIES",
+    "MetricsServer",
     "POOL",
     "POOL_FIGURES",
     "REDIS_ERRORS",
     "SAMPLES_DONE",
     "SAMPLES_IN_FLIGHT",
+    "app",
     "delivered",
     "serve",
     "stream_label",
@@ -132,8 +150,91 @@ def watch_pool(read: Callable[[], Mapping[tuple[str, str], float]]) -> None:
         POOL.labels(*key).set_function(figure(key))
 
 
-def serve(port: int, host: str = "127.0.0.1") -> Any:
+async def _metrics(request: Request) -> Response:
+    # The text format, or OpenMetrics when the scraper asks for it (as prometheus-client's
+    # own server negotiates); generating it is synchronous and short, so it runs inline.
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encoder(REGISTRY), media_type=content_type)
+
+
+def app() -> Starlette:
+    """The ASGI app: ``GET /metrics`` shows this process's default registry."""
+    return Starlette(routes=[Route("/metrics", _metrics, methods=["GET"])])
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the process's owner handles SIGINT / SIGTERM
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+class MetricsServer:
+    """A running ``/metrics`` server: ``server_address`` is the bound ``(host, port, ...)``
+    (the port is the real one when 0 was asked for); ``shutdown`` stops it and waits for
+    its thread; ``server_close`` releases the socket (both are idempotent)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.server_address: tuple[Any, ...] = sock.getsockname()
+        # log_config=None leaves the process's logging alone; log_level="warning" keeps
+        # uvicorn's start/stop lines out of an actor's log, as the recording proxy does.
+        config = uvicorn.Config(
+            app(), log_config=None, log_level="warning", access_log=False, lifespan="off",
+            http="h11", timeout_graceful_shutdown=1,
+        )  # fmt: skip
+        self._server = _Server(config)
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"metrics-{self.server_address[1]}", daemon=True
+        )
+        self._thread.start()
+        self._server.ready.wait(30)
+        if self._failure is not None or not self._server.started:
+            self.server_close()
+            raise OSError(f"the /metrics server did not start: {self._failure!r}")
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:  # reported by __init__ when it stops the start
+            self._failure = exc
+        finally:
+            self._server.ready.set()
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def server_close(self) -> None:
+        self._sock.close()
+
+
+def serve(port: int, host: str = "127.0.0.1") -> MetricsServer:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the server (its
-    ``server_address`` has the bound port, useful with port 0)."""
-    server, _thread = start_http_server(port, addr=host)
-    return server
+    ``server_address`` has the bound port, useful with port 0). The socket is bound here,
+    so a port that cannot be bound raises ``OSError`` in the caller."""
+    family, kind, _proto, _name, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when the
+    # socket's protocol says TCP, and uvicorn writes a reply's head and body apart (with
+    # Nagle on, the body would wait ~40 ms for the scraper's delayed ACK).
+    sock = socket.socket(family, kind, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return MetricsServer(sock)

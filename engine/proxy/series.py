@@ -22,6 +22,7 @@ corrupt sample.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,7 +121,9 @@ class Recorder:
     tokenizer: Any
     chat: ChatTokens | None = None
     tools_sig: str | None = None
+    tools_seen: list[Any] | None = None
     consumed: list[tuple[Any, ...]] = field(default_factory=list)
+    seen: list[dict[str, Any]] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)
     response: list[int] = field(default_factory=list)
@@ -141,27 +144,39 @@ class Recorder:
 
         Raises ``AppendOnlyViolation`` when they do not extend what was consumed; the series
         is left as it was (the caller turns capture off)."""
-        tools_sig = json.dumps(list(tools) if tools else None, sort_keys=True)
-        sigs = [message_signature(m) for m in messages]
+        tool_list = list(tools) if tools else None
         if self.chat is None:
             if not messages:
                 raise AppendOnlyViolation("the first call has no messages")
             self.chat = ChatTokens(self.tokenizer, tools)
-            self.tools_sig = tools_sig
+            self.tools_sig = json.dumps(tool_list, sort_keys=True)
+            self.tools_seen = copy.deepcopy(tool_list)
             self.history = [dict(m) for m in messages]
             self.prompt = self.chat.prompt_ids(self.history)
-            self.consumed = sigs
+            self.consumed = [message_signature(m) for m in messages]
+            self.seen = [copy.deepcopy(dict(m)) for m in messages]
             return self.series()
-        if tools_sig != self.tools_sig:
+        # the same tools as the first call (the usual case) compare equal without re-encoding
+        if tool_list != self.tools_seen and (
+            json.dumps(tool_list, sort_keys=True) != self.tools_sig
+        ):
             raise AppendOnlyViolation("the tools changed between calls")
-        if len(sigs) < len(self.consumed):
+        if len(messages) < len(self.consumed):
             raise AppendOnlyViolation(
-                f"history shrank from {len(self.consumed)} to {len(sigs)} messages"
+                f"history shrank from {len(self.consumed)} to {len(messages)} messages"
             )
-        for i, (old, new) in enumerate(zip(self.consumed, sigs, strict=False)):
-            if old != new:
+        # A consumed message the scaffold sent back unchanged (the usual case) compares equal
+        # to the deep copy kept when it was consumed (a C-level comparison); only one that
+        # differs is reduced to its signature (re-spaced tool-call arguments and the like are
+        # the same message), so the per-call check does no JSON work.
+        for i, (seen, old) in enumerate(zip(self.seen, self.consumed, strict=True)):
+            if messages[i] != seen and message_signature(messages[i]) != old:
                 raise AppendOnlyViolation(f"history rewritten at message {i}")
         fresh = list(messages[len(self.consumed) :])
+        # what is kept of the new messages, made before any state changes (a refused or
+        # failing call leaves the series as it was)
+        fresh_sigs = [message_signature(m) for m in fresh]
+        fresh_seen = [copy.deepcopy(dict(m)) for m in fresh]
         if self.last is None:
             raise AppendOnlyViolation("a new call arrived while the last one gave no reply")
         if not fresh or fresh[0].get("role") != "assistant":
@@ -187,7 +202,8 @@ class Recorder:
         self.response.extend(obs.token_ids)
         self.logprobs.extend(0.0 for _ in obs.token_ids)
         self.mask.extend(0 for _ in obs.token_ids)
-        self.consumed = sigs
+        self.consumed = [*self.consumed, *fresh_sigs]
+        self.seen = [*self.seen, *fresh_seen]
         self.last = None
         return self.series()
 

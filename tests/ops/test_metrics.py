@@ -57,6 +57,49 @@ def test_serve_binds_loopback_by_default() -> None:
         server.server_close()
 
 
+def test_metrics_are_scraped_over_a_real_socket_from_the_asgi_server() -> None:
+    """The /metrics server is the project's one HTTP stack (Starlette on uvicorn): a raw
+    HTTP/1.1 exchange over TCP gets the text format, OpenMetrics when asked, 404 elsewhere."""
+    server = metrics.serve(0)
+    try:
+        port = server.server_address[1]
+        metrics.DEAD_LETTERS.labels("scrape-test").inc(3)
+
+        def exchange(path: str, accept: str = "*/*") -> tuple[str, str]:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAccept: {accept}\r\n"
+                             "Connection: close\r\n\r\n".encode())
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            head, _, body = data.decode().partition("\r\n\r\n")
+            return head, body
+
+        head, body = exchange("/metrics")
+        assert head.startswith("HTTP/1.1 200"), head
+        assert "content-type: text/plain; version=0.0.4" in head.lower(), head
+        assert "server: uvicorn" in head.lower(), head
+        assert 'rollout_dead_letters_total{group="scrape-test"} 3.0' in body
+        head, body = exchange("/metrics", "application/openmetrics-text; version=1.0.0")
+        assert "content-type: application/openmetrics-text" in head.lower(), head
+        assert body.rstrip().endswith("# EOF")
+        head, _ = exchange("/nothing")
+        assert head.startswith("HTTP/1.1 404"), head
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(OSError):  # shut down: nothing listens on the port any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_port_in_use_raises_in_the_caller() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            metrics.serve(taken.getsockname()[1])
+
+
 def test_per_rollout_streams_share_one_label() -> None:
     assert metrics.stream_label("rl:{rollout:it3-ab}") == "rl:{rollout}"
     assert metrics.stream_label("rl:work:math") == "rl:work:math"

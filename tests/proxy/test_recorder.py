@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -87,3 +88,48 @@ def test_nothing_generated_is_no_trajectory(random_tokenizer: Any) -> None:
     assert rec.trajectory() is None
     rec.sync([USER], None)
     assert rec.trajectory() is None
+
+
+def test_a_consumed_message_is_checked_by_signature_when_it_differs(
+    random_tokenizer: Any,
+) -> None:
+    """The guard's fast path (an unchanged consumed message compares equal) must not let a
+    rewrite through, nor refuse a message that differs only where the signature ignores."""
+    rec, ids = _one_turn(random_tokenizer)
+    echo = {"role": "assistant", "content": "hi there"}
+    obs = {"role": "user", "content": "next"}
+    rec.sync([USER, echo, obs], None)
+    rec.generated(ids, [-0.5] * len(ids), content="hi there", calls=[], prompt_tokens=1,
+                  elapsed_s=0.0, finish_reason="stop")  # fmt: skip
+    before = rec.series()
+    # an extra field the signature ignores, and text parts for a string: the same history
+    same = [{**USER, "extra": 1}, echo, {"role": "user", "content": [{"type": "text",
+                                                                     "text": "next"}]}]
+    with pytest.raises(AppendOnlyViolation, match="rewritten at message 2"):
+        rec.sync([USER, echo, {"role": "user", "content": "changed"}, echo, obs], None)
+    assert rec.series() == before
+    rec.sync([*same, echo, obs], None)
+    assert len(rec.series()) > len(before)
+    assert len(rec.consumed) == len(rec.seen) == 5
+
+
+def test_tools_mutated_in_place_are_still_a_rewrite(random_tokenizer: Any) -> None:
+    """The copy kept of the first call's tools is the recorder's own: a caller that edits its
+    list in place between calls cannot make a change look like no change."""
+    tools = [json.loads(json.dumps(PYTHON_TOOL))]
+    rec, _ = _one_turn(random_tokenizer, tools)
+    tools[0]["function"]["description"] = "something else"
+    echo = {"role": "assistant", "content": "hi there"}
+    with pytest.raises(AppendOnlyViolation, match="tools changed"):
+        rec.sync([USER, echo, USER], tools)
+
+
+def test_a_call_that_fails_midway_leaves_the_series_as_it_was(random_tokenizer: Any) -> None:
+    rec, _ = _one_turn(random_tokenizer)
+    before, consumed = rec.series(), list(rec.consumed)
+    echo = {"role": "assistant", "content": "hi there"}
+    # renders (the template ignores a user message's tool_calls) but has no signature
+    odd = {"role": "user", "content": "x", "tool_calls": 5}
+    with pytest.raises(TypeError):  # the server turns capture off on such an error
+        rec.sync([USER, echo, odd], None)
+    assert rec.series() == before and rec.consumed == consumed and len(rec.seen) == 1
