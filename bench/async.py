@@ -15,7 +15,8 @@ machine) and whose figures it joins:
     vs waiting for every sample of the same number of groups: ``partial_vs_full_ratio``
     (target >= 1.5).
 
-    python bench/async.py [--refill-rounds 3 --refill-iterations 32 --refill-prompts 32] [--partial-rounds 3]
+    python bench/async.py [--refill-rounds 3] [--refill-iterations 32] [--refill-prompts 32]
+                          [--partial-rounds 3]
 
 The last line printed is one JSON object with both parts' figures.
 """
