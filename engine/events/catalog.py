@@ -55,6 +55,7 @@ __all__ = [
     "TailCarried",
     "SampleVerified",
     "TaskFetched",
+    "TaskJoined",
     "TeacherScored",
     "TokenAcquired",
     "TokenGrant",
@@ -446,6 +447,65 @@ def _task_fetched_v1(payload: dict[str, Any]) -> dict[str, Any]:
             payload["metadata"] = {k: v for k, v in metadata.items() if k != "_source_line"}
             payload["source_line"] = line
     return payload
+
+
+# The fields a group's samples share: a TaskJoined takes them from its group's TaskFetched.
+GROUP_FIELDS = (
+    "rollout_id", "prompt", "label", "dataset", "task_type", "source_line", "metadata",
+    "stopping", "sampling_params", "carried_from",
+)
+
+
+class TaskJoined(Event):
+    """A sample whose task is its group's (issue 16: the prompt stored once per group).
+
+    The n samples of a group share their prompt, label, dataset, task type, source line,
+    metadata and resolved settings; the planner writes them once, in the group's first
+    ``TaskFetched`` (``same_as``, its sample id, earlier in the same stream), and every other
+    sample of the group as this event, which carries only what is the sample's own. Readers
+    never see it as a task: the rollout fold and the workers' task readers turn it into the
+    ``TaskFetched`` it stands for (:meth:`task`), so every consumer sees a whole task per
+    sample, exactly what a plan written before it held. A ``TaskJoined`` whose ``same_as`` the
+    stream does not hold is a writer's error, named where it is folded."""
+
+    type: Literal["TaskJoined"] = "TaskJoined"
+    rollout_id: str
+    sample_id: str
+    index: int
+    group_index: int
+    same_as: str
+
+    def task(self, first: TaskFetched) -> TaskFetched:
+        """The ``TaskFetched`` this sample stands for: ``first``'s task with this sample's
+        ids (and this event's producer and causation)."""
+        return first.model_copy(
+            update={
+                "sample_id": self.sample_id,
+                "index": self.index,
+                "group_index": self.group_index,
+                "producer": self.producer,
+                "causation": self.causation,
+            }
+        )
+
+    @classmethod
+    def of(cls, ev: TaskFetched, first: TaskFetched) -> TaskJoined | None:
+        """``ev`` as a ``TaskJoined`` on ``first`` when that loses nothing (it shares every
+        group field with ``first``), else None (``ev`` is then written whole)."""
+        if ev.group_index != first.group_index or ev.sample_id == first.sample_id:
+            return None
+        mine, theirs = ev.__dict__, first.__dict__
+        if any(mine[f] != theirs[f] for f in GROUP_FIELDS):
+            return None
+        return cls(
+            rollout_id=ev.rollout_id,
+            sample_id=ev.sample_id,
+            index=ev.index,
+            group_index=ev.group_index,
+            same_as=first.sample_id,
+            producer=ev.producer,
+            causation=ev.causation,
+        )
 
 
 class BatchSealed(Event):

@@ -27,6 +27,7 @@ from tests.events.examples import example_events
 # The events a rebuild, the finalizer and replay read by the thousand must stay fast.
 HOT = {
     "SampleCompleted", "SampleStarted", "SampleAborted", "TurnCompleted", "TaskFetched",
+    "TaskJoined",
     "TeacherScored", "BatchAdmitted", "BatchSealed", "TokenReleased", "RolloutReady",
     "RolloutPlanned", "DataCursorAdvanced", "DeadLetter",
 }
