@@ -20,8 +20,8 @@ from engine.domain import (
 from engine.errors import ConfigError
 from engine.events import BatchSealed, Envelope, RolloutPlanned, RolloutRequested, TaskFetched
 from engine.events.catalog import TaskJoined
-from engine.projections.rollout import RolloutProjection
 from engine.projections.data_cursor import DataCursorProjection, DataState
+from engine.projections.rollout import RolloutProjection
 from tests.scheduler.helpers import load_specs, request, write_config
 
 
