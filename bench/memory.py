@@ -22,6 +22,8 @@ logprobs and a mask per sample, 8 samples per prompt; ``--prompt-tokens`` and
 
     python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
     python bench/memory.py --rollouts 5 --samples 1024 --prompt-tokens 512 --response-tokens 1024
+    python bench/memory.py --rollouts 5 --samples 1024 --prompt-tokens 512 --response-tokens 1024 \
+        --token-offset 100000
 
 ``token_array_bytes_per_sample`` is what the token arrays hold (9 bytes per response token,
 plus the prompt's 4-byte ids once per group when they are longer than 64 bytes, else once
@@ -81,6 +83,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         arm = EngineArm(args, tmp, env={
             "BENCH_PROMPT_TOKENS": str(args.prompt_tokens),
             "BENCH_RESPONSE_TOKENS": str(args.response_tokens),
+            "BENCH_TOKEN_OFFSET": str(args.token_offset),
         })
         try:
             arm.start()
@@ -162,6 +165,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "archive_bytes_per_sample": round(archived_bytes / (args.samples * args.rollouts), 1),
         "samples_per_s_median": round(statistics.median(samples_per_s)),
         "keep_s": args.keep_s,
+        "token_offset": args.token_offset,
     }
 
 
@@ -175,6 +179,9 @@ def main() -> None:
                         help="prompt length of the bench agent (a group shares its prompt)")
     parser.add_argument("--response-tokens", type=int, default=16,
                         help="response length of the bench agent")
+    parser.add_argument("--token-offset", type=int, default=0,
+                        help="added to the response token ids (100000: ids of a large "
+                        "vocabulary, which the compact form stores in 3 bytes, not 2)")
     parser.add_argument("--keep-s", type=float, default=0.0,
                         help="retention window of the pass run after each rollout")
     parser.add_argument("--play-scheduler", action="store_true",
