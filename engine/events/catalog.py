@@ -495,9 +495,11 @@ class TaskJoined(Event):
         if ev.group_index != first.group_index or ev.sample_id == first.sample_id:
             return None
         mine, theirs = ev.__dict__, first.__dict__
-        if any(mine[f] != theirs[f] for f in GROUP_FIELDS):
-            return None
-        return cls(
+        for name in GROUP_FIELDS:
+            if mine[name] is not theirs[name] and mine[name] != theirs[name]:
+                return None
+        # Every value comes from validated events: nothing to validate again.
+        return cls.model_construct(
             rollout_id=ev.rollout_id,
             sample_id=ev.sample_id,
             index=ev.index,

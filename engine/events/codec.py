@@ -22,7 +22,14 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
-from engine.events.arrays import EXT_TYPES, PackedArray, from_compact, from_wire, to_compact
+from engine.events.arrays import (
+    COMPACT_MIN_BYTES,
+    EXT_TYPES,
+    PackedArray,
+    from_compact,
+    from_wire,
+    to_compact,
+)
 from engine.events.base import Event, event_class, upcast
 from engine.events.fastpath import decode_fast
 
@@ -95,8 +102,10 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
         # A field typed as a packed array travels as plain msgpack bin (its class says
         # how to read it), in the compact form where the class asks for it; arrays
         # anywhere else become self-describing ext values.
-        value = payload[name]
-        payload[name] = to_compact(value) if compact else value.data
+        data = payload[name].data
+        if compact:  # short arrays stay raw behind tag 0 (inline: the common case)
+            data = b"\x00" + data if len(data) < COMPACT_MIN_BYTES else to_compact(payload[name])
+        payload[name] = data
     if producer is not None:
         payload["producer"] = producer
     if causation is not None:
