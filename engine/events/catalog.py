@@ -456,6 +456,11 @@ GROUP_FIELDS = (
 )
 
 
+_new = object.__new__
+_set = object.__setattr__
+_JOINED_SET = frozenset({"sample_id", "index", "group_index", "producer", "causation"})
+
+
 class TaskJoined(Event):
     """A sample whose task is its group's (issue 16: the prompt stored once per group).
 
@@ -477,16 +482,23 @@ class TaskJoined(Event):
 
     def task(self, first: TaskFetched) -> TaskFetched:
         """The ``TaskFetched`` this sample stands for: ``first``'s task with this sample's
-        ids (and this event's producer and causation)."""
-        return first.model_copy(
-            update={
-                "sample_id": self.sample_id,
-                "index": self.index,
-                "group_index": self.group_index,
-                "producer": self.producer,
-                "causation": self.causation,
-            }
-        )
+        ids (and this event's producer and causation).
+
+        Built the way ``model_copy(update=...)`` builds it (every value is already validated,
+        in ``first`` or here), without its generic copy: a fold turns every joined sample of
+        a rollout into its task, so this is on the finalizer's and the workers' hot path."""
+        values = dict(first.__dict__)
+        values["sample_id"] = self.sample_id
+        values["index"] = self.index
+        values["group_index"] = self.group_index
+        values["producer"] = self.producer
+        values["causation"] = self.causation
+        task = _new(TaskFetched)
+        _set(task, "__dict__", values)
+        _set(task, "__pydantic_fields_set__", first.__pydantic_fields_set__ | _JOINED_SET)
+        _set(task, "__pydantic_extra__", None)
+        _set(task, "__pydantic_private__", None)
+        return task
 
     @classmethod
     def of(cls, ev: TaskFetched, first: TaskFetched) -> TaskJoined | None:
