@@ -83,6 +83,7 @@ from engine.events.catalog import (
     SampleCompleted,
     SampleStarted,
     TaskFetched,
+    TaskJoined,
     TokenAcquired,
 )
 from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
@@ -360,6 +361,8 @@ async def engine_round(
             request = ev
         elif isinstance(ev, TaskFetched):
             tasks[ev.sample_id] = ev
+        elif isinstance(ev, TaskJoined):  # a group's sample: its group's task
+            tasks[ev.sample_id] = ev.task(tasks[ev.same_as])
         elif isinstance(ev, BatchSealed):
             evaluator_of.update((sid, ev.evaluator_id) for sid in ev.sample_ids)
         elif isinstance(ev, RolloutPlanned):

@@ -22,11 +22,15 @@ logprobs and a mask per sample, 8 samples per prompt; ``--prompt-tokens`` and
 
     python bench/memory.py [--rollouts 40] [--samples 1024] [--workers 2]
     python bench/memory.py --rollouts 5 --samples 1024 --prompt-tokens 512 --response-tokens 1024
+    python bench/memory.py --rollouts 5 --samples 1024 --prompt-tokens 512 --response-tokens 1024 \
+        --token-offset 100000
 
-``per_sample_overhead_bytes`` is what a sample costs beyond its token arrays (9 bytes per
-response token, plus the prompt's 4-byte ids once per group when they are longer than 64
-bytes, else once per sample): ``bytes_per_response_token`` is about 9 + overhead / response
-length, so it depends on the response length the workload has.
+``token_array_bytes_per_sample`` is what the token arrays hold (9 bytes per response token,
+plus the prompt's 4-byte ids once per group when they are longer than 64 bytes, else once
+per sample); ``stored_array_bytes_per_sample`` what their fields take on the wire (since
+``SampleCompleted`` v3, ids and masks of 256 bytes or more in the compact form: masks as
+bits, ids as 2 or 3 bytes); ``per_sample_overhead_bytes`` is the stream's bytes per sample
+beyond the stored arrays. ``bytes_per_response_token`` depends on the response length.
 
 The last line printed is one JSON object.
 """
@@ -42,17 +46,30 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.rollout import PER_PROMPT, EngineArm  # noqa: E402
 from engine.client import RolloutClient  # noqa: E402
-from engine.events.codec import decode  # noqa: E402
+from engine.events.base import Event  # noqa: E402
+from engine.events.codec import array_fields, decode  # noqa: E402
 from engine.events.redis_log import RedisEventLog  # noqa: E402
 from engine.ops.retention import retention_pass  # noqa: E402
 
 RAW_BYTES_PER_TOKEN = 4 + 4 + 1  # int32 id, float32 logprob, uint8 mask
 BASELINE = slice(1, 4)  # rollouts 2..4
+
+
+def _array_wire_bytes(event: Event, raw: bytes) -> int:
+    """Bytes the event's token-array fields take on the wire (compact or raw)."""
+    fields = array_fields(type(event))
+    if not fields:
+        return 0
+    payload = msgpack.unpackb(raw, raw=False)
+    return sum(len(payload[name]) for name, _kind, _compact in fields
+               if isinstance(payload.get(name), bytes))
 
 
 async def used_memory(log: RedisEventLog) -> int:
@@ -66,6 +83,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         arm = EngineArm(args, tmp, env={
             "BENCH_PROMPT_TOKENS": str(args.prompt_tokens),
             "BENCH_RESPONSE_TOKENS": str(args.response_tokens),
+            "BENCH_TOKEN_OFFSET": str(args.token_offset),
         })
         try:
             arm.start()
@@ -76,6 +94,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             memory: list[int] = []
             pool: list[int] = []  # rl:pool and its snapshot
             stream_bytes = 0
+            stored_arrays = 0  # wire bytes of the token-array fields in the first stream
             by_type: dict[str, int] = {}  # encoded event bytes of the first rollout, by type
             samples_per_s: list[float] = []
             for i in range(args.rollouts):
@@ -85,8 +104,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     stream = log.names.rollout(f"bench-{arm.seq}")
                     stream_bytes = await log.memory_usage(stream)
                     for _id, raw in await log.read_raw(stream):
-                        kind = decode(raw).type
+                        event = decode(raw)
+                        kind = event.type
                         by_type[kind] = by_type.get(kind, 0) + len(raw)
+                        stored_arrays += _array_wire_bytes(event, raw)
                 report = await retention_pass(log, store, keep_s=args.keep_s)
                 if args.keep_s == 0 and len(report.archived) != 1:
                     raise RuntimeError(f"rollout {i + 1}: retention did {report.summary()}")
@@ -115,6 +136,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     prompt_once = args.prompt_tokens * 4 > 64
     prompt_bytes = args.prompt_tokens * 4 / (PER_PROMPT if prompt_once else 1)
     arrays = n_response * RAW_BYTES_PER_TOKEN + prompt_bytes
+    stored = stored_arrays / args.samples
     return {
         "rollouts": args.rollouts,
         "samples_per_rollout": args.samples,
@@ -124,7 +146,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "rollout_stream_bytes": stream_bytes,
         "bytes_per_sample": round(per_sample, 1),
         "token_array_bytes_per_sample": round(arrays, 1),
-        "per_sample_overhead_bytes": round(per_sample - arrays, 1),
+        "stored_array_bytes_per_sample": round(stored, 1),
+        "per_sample_overhead_bytes": round(per_sample - stored, 1),
         "raw_bytes_per_response_token": RAW_BYTES_PER_TOKEN,
         "bytes_per_response_token": round(stream_bytes / tokens, 2),
         "used_memory_first": memory[0],
@@ -142,6 +165,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "archive_bytes_per_sample": round(archived_bytes / (args.samples * args.rollouts), 1),
         "samples_per_s_median": round(statistics.median(samples_per_s)),
         "keep_s": args.keep_s,
+        "token_offset": args.token_offset,
     }
 
 
@@ -155,6 +179,9 @@ def main() -> None:
                         help="prompt length of the bench agent (a group shares its prompt)")
     parser.add_argument("--response-tokens", type=int, default=16,
                         help="response length of the bench agent")
+    parser.add_argument("--token-offset", type=int, default=0,
+                        help="added to the response token ids (100000: ids of a large "
+                        "vocabulary, which the compact form stores in 3 bytes, not 2)")
     parser.add_argument("--keep-s", type=float, default=0.0,
                         help="retention window of the pass run after each rollout")
     parser.add_argument("--play-scheduler", action="store_true",

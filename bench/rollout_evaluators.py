@@ -6,7 +6,8 @@ samples of a group share, reward 1. Batches of 256 samples; a batch may run all 
 samples at once. ``BENCH_AGENT_LATENCY_MS`` (default 0) makes each episode's ``run`` sleep
 that long first (``bench/peers.py``'s 50 ms agent); ``BENCH_PROMPT_TOKENS`` and
 ``BENCH_RESPONSE_TOKENS`` set the lengths (``bench/memory.py --prompt-tokens
---response-tokens``).
+--response-tokens``) and ``BENCH_TOKEN_OFFSET`` (default 0) is added to the response token
+ids (``--token-offset``: ids of a large vocabulary).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class ZeroLatencyAgent(BaseAgent):
         latency_s: float = 0.0,
         prompt_tokens: int = PROMPT_TOKENS,
         response_tokens: int = RESPONSE_TOKENS,
+        token_offset: int = 0,
     ) -> None:
         self.latency_s = latency_s
+        self.token_offset = token_offset
         self.prompt_tokens = prompt_tokens
         self.response_tokens = response_tokens
 
@@ -43,7 +46,7 @@ class ZeroLatencyAgent(BaseAgent):
         n_prompt, n_response = self.prompt_tokens, self.response_tokens
         return AgentResult(
             prompt_token_ids=(*range(1, n_prompt), group),
-            response_token_ids=tuple(base + i for i in range(n_response)),
+            response_token_ids=tuple(self.token_offset + base + i for i in range(n_response)),
             response_logprobs=(-0.5,) * n_response,
             loss_mask=(1,) * n_response,
             turns=(TurnRecord(index=0, prompt_tokens=n_prompt, response_tokens=n_response),),
@@ -73,5 +76,6 @@ def build_agents(args: object) -> dict[str, BaseAgent]:
             float(env.get("BENCH_AGENT_LATENCY_MS", "0")) / 1000,
             int(env.get("BENCH_PROMPT_TOKENS", PROMPT_TOKENS)),
             int(env.get("BENCH_RESPONSE_TOKENS", RESPONSE_TOKENS)),
+            int(env.get("BENCH_TOKEN_OFFSET", "0")),
         )
     }

@@ -77,7 +77,13 @@ from engine.backends.gate import TurnGate
 from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
-from engine.events.catalog import BatchAdmitted, BatchLeased, RolloutRequested, TaskFetched
+from engine.events.catalog import (
+    BatchAdmitted,
+    BatchLeased,
+    RolloutRequested,
+    TaskFetched,
+    TaskJoined,
+)
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
@@ -381,6 +387,8 @@ class EvaluatorWorker:
                 )
                 for env in envs:
                     ev = env.event
+                    if isinstance(ev, TaskJoined) and ev.same_as in cached.tasks:
+                        ev = ev.task(cached.tasks[ev.same_as])  # its group's task
                     if isinstance(ev, TaskFetched):
                         cached.tasks.setdefault(ev.sample_id, ev)
                         missing.discard(ev.sample_id)

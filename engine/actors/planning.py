@@ -75,6 +75,7 @@ from engine.events.catalog import (
     RolloutRequested,
     TailCarried,
     TaskFetched,
+    TaskJoined,
 )
 from engine.messages import explain
 from engine.projections.data_cursor import DataState
@@ -100,6 +101,9 @@ class Plan:
     batches: tuple[BatchSealed, ...]
     planned: RolloutPlanned
     make_tasks: Callable[[int, int], list[TaskFetched]] = field(repr=False, compare=False)
+    # Per group index, the position (in ``tasks()``) of the group's first sample: the one
+    # whose ``TaskFetched`` the others' ``TaskJoined`` refer to (empty: none written joined).
+    group_first: Mapping[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rollout_id(self) -> str:
@@ -115,6 +119,27 @@ class Plan:
         n = len(self.sample_ids)
         return self.make_tasks(min(start, n), n if stop is None else min(stop, n))
 
+    def wire_tasks(self, start: int = 0, stop: int | None = None) -> list[Event]:
+        """What the stream holds for samples ``start`` to ``stop``: the ``TaskFetched`` of a
+        group's first sample, and a ``TaskJoined`` on it for every other sample of the group
+        that shares its task (a sample that differs in any group field is written whole)."""
+        tasks = self.tasks(start, stop)
+        firsts: dict[int, TaskFetched] = {}
+        out: list[Event] = []
+        for at, ev in enumerate(tasks, start=max(start, 0)):
+            pos = self.group_first.get(ev.group_index)
+            if pos is None or pos == at:
+                out.append(ev)
+                continue
+            first = firsts.get(ev.group_index)
+            if first is None:
+                first = firsts[ev.group_index] = (
+                    tasks[pos - start] if pos >= start else self.tasks(pos, pos + 1)[0]
+                )
+            joined = TaskJoined.of(ev, first)
+            out.append(ev if joined is None else joined)
+        return out
+
     def rollout_events(self, start: int = 0, stop: int | None = None) -> list[Event]:
         """Events ``start`` to ``stop`` of ``rl:{rollout:<id>}``, in stream order."""
         n, m = len(self.sample_ids), len(self.batches)
@@ -123,7 +148,7 @@ class Plan:
         if start <= 0 < stop:
             out.append(self.request)
         if start < n + 1 and stop > 1:
-            out.extend(self.tasks(max(start, 1) - 1, stop - 1))
+            out.extend(self.wire_tasks(max(start, 1) - 1, stop - 1))
         if start < n + m + 1 and stop > n + 1:
             out.extend(self.batches[max(start - n - 1, 0) : stop - n - 1])
         if start <= n + m + 1 < stop:
@@ -384,6 +409,11 @@ class Planner:
             n_batches=len(sealed),
             batch_ids=[b.batch_id for b in sealed],
         )
+        group_first: dict[int, int] = {}
+        for at, group in enumerate(
+            [*(task.group_index for task in tasks), *(ev.group_index for ev in carried)]
+        ):
+            group_first.setdefault(group, at)
         return Plan(
             request=request,
             cursor=advanced,
@@ -394,6 +424,7 @@ class Planner:
             batches=tuple(sealed),
             planned=planned,
             make_tasks=make_tasks,
+            group_first=group_first,
         )
 
     def _batch(self, rollout_id: str, tasks: list[Task]) -> list[Batch]:

@@ -231,3 +231,74 @@ def concat(parts: Sequence[_P]) -> _P:
     if any(type(p) is not kind for p in parts):
         raise ValueError("concat needs arrays of one class")
     return kind(b"".join(p.data for p in parts))
+
+
+# ---------------------------------------------------------------- compact wire form
+#
+# A field an event class lists in ``compact_arrays`` travels in a compact, lossless form
+# (issue 16: bytes per stored token). The wire value is one tag byte, then the body:
+#
+# * ``0``: the raw little-endian bytes (what a plain array field holds);
+# * ``1``: a 0/1 ``Mask`` as bits, least significant first: one byte saying how many bits
+#   of the last byte are padding, then ``ceil(n / 8)`` bytes;
+# * ``2``: ``TokenIds`` all in ``[0, 65535]`` as uint16;
+# * ``3``: ``TokenIds`` all in ``[0, 2**24 - 1]`` as 3 little-endian bytes each (every
+#   vocabulary in use is below 16.7M tokens).
+#
+# Arrays under ``COMPACT_MIN_BYTES`` raw bytes keep the raw form: packing them saves a few
+# bytes and costs more CPU than it saves memory (a 16-token response is dominated by the
+# event's other fields).
+
+COMPACT_MIN_BYTES = 256
+_RAW, _BITS, _U16, _U24 = 0, 1, 2, 3
+_BINARY = bytes(range(2))
+
+
+def to_compact(array: PackedArray) -> bytes:
+    """The compact wire value of ``array`` (see above)."""
+    data = array._data
+    if len(data) >= COMPACT_MIN_BYTES:
+        kind = type(array)
+        if kind is Mask:
+            if not data.translate(None, _BINARY):  # only 0 and 1
+                n = len(data)
+                bits = np.packbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+                return bytes((_BITS, -n % 8)) + bits.tobytes()
+        elif kind is TokenIds:
+            values = np.frombuffer(data, dtype="<i4")
+            low, high = int(values.min()), int(values.max())
+            if low >= 0 and high < 1 << 16:
+                return bytes((_U16,)) + values.astype("<u2").tobytes()
+            if low >= 0 and high < 1 << 24:
+                triples = np.frombuffer(data, dtype=np.uint8).reshape(-1, 4)[:, :3]
+                return bytes((_U24,)) + triples.tobytes()
+    return bytes((_RAW,)) + data
+
+
+def from_compact(kind: type[_P], wire: bytes) -> _P:
+    """The array a compact wire value holds; ``ValueError`` naming what is wrong."""
+    if not wire:
+        raise ValueError(f"{kind.__name__}: an empty compact value (it needs its tag byte)")
+    tag, body = wire[0], wire[1:]
+    if tag == _RAW:
+        out: _P = from_wire(kind, body)  # type: ignore[assignment]
+        return out
+    if tag == _BITS and kind is Mask:
+        if not body or body[0] > 7 or (body[0] and len(body) == 1):
+            raise ValueError(f"Mask: bad bit padding in a compact value of {len(wire)} bytes")
+        n = (len(body) - 1) * 8 - body[0]
+        bits = np.unpackbits(
+            np.frombuffer(body, dtype=np.uint8, offset=1), count=n, bitorder="little"
+        )
+        return kind(bits.tobytes())
+    if tag == _U16 and kind is TokenIds:
+        if len(body) % 2:
+            raise ValueError(f"TokenIds: {len(body)} bytes is not a multiple of 2 (uint16)")
+        return kind(np.frombuffer(body, dtype="<u2").astype("<i4").tobytes())
+    if tag == _U24 and kind is TokenIds:
+        if len(body) % 3:
+            raise ValueError(f"TokenIds: {len(body)} bytes is not a multiple of 3 (uint24)")
+        wide = np.zeros((len(body) // 3, 4), dtype=np.uint8)
+        wide[:, :3] = np.frombuffer(body, dtype=np.uint8).reshape(-1, 3)
+        return kind(wide.tobytes())
+    raise ValueError(f"{kind.__name__}: unknown compact form (tag {tag})")

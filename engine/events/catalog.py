@@ -55,6 +55,7 @@ __all__ = [
     "TailCarried",
     "SampleVerified",
     "TaskFetched",
+    "TaskJoined",
     "TeacherScored",
     "TokenAcquired",
     "TokenGrant",
@@ -448,6 +449,79 @@ def _task_fetched_v1(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
+# The fields a group's samples share: a TaskJoined takes them from its group's TaskFetched.
+GROUP_FIELDS = (
+    "rollout_id", "prompt", "label", "dataset", "task_type", "source_line", "metadata",
+    "stopping", "sampling_params", "carried_from",
+)
+
+
+_new = object.__new__
+_set = object.__setattr__
+_JOINED_SET = frozenset({"sample_id", "index", "group_index", "producer", "causation"})
+
+
+class TaskJoined(Event):
+    """A sample whose task is its group's (issue 16: the prompt stored once per group).
+
+    The n samples of a group share their prompt, label, dataset, task type, source line,
+    metadata and resolved settings; the planner writes them once, in the group's first
+    ``TaskFetched`` (``same_as``, its sample id, earlier in the same stream), and every other
+    sample of the group as this event, which carries only what is the sample's own. Readers
+    never see it as a task: the rollout fold and the workers' task readers turn it into the
+    ``TaskFetched`` it stands for (:meth:`task`), so every consumer sees a whole task per
+    sample, exactly what a plan written before it held. A ``TaskJoined`` whose ``same_as`` the
+    stream does not hold is a writer's error, named where it is folded."""
+
+    type: Literal["TaskJoined"] = "TaskJoined"
+    rollout_id: str
+    sample_id: str
+    index: int
+    group_index: int
+    same_as: str
+
+    def task(self, first: TaskFetched) -> TaskFetched:
+        """The ``TaskFetched`` this sample stands for: ``first``'s task with this sample's
+        ids (and this event's producer and causation).
+
+        Built the way ``model_copy(update=...)`` builds it (every value is already validated,
+        in ``first`` or here), without its generic copy: a fold turns every joined sample of
+        a rollout into its task, so this is on the finalizer's and the workers' hot path."""
+        values = dict(first.__dict__)
+        values["sample_id"] = self.sample_id
+        values["index"] = self.index
+        values["group_index"] = self.group_index
+        values["producer"] = self.producer
+        values["causation"] = self.causation
+        task = _new(TaskFetched)
+        _set(task, "__dict__", values)
+        _set(task, "__pydantic_fields_set__", first.__pydantic_fields_set__ | _JOINED_SET)
+        _set(task, "__pydantic_extra__", None)
+        _set(task, "__pydantic_private__", None)
+        return task
+
+    @classmethod
+    def of(cls, ev: TaskFetched, first: TaskFetched) -> TaskJoined | None:
+        """``ev`` as a ``TaskJoined`` on ``first`` when that loses nothing (it shares every
+        group field with ``first``), else None (``ev`` is then written whole)."""
+        if ev.group_index != first.group_index or ev.sample_id == first.sample_id:
+            return None
+        mine, theirs = ev.__dict__, first.__dict__
+        for name in GROUP_FIELDS:
+            if mine[name] is not theirs[name] and mine[name] != theirs[name]:
+                return None
+        # Every value comes from validated events: nothing to validate again.
+        return cls.model_construct(
+            rollout_id=ev.rollout_id,
+            sample_id=ev.sample_id,
+            index=ev.index,
+            group_index=ev.group_index,
+            same_as=first.sample_id,
+            producer=ev.producer,
+            causation=ev.causation,
+        )
+
+
 class BatchSealed(Event):
     """The batching strategy's output: which samples run together, in what order."""
 
@@ -501,9 +575,18 @@ class SampleCompleted(Event):
 
     v2 added the DAgger rollin's ``teacher_mask`` and ``student_cut_points``; a v1 event
     upcasts to "none recorded" (an empty mask, no cut points).
+
+    v3 (issue 16) changes only the wire: the token ids and the masks travel in the compact,
+    lossless form of ``engine.events.arrays`` (a 0/1 mask as bits, ids below 65,536 as
+    uint16 and below 2**24 as 3 bytes; arrays under 256 bytes raw), which takes a
+    1,024-token response from 9 to about 7.1 bytes per token. The fields and their values
+    are unchanged; a v2 event's raw arrays upcast to the compact form's raw tag.
     """
 
-    schema_version: ClassVar[int] = 2
+    schema_version: ClassVar[int] = 3
+    compact_arrays: ClassVar[frozenset[str]] = frozenset(
+        {"prompt_ids", "response_ids", "loss_mask", "teacher_mask"}
+    )
 
     type: Literal["SampleCompleted"] = "SampleCompleted"
     rollout_id: str
@@ -542,6 +625,17 @@ def _sample_completed_v1(payload: dict[str, Any]) -> dict[str, Any]:
     # v1 recorded no rollin: the defaults (no teacher tokens, no cut points) say exactly that.
     payload.pop("teacher_mask", None)
     payload.pop("student_cut_points", None)
+    return payload
+
+
+@upcaster("SampleCompleted", 2)
+def _sample_completed_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v2 held every array raw: the compact form's raw tag (0) says exactly that. Values that
+    # are not wire bytes (a hand-written payload's lists) are left to validation.
+    for name in SampleCompleted.compact_arrays:
+        value = payload.get(name)
+        if type(value) is bytes:
+            payload[name] = b"\x00" + value
     return payload
 
 

@@ -22,7 +22,14 @@ import msgspec
 from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
-from engine.events.arrays import EXT_TYPES, PackedArray, from_wire
+from engine.events.arrays import (
+    COMPACT_MIN_BYTES,
+    EXT_TYPES,
+    PackedArray,
+    from_compact,
+    from_wire,
+    to_compact,
+)
 from engine.events.base import Event, event_class, upcast
 from engine.events.fastpath import decode_fast
 
@@ -62,15 +69,18 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return cls(data)
 
 
-_ARRAY_FIELDS: dict[type[Event], tuple[tuple[str, type[PackedArray]], ...]] = {}
+ArrayField = tuple[str, type[PackedArray], bool]
+_ARRAY_FIELDS: dict[type[Event], tuple[ArrayField, ...]] = {}
 
 
-def _array_fields(cls: type[Event]) -> tuple[tuple[str, type[PackedArray]], ...]:
-    """The fields of ``cls`` declared as packed arrays, with their array class (cached)."""
+def array_fields(cls: type[Event]) -> tuple[ArrayField, ...]:
+    """The fields of ``cls`` declared as packed arrays: name, array class, and whether the
+    field travels in the compact form (the class's ``compact_arrays``; see ``arrays.py``)."""
     fields = _ARRAY_FIELDS.get(cls)
     if fields is None:
+        compact = frozenset(getattr(cls, "compact_arrays", ()))
         fields = tuple(
-            (name, info.annotation)
+            (name, info.annotation, name in compact)
             for name, info in cls.model_fields.items()
             if isinstance(info.annotation, type) and issubclass(info.annotation, PackedArray)
         )
@@ -88,10 +98,14 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
     part of every append.
     """
     payload = dict(event.__dict__)
-    for name, _kind in _array_fields(type(event)):
+    for name, _kind, compact in array_fields(type(event)):
         # A field typed as a packed array travels as plain msgpack bin (its class says
-        # how to read it); arrays anywhere else become self-describing ext values.
-        payload[name] = payload[name].data
+        # how to read it), in the compact form where the class asks for it; arrays
+        # anywhere else become self-describing ext values.
+        data = payload[name].data
+        if compact:  # short arrays stay raw behind tag 0 (inline: the common case)
+            data = b"\x00" + data if len(data) < COMPACT_MIN_BYTES else to_compact(payload[name])
+        payload[name] = data
     if producer is not None:
         payload["producer"] = producer
     if causation is not None:
@@ -140,11 +154,11 @@ def decode_reference(raw: bytes) -> Event:
     if version != cls.schema_version:
         payload = upcast(name, version, payload)
     payload["type"] = name
-    for field, kind in _array_fields(cls):
+    for field, kind, compact in array_fields(cls):
         value = payload.get(field)
         if type(value) is bytes:  # the wire form: build the array, pydantic checks its class
             try:
-                payload[field] = from_wire(kind, value)
+                payload[field] = from_compact(kind, value) if compact else from_wire(kind, value)
             except ValueError as exc:
                 raise DecodeError(f"{name} v{version}: {field}: {exc}") from exc
     try:

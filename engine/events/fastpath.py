@@ -44,7 +44,7 @@ import msgspec
 from pydantic import BaseModel
 
 from engine.errors import DecodeError
-from engine.events.arrays import EXT_TYPES, PackedArray, from_wire
+from engine.events.arrays import EXT_TYPES, PackedArray, from_compact, from_wire
 from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
@@ -93,6 +93,7 @@ class _Plan:
     n_keys: int  # every field plus "v"
     fields: frozenset[str]
     arrays: tuple[tuple[str, type[PackedArray]], ...]
+    compact: tuple[tuple[str, type[PackedArray]], ...]  # arrays in the compact form
     nested: tuple[tuple[str, type[BaseModel]], ...]
 
 
@@ -127,13 +128,15 @@ def _plan(cls: type[Event]) -> _Plan | None:
         return None
     fields: list[tuple[str, Any]] = []
     arrays: list[tuple[str, type[PackedArray]]] = []
+    compact: list[tuple[str, type[PackedArray]]] = []
+    compact_names = frozenset(getattr(cls, "compact_arrays", ()))
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, info in cls.model_fields.items():
         if info.metadata or info.alias or info.validation_alias:
             return None
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
-            arrays.append((name, annotation))
+            (compact if name in compact_names else arrays).append((name, annotation))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
         elif (
             isinstance(annotation, type)
@@ -161,6 +164,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         n_keys=len(fields),
         fields=frozenset(name for name, _ in fields[:-1]),
         arrays=tuple(arrays),
+        compact=tuple(compact),
         nested=tuple(nested),
     )
 
@@ -213,6 +217,11 @@ def decode_fast(raw: bytes) -> Event | None:
         values = _asdict(plan.decode(raw))
         for field, kind in plan.arrays:
             values[field] = from_wire(kind, values[field])
+        for field, kind in plan.compact:
+            wire = values[field]
+            values[field] = (
+                from_wire(kind, wire[1:]) if wire and not wire[0] else from_compact(kind, wire)
+            )
         for field, model in plan.nested:
             values[field] = _nested_value(model, values[field])
     except _Refused:

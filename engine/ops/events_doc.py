@@ -38,6 +38,9 @@ ROUTES: dict[str, Route] = {
                               "the scheduler (group `schedulers`), the finalizer"),
     "TaskFetched": Route("`rl:{rollout:ID}`", "the scheduler (plan)",
                          "evaluator workers, the finalizer, replay"),
+    "TaskJoined": Route("`rl:{rollout:ID}`", "the scheduler (plan; a group's samples after "
+                        "its first)", "evaluator workers, the finalizer, replay (as the "
+                        "`TaskFetched` it stands for)"),
     "BatchSealed": Route("`rl:{rollout:ID}`", "the scheduler (plan)",
                          "the scheduler (admission), `rollout status`"),
     "RolloutPlanned": Route("`rl:{rollout:ID}`", "the scheduler (plan, last)",

@@ -28,6 +28,7 @@ from engine.events.catalog import (
     SampleCompleted,
     SampleStarted,
     TaskFetched,
+    TaskJoined,
     TeacherScored,
     TokenAcquired,
     TokenReleased,
@@ -57,6 +58,8 @@ def _details(ev: Event) -> list[str]:
         ]
     if isinstance(ev, TaskFetched):
         return [f"dataset={ev.dataset}", f"group={ev.group_index}", f"type={ev.task_type}"]
+    if isinstance(ev, TaskJoined):
+        return [f"group={ev.group_index}", f"same_as={ev.same_as}"]
     if isinstance(ev, BatchSealed | BatchAdmitted):
         extra = [f"tokens={len(ev.token_ids)}"] if isinstance(ev, BatchAdmitted) else []
         return [f"batch={ev.batch_id}", f"samples={len(ev.sample_ids)}", *extra]

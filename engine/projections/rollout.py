@@ -7,6 +7,9 @@ self-contained), then ``TaskFetched`` per sample, ``BatchSealed`` per batch and 
 
 Idempotence rules (at-least-once delivery, crashed workers):
 * a duplicate ``TaskFetched`` / ``BatchSealed`` (same id) is ignored;
+* a ``TaskJoined`` (a group's sample whose task is stored once, in the group's first
+  ``TaskFetched``) is folded as the ``TaskFetched`` it stands for, so ``SampleState.task`` is
+  always the sample's whole task;
 * ``SampleStarted`` raises the sample's current attempt, never lowers it;
 * the first terminal event (``SampleCompleted`` or ``SampleAborted``) of a sample wins; any
   later terminal, whatever its attempt, is a duplicate and ignored;
@@ -45,6 +48,7 @@ from engine.events.catalog import (
     SampleCompleted,
     SampleStarted,
     TaskFetched,
+    TaskJoined,
     TeacherScored,
     TurnCompleted,
 )
@@ -150,6 +154,9 @@ class RolloutProjection:
     def evolve(self, state: RolloutState, env: Envelope) -> RolloutState:
         ev = env.event
         state.event_count += 1
+        if isinstance(ev, TaskJoined):
+            if ev.sample_id not in state.samples:
+                ev = _joined(ev, state.samples.get(ev.same_as))
         if isinstance(ev, TaskFetched):
             if ev.sample_id not in state.samples:
                 state.samples[ev.sample_id] = SampleState(task=ev)
@@ -292,3 +299,14 @@ def _with_prompt(ev: SampleCompleted, stored: PromptStored | None) -> SampleComp
             f"{ev.prompt_key!r}, which no earlier PromptStored of the stream holds"
         )
     return ev.model_copy(update={"prompt_ids": stored.prompt_ids})
+
+
+def _joined(ev: TaskJoined, first: SampleState | None) -> TaskFetched:
+    """The ``TaskFetched`` a ``TaskJoined`` stands for. A reference to a sample the stream
+    does not hold (earlier) is the writer's error, named here rather than guessed at."""
+    if first is None:
+        raise RolloutError(
+            f"TaskJoined {ev.sample_id} (rollout {ev.rollout_id}) refers to sample "
+            f"{ev.same_as!r}, whose TaskFetched no earlier entry of the stream holds"
+        )
+    return ev.task(first.task)

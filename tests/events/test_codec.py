@@ -24,7 +24,8 @@ from engine.events import (
     registered_types,
     upcaster,
 )
-from engine.events.arrays import PackedArray, from_wire
+from engine.events.arrays import PackedArray, from_wire, to_compact
+from engine.events.codec import decode_reference
 from engine.events.fastpath import decode_fast
 from engine.outcomes import SampleStatus, TerminationReason
 from tests.events.examples import example_events
@@ -47,9 +48,52 @@ def test_arrays_are_packed_binary_not_lists() -> None:
     ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[1, 2], response_ids=[3],
                          logprobs=[-0.5], loss_mask=[1])
     raw = msgpack.unpackb(encode(ev), raw=False)
-    assert raw["prompt_ids"] == np.array([1, 2], "<i4").tobytes()
+    # SampleCompleted v3: ids and masks in the compact form; short ones raw behind tag 0.
+    assert raw["prompt_ids"] == b"\x00" + np.array([1, 2], "<i4").tobytes()
     assert raw["logprobs"] == np.array([-0.5], "<f4").tobytes()
-    assert raw["loss_mask"] == b"\x01"
+    assert raw["loss_mask"] == b"\x00\x01"
+
+
+def test_long_ids_and_masks_travel_compact_and_come_back_exact() -> None:
+    n = 1024
+    mask = [1, 1, 0] * (n // 3) + [1] * (n % 3)
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=list(range(70_000, 70_512)),
+                         response_ids=[i * 61 % 65_536 for i in range(n)],
+                         logprobs=[-0.5] * n, loss_mask=mask, teacher_mask=[2] * n,
+                         token_versions=[-1] * n)
+    wire = encode(ev)
+    raw = msgpack.unpackb(wire, raw=False)
+    assert raw["v"] == 3
+    assert len(raw["response_ids"]) == 1 + 2 * n  # uint16
+    assert len(raw["prompt_ids"]) == 1 + 3 * 512  # 3 bytes per id (above 65,535)
+    assert len(raw["loss_mask"]) == 2 + n // 8  # bits
+    assert raw["teacher_mask"][:1] == b"\x00"  # not 0/1: raw
+    assert raw["token_versions"] == np.array([-1] * n, "<i4").tobytes()  # not compact
+    for back in (decode(wire), decode_reference(wire)):
+        assert back == ev
+        assert encode(back) == wire
+
+
+def test_a_v2_sample_completed_upcasts_its_raw_arrays() -> None:
+    ids = np.arange(300, dtype="<i4").tobytes()
+    payload = {"type": "SampleCompleted", "rollout_id": "r", "sample_id": "s",
+               "prompt_ids": ids, "response_ids": ids, "logprobs": b"", "loss_mask": b"\x01",
+               "v": 2}
+    back = decode(msgpack.packb(payload, use_bin_type=True))
+    assert isinstance(back, SampleCompleted)
+    assert back.prompt_ids == list(range(300)) and back.loss_mask == [1]
+
+
+def test_a_bad_compact_array_is_refused_by_name() -> None:
+    ev = SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[], response_ids=[],
+                         logprobs=[], loss_mask=[])
+    raw = msgpack.unpackb(encode(ev), raw=False)
+    raw["response_ids"] = b"\x03\x01\x02\x03\x04"  # uint24 ids in 4 bytes
+    with pytest.raises(DecodeError, match="response_ids.*multiple of 3"):
+        decode(msgpack.packb(raw, use_bin_type=True))
+    raw["response_ids"] = b"\x09"
+    with pytest.raises(DecodeError, match="response_ids.*unknown compact form"):
+        decode(msgpack.packb(raw, use_bin_type=True))
 
 
 def test_arrays_inside_free_form_values_are_self_describing() -> None:
@@ -185,7 +229,8 @@ def _msgpack_reference(event: Event) -> bytes:
     payload = dict(event.__dict__)
     for name, value in payload.items():
         if name in type(event).model_fields and isinstance(value, PackedArray):
-            payload[name] = value.data
+            compact = name in getattr(type(event), "compact_arrays", ())
+            payload[name] = to_compact(value) if compact else value.data
     payload["v"] = type(event).schema_version
     out: bytes = msgpack.packb(payload, default=default, use_bin_type=True)
     return out

@@ -20,6 +20,7 @@ from engine.events import (
     encode,
     registered_types,
 )
+from engine.events.arrays import to_compact
 from engine.events.codec import decode_reference
 from engine.events.fastpath import decode_fast, fast_types
 from tests.events.examples import example_events
@@ -27,6 +28,7 @@ from tests.events.examples import example_events
 # The events a rebuild, the finalizer and replay read by the thousand must stay fast.
 HOT = {
     "SampleCompleted", "SampleStarted", "SampleAborted", "TurnCompleted", "TaskFetched",
+    "TaskJoined",
     "TeacherScored", "BatchAdmitted", "BatchSealed", "TokenReleased", "RolloutReady",
     "RolloutPlanned", "DataCursorAdvanced", "DeadLetter",
 }
@@ -141,7 +143,8 @@ def _sample_wire(**changes: Any) -> bytes:
     fields = dict(BASE_SAMPLE)
     for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions",
                  "teacher_mask"):
-        fields[name] = fields[name].data
+        compact = name in SampleCompleted.compact_arrays  # v3: the compact wire form
+        fields[name] = to_compact(fields[name]) if compact else fields[name].data
     fields["v"] = SampleCompleted.schema_version
     fields.update(changes)
     return _wire(**{k: v for k, v in fields.items() if v is not _DROP})

@@ -63,6 +63,8 @@ def test_sample_completed_v2_round_trips_and_v1_upcasts_to_no_rollin() -> None:
     payload = msgpack.unpackb(encode(old), raw=False, ext_hook=_keep_ext)
     for name in ("teacher_mask", "student_cut_points"):
         payload.pop(name)
+    for name in ("prompt_ids", "response_ids", "loss_mask"):  # v1 held them raw (v3: compact)
+        payload[name] = getattr(old, name).data
     payload["v"] = 1
     v1 = decode(msgpack.packb(payload, use_bin_type=True))
     assert isinstance(v1, SampleCompleted)

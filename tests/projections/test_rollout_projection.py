@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from engine.errors import RolloutError
 from engine.events import (
     AbortClass,
     Envelope,
@@ -12,6 +15,7 @@ from engine.events import (
     SampleCompleted,
     SampleStarted,
     TaskFetched,
+    TaskJoined,
     TeacherScored,
     TurnCompleted,
 )
@@ -89,3 +93,22 @@ def test_pending_lists_samples_without_terminal() -> None:
     assert state.pending() == ["s0", "s2"]
     assert state.pending(["s1", "s2", "zz"]) == ["s2"]
     assert [s.sample_id for s in state.ordered()] == ["s0", "s1", "s2"]
+
+
+def test_a_joined_task_folds_as_its_groups_task_and_a_dangling_one_is_named() -> None:
+    p = RolloutProjection()
+    first = TaskFetched(rollout_id="r", sample_id="s0", index=0, group_index=0,
+                        prompt=[{"role": "user", "content": "2+2?"}], label="4", dataset="d",
+                        task_type="t", source_line=7, metadata={"k": 1},
+                        stopping={"max_context_len": 64})
+    joined = TaskJoined(rollout_id="r", sample_id="s1", index=1, group_index=0, same_as="s0")
+    state = fold(p, start(p), envs(first, joined, joined)).state
+    assert state.n_samples == 2 and state.group_size == {0: 2}
+    assert state.samples["s1"].task == first.model_copy(
+        update={"sample_id": "s1", "index": 1}
+    )
+    # The planner writes a sample joined only when nothing is lost: TaskJoined.of says so.
+    assert TaskJoined.of(state.samples["s1"].task, first) == joined
+    assert TaskJoined.of(first.model_copy(update={"sample_id": "s2", "label": "5"}), first) is None
+    with pytest.raises(RolloutError, match="refers to sample 's9'"):
+        fold(p, start(p), envs(first, joined.model_copy(update={"same_as": "s9"})))

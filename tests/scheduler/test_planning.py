@@ -19,7 +19,9 @@ from engine.domain import (
 )
 from engine.errors import ConfigError
 from engine.events import BatchSealed, Envelope, RolloutPlanned, RolloutRequested, TaskFetched
+from engine.events.catalog import TaskJoined
 from engine.projections.data_cursor import DataCursorProjection, DataState
+from engine.projections.rollout import RolloutProjection
 from tests.scheduler.helpers import load_specs, request, write_config
 
 
@@ -42,12 +44,19 @@ def test_every_range_of_rollout_events_is_a_slice_of_the_whole(tmp_path: Path) -
     whole = plan.rollout_events()
     assert len(whole) == plan.n_events == 1 + 12 + len(plan.batches) + 1
     assert isinstance(whole[0], RolloutRequested) and isinstance(whole[-1], RolloutPlanned)
-    assert [type(e) for e in whole[1:13]] == [TaskFetched] * 12
+    # A group's prompt is stored once: its first sample's TaskFetched, then a TaskJoined on it.
+    assert [type(e) for e in whole[1:13]] == [TaskFetched, TaskJoined] * 6
     assert all(isinstance(e, BatchSealed) for e in whole[13:-1])
     for chunk in (1, 2, 3, 5, 7, 100):
         pieces = [plan.rollout_events(i, i + chunk) for i in range(0, plan.n_events, chunk)]
         assert [e for piece in pieces for e in piece] == whole
-    assert plan.tasks(3, 5) == whole[4:6]
+    joined = whole[6]  # sample 5: the second of group 2
+    assert isinstance(joined, TaskJoined) and joined.same_as == plan.tasks(4, 5)[0].sample_id
+    # Folded, the stream holds every sample's whole task, as the plan built it.
+    state = RolloutProjection().initial()
+    for i, ev in enumerate(whole):
+        state = RolloutProjection().evolve(state, Envelope("rl:{rollout:r}", f"1-{i}", ev))
+    assert [s.task for s in state.ordered()] == plan.tasks()
 
 
 def test_planning_is_deterministic_and_replan_reproduces_the_plan(tmp_path: Path) -> None:

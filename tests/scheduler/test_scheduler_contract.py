@@ -34,6 +34,7 @@ from engine.events import (
     RolloutPlanned,
     RolloutRequested,
     TaskFetched,
+    TaskJoined,
     TokenAcquired,
 )
 from engine.projections.data_cursor import DataState
@@ -67,7 +68,20 @@ async def events_of(log: EventLog, stream: str) -> list[Envelope]:
 
 
 def of_type(envs: list[Envelope], kind: type) -> list:  # type: ignore[type-arg]
-    return [e.event for e in envs if isinstance(e.event, kind)]
+    """The events of ``kind``; for ``TaskFetched``, every task as readers see it: a
+    ``TaskJoined`` (a group's sample after its first) as the ``TaskFetched`` it stands for."""
+    if kind is not TaskFetched:
+        return [e.event for e in envs if isinstance(e.event, kind)]
+    out: list[TaskFetched] = []
+    firsts: dict[str, TaskFetched] = {}
+    for env in envs:
+        ev = env.event
+        if isinstance(ev, TaskJoined):
+            ev = ev.task(firsts[ev.same_as])
+        if isinstance(ev, TaskFetched):
+            firsts.setdefault(ev.sample_id, ev)
+            out.append(ev)
+    return out
 
 
 async def assert_exactly_once(log: EventLog, rollout_ids: list[str], evaluators: list[str]) -> None:
@@ -191,8 +205,9 @@ async def test_plan_order_batching_and_data_cursor(redis_factory: ClientFactory,
     assert isinstance(envs[0].event, RolloutRequested)
     assert envs[0].event.causation == f"{log.names.control}@{first}"
     kinds = [type(e.event).__name__ for e in envs]
-    n_tasks, n_batches = kinds.count("TaskFetched"), kinds.count("BatchSealed")
-    assert kinds == ["RolloutRequested"] + ["TaskFetched"] * n_tasks + [
+    n_batches = kinds.count("BatchSealed")
+    # 4 groups of 2: each group's task once, its second sample joined to it.
+    assert kinds == ["RolloutRequested"] + ["TaskFetched", "TaskJoined"] * 4 + [
         "BatchSealed"
     ] * n_batches + ["RolloutPlanned"]
     tasks = of_type(envs, TaskFetched)
