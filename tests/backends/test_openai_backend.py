@@ -9,8 +9,10 @@ send ``arguments`` as an object instead; that variant is accepted too.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -320,9 +322,17 @@ PLAIN = {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The waits the HTTP client asked for (not slept: the test checks them)."""
     asked: list[float] = []
+    real_sleep = asyncio.sleep
+    mine = threading.get_ident()
 
-    async def record(delay: float) -> None:
+    async def record(delay: float, *args: Any, **kwargs: Any) -> Any:
+        # ``_http.asyncio`` is the asyncio module: the patch reaches every thread's loop (a
+        # uvicorn server another test left running ticks with asyncio.sleep), so only this
+        # thread's calls are recorded and skipped.
+        if threading.get_ident() != mine:
+            return await real_sleep(delay, *args, **kwargs)
         asked.append(delay)
+        return args[0] if args else kwargs.get("result")
 
     monkeypatch.setattr(_http.asyncio, "sleep", record)
     return asked
