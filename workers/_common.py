@@ -2,6 +2,10 @@
 
 Flags default to ``engine.settings.Settings`` (the ``ROLLOUT_*`` environment), so a compose
 file can configure a worker by environment alone and a command line can override it.
+
+A worker's ``main`` is ``start`` (settings, flags, checks, logging, metrics) and its serving
+coroutine is ``serve_actor`` (the log, the stop signal, the actor's run, the exit status), so
+each worker module holds only its own flags and the actor it builds.
 """
 
 from __future__ import annotations
@@ -13,22 +17,27 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from engine import metrics
-from engine.errors import ConfigError
+from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
 from engine.settings import Settings
 
 __all__ = [
+    "Actor",
     "add_common_flags",
     "default_consumer",
     "install_stop",
     "load_settings",
     "make_log",
+    "serve_actor",
     "serve_metrics",
     "setup_logging",
+    "start",
 ]
 
 
@@ -62,6 +71,10 @@ def add_common_flags(parser: argparse.ArgumentParser, settings: Settings, role: 
     parser.add_argument("--block-ms", type=int, default=settings.block_ms)
     parser.add_argument("--max-deliveries", type=int, default=settings.max_deliveries)
     parser.add_argument("--log-level", default=settings.log_level)
+    parser.add_argument(
+        "--outage-limit-s", type=float, default=settings.outage_limit_s,
+        help="how long to ride out an unreachable Redis before exiting with a fatal error",
+    )
 
 
 def check_timings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -133,3 +146,62 @@ def install_stop() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     return stop
+
+
+Check = Callable[[argparse.ArgumentParser, argparse.Namespace], None]
+"""A worker's own check of its parsed flags: calls ``parser.error`` (exit 2) on bad input."""
+
+
+def start(
+    build_parser: Callable[[Settings], argparse.ArgumentParser],
+    argv: Sequence[str] | None,
+    check: Check | None = None,
+) -> tuple[Settings, argparse.Namespace] | None:
+    """Settings, flags and their checks, then logging and ``/metrics``: a worker's start-up.
+
+    None when the environment's settings are invalid (printed; the worker exits 2). Bad flags
+    end the process through ``parser.error`` before logging or the metrics server start.
+    """
+    settings = load_settings()
+    if settings is None:
+        return None
+    parser = build_parser(settings)
+    args = parser.parse_args(argv)
+    check_timings(parser, args)
+    if check is not None:
+        check(parser, args)
+    setup_logging(args.log_level)
+    serve_metrics(settings)
+    return settings, args
+
+
+class Actor(Protocol):
+    """What ``serve_actor`` runs: an engine actor that serves until ``stop`` is set."""
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+async def serve_actor(
+    args: argparse.Namespace,
+    build: Callable[[EventLog], Actor],
+    *,
+    logger: logging.Logger,
+    what: str,
+) -> int:
+    """Open the log, build the actor on it and run it until SIGTERM or SIGINT.
+
+    Returns the exit status: 0 after a clean stop, 1 when Redis failed (a log error, or an
+    outage longer than ``--outage-limit-s``), logged as ``<what> <worker id>: <error>``. The
+    log is closed either way; other exceptions propagate to the caller.
+    """
+    log = make_log(args, producer=args.worker_id)
+    try:
+        actor = build(log)
+        stop = install_stop()
+        await actor.run(stop)
+    except (LogError, OutageExceeded) as exc:
+        logger.error("%s %s: %s", what, args.worker_id, exc)
+        return 1
+    finally:
+        await log.aclose()
+    return 0

@@ -17,17 +17,8 @@ import sys
 from collections.abc import Sequence
 
 from engine.actors.capture import BackendScorer, CaptureConfig, CaptureWorker
-from engine.errors import LogError, OutageExceeded
 from engine.settings import Settings
-from workers._common import (
-    add_common_flags,
-    check_timings,
-    install_stop,
-    load_settings,
-    make_log,
-    serve_metrics,
-    setup_logging,
-)
+from workers._common import add_common_flags, serve_actor, start
 
 __all__ = ["build_parser", "main"]
 
@@ -40,10 +31,6 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Force-decode kept trajectories on the teacher and record TeacherScored.",
     )
     add_common_flags(parser, settings, "capture")
-    parser.add_argument(
-        "--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="how long to ride out an unreachable Redis before exiting with a fatal error",
-    )
     parser.add_argument(
         "--teacher-url", default=settings.teacher_url, required=settings.teacher_url is None,
         help="the teacher's SGLang server (default: ROLLOUT_TEACHER_URL)",
@@ -60,44 +47,34 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace) -> int:
     from engine.backends.teacher import TeacherBackend, TeacherConfig
 
-    log = make_log(args, producer=args.worker_id)
     teacher = TeacherBackend(
         config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
     )
-    worker = CaptureWorker(
-        log,
-        BackendScorer(teacher),
-        CaptureConfig(
-            consumer=args.worker_id,
-            concurrency=args.concurrency,
-            max_tries=args.max_tries,
-            heartbeat_ms=args.heartbeat_ms,
-            claim_idle_ms=args.claim_idle_ms,
-            block_ms=args.block_ms,
-            outage_limit_s=args.outage_limit_s,
-        ),
+    config = CaptureConfig(
+        consumer=args.worker_id,
+        concurrency=args.concurrency,
+        max_tries=args.max_tries,
+        heartbeat_ms=args.heartbeat_ms,
+        claim_idle_ms=args.claim_idle_ms,
+        block_ms=args.block_ms,
+        outage_limit_s=args.outage_limit_s,
     )
-    stop = install_stop()
     try:
-        await worker.run(stop)
-    except (LogError, OutageExceeded) as exc:
-        logger.error("capture %s: %s", args.worker_id, exc)
-        return 1
+        return await serve_actor(
+            args,
+            lambda log: CaptureWorker(log, BackendScorer(teacher), config),
+            logger=logger,
+            what="capture",
+        )
     finally:
         await teacher.aclose()
-        await log.aclose()
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings()
-    if settings is None:
+    started = start(build_parser, argv)
+    if started is None:
         return 2
-    parser = build_parser(settings)
-    args = parser.parse_args(argv)
-    check_timings(parser, args)
-    setup_logging(args.log_level)
-    serve_metrics(settings)
+    _, args = started
     return asyncio.run(_serve(args))
 
 

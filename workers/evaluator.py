@@ -45,21 +45,13 @@ from engine.backends.pool import BackendPool, parse_urls
 from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.config.evaluators import load_evaluators
 from engine.domain import Resource
-from engine.errors import ConfigError, LogError, OutageExceeded, SandboxError
+from engine.errors import ConfigError, SandboxError
 from engine.projections.rows import SampleRow
 from engine.sandbox.base import SandboxLimits, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import Settings
-from workers._common import (
-    add_common_flags,
-    check_timings,
-    install_stop,
-    load_settings,
-    make_log,
-    serve_metrics,
-    setup_logging,
-)
+from workers._common import add_common_flags, serve_actor, start
 
 __all__ = ["Progress", "build_parser", "docker_config", "main", "teacher_port"]
 
@@ -72,10 +64,6 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Run admitted batches' episodes and record them as events.",
     )
     add_common_flags(parser, settings, "evaluator")
-    parser.add_argument(
-        "--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="how long to ride out an unreachable Redis before exiting with a fatal error",
-    )
     add = parser.add_argument
     add(
         "--evaluator-config",
@@ -278,29 +266,19 @@ async def _serve(
     backends: BackendPool,
     provider: SandboxProvider | None,
 ) -> int:
-    log = make_log(args, producer=args.worker_id)
     progress = Progress(args.worker_id, quiet=args.quiet)
-    worker = EvaluatorWorker(
-        log,
-        specs,
-        WorkerConfig(
-            worker_id=args.worker_id,
-            evaluator_ids=ids,
-            max_batches=args.max_batches,
-            heartbeat_ms=args.heartbeat_ms,
-            claim_idle_ms=args.claim_idle_ms,
-            block_ms=args.block_ms,
-            outage_limit_s=args.outage_limit_s,
-            grace_s=args.grace_s,
-            tmp_root=args.tmp_dir,
-            verify=VerifyPolicy(fraction=args.verify_fraction, threshold=args.verify_threshold),
-        ),
-        backends=backends,
-        sandboxes=provider,
-        on_task_done=progress.on_task_done,
-        on_batch_done=progress.on_batch_done,
+    config = WorkerConfig(
+        worker_id=args.worker_id,
+        evaluator_ids=ids,
+        max_batches=args.max_batches,
+        heartbeat_ms=args.heartbeat_ms,
+        claim_idle_ms=args.claim_idle_ms,
+        block_ms=args.block_ms,
+        outage_limit_s=args.outage_limit_s,
+        grace_s=args.grace_s,
+        tmp_root=args.tmp_dir,
+        verify=VerifyPolicy(fraction=args.verify_fraction, threshold=args.verify_threshold),
     )
-    stop = install_stop()
     logger.info("worker %s serving %s", args.worker_id, ", ".join(ids))
     try:
         if isinstance(provider, DockerSandboxProvider):
@@ -309,21 +287,29 @@ async def _serve(
             except SandboxError as exc:
                 print(f"error: --sandbox docker: {exc}", file=sys.stderr)
                 return 2
-        await worker.run(stop)
+        return await serve_actor(
+            args,
+            lambda log: EvaluatorWorker(
+                log,
+                specs,
+                config,
+                backends=backends,
+                sandboxes=provider,
+                on_task_done=progress.on_task_done,
+                on_batch_done=progress.on_batch_done,
+            ),
+            logger=logger,
+            what="worker",
+        )
     except ConfigError as exc:  # e.g. a model server with temperature-scaled logprobs
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (LogError, OutageExceeded) as exc:
-        logger.error("worker %s: %s", args.worker_id, exc)
-        return 1
     finally:
         await backends.aclose()
         if args.teacher is not None:  # the worker's teacher port, built in main
             await args.teacher.aclose()
-        await log.aclose()
         if isinstance(provider, LocalSandboxProvider | DockerSandboxProvider):
             provider.close()
-    return 0
 
 
 def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
@@ -350,17 +336,16 @@ def teacher_port(args: argparse.Namespace) -> TeacherBackend | None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings()
-    if settings is None:
-        return 2
-    parser = build_parser(settings)
-    args = parser.parse_args(argv)
-    check_timings(parser, args)
-    setup_logging(args.log_level)
-    serve_metrics(settings)
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.evaluator_config is None:
         parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = start(build_parser, argv, _check)
+    if started is None:
+        return 2
+    settings, args = started
     try:
         policy_urls(args, settings)
         args.teacher = teacher_port(args)

@@ -21,19 +21,10 @@ from pathlib import Path
 
 from engine.actors.dumps import DumpConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig, RetentionConfig
-from engine.errors import LogError, OutageExceeded
 from engine.events.catalog import RolloutReady
 from engine.ops.retention import ACTOR_GROUPS
 from engine.settings import Settings
-from workers._common import (
-    add_common_flags,
-    check_timings,
-    install_stop,
-    load_settings,
-    make_log,
-    serve_metrics,
-    setup_logging,
-)
+from workers._common import add_common_flags, serve_actor, start
 
 __all__ = ["build_parser", "main"]
 
@@ -46,10 +37,6 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
     )
     add_common_flags(parser, settings, "finalizer")
-    parser.add_argument(
-        "--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="how long to ride out an unreachable Redis before exiting with a fatal error",
-    )
     parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
     parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
     for name, what in (("distill", "OPD discrepancy"), ("mixed", "mixed-loss"),
@@ -84,59 +71,50 @@ def _print_ready(ready: RolloutReady) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    log = make_log(args, producer=args.worker_id)
-    finalizer = Finalizer(
-        log,
-        FinalizerConfig(
-            consumer=args.worker_id,
-            out_dir=args.out_dir,
-            top_k=args.top_k,
-            heartbeat_ms=args.heartbeat_ms,
-            claim_idle_ms=args.claim_idle_ms,
-            block_ms=args.block_ms,
-            outage_limit_s=args.outage_limit_s,
-            dumps=DumpConfig(
-                distill_dir=args.distill_dump_dir,
-                mixed_dir=args.mixed_dump_dir,
-                student_dir=args.student_dump_dir,
-            ),
-            retention=(
-                RetentionConfig(
-                    store=args.retention_store,
-                    keep_s=args.retention_keep_s,
-                    every_s=args.retention_every_s,
-                    groups=ACTOR_GROUPS,
-                )
-                if args.retention_store is not None
-                else None
-            ),
+    config = FinalizerConfig(
+        consumer=args.worker_id,
+        out_dir=args.out_dir,
+        top_k=args.top_k,
+        heartbeat_ms=args.heartbeat_ms,
+        claim_idle_ms=args.claim_idle_ms,
+        block_ms=args.block_ms,
+        outage_limit_s=args.outage_limit_s,
+        dumps=DumpConfig(
+            distill_dir=args.distill_dump_dir,
+            mixed_dir=args.mixed_dump_dir,
+            student_dir=args.student_dump_dir,
         ),
-        on_ready=_print_ready,
+        retention=(
+            RetentionConfig(
+                store=args.retention_store,
+                keep_s=args.retention_keep_s,
+                every_s=args.retention_every_s,
+                groups=ACTOR_GROUPS,
+            )
+            if args.retention_store is not None
+            else None
+        ),
     )
-    stop = install_stop()
-    try:
-        await finalizer.run(stop)
-    except (LogError, OutageExceeded) as exc:
-        logger.error("finalizer %s: %s", args.worker_id, exc)
-        return 1
-    finally:
-        await log.aclose()
-    return 0
+    return await serve_actor(
+        args,
+        lambda log: Finalizer(log, config, on_ready=_print_ready),
+        logger=logger,
+        what="finalizer",
+    )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings()
-    if settings is None:
-        return 2
-    parser = build_parser(settings)
-    args = parser.parse_args(argv)
-    check_timings(parser, args)
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.retention_keep_s < 0:
         parser.error(f"--retention-keep-s must be >= 0, got {args.retention_keep_s}")
     if args.retention_every_s <= 0:
         parser.error(f"--retention-every-s must be > 0, got {args.retention_every_s}")
-    setup_logging(args.log_level)
-    serve_metrics(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = start(build_parser, argv, _check)
+    if started is None:
+        return 2
+    _, args = started
     return asyncio.run(_serve(args))
 
 

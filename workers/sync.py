@@ -25,17 +25,9 @@ from collections.abc import Sequence
 
 from engine.actors.weight_sync import SyncConfig, WeightSyncer
 from engine.backends.pool import parse_urls
-from engine.errors import ConfigError, LogError, OutageExceeded
+from engine.errors import ConfigError
 from engine.settings import Settings
-from workers._common import (
-    add_common_flags,
-    check_timings,
-    install_stop,
-    load_settings,
-    make_log,
-    serve_metrics,
-    setup_logging,
-)
+from workers._common import add_common_flags, serve_actor, start
 
 __all__ = ["build_parser", "main"]
 
@@ -49,10 +41,6 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     )
     add_common_flags(parser, settings, "sync")
     add = parser.add_argument
-    add(
-        "--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="how long to ride out an unreachable Redis before exiting with a fatal error",
-    )
     add(
         "--sglang-url", action="append", default=None,
         help="model servers to load the weights on: the workers' --sglang-url (repeat it or "
@@ -88,29 +76,17 @@ def admin_key(settings: Settings) -> str | None:
 
 
 async def _serve(args: argparse.Namespace, config: SyncConfig) -> int:
-    log = make_log(args, producer=args.worker_id)
-    syncer = WeightSyncer(log, config)
-    stop = install_stop()
     logger.info("syncer %s: servers %s", args.worker_id, ", ".join(config.servers))
-    try:
-        await syncer.run(stop)
-    except (LogError, OutageExceeded) as exc:
-        logger.error("syncer %s: %s", args.worker_id, exc)
-        return 1
-    finally:
-        await log.aclose()
-    return 0
+    return await serve_actor(
+        args, lambda log: WeightSyncer(log, config), logger=logger, what="syncer"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_settings()
-    if settings is None:
+    started = start(build_parser, argv)
+    if started is None:
         return 2
-    parser = build_parser(settings)
-    args = parser.parse_args(argv)
-    check_timings(parser, args)
-    setup_logging(args.log_level)
-    serve_metrics(settings)
+    settings, args = started
     try:
         config = SyncConfig(
             syncer_id=args.worker_id,
