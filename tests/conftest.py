@@ -1,5 +1,6 @@
-"""Shared fixtures: Redis backends (fakeredis and a real redis-server), and the two tinylm
-models the backend and proxy tests serve (built once per session)."""
+"""Shared fixtures: Redis backends (fakeredis and a real redis-server); the tinylm models the
+backend, proxy, agent and lane tests serve (built once per session); and ``teacher_server``,
+a tinylm subprocess on the ``teacher_dir`` the requesting test module defines."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import redis.asyncio as aioredis
 
 from engine.events import RedisEventLog, RedisSettings, connect
 from engine.ops.tinylm import init_model
+from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tests.redis_server import RedisServer, redis_required, start_redis_server
 from tinylm.corpus import PYTHON_TOOL, Dialogue
-from tinylm.model import TrainSettings
+from tinylm.model import ModelSize, TrainSettings
+from tinylm.process import ServerProcess, spawn_server
 
 ClientFactory = Callable[[], aioredis.Redis]
 
@@ -26,12 +29,17 @@ ClientFactory = Callable[[], aioredis.Redis]
 os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
+def need_redis_server() -> None:
+    """Skip the test when the redis-server binary is missing; in CI, fail it instead."""
     if shutil.which("redis-server") is None:
         if redis_required():
             pytest.fail("redis-server is missing in CI: .ci/run must install it")
         pytest.skip("redis-server binary not installed")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    need_redis_server()
     server = start_redis_server()
     yield server
     server.stop()
@@ -89,6 +97,33 @@ TINYLM_DIALOGUE = Dialogue(
     ],
     tools=[PYTHON_TOOL],
 )
+MATH_EPISODE = Dialogue(
+    messages=[{"role": "system", "content": MATH_SYSTEM_PROMPT}, *TINYLM_DIALOGUE.messages],
+    tools=TINYLM_DIALOGUE.tools,
+)
+"""The same episode as the ``math`` agent renders it (its system prompt, the python tool)."""
+
+
+def overfit_tinylm(
+    path: Path,
+    dialogue: Dialogue,
+    *,
+    seed: int = 0,
+    size: ModelSize | None = None,
+    batch_size: int = 1,
+    warmup_steps: int = 3,
+) -> Path:
+    """A tinylm at ``path`` overfit on ``dialogue`` (60 steps), so greedy decoding replays it."""
+    init_model(
+        path,
+        seed=seed,
+        dialogues=[dialogue],
+        train=TrainSettings(
+            steps=60, batch_size=batch_size, learning_rate=5e-3, warmup_steps=warmup_steps
+        ),
+        size=size or ModelSize(),
+    )
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -101,10 +136,17 @@ def tinylm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def toolcall_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tinylm-toolcall") / "model"
-    init_model(
-        path,
-        seed=0,
-        dialogues=[TINYLM_DIALOGUE],
-        train=TrainSettings(steps=60, batch_size=2, learning_rate=5e-3, warmup_steps=5),
-    )
-    return path
+    return overfit_tinylm(path, TINYLM_DIALOGUE, batch_size=2, warmup_steps=5)
+
+
+@pytest.fixture(scope="session")
+def math_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tinylm overfit on ``MATH_EPISODE``: the agents' policy, the DAgger lane's teacher."""
+    return overfit_tinylm(tmp_path_factory.mktemp("agents-tinylm") / "model", MATH_EPISODE)
+
+
+@pytest.fixture(scope="module")
+def teacher_server(teacher_dir: Path) -> Iterator[ServerProcess]:
+    """A tinylm server subprocess on the module's own ``teacher_dir`` fixture."""
+    with spawn_server(teacher_dir, port=0) as proc:
+        yield proc

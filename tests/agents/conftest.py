@@ -1,9 +1,10 @@
 """Fixtures for the tool-agent tests: a real tinylm model and server, a real local sandbox,
 and a scripted ``/generate`` at the HTTP transport.
 
-- ``model_dir``: a tinylm overfit (60 steps) on one math episode written exactly as the
-  ``math`` agent renders it (system prompt, python tool), so greedy decoding reproduces it:
-  a ``python`` call, then ``<answer>42</answer>``. Real tokenizer, chat template, logprobs.
+- ``model_dir``: ``tests/conftest.py``'s ``math_model_dir``, a tinylm overfit (60 steps) on
+  ``MATH_EPISODE``, the math episode written exactly as the ``math`` agent renders it (system
+  prompt, python tool), so greedy decoding reproduces it: a ``python`` call, then
+  ``<answer>42</answer>``. Real tokenizer, chat template, logprobs.
 - ``server``: that model served over real sockets (``start_server``, free port).
 - ``provider``: a ``LocalSandboxProvider`` on a fresh root, reaped at the end of the session.
 - ``ScriptedGenerate``: an ``httpx.MockTransport`` handler answering ``/generate`` the way
@@ -29,50 +30,21 @@ import pytest
 
 from engine.agents.base import AgentResult, EpisodeContext, Reward
 from engine.agents.tool_agent import ToolAgent
-from engine.agents.tools import PythonTool
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.events.arrays import LogProbs
-from engine.ops.tinylm import init_model
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider, SandboxProvider
-from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
-from tinylm.corpus import Dialogue
-from tinylm.model import TrainSettings
+from tests.conftest import MATH_EPISODE
+from tests.conftest import TINYLM_QUESTION as MATH_QUESTION
 from tinylm.server import TinyLMServer, start_server
 
-MATH_QUESTION = "What is 17 + 25?"
-MATH_EPISODE = Dialogue(
-    messages=[
-        {"role": "system", "content": MATH_SYSTEM_PROMPT},
-        {"role": "user", "content": MATH_QUESTION},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "type": "function",
-                    "function": {"name": "python", "arguments": {"code": "print(17 + 25)"}},
-                }
-            ],
-        },
-        {"role": "tool", "content": "42"},
-        {"role": "assistant", "content": "The answer is <answer>42</answer>"},
-    ],
-    tools=[PythonTool().schema()],
-)
+__all__ = ["MATH_EPISODE", "MATH_QUESTION"]  # the agent and lane tests import them from here
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("agents-tinylm") / "model"
-    init_model(
-        path,
-        seed=0,
-        dialogues=[MATH_EPISODE],
-        train=TrainSettings(steps=60, batch_size=1, learning_rate=5e-3, warmup_steps=3),
-    )
-    return path
+def model_dir(math_model_dir: Path) -> Path:
+    return math_model_dir
 
 
 @pytest.fixture(scope="session")

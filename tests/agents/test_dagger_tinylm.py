@@ -11,7 +11,6 @@ with the masks swapped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,33 +22,20 @@ from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.domain import TerminationReason
-from engine.ops.tinylm import init_model
 from engine.sandbox import LocalSandboxProvider
 from engine.tasks.evaluators import math_agent_config
 from engine.tasks.math import MathVerifier
 from tests.agents.conftest import MATH_EPISODE, make_context, make_task, run_episode
-from tinylm.model import ModelSize, TrainSettings
-from tinylm.process import ServerProcess, spawn_server
+from tests.conftest import overfit_tinylm
+from tinylm.model import ModelSize
+from tinylm.process import ServerProcess
 from tinylm.server import TinyLMServer
 
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("dagger-teacher") / "model"
-    init_model(
-        path,
-        seed=11,
-        size=ModelSize(vocab_size=700),
-        dialogues=[MATH_EPISODE],
-        train=TrainSettings(steps=60, batch_size=1, learning_rate=5e-3, warmup_steps=3),
-    )
-    return path
-
-
-@pytest.fixture(scope="module")
-def teacher_server(teacher_dir: Path) -> Iterator[ServerProcess]:
-    with spawn_server(teacher_dir, port=0) as proc:
-        yield proc
+    return overfit_tinylm(path, MATH_EPISODE, seed=11, size=ModelSize(vocab_size=700))
 
 
 async def run_dagger(

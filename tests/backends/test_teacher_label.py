@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,11 @@ from engine.backends.base import ToolCall
 from engine.backends.sglang import load_tokenizer
 from engine.backends.teacher import TeacherBackend, TeacherConfig, canonical_messages
 from engine.backends.toolcalls import ParsedToolCalls, render_tool_call
-from engine.ops.tinylm import init_model
 from tests.backends.conftest import MATH_DIALOGUE, MATH_QUESTION
+from tests.conftest import overfit_tinylm
 from tinylm.corpus import PYTHON_TOOL
-from tinylm.model import ModelSize, TrainSettings
-from tinylm.process import ServerProcess, spawn_server
+from tinylm.model import ModelSize
+from tinylm.process import ServerProcess
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 64}
 CALL = render_tool_call("python", {"code": "print(17 + 25)"})
@@ -38,20 +37,9 @@ AFTER_CALL = [*ASKED, {"role": "assistant", "content": CALL}, {"role": "tool", "
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("teacher") / "model"
-    init_model(
-        path,
-        seed=7,
-        size=ModelSize(vocab_size=700),
-        dialogues=[MATH_DIALOGUE],
-        train=TrainSettings(steps=60, batch_size=2, learning_rate=5e-3, warmup_steps=5),
+    return overfit_tinylm(
+        path, MATH_DIALOGUE, seed=7, size=ModelSize(vocab_size=700), batch_size=2, warmup_steps=5
     )
-    return path
-
-
-@pytest.fixture(scope="module")
-def teacher_server(teacher_dir: Path) -> Iterator[ServerProcess]:
-    with spawn_server(teacher_dir, port=0) as proc:
-        yield proc
 
 
 class Recording(httpx.AsyncBaseTransport):

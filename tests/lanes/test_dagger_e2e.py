@@ -31,7 +31,6 @@ from engine.tasks import EVALUATOR_CONFIG
 from tests.agents.conftest import MATH_EPISODE, MATH_QUESTION
 from tests.redis_server import RedisServer
 from tests.rollout.conftest import Procs, events_of
-from tinylm.model import TrainSettings
 from tinylm.process import ServerProcess, spawn_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
@@ -45,15 +44,8 @@ def student_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("dagger-teacher") / "model"
-    init_model(
-        path,
-        seed=0,
-        dialogues=[MATH_EPISODE],
-        train=TrainSettings(steps=60, batch_size=1, learning_rate=5e-3, warmup_steps=3),
-    )
-    return path
+def teacher_dir(math_model_dir: Path) -> Path:
+    return math_model_dir  # the agents' policy: overfit on MATH_EPISODE, the student's vocabulary
 
 
 @pytest.fixture(scope="module")

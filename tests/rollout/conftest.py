@@ -7,7 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,17 +19,21 @@ from engine.actors.finalizer import Finalizer, FinalizerConfig
 from engine.agents.binding import EvaluatorBinding
 from engine.config.evaluators import load_evaluators
 from engine.events import (
+    Envelope,
     Event,
     EventLog,
     FilterSpec,
     RedisEventLog,
     RedisSettings,
     RolloutKind,
+    RolloutPlanned,
     RolloutRequested,
+    TaskFetched,
     TokenAcquired,
     TokenReleased,
 )
 from engine.events import connect as redis_connect
+from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection, RolloutState
 from tests.conftest import ClientFactory
 from tests.redis_server import RedisServer
@@ -42,6 +46,33 @@ EVALUATOR_CONFIG = FIXTURES / "evaluators.py"
 HEARTBEAT_MS = 50
 CLAIM_IDLE_MS = 400
 BLOCK_MS = 100
+
+
+def envelopes(events: Sequence[Event]) -> list[Envelope]:
+    """``events`` as read from one stream, ids ``1-0``, ``2-0``, ..."""
+    return [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
+
+
+def rollout_state(events: Sequence[Event]) -> RolloutState:
+    """The rollout projection folded over ``events``: what the finalizer decides from."""
+    projection = RolloutProjection()
+    return fold(projection, start(projection), envelopes(events)).state
+
+
+def plan_events(n_groups: int, per_group: int, request: RolloutRequested) -> list[Event]:
+    """``request``, then one ``TaskFetched`` per sample (``<rollout>:s<i>``, groups of
+    ``per_group``) and ``RolloutPlanned``: a planned rollout, ready for samples to finish."""
+    rid = request.rollout_id
+    events: list[Event] = [request]
+    for g in range(n_groups):
+        for c in range(per_group):
+            i = g * per_group + c
+            events.append(
+                TaskFetched(rollout_id=rid, sample_id=f"{rid}:s{i}", index=i, group_index=g,
+                            prompt="p", dataset="d", task_type="t")
+            )
+    events.append(RolloutPlanned(rollout_id=rid, n_samples=n_groups * per_group, n_batches=1))
+    return events
 
 
 @pytest.fixture(scope="session")

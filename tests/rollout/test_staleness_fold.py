@@ -28,57 +28,30 @@ from engine.errors import ConfigError
 from engine.events import (
     AbortClass,
     Envelope,
-    Event,
     LogProbs,
     Mask,
-    RolloutPlanned,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
     SampleCompleted,
-    TaskFetched,
     TokenIds,
 )
 from engine.events.codec import decode, encode
 from engine.ops.replay import replay_state
-from engine.projections.base import fold, start
 from engine.projections.rollout import (
     ControlProjection,
-    RolloutProjection,
-    RolloutState,
     staleness_floor,
     version_meets,
 )
 from engine.projections.rows import sample_rows
 from engine.projections.summary import build_summary, render_artifacts
+from tests.rollout.conftest import envelopes, plan_events, rollout_state
 
 RID = "r"
 
 
 def _sid(i: int) -> str:
     return f"{RID}:s{i}"
-
-
-def _envs(events: list[Event]) -> list[Envelope]:
-    return [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
-
-
-def _state(events: list[Event]) -> RolloutState:
-    projection = RolloutProjection()
-    return fold(projection, start(projection), _envs(events)).state
-
-
-def _plan(n_groups: int, per_group: int, request: RolloutRequested) -> list[Event]:
-    events: list[Event] = [request]
-    for g in range(n_groups):
-        for c in range(per_group):
-            i = g * per_group + c
-            events.append(
-                TaskFetched(rollout_id=RID, sample_id=_sid(i), index=i, group_index=g,
-                            prompt="p", dataset="d", task_type="t")
-            )
-    events.append(RolloutPlanned(rollout_id=RID, n_samples=n_groups * per_group, n_batches=1))
-    return events
 
 
 def _done(i: int, versions: list[int], *, observation_at: int | None = None) -> SampleCompleted:
@@ -140,8 +113,8 @@ def test_no_kept_token_is_older_than_the_bound(
     request = _request(max_staleness=max_staleness, policy_version=policy_version)
     pairs = enumerate(zip(samples, observation, strict=True))
     done = [_done(i, v, observation_at=o) for i, (v, o) in pairs]
-    events = _plan(2, 2, request) + list(done)
-    state = _state(events)
+    events = plan_events(2, 2, request) + list(done)
+    state = rollout_state(events)
     ready = decide_ready(state, trainer)
     assert ready is not None
     current = max(policy_version, trainer if trainer is not None else policy_version)
@@ -166,17 +139,17 @@ def test_no_kept_token_is_older_than_the_bound(
     # the spread counts only kept tokens, all of them within the bound
     assert all(int(v) >= floor for v in ready.version_tokens)
     # pure: the same log and recorded version decide the same event
-    assert decide_ready(_state(events), ready.trainer_version) == ready
+    assert decide_ready(rollout_state(events), ready.trainer_version) == ready
 
 
 def test_a_sample_the_worker_ended_stale_is_excluded_and_counted() -> None:
     request = _request(max_staleness=0)
-    events = _plan(2, 2, request) + [
+    events = plan_events(2, 2, request) + [
         _done(0, [3, 3]), _done(1, [3]), _done(2, [3, 3, 3]),
         SampleAborted(rollout_id=RID, sample_id=_sid(3), attempt=1,
                       abort_class=AbortClass.STALE, error="stale", turns=1),
     ]
-    ready = decide_ready(_state(events), 3)
+    ready = decide_ready(rollout_state(events), 3)
     assert ready is not None
     assert ready.stale_sample_ids == [_sid(3)] and ready.stale_tokens == 0
     assert ready.sample_ids == [_sid(0), _sid(1), _sid(2)]
@@ -184,12 +157,12 @@ def test_a_sample_the_worker_ended_stale_is_excluded_and_counted() -> None:
 
 
 def test_without_a_bound_nothing_is_excluded_and_no_new_fields_appear() -> None:
-    events = _plan(2, 2, _request()) + [_done(i, [-1, 0]) for i in range(4)]
-    ready = decide_ready(_state(events), 50)
+    events = plan_events(2, 2, _request()) + [_done(i, [-1, 0]) for i in range(4)]
+    ready = decide_ready(rollout_state(events), 50)
     assert ready is not None
     assert ready.trainer_version is None and ready.stale_sample_ids == []
     assert "n_stale" not in ready.metrics and "class/stale" not in ready.metrics
-    fresh, stale, tokens = stale_split(_state(events).ordered(), None)
+    fresh, stale, tokens = stale_split(rollout_state(events).ordered(), None)
     assert len(fresh) == 4 and not stale and tokens == 0
 
 
@@ -208,8 +181,8 @@ def test_partial_rollout_takes_the_first_whole_groups_in_log_order(
     first ``cut`` of them are in the log."""
     request = _request(n_prompts=4, overprovision=1.25)
     assert request.n_planned_prompts == 5
-    events = _plan(5, 2, request) + [_done(i, [1]) for i in order[:cut]]
-    state = _state(events)
+    events = plan_events(5, 2, request) + [_done(i, [1]) for i in order[:cut]]
+    state = rollout_state(events)
     whole: list[int] = []
     seen: set[int] = set()
     for i in order[:cut]:
@@ -237,10 +210,10 @@ def test_partial_rollout_takes_the_first_whole_groups_in_log_order(
 def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     request = _request(n_prompts=2, overprovision=1.5, max_staleness=1)
     assert request.n_planned_prompts == 3
-    body = _plan(3, 2, request) + [
+    body = plan_events(3, 2, request) + [
         _done(4, [2]), _done(0, [2]), _done(5, [1]), _done(1, [0, 2]), _done(2, [2]),
     ]
-    state = _state(body)
+    state = rollout_state(body)
     ready = decide_ready(state, 2)
     assert ready is not None
     # groups 2 and 0 were whole first; sample 1 has a version-0 token: floor is 1
@@ -249,13 +222,13 @@ def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     assert ready.tail_sample_ids == [_sid(2), _sid(3)]
     log = body + [ready, *tail_aborts(state, ready)]
     # through the wire format, as replay reads it
-    envs = [Envelope(e.stream, e.id, decode(encode(e.event))) for e in _envs(log)]
+    envs = [Envelope(e.stream, e.id, decode(encode(e.event))) for e in envelopes(log)]
     replayed = replay_state(envs)
-    live = _state(body + [ready])
+    live = rollout_state(body + [ready])
     assert render_artifacts(replayed) == render_artifacts(live)
     # re-deciding from the replayed stream (before the RolloutReady) gives the same event
-    assert decide_ready(_state(body), replayed.ready.trainer_version if replayed.ready else None) \
-        == ready
+    version = replayed.ready.trainer_version if replayed.ready else None
+    assert decide_ready(rollout_state(body), version) == ready
     rows = {r.sample_id: r for r in sample_rows(replayed)}
     assert rows[_sid(3)].failure_class.value == "tail_aborted"
     assert rows[_sid(2)].failure_class.value != "tail_aborted"  # it ended before the ready
@@ -267,7 +240,7 @@ def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     assert summary["staleness"]["excluded"] == 1 and summary["staleness"]["trainer_version"] == 2
     # the scheduler admits nothing more of it
     assert admission_refused(replayed) is not None
-    assert admission_refused(_state(body)) is None
+    assert admission_refused(rollout_state(body)) is None
 
 
 def test_partial_options_are_validated_with_the_rollout_named() -> None:

@@ -12,7 +12,6 @@ import pytest
 from engine.actors.artifacts import write_artifacts
 from engine.events import (
     AbortClass,
-    Envelope,
     Event,
     LogProbs,
     Mask,
@@ -27,8 +26,7 @@ from engine.events import (
     TurnCompleted,
 )
 from engine.outcomes import TerminationReason
-from engine.projections.base import fold, start
-from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.projections.rollout import RolloutState
 from engine.projections.summary import (
     ARTIFACT_FILES,
     FailureClass,
@@ -42,6 +40,7 @@ from engine.projections.summary import (
     render_artifacts,
     sample_rows,
 )
+from tests.rollout.conftest import rollout_state
 
 
 @pytest.mark.parametrize(
@@ -133,12 +132,6 @@ def _done(rid: str, index: int, reward: float, reason: str = "finish") -> Sample
     )
 
 
-def _state(events: list[Event]) -> RolloutState:
-    envs = [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
-    projection = RolloutProjection()
-    return fold(projection, start(projection), envs).state
-
-
 def _eval_rollout() -> RolloutState:
     """Dataset a: 2 prompts x 3 samples (2 and 0 correct); dataset b: 1 prompt x 3 (1 abort)."""
     rid = "r"
@@ -162,7 +155,7 @@ def _eval_rollout() -> RolloutState:
                       abort_class=AbortClass.INFRA_SANDBOX, phase="run", error="boom")
     )
     events.append(RolloutReady(rollout_id=rid, sample_ids=[f"{rid}:s{i}" for i in range(9)]))
-    return _state(events)
+    return rollout_state(events)
 
 
 def test_eval_metrics_per_dataset() -> None:
@@ -184,7 +177,7 @@ def test_no_pass_at_k_with_one_sample_per_prompt() -> None:
     rid = "r1"
     events: list[Event] = [_task(rid, 0, 0, "a"), _task(rid, 1, 1, "a"),
                            _done(rid, 0, 1.0), _done(rid, 1, 0.0)]
-    assert eval_metrics(_state(events)) == {"eval/a/accuracy": 0.5}
+    assert eval_metrics(rollout_state(events)) == {"eval/a/accuracy": 0.5}
 
 
 def test_summary_counts_and_task_list() -> None:

@@ -8,7 +8,6 @@ the local supervisor or by dockerd.
 from __future__ import annotations
 
 import secrets
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 from engine.ops.embedded import EmbeddedRedis, start_redis_server
 from engine.ops.tinylm import init_model
-from tests.redis_server import redis_required
+from tests.conftest import need_redis_server
 
 # The sandbox suite's fixtures: a traversable sandbox root, the Docker test image.
 from tests.sandbox.conftest import docker_image, local_provider, sandbox_root  # noqa: F401
@@ -27,10 +26,7 @@ ADMIN_KEY = "admin-" + secrets.token_hex(16)
 
 @pytest.fixture(scope="session")
 def secured_redis() -> Iterator[EmbeddedRedis]:
-    if shutil.which("redis-server") is None:
-        if redis_required():
-            pytest.fail("redis-server is missing in CI")
-        pytest.skip("redis-server binary not installed")
+    need_redis_server()
     server = start_redis_server()
     yield server
     server.stop()
