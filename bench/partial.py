@@ -1,10 +1,11 @@
 """Partial rollouts under heavy-tailed agent latencies: time to ready with over-provisioning.
 
 A real redis-server and the engine's own processes (``workers.scheduler``, one
-``workers.evaluator``, ``workers.finalizer``). This file is also their evaluator config: its
-``pareto`` agent sleeps a Pareto-distributed time (``--alpha``, ``--scale`` seconds, capped
-at ``--cap``) drawn from the request's seed and the sample's index, then answers like the
-zero-latency agent of ``bench/rollout.py`` -- so what is measured is the tail, not a model.
+``workers.evaluator``, ``workers.finalizer``), started by ``bench/rollout.py``'s harness
+(``EngineArm``). This file is also their evaluator config: its ``pareto`` agent sleeps a
+Pareto-distributed time (``--alpha``, ``--scale`` seconds, capped at ``--cap``) drawn from the
+request's seed and the sample's index, then answers as the zero-latency agent of
+``bench/rollout.py`` does -- so what is measured is the tail, not a model.
 
 Per round, two rollouts of the same ``--groups`` groups of ``--per-prompt`` samples, with the
 same seed (so samples ``0 .. groups*per_prompt-1`` sleep the same in both):
@@ -28,7 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,17 +38,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.agents.base import (  # noqa: E402
-    AgentResult,
-    BaseAgent,
-    EpisodeContext,
-    Reward,
-    TurnRecord,
-)
+from bench.rollout import EngineArm  # noqa: E402
+from bench.rollout_evaluators import ZeroLatencyAgent  # noqa: E402
+from engine.agents.base import AgentResult, BaseAgent, EpisodeContext  # noqa: E402
 from engine.client import RolloutClient  # noqa: E402
-from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason  # noqa: E402
+from engine.domain import EvaluatorProfile, Resource, Task  # noqa: E402
 from engine.events.catalog import planned_prompts  # noqa: E402
-from engine.ops.embedded import start_redis_server  # noqa: E402
 
 BATCH = 1024
 TIMINGS = ["--heartbeat-ms", "2000", "--claim-idle-ms", "30000", "--block-ms", "500"]
@@ -57,11 +52,13 @@ TIMINGS = ["--heartbeat-ms", "2000", "--claim-idle-ms", "30000", "--block-ms", "
 # ---------------------------------------------------------------- the evaluator config
 
 
-class ParetoAgent(BaseAgent):
+class ParetoAgent(ZeroLatencyAgent):
     """Sleeps ``scale * Pareto(alpha)`` seconds (at most ``cap``), seeded by the request's
-    seed and the sample's index, then returns a 16-token trajectory with reward 1."""
+    seed and the sample's index, then returns the zero-latency agent's 16-token trajectory
+    (reward 1)."""
 
     def __init__(self, alpha: float, scale: float, cap: float) -> None:
+        super().__init__()
         self.alpha, self.scale, self.cap = alpha, scale, cap
 
     def latency(self, sample_seed: int) -> float:
@@ -71,18 +68,7 @@ class ParetoAgent(BaseAgent):
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
         # context.seed is a function of the request's seed and the sample's index only
         await asyncio.sleep(self.latency(context.seed))
-        base = task.index % 1000
-        return AgentResult(
-            prompt_token_ids=(1, 2, 3, base),
-            response_token_ids=tuple(base + i for i in range(16)),
-            response_logprobs=(-0.5,) * 16,
-            loss_mask=(1,) * 16,
-            turns=(TurnRecord(index=0, prompt_tokens=4, response_tokens=16),),
-            termination_reason=TerminationReason.FINISH,
-        )
-
-    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
-        return 1.0
+        return await super().run(task, context)
 
 
 def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
@@ -111,14 +97,11 @@ def build_agents(args: object) -> dict[str, BaseAgent]:
 # ---------------------------------------------------------------- the bench
 
 
-class Engine:
+class Engine(EngineArm):
     """redis-server, scheduler, one worker and a finalizer, as processes."""
 
     def __init__(self, tmp: Path, env: dict[str, str], n_prompts: int) -> None:
-        self.tmp = tmp
-        self.env = env
-        self.redis = start_redis_server()
-        self.procs: list[subprocess.Popen[bytes]] = []
+        super().__init__(argparse.Namespace(play_scheduler=False), tmp, env=env, timings=TIMINGS)
         data = tmp / "prompts.jsonl"
         rows = (f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(n_prompts))
         data.write_text("".join(rows))
@@ -134,25 +117,6 @@ class Engine:
                    "--worker-id", "w0", "--sandbox", "none", "--quiet", "--log-level", "WARNING")
         self.spawn("finalizer", "workers.finalizer", "--worker-id", "fin",
                    "--log-level", "WARNING")
-
-    def spawn(self, name: str, module: str, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env.update(self.env, PYTHONPATH=str(ROOT))
-        self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *TIMINGS, *extra],
-            cwd=ROOT, env=env, stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        ))
-
-    def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.redis.stop()
 
 
 async def _time_to_ready(
@@ -220,7 +184,7 @@ def run_partial(
             times = asyncio.run(_rounds(engine.redis.url, rounds, groups, per_prompt,
                                         overprovision))
         finally:
-            engine.close()
+            asyncio.run(engine.close())
     full = statistics.median(times["full"])
     partial = statistics.median(times["partial"])
     return {

@@ -50,14 +50,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.rollout import PER_PROMPT, EngineArm, cpu_seconds  # noqa: E402
+from bench.rollout import (  # noqa: E402
+    PER_PROMPT,
+    EngineArm,
+    cpu_of,
+    cpu_seconds,
+    cpu_with_children,
+    descendants,
+)
 from bench.rollout_evaluators import BATCH_SIZE, ZeroLatencyAgent  # noqa: E402
 from engine.agents.base import EpisodeContext  # noqa: E402
 from engine.domain import SamplingParams, StoppingCriteria, Task  # noqa: E402
@@ -67,7 +74,6 @@ from engine.sample import Sample  # noqa: E402
 MAX_BATCHES = 8  # batches one worker runs at once, in every arm
 KILL_AT = 0.4  # the kill lands at this fraction of the arm's measured wall time
 KILL_TIMINGS = ["--heartbeat-ms", "500", "--claim-idle-ms", "3000", "--block-ms", "500"]
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------- the workload
@@ -109,49 +115,7 @@ async def run_batch(agent: ZeroLatencyAgent, tasks: Sequence[Task]) -> list[Samp
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 
 
-# ---------------------------------------------------------------------- /proc
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def cpu_with_children(pid: int) -> float:
-    """User + system CPU of a process and of its children it has reaped (an rq worker's
-    work horses)."""
-    f = _stat(pid)
-    if f is None:
-        return 0.0
-    return sum(int(x) for x in f[11:15]) / _TICK
-
-
-def descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            f = _stat(int(name))
-            if f is not None:
-                parents[int(name)] = int(f[1])
-    out: set[int] = set()
-    frontier = {root}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier and p not in out}
-        out |= frontier
-    return out
-
-
-def cpu_of(pids: Iterable[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            total += cpu_seconds(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total
+# ---------------------------------------------------------------------- figures
 
 
 def figures(n: int, wall: float, cpu: float, store_cpu: float, **extra: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -343,6 +344,55 @@ def main() -> None:
         parser.error(f"--samples must be a multiple of {PER_PROMPT}")
     result = asyncio.run(main_async(args))
     print(json.dumps(result))
+
+
+# Harness pieces other benches share (bench/peers.py): /proc reads that tolerate a process
+# that is gone (a killed worker, a short-lived child).
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 on (after the command name), or None when the
+    process is gone: index 1 is the parent pid, 11-14 utime, stime, cutime, cstime."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def cpu_with_children(pid: int) -> float:
+    """User + system CPU of a process and of the children it has reaped (0 when gone)."""
+    f = proc_stat(pid)
+    if f is None:
+        return 0.0
+    return sum(int(x) for x in f[11:15]) / _TICK
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            f = proc_stat(int(name))
+            if f is not None:
+                parents[int(name)] = int(f[1])
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier and p not in out}
+        out |= frontier
+    return out
+
+
+def cpu_of(pids: Iterable[int]) -> float:
+    """User + system CPU of ``pids`` together; a process that is gone counts 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
 
 
 if __name__ == "__main__":
