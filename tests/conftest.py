@@ -1,17 +1,26 @@
 """Shared fixtures: Redis backends (fakeredis and a real redis-server); the tinylm models the
 backend, proxy, agent and lane tests serve (built once per session); and ``teacher_server``,
-a tinylm subprocess on the ``teacher_dir`` the requesting test module defines."""
+a tinylm subprocess on the ``teacher_dir`` the requesting test module defines.
+
+And a guard: a test that leaves behind a thread serving uvicorn (a tinylm server, the
+``/metrics`` server) or any non-daemon thread, started by the test or by its function-scoped
+fixtures, fails in its teardown, naming the threads. Threads that fixtures of a wider scope
+start are theirs until their scope ends. (A uvicorn server left running ticks
+``asyncio.sleep`` from its thread, so another test's patched sleep sees it.)"""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
+import uvicorn
 
 from engine.events import RedisEventLog, RedisSettings, connect
 from engine.ops.tinylm import init_model
@@ -22,6 +31,63 @@ from tinylm.model import ModelSize, TrainSettings
 from tinylm.process import ServerProcess, spawn_server
 
 ClientFactory = Callable[[], aioredis.Redis]
+
+# ---------------------------------------------------------------- the thread guard
+
+_WIDER_SCOPE_THREADS: set[threading.Thread] = set()
+"""Threads started while a fixture wider than one test was being set up."""
+_LEFT_THREAD_GRACE_S = 5.0
+
+
+def _serves_uvicorn(thread: threading.Thread) -> bool:
+    """Whether ``thread`` runs a method of an object holding a ``uvicorn.Server`` (tinylm's
+    ``UvicornThread``, ``engine.metrics.MetricsServer``)."""
+    owner = getattr(getattr(thread, "_target", None), "__self__", None)
+    return owner is not None and any(
+        isinstance(value, uvicorn.Server) for value in getattr(owner, "__dict__", {}).values()
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any]) -> Generator[None, Any, Any]:
+    if fixturedef.scope == "function":
+        return (yield)
+    before = set(threading.enumerate())
+    try:
+        return (yield)
+    finally:
+        _WIDER_SCOPE_THREADS.update(set(threading.enumerate()) - before)
+
+
+_threads_before_test = pytest.StashKey[set[threading.Thread]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    item.stash[_threads_before_test] = set(threading.enumerate())
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    result = yield
+    before = item.stash.get(_threads_before_test, set())
+    _WIDER_SCOPE_THREADS.intersection_update(threading.enumerate())  # forget ended ones
+    left = [
+        t for t in threading.enumerate()
+        if t not in before and t not in _WIDER_SCOPE_THREADS
+        and (not t.daemon or _serves_uvicorn(t))
+    ]
+    for thread in left:  # one that is on its way out gets a moment to finish
+        thread.join(_LEFT_THREAD_GRACE_S)
+    left = [t for t in left if t.is_alive()]
+    if left:
+        names = ", ".join(
+            f"{t.name} ({'uvicorn' if _serves_uvicorn(t) else 'non-daemon'})" for t in left
+        )
+        pytest.fail(f"{item.nodeid} left threads running after its teardown: {names}")
+    return result
+
 
 # Every tinylm the tests serve (in-process or as a subprocess, which inherits this) returns the
 # raw logprobs, as an RL deployment of SGLang must be launched (engine.ops.tinylm.RL_SERVER_ENV).

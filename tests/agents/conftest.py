@@ -6,7 +6,10 @@ and a scripted ``/generate`` at the HTTP transport.
   prompt, python tool), so greedy decoding reproduces it: a ``python`` call, then
   ``<answer>42</answer>``. Real tokenizer, chat template, logprobs.
 - ``server``: that model served over real sockets (``start_server``, free port).
-- ``provider``: a ``LocalSandboxProvider`` on a fresh root, reaped at the end of the session.
+- ``provider``: a ``LocalSandboxProvider`` on a fresh root.
+
+Both are package-scoped: their threads (uvicorn's, the sandbox supervisor's reader) stop when
+the last agent test ends instead of running through every later test of the session.
 - ``ScriptedGenerate``: an ``httpx.MockTransport`` handler answering ``/generate`` the way
   SGLang does, with replies scripted as text and tokenized by the real tokenizer (plus the
   end-of-turn token), distinct negative logprobs, the ``max_new_tokens`` cut honoured, and
@@ -52,13 +55,13 @@ def tokenizer(model_dir: Path) -> Any:
     return load_tokenizer(model_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped when the agent tests end, not at session end
 def server(model_dir: Path) -> Iterator[TinyLMServer]:
     with start_server(model_dir, max_running_requests=4) as srv:
         yield srv
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def provider() -> Iterator[LocalSandboxProvider]:
     # Not pytest's tmp_path: that is 0700, and commands run under other uids must traverse it.
     root = Path(tempfile.mkdtemp(prefix="rollout-agent-tests-", dir=tempfile.gettempdir()))

@@ -22,13 +22,13 @@ from tinylm.server import TinyLMServer, start_server
 __all__ = ["MATH_DIALOGUE", "MATH_QUESTION"]  # the backend tests import them from here
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # servers stop when the backend tests end
 def tinylm_server(tinylm_dir: Path) -> Iterator[TinyLMServer]:
     with start_server(tinylm_dir, max_running_requests=8) as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def toolcall_server(toolcall_dir: Path) -> Iterator[TinyLMServer]:
     with start_server(toolcall_dir, max_running_requests=4) as server:
         yield server

@@ -4,7 +4,10 @@ runs a real episode against the tiny model server."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings
 from engine.backends.pool import BackendPool
@@ -13,11 +16,17 @@ from engine.config.evaluators import load_evaluators, load_profiles
 from engine.events.catalog import BatchAdmitted, SampleCompleted, TaskFetched
 from engine.events.names import StreamNames
 from engine.sample import Sample
-from tests.agents.conftest import model_dir, server  # noqa: F401  (session fixtures)
 from tests.agents.test_evaluator_wiring import ListSink
-from tinylm.server import TinyLMServer
+from tinylm.server import TinyLMServer, start_server
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "single_turn_evaluators.py"
+
+
+@pytest.fixture
+def server(math_model_dir: Path) -> Iterator[TinyLMServer]:
+    """The agent tests' model (tests/conftest.py), served for this module's one episode."""
+    with start_server(math_model_dir, max_running_requests=4) as srv:
+        yield srv
 
 
 def test_the_scheduler_side_needs_no_model() -> None:
@@ -27,9 +36,9 @@ def test_the_scheduler_side_needs_no_model() -> None:
 
 
 async def test_the_example_agent_runs_an_episode(
-    model_dir: Path, server: TinyLMServer, tmp_path: Path  # noqa: F811
+    math_model_dir: Path, server: TinyLMServer, tmp_path: Path
 ) -> None:
-    specs = load_evaluators(EXAMPLE, argparse.Namespace(model_dir=model_dir))
+    specs = load_evaluators(EXAMPLE, argparse.Namespace(model_dir=math_model_dir))
     task = TaskFetched(rollout_id="rx", sample_id="rx:s0", index=0, group_index=0,
                        prompt="What is 6 * 7?", label="42", dataset="qa_train",
                        task_type="qa", source_line=1,

@@ -30,13 +30,13 @@ def tool_dir(toolcall_dir: Path) -> Path:
     return toolcall_dir  # tests/conftest.py: overfit on one math tool-call dialogue
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # servers stop when the proxy tests end
 def random_server(random_dir: Path) -> Iterator[TinyLMServer]:
     with start_server(random_dir, max_running_requests=4) as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tool_server(tool_dir: Path) -> Iterator[TinyLMServer]:
     with start_server(tool_dir, max_running_requests=4) as server:
         yield server

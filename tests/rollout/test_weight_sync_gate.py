@@ -5,22 +5,29 @@ a real tinylm server."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from openai import AsyncOpenAI
 
 from engine.backends.pool import BackendPool
 from engine.proxy import RecordingProxy
-from tests.proxy.conftest import (  # noqa: F401  (fixtures)
-    random_dir,
-    random_pool,
-    random_server,
-    random_tokenizer,
-)
-from tinylm.server import TinyLMServer
+from tests.proxy.conftest import random_dir, random_pool, random_tokenizer  # noqa: F401
+from tinylm.server import TinyLMServer, start_server
 
 PROMPT = [1, 310, 201, 40, 41, 42, 43, 2, 201, 1, 90]
+
+
+
+@pytest.fixture(scope="module")
+def random_server(random_dir: Path) -> Iterator[TinyLMServer]:  # noqa: F811
+    """The proxy tests' server, for this module only: an imported package-scoped fixture
+    would outlive the module and run to the end of the session."""
+    with start_server(random_dir, max_running_requests=4) as server:
+        yield server
 
 
 def forward_steps(server: TinyLMServer) -> int:

@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_server(model_dir: Path) -> Iterator[TinyLMServer]:
     """A model server whose admin routes only the holder of ``ADMIN_KEY`` may call."""
     with start_server(model_dir, max_running_requests=2, admin_api_key=ADMIN_KEY) as server:
