@@ -10,8 +10,11 @@ start are theirs until their scope ends. (A uvicorn server left running ticks
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ import uvicorn
 
 from engine.events import RedisEventLog, RedisSettings, connect
 from engine.ops.tinylm import init_model
+from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tests.redis_server import RedisServer, redis_required, start_redis_server
 from tinylm.corpus import PYTHON_TOOL, Dialogue
@@ -101,6 +105,22 @@ def need_redis_server() -> None:
         if redis_required():
             pytest.fail("redis-server is missing in CI: .ci/run must install it")
         pytest.skip("redis-server binary not installed")
+
+
+@contextlib.contextmanager
+def local_sandbox_provider(prefix: str) -> Iterator[LocalSandboxProvider]:
+    """A ``LocalSandboxProvider`` on a fresh root, its sandboxes reaped and the root removed
+    at the end. Not pytest's tmp_path: that is 0700, and commands run under other uids must
+    traverse the root."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=tempfile.gettempdir()))
+    root.chmod(0o711)
+    provider = LocalSandboxProvider(LocalSandboxConfig(root=root))
+    try:
+        yield provider
+    finally:
+        asyncio.run(provider.reap({MANAGED_LABEL: "1"}))
+        provider.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

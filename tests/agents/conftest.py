@@ -19,10 +19,7 @@ the last agent test ends instead of running through every later test of the sess
 
 from __future__ import annotations
 
-import asyncio
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +34,8 @@ from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.events.arrays import LogProbs
-from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider, SandboxProvider
-from tests.conftest import MATH_EPISODE
+from engine.sandbox import LocalSandboxProvider, SandboxProvider
+from tests.conftest import MATH_EPISODE, local_sandbox_provider
 from tests.conftest import TINYLM_QUESTION as MATH_QUESTION
 from tinylm.server import TinyLMServer, start_server
 
@@ -63,14 +60,8 @@ def server(model_dir: Path) -> Iterator[TinyLMServer]:
 
 @pytest.fixture(scope="package")
 def provider() -> Iterator[LocalSandboxProvider]:
-    # Not pytest's tmp_path: that is 0700, and commands run under other uids must traverse it.
-    root = Path(tempfile.mkdtemp(prefix="rollout-agent-tests-", dir=tempfile.gettempdir()))
-    root.chmod(0o711)
-    prov = LocalSandboxProvider(LocalSandboxConfig(root=root))
-    yield prov
-    asyncio.run(prov.reap({MANAGED_LABEL: "1"}))
-    prov.close()
-    shutil.rmtree(root, ignore_errors=True)
+    with local_sandbox_provider("rollout-agent-tests-") as prov:
+        yield prov
 
 
 def make_task(

@@ -14,12 +14,9 @@ of the run, the proxy's port closed, the bridge's socket gone, the sandbox reape
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -37,11 +34,12 @@ from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.errors import AgentError, ConfigError, EpisodeTimeout
 from engine.ops.tinylm import spawn_server
 from engine.outcomes import TerminationReason
-from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
+from engine.sandbox import LocalSandboxProvider
 from engine.sandbox.base import SandboxProvider
 from engine.tasks.swe import generate_items
 from engine.tasks.swe_evaluators import swe_agent_config
 from engine.tasks.swe_format import CORPUS_SEED, format_dialogues, init_swe_model
+from tests.conftest import local_sandbox_provider
 from tests.sandbox.conftest import docker_image  # noqa: F401  (fixture)
 
 pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (extra 'scaffolds')")
@@ -72,13 +70,8 @@ def tokenizer(swe_model: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def provider() -> Iterator[LocalSandboxProvider]:
-    root = Path(tempfile.mkdtemp(prefix="rollout-installed-tests-", dir=tempfile.gettempdir()))
-    root.chmod(0o711)
-    prov = LocalSandboxProvider(LocalSandboxConfig(root=root))
-    yield prov
-    asyncio.run(prov.reap({MANAGED_LABEL: "1"}))
-    prov.close()
-    shutil.rmtree(root, ignore_errors=True)
+    with local_sandbox_provider("rollout-installed-tests-") as prov:
+        yield prov
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,8 +13,9 @@ import pytest
 
 from engine.domain import Task
 from engine.errors import ConfigError
-from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider, Sandbox
+from engine.sandbox import LocalSandboxProvider, Sandbox
 from engine.tasks.swe import DATA, SweTask, fix_command, generate_items, write_dataset
+from tests.conftest import local_sandbox_provider
 
 BUNDLED = [("swe_train.jsonl", 24, 1), ("swe_eval.jsonl", 6, 2)]
 
@@ -46,13 +45,8 @@ def test_generation_is_deterministic_and_covers_every_family() -> None:
 
 @pytest.fixture(scope="module")
 def provider() -> Iterator[LocalSandboxProvider]:
-    root = Path(tempfile.mkdtemp(prefix="rollout-swe-tests-", dir=tempfile.gettempdir()))
-    root.chmod(0o711)
-    prov = LocalSandboxProvider(LocalSandboxConfig(root=root))
-    yield prov
-    asyncio.run(prov.reap({MANAGED_LABEL: "1"}))
-    prov.close()
-    shutil.rmtree(root, ignore_errors=True)
+    with local_sandbox_provider("rollout-swe-tests-") as prov:
+        yield prov
 
 
 @pytest.fixture
