@@ -2,7 +2,9 @@
 state to the trainer's ``Sample`` list.
 
 ``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
-client's ``load`` and ``rollout replay`` both call it, so they agree by construction.
+client's ``load`` (on the lean fold of :mod:`engine.projections.loading`) and ``rollout
+replay`` both call it, so they agree by construction; ``iter_load`` builds each chunk with
+:func:`samples_named`, the same per-sample path.
 ``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
 time, letting go of each sample's folded events as it goes (``RolloutClient.iter_load``).
 
@@ -25,7 +27,7 @@ A reward given as a dict of named scores keeps the dict on the sample; its scala
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,14 +36,14 @@ from pydantic import ValidationError
 from engine.domain import Task
 from engine.errors import ConfigError, RolloutError
 from engine.events.arrays import Mask, concat
-from engine.events.catalog import TaskFetched
+from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
 from engine.projections.lanes import CeChunk, Lane, ce_plan, request_lane, teacher_shape
 from engine.projections.rollout import RolloutState, SampleState
-from engine.projections.rows import row_of
 from engine.sample import Sample
 
 __all__ = [
     "sample_of",
+    "samples_named",
     "trainer_sample_chunks",
     "scalar_reward",
     "task_of",
@@ -98,19 +100,23 @@ def sample_of(
 ) -> Sample:
     """The trainer's view of one terminal sample (see the module docstring)."""
     task = s.task
-    row = row_of(s)  # identity and outcome, as the summaries see them
-    done = s.completed
+    terminal = s.terminal
+    done = terminal if isinstance(terminal, SampleCompleted) else None
     if done is None:
+        # Identity and outcome as the sample's row (``rows.sample_row``) has them: an abort's
+        # class names the reason, the agent's own reason is kept; a sample with no terminal
+        # event has neither.
+        aborted = terminal if isinstance(terminal, SampleAborted) else None
         dummy = Sample.masked_dummy(
-            reason=row.termination_reason,
-            agent_reason=row.agent_reason,
+            reason=aborted.abort_class.reason if aborted is not None else None,
+            agent_reason=aborted.agent_reason if aborted is not None else None,
             policy_version=policy_version,
         )
         return dummy.model_copy(
             update={
-                "index": row.index,
-                "group_index": row.group_index,
-                "sample_id": row.sample_id,
+                "index": task.index,
+                "group_index": task.group_index,
+                "sample_id": task.sample_id,
                 "prompt": task.prompt,
                 "label": task.label,
                 "metadata": {**_metadata(task), **dummy.metadata},
@@ -137,9 +143,9 @@ def sample_of(
     metadata["attempt"] = done.attempt
     metadata["n_turns"] = done.n_turns
     return Sample(
-        index=row.index,
-        group_index=row.group_index,
-        sample_id=row.sample_id,
+        index=task.index,
+        group_index=task.group_index,
+        sample_id=task.sample_id,
         prompt=task.prompt,
         response=done.response_text,
         label=task.label,
@@ -148,8 +154,8 @@ def sample_of(
         loss_mask=loss_mask,
         rollout_log_probs=done.logprobs if len(done.logprobs) else None,
         reward=reward,
-        status=row.status,
-        termination_reason=row.termination_reason,
+        status=done.status,
+        termination_reason=done.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
         token_versions=done.token_versions if len(done.token_versions) else None,
         metadata=metadata,
@@ -243,12 +249,22 @@ def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator
         return
     for at in range(0, len(ids), step):
         part = ids[at : at + step]
-        for sample_id in part:
-            _check_terminal(state, sample_id)
         if consume:
+            for sample_id in part:
+                _check_terminal(state, sample_id)
             yield [sample_of(state.samples.pop(sample_id), lane=lane) for sample_id in part]
         else:
-            yield [sample_of(state.samples[sample_id], lane=lane) for sample_id in part]
+            yield samples_named(state, part, lane)
+
+
+def samples_named(state: RolloutState, ids: Sequence[str], lane: Lane) -> list[Sample]:
+    """The samples of ``ids``, in that order, shaped by ``lane`` (not the CE lane, whose
+    sub-samples are planned over the whole rollout); raises naming the first id that has no
+    terminal event in ``state``, before building any."""
+    for sample_id in ids:
+        _check_terminal(state, sample_id)
+    samples = state.samples
+    return [sample_of(samples[sample_id], lane=lane) for sample_id in ids]
 
 
 def _check_terminal(state: RolloutState, sample_id: str) -> None:
