@@ -90,7 +90,6 @@ from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.samples import (
     samples_named,
     scalar_reward,
-    trainer_sample_chunks,
     trainer_samples,
 )
 from engine.runtime.consumer import Backoff
@@ -329,11 +328,15 @@ class RolloutClient:
 
     async def load(self, rollout_id: str) -> list[Sample]:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
-        stream = self.names.rollout(rollout_id)
         with gc_paused():  # what is built is kept: collections would only re-scan it
-            fold = LoadFold()
-            await self._scan(stream, fold)
-            return trainer_samples(fold.state())
+            return await self._load(self.names.rollout(rollout_id))
+
+    async def _load(self, stream: str) -> list[Sample]:
+        # Its own frame: the fold is freed when it returns, before the collector is back on
+        # (whose first pass then walks the samples only).
+        fold = LoadFold()
+        await self._scan(stream, fold)
+        return trainer_samples(fold.state())
 
     async def iter_load(
         self, rollout_id: str, chunk_size: int = 1024
@@ -352,11 +355,9 @@ class RolloutClient:
             # Nothing to stream (no ready event: the error; a dummy: one sample), or the CE
             # lane, whose sub-samples are shuffled across the whole rollout: built whole.
             with gc_paused():
-                fold = LoadFold()
-                await self._scan(stream, fold)
-                chunks = list(trainer_sample_chunks(fold.state(), chunk_size))
-            for chunk in chunks:
-                yield chunk
+                whole = await self._load(stream)
+            for at in range(0, len(whole), chunk_size):
+                yield whole[at : at + chunk_size]
             return
         lane = request_lane(index.request)
         ids = ready.sample_ids

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Sequence
+from unittest.mock import patch
 
 import pytest
 
 from engine.client import RolloutClient
 from engine.errors import DecodeError
 from engine.events import Envelope, RedisEventLog, TaskJoined
+from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
 from engine.events.codec import decode, encode
 from engine.events.redis_log import FIELD
+from engine.outcomes import SampleStatus
+from engine.projections import samples as samples_module
 from engine.projections.base import fold, start
 from engine.projections.lanes import Lane, request_lane
 from engine.projections.loading import MARK_EVERY, IndexFold, LoadFold, type_name
@@ -35,7 +39,13 @@ def _ids(raw: Sequence[bytes]) -> list[tuple[str, bytes]]:
 
 
 def reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
-    """The samples as the full fold gives them, or the error it raises (type, message)."""
+    """The samples as the full fold gives them, built by the validating constructor (as
+    before ``samples._sample``), or the error it raises (type, message)."""
+    with patch.object(samples_module, "_sample", lambda **fields: Sample(**fields)):
+        return _reference(raw)
+
+
+def _reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
     envs = []
     for entry_id, r in _ids(raw):
         try:
@@ -89,6 +99,15 @@ def by_index_fold(raw: Sequence[bytes], chunk: int) -> list[Sample] | tuple[str,
     return out
 
 
+def _same(a: list[Sample] | tuple[str, str], b: list[Sample] | tuple[str, str]) -> None:
+    """Equal samples, byte for byte, with the same fields set (or the same error)."""
+    assert _dumps(a) == _dumps(b)
+    assert a == b
+    if isinstance(a, list) and isinstance(b, list):
+        assert [s.model_fields_set for s in a] == [s.model_fields_set for s in b]
+        assert [list(s.__dict__) for s in a] == [list(s.__dict__) for s in b]
+
+
 def _dumps(samples: list[Sample] | tuple[str, str]) -> list[str] | tuple[str, str]:
     if isinstance(samples, tuple):
         return samples
@@ -101,8 +120,7 @@ def test_the_load_fold_gives_the_reference_samples(seed: int) -> None:
     raw = random_stream(seed, n_samples=4 + seed % 29, ready=ready)
     expected = reference(raw)
     got = by_load_fold(raw)
-    assert _dumps(got) == _dumps(expected)
-    assert got == expected
+    _same(got, expected)
     if ready == "ok":
         assert isinstance(expected, list) and expected
 
@@ -122,7 +140,7 @@ def test_the_index_fold_gives_the_reference_samples_chunk_by_chunk(seed: int) ->
             # earlier chunks were yielded.
             assert isinstance(got, tuple) and got == expected
             continue
-        assert _dumps(got) == _dumps(expected)
+        _same(got, expected)
 
 
 def test_errors_of_the_writer_are_named_as_the_full_fold_names_them() -> None:
@@ -142,6 +160,56 @@ def _without_prompts(raw: Sequence[bytes]) -> list[bytes]:
     kept = [r for r in raw if type_name(r) != b"PromptStored"]
     assert len(kept) < len(raw)
     return kept
+
+
+def _fields(**over: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "index": 3, "group_index": 1, "sample_id": "s3", "prompt": "q", "response": "r",
+        "label": "7", "tokens": TokenIds.from_values([1, 2, 3]), "response_length": 2,
+        "loss_mask": Mask.from_values([1, 0]), "rollout_log_probs": LogProbs.from_values(
+            [-0.5, -0.25]), "reward": 1.0, "status": SampleStatus.COMPLETED,
+        "termination_reason": None, "policy_version": 2, "token_versions": None,
+        "metadata": {"task_type": "t", "attempt": 0},
+    }
+    fields.update(over)
+    return fields
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"reward": {"score": 0.5, "fmt": 1.0}},
+        {"label": {"a": [1, 2]}, "metadata": {"nested": {"x": 1}}},  # not flat: validated
+        {"prompt": [{"role": "user", "content": "hi"}]},
+        {"index": True},  # a bool is not an index: the constructor refuses it
+        {"index": -1},
+        {"policy_version": -3},
+        {"reward": float("nan")},
+        {"metadata": {"x": float("inf")}},
+        {"prompt": []},
+        {"response_length": 5},  # the invariants
+        {"loss_mask": Mask.from_values([1])},
+        {"token_versions": TokenIds.from_values([1])},
+    ],
+)
+def test_the_cheap_sample_is_the_validated_one(over: dict[str, object]) -> None:
+    fields = _fields(**over)
+    try:
+        expected: Sample | tuple[str, str] = Sample(**fields)
+    except Exception as exc:  # noqa: BLE001
+        expected = (type(exc).__name__, str(exc))
+    try:
+        got: Sample | tuple[str, str] = samples_module._sample(**fields)
+    except Exception as exc:  # noqa: BLE001
+        got = (type(exc).__name__, str(exc))
+    if isinstance(expected, tuple):
+        assert got == expected
+        return
+    assert isinstance(got, Sample)
+    assert got == expected and got.model_dump_json() == expected.model_dump_json()
+    assert got.model_fields_set == expected.model_fields_set
+    assert list(got.__dict__) == list(expected.__dict__)
 
 
 def test_type_name_reads_the_canonical_head_only() -> None:
