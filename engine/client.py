@@ -81,7 +81,7 @@ from engine.events.catalog import (
 )
 from engine.events.codec import decode
 from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
-from engine.events.log import EventLog
+from engine.events.log import EventLog, RawEntry
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.projections.lanes import Lane, request_lane
@@ -373,14 +373,24 @@ class RolloutClient:
     async def _scan(
         self, stream: str, fold: LoadFold | IndexFold, page: int = _LOAD_PAGE
     ) -> None:
-        """Fold every entry of ``stream`` into ``fold``, ``page`` raw entries at a time."""
-        start = "-"
-        while True:
+        """Fold every entry of ``stream`` into ``fold``, ``page`` raw entries at a time; the
+        next page is asked for before this one is folded, so Redis serves it meanwhile."""
+
+        async def read(start: str) -> list[RawEntry]:
             (rows,) = await self.log.read_raw_ranges(stream, [(start, "+", page)])
-            fold.feed(rows)
-            if len(rows) < page:
-                return
-            start = exclusive(rows[-1][0])
+            return rows
+
+        pending: asyncio.Task[list[RawEntry]] | None = asyncio.create_task(read("-"))
+        try:
+            while pending is not None:
+                rows = await pending
+                pending = None
+                if len(rows) == page:
+                    pending = asyncio.create_task(read(exclusive(rows[-1][0])))
+                fold.feed(rows)
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     async def _read_back(
         self, stream: str, index: IndexFold, sample_ids: Sequence[str]
