@@ -145,8 +145,11 @@ def random_stream(seed: int, n_samples: int = 24, *, ready: str = "ok") -> list[
     if ready == "unknown":
         kept = [*kept, next((s for s in ids if s not in terminal), f"{rid}-ghost")]
     if ready != "missing":
+        # The samples still running when it became ready: a tail, aborted or carried over.
+        tail = [sid for sid in ids if sid not in terminal]
         events.append(RolloutReady(rollout_id=rid, sample_ids=sorted(kept) if rng.random() < 0.5
-                                   else kept, dummy=ready == "dummy"))
+                                   else kept, dummy=ready == "dummy", tail_sample_ids=tail,
+                                   tail_carried=bool(tail) and rng.random() < 0.5))
         events.append(RolloutReady(rollout_id=rid, sample_ids=kept[:1]))  # a copy loses
     raw = [encode(e) for e in events]
     # Entries the log's readers skip, and entries in another (valid) key order.
