@@ -6,7 +6,8 @@ client's ``load`` (on the lean fold of :mod:`engine.projections.loading`) and ``
 replay`` both call it, so they agree by construction; ``iter_load`` builds each chunk with
 :func:`samples_named`, the same per-sample path.
 ``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
-time, letting go of each sample's folded events as it goes (``RolloutClient.iter_load``).
+time, letting go of each sample's folded events as it goes (for a caller that holds a whole
+fold already; ``RolloutClient.iter_load`` streams from the log instead).
 
 * The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
 * A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
