@@ -8,6 +8,13 @@ for its peak traced memory (``iter_load`` with chunks of ``--memory-chunk``). Th
 printed is one JSON object.
 
     python bench/load.py [--samples 20000] [--rounds 5] [--chunk 4096] [--memory-chunk 1000]
+    python bench/load.py --sizes 10000,100000   # per-sample cost by size, in memory
+
+``--sizes``: no engine and no Redis; for each size a synthetic grpo stream (16-token
+samples: request, tasks, a start and a completion per sample, ready) is encoded, then
+folded and built as ``load`` does (``LoadFold`` + ``trainer_samples``) and indexed as
+``iter_load``'s first pass does (``IndexFold``), the collector paused as in the client:
+microseconds of CPU per sample, and the index's bytes per sample.
 
 The engine code measured is the one on ``sys.path`` first: run it with ``PYTHONPATH`` set
 to a checkout to measure that checkout (A/B: the same file, two checkouts).
@@ -83,6 +90,63 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def sizes(spec: str) -> dict[str, Any]:
+    import gc
+
+    from engine.events import (
+        RolloutReady,
+        RolloutRequested,
+        SampleCompleted,
+        SampleStarted,
+        TaskFetched,
+    )
+    from engine.events.codec import encode
+    from engine.projections.loading import IndexFold, LoadFold
+    from engine.projections.samples import trainer_samples
+
+    out: dict[str, Any] = {}
+    for n in (int(x) for x in spec.split(",")):
+        ids = [f"s-{i}" for i in range(n)]
+        events: list[Any] = [RolloutRequested(rollout_id="r", n_prompts=max(1, n // 8))]
+        events += [
+            TaskFetched(rollout_id="r", sample_id=sid, index=i, group_index=i // 8,
+                        prompt=f"q{i // 8}", dataset="d", task_type="t")
+            for i, sid in enumerate(ids)
+        ]
+        for sid in ids:
+            events.append(SampleStarted(rollout_id="r", sample_id=sid))
+            events.append(SampleCompleted(
+                rollout_id="r", sample_id=sid, prompt_ids=[1] * 8, response_ids=[2] * 16,
+                logprobs=[-0.5] * 16, loss_mask=[1] * 16, reward=1.0,
+            ))
+        events.append(RolloutReady(rollout_id="r", sample_ids=ids))
+        rows = [(f"{i + 1}-0", encode(e)) for i, e in enumerate(events)]
+        del events
+        gc.collect()
+        gc.disable()
+        try:
+            t = time.process_time()
+            fold = LoadFold()
+            fold.feed(rows)
+            samples = trainer_samples(fold.state())
+            load_s = time.process_time() - t
+            del samples, fold
+            t = time.process_time()
+            index = IndexFold()
+            index.feed(rows)
+            index_s = time.process_time() - t
+        finally:
+            gc.enable()
+        row = {
+            "load_us_per_sample": round(1e6 * load_s / n, 1),
+            "index_us_per_sample": round(1e6 * index_s / n, 1),
+            "index_bytes_per_sample": round(index.nbytes() / n, 1),
+        }
+        out[str(n)] = row
+        print(f"{n} samples: {json.dumps(row)}", flush=True)
+    return {"sizes": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=20_000)
@@ -92,7 +156,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-batches", type=int, default=8)
     parser.add_argument("--play-scheduler", action="store_true")
+    parser.add_argument("--sizes", metavar="N,N,...",
+                        help="instead: per-sample cost of folding and building, in memory")
     args = parser.parse_args()
+    if args.sizes:
+        print(json.dumps(sizes(args.sizes)))
+        return
     args.profile = None
     if args.samples % PER_PROMPT:
         parser.error(f"--samples must be a multiple of {PER_PROMPT}")

@@ -24,7 +24,7 @@ Two folds:
   holding exactly them (``load``: one pass, then ``trainer_samples``).
 * :class:`IndexFold` keeps, per sample, only *where* they are: the ordinals (positions in
   the stream) of its task entry, its group's first task, its terminal, its teacher scoring
-  and its prompt, in flat integer arrays (about 60 bytes a sample beside its id), plus one
+  and its prompt, in flat integer arrays (about 50 bytes a sample beside its id), plus one
   entry id every :data:`MARK_EVERY` entries. ``iter_load`` folds it in a first pass, then
   per chunk of ``RolloutReady.sample_ids`` reads back just the entries it names
   (:meth:`IndexFold.ranges`: a few XRANGEs, one round trip) and builds that chunk
