@@ -16,10 +16,17 @@ Contract
 * ``load(rollout_id)`` rebuilds the samples from the rollout stream
   (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
   its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
+  It reads the stream in pages of raw entries and folds only what samples are made of
+  (:class:`engine.projections.loading.LoadFold`: tasks, first terminals, teacher scorings,
+  stored prompts, the request and the ready event; the rest is not even decoded), with
+  the cyclic collector paused while it builds.
 * ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
-  of ``chunk_size``: each sample's folded events are let go of once its ``Sample`` is
-  built, so a trainer that consumes chunk by chunk holds the folded events and one chunk of
-  samples, never every ``Sample`` of a large rollout at once.
+  of ``chunk_size``, streaming: a first pass over the stream keeps only a compact index of
+  where each sample's entries are (:class:`engine.projections.loading.IndexFold`), then
+  each chunk's entries are read back (a few ranges, one round trip) and built. A trainer
+  that consumes chunk by chunk holds the index, one page of entries and one chunk, never
+  the whole rollout. The CE lane, whose sub-samples are shuffled across the whole
+  rollout, is built whole and then handed out in chunks.
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
   prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
@@ -49,9 +56,15 @@ import numpy as np
 import torch
 
 from engine.agents.result import UNKNOWN_VERSION
-from engine.errors import ConfigError, LogUnavailable, RolloutFailed, WeightSyncFailed
+from engine.errors import (
+    ConfigError,
+    DecodeError,
+    LogUnavailable,
+    RolloutFailed,
+    WeightSyncFailed,
+)
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
-from engine.events.base import Envelope
+from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     FilterSpec,
     PolicyVersionActivated,
@@ -66,16 +79,22 @@ from engine.events.catalog import (
 from engine.events.catalog import (
     WeightSyncFailed as WeightSyncFailedEvent,
 )
-from engine.events.ids import EMPTY_ID, id_before, parse_id
-from engine.events.log import EventLog
+from engine.events.codec import decode
+from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
+from engine.events.log import EventLog, RawEntry
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
+from engine.projections.lanes import Lane, request_lane
+from engine.projections.loading import IndexFold, LoadFold
 from engine.projections.policy import PolicyProjection, PolicyState
-from engine.projections.rollout import RolloutProjection
-from engine.projections.samples import scalar_reward, trainer_sample_chunks, trainer_samples
+from engine.projections.samples import (
+    samples_named,
+    scalar_reward,
+    trainer_samples,
+)
 from engine.runtime.consumer import Backoff
 from engine.runtime.live import LiveFold
-from engine.runtime.rebuild import rebuild
+from engine.runtime.rebuild import gc_paused
 from engine.sample import Sample
 
 __all__ = [
@@ -89,6 +108,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_LOAD_PAGE = 4096  # entries per XRANGE page when loading a rollout
 
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token lanes of rollout-engine §5)."""
@@ -307,8 +328,15 @@ class RolloutClient:
 
     async def load(self, rollout_id: str) -> list[Sample]:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
-        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
-        return trainer_samples(folded.state)
+        with gc_paused():  # what is built is kept: collections would only re-scan it
+            return await self._load(self.names.rollout(rollout_id))
+
+    async def _load(self, stream: str) -> list[Sample]:
+        # Its own frame: the fold is freed when it returns, before the collector is back on
+        # (whose first pass then walks the samples only).
+        fold = LoadFold()
+        await self._scan(stream, fold)
+        return trainer_samples(fold.state())
 
     async def iter_load(
         self, rollout_id: str, chunk_size: int = 1024
@@ -316,9 +344,74 @@ class RolloutClient:
         """``load``'s samples, ``chunk_size`` at a time (see the module docstring)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
-        for chunk in trainer_sample_chunks(folded.state, chunk_size):
-            yield chunk
+        stream = self.names.rollout(rollout_id)
+        index = IndexFold()
+        with gc_paused():  # the collector stays on while the caller holds a chunk
+            # Pages of about a chunk's entries (a sample has a few): memory follows the
+            # caller's chunk size, not the rollout's.
+            await self._scan(stream, index, min(_LOAD_PAGE, max(256, 4 * chunk_size)))
+        ready = index.ready
+        if ready is None or ready.dummy or request_lane(index.request) is Lane.CE:
+            # Nothing to stream (no ready event: the error; a dummy: one sample), or the CE
+            # lane, whose sub-samples are shuffled across the whole rollout: built whole.
+            with gc_paused():
+                whole = await self._load(stream)
+            for at in range(0, len(whole), chunk_size):
+                yield whole[at : at + chunk_size]
+            return
+        lane = request_lane(index.request)
+        ids = ready.sample_ids
+        for at in range(0, len(ids), chunk_size):
+            part = ids[at : at + chunk_size]
+            with gc_paused():
+                events = await self._read_back(stream, index, part)
+                samples = samples_named(index.chunk_state(part, events), part, lane)
+                del events
+            yield samples
+            del samples
+
+    async def _scan(
+        self, stream: str, fold: LoadFold | IndexFold, page: int = _LOAD_PAGE
+    ) -> None:
+        """Fold every entry of ``stream`` into ``fold``, ``page`` raw entries at a time; the
+        next page is asked for before this one is folded, so Redis serves it meanwhile."""
+
+        async def read(start: str) -> list[RawEntry]:
+            (rows,) = await self.log.read_raw_ranges(stream, [(start, "+", page)])
+            return rows
+
+        pending: asyncio.Task[list[RawEntry]] | None = asyncio.create_task(read("-"))
+        try:
+            while pending is not None:
+                rows = await pending
+                pending = None
+                if len(rows) == page:
+                    pending = asyncio.create_task(read(exclusive(rows[-1][0])))
+                fold.feed(rows)
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    async def _read_back(
+        self, stream: str, index: IndexFold, sample_ids: Sequence[str]
+    ) -> dict[int, Event]:
+        """The entries the samples of ``sample_ids`` are built from, decoded, by ordinal:
+        read in a few ranges, in one round trip."""
+        wanted = index.wanted(sample_ids)
+        ranges = index.ranges(wanted)
+        replies = await self.log.read_raw_ranges(
+            stream, [(start, "+", count) for start, count, _first in ranges]
+        )
+        keep = set(wanted)
+        events: dict[int, Event] = {}
+        for (_start, _count, first), rows in zip(ranges, replies, strict=True):
+            for offset, (_entry_id, raw) in enumerate(rows):
+                if first + offset in keep:
+                    try:
+                        events[first + offset] = decode(raw)
+                    except DecodeError:
+                        pass  # named by chunk_state: not the entry the first pass read
+        return events
 
 
 @dataclass(frozen=True, slots=True)

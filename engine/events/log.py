@@ -217,6 +217,13 @@ class EventLog(Protocol):
         """Blocking read past each stream's position, undecoded, dead-lettering nothing."""
         ...
 
+    async def read_raw_ranges(
+        self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
+    ) -> list[list[RawEntry]]:
+        """For each ``(start, end, count)``: the entries with ``start <= id <= end``
+        (``(id``: exclusive), at most ``count`` (None: all), undecoded; one round trip."""
+        ...
+
     async def list_streams(self, pattern: str) -> list[str]:
         """Names of the existing streams matching the glob ``pattern``, sorted."""
         ...

@@ -1030,6 +1030,25 @@ class RedisEventLog:
                 return out
             cursor = out[-1][0]
 
+    async def read_raw_ranges(
+        self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
+    ) -> list[list[RawEntry]]:
+        """For each ``(start, end, count)``: the entries with ``start <= id <= end``
+        (``(id``: exclusive), at most ``count`` (None: all), undecoded (an entry without the
+        event field reads as empty bytes); every range in one pipelined round trip (the
+        client's streaming ``iter_load`` reads each chunk's entries so)."""
+        if not ranges:
+            return []
+        with _translate(f"XRANGE {stream} ({len(ranges)} ranges)"):
+            async with self._r.pipeline(transaction=False) as pipe:
+                for start, end, count in ranges:
+                    pipe.xrange(stream, start, end, count=count)
+                replies = await pipe.execute()
+        return [
+            [(_s(raw_id), bytes((fields or {}).get(FIELD, b""))) for raw_id, fields in rows]
+            for rows in replies
+        ]
+
     async def tail_raw(
         self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
     ) -> list[RawStreamEntry]:

@@ -167,21 +167,25 @@ class RolloutProjection:
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done and ev.attempt >= s.attempt:
                 turns = s.turns if ev.attempt == s.attempt else ()  # a re-run starts afresh
-                state.samples[ev.sample_id] = replace(
-                    s, attempt=ev.attempt, started=ev, turns=turns
+                # The constructor, positionally: ``dataclasses.replace`` introspects the
+                # fields on every call, and this runs once per event of the rollout.
+                state.samples[ev.sample_id] = SampleState(
+                    s.task, ev.attempt, ev, turns, s.terminal, s.teacher
                 )
         elif isinstance(ev, TurnCompleted):
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done and ev.attempt == s.attempt:
-                state.samples[ev.sample_id] = replace(s, turns=(*s.turns, ev))
+                state.samples[ev.sample_id] = SampleState(
+                    s.task, s.attempt, s.started, (*s.turns, ev), s.terminal, s.teacher
+                )
         elif isinstance(ev, SampleCompleted | SampleAborted):
             s = state.samples.get(ev.sample_id)
             if s is not None and not s.done:
                 if isinstance(ev, SampleCompleted) and ev.prompt_key:
                     ev = _with_prompt(ev, state.prompts.get(ev.prompt_key))
                 turns = s.turns if ev.attempt == s.attempt else ()
-                state.samples[ev.sample_id] = replace(
-                    s, terminal=ev, attempt=max(s.attempt, ev.attempt), turns=turns
+                state.samples[ev.sample_id] = SampleState(
+                    s.task, max(s.attempt, ev.attempt), s.started, turns, ev, s.teacher
                 )
                 state.n_terminal += 1
                 g = s.task.group_index
@@ -196,7 +200,9 @@ class RolloutProjection:
                 and s.completed.attempt == ev.attempt
                 and s.teacher is None
             ):
-                state.samples[ev.sample_id] = replace(s, teacher=ev)
+                state.samples[ev.sample_id] = SampleState(
+                    s.task, s.attempt, s.started, s.turns, s.terminal, ev
+                )
                 state.n_scored += 1
         elif isinstance(ev, PromptStored):
             state.prompts.setdefault(ev.prompt_key, ev)

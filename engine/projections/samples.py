@@ -2,9 +2,12 @@
 state to the trainer's ``Sample`` list.
 
 ``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
-client's ``load`` and ``rollout replay`` both call it, so they agree by construction.
+client's ``load`` (on the lean fold of :mod:`engine.projections.loading`) and ``rollout
+replay`` both call it, so they agree by construction; ``iter_load`` builds each chunk with
+:func:`samples_named`, the same per-sample path.
 ``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
-time, letting go of each sample's folded events as it goes (``RolloutClient.iter_load``).
+time, letting go of each sample's folded events as it goes (for a caller that holds a whole
+fold already; ``RolloutClient.iter_load`` streams from the log instead).
 
 * The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
 * A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
@@ -25,7 +28,8 @@ A reward given as a dict of named scores keeps the dict on the sample; its scala
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,14 +38,14 @@ from pydantic import ValidationError
 from engine.domain import Task
 from engine.errors import ConfigError, RolloutError
 from engine.events.arrays import Mask, concat
-from engine.events.catalog import TaskFetched
+from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
 from engine.projections.lanes import CeChunk, Lane, ce_plan, request_lane, teacher_shape
 from engine.projections.rollout import RolloutState, SampleState
-from engine.projections.rows import row_of
 from engine.sample import Sample
 
 __all__ = [
     "sample_of",
+    "samples_named",
     "trainer_sample_chunks",
     "scalar_reward",
     "task_of",
@@ -98,19 +102,23 @@ def sample_of(
 ) -> Sample:
     """The trainer's view of one terminal sample (see the module docstring)."""
     task = s.task
-    row = row_of(s)  # identity and outcome, as the summaries see them
-    done = s.completed
+    terminal = s.terminal
+    done = terminal if isinstance(terminal, SampleCompleted) else None
     if done is None:
+        # Identity and outcome as the sample's row (``rows.sample_row``) has them: an abort's
+        # class names the reason, the agent's own reason is kept; a sample with no terminal
+        # event has neither.
+        aborted = terminal if isinstance(terminal, SampleAborted) else None
         dummy = Sample.masked_dummy(
-            reason=row.termination_reason,
-            agent_reason=row.agent_reason,
+            reason=aborted.abort_class.reason if aborted is not None else None,
+            agent_reason=aborted.agent_reason if aborted is not None else None,
             policy_version=policy_version,
         )
         return dummy.model_copy(
             update={
-                "index": row.index,
-                "group_index": row.group_index,
-                "sample_id": row.sample_id,
+                "index": task.index,
+                "group_index": task.group_index,
+                "sample_id": task.sample_id,
                 "prompt": task.prompt,
                 "label": task.label,
                 "metadata": {**_metadata(task), **dummy.metadata},
@@ -136,10 +144,10 @@ def sample_of(
     metadata = _metadata(task)
     metadata["attempt"] = done.attempt
     metadata["n_turns"] = done.n_turns
-    return Sample(
-        index=row.index,
-        group_index=row.group_index,
-        sample_id=row.sample_id,
+    return _sample(
+        index=task.index,
+        group_index=task.group_index,
+        sample_id=task.sample_id,
         prompt=task.prompt,
         response=done.response_text,
         label=task.label,
@@ -148,13 +156,84 @@ def sample_of(
         loss_mask=loss_mask,
         rollout_log_probs=done.logprobs if len(done.logprobs) else None,
         reward=reward,
-        status=row.status,
-        termination_reason=row.termination_reason,
+        status=done.status,
+        termination_reason=done.termination_reason,
         policy_version=done.policy_version if policy_version is None else policy_version,
         token_versions=done.token_versions if len(done.token_versions) else None,
         metadata=metadata,
         **per_token,
     )
+
+
+# ---------------------------------------------------------------- building a Sample cheaply
+
+_FIELDS = tuple(Sample.model_fields)
+_DEFAULTS = {
+    name: info.default for name, info in Sample.model_fields.items() if not info.is_required()
+}
+_LINE_UP = Sample.__pydantic_decorators__.model_validators["_arrays_line_up"].func
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _plain(value: object) -> bool:
+    """A JSON scalar that pydantic's ``JsonValue`` (no inf/nan) keeps as it is."""
+    kind = type(value)
+    if kind is float:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    return value is None or kind is str or kind is int or kind is bool
+
+
+def _score(value: object) -> bool:
+    return type(value) is float and math.isfinite(value)
+
+
+def _sample(**fields: Any) -> Sample:
+    """``Sample(**fields)`` without running pydantic again over values validated on their
+    way in (validating a rollout's samples field by field was a third of its load).
+
+    ``sample_of`` passes the event's arrays (the exact packed classes), enums and strings,
+    which validation returns unchanged; what the events do not constrain as ``Sample``
+    does is checked here: counts >= 0 that are ints (not bools), a string prompt, a flat
+    JSON label and metadata, finite rewards. When those hold, validation would return every
+    value unchanged, so the sample is built from them directly and only the model's own
+    invariants run (``_arrays_line_up``). Anything else -- or an invariant that fails --
+    goes through the constructor, which coerces or raises exactly as it always did."""
+    reward = fields["reward"]
+    version = fields["policy_version"]
+    ok = (
+        type(fields["index"]) is int
+        and fields["index"] >= 0
+        and type(fields["group_index"]) is int
+        and fields["group_index"] >= 0
+        and (version is None or (type(version) is int and version >= 0))
+        and type(fields.get("teacher_top_k", 0)) is int
+        and fields.get("teacher_top_k", 0) >= 0
+        and type(fields["prompt"]) is str
+        and _plain(fields["label"])
+        and (_score(reward) or type(reward) is dict)
+    )
+    if ok and type(reward) is dict:
+        for key, value in reward.items():
+            if type(key) is not str or not _score(value):
+                ok = False
+    if ok:
+        for key, value in fields["metadata"].items():
+            if type(key) is not str or not _plain(value):
+                ok = False
+    if not ok:
+        return Sample(**fields)
+    values = {name: fields[name] if name in fields else _DEFAULTS[name] for name in _FIELDS}
+    sample = _new(Sample)
+    _set(sample, "__dict__", values)
+    _set(sample, "__pydantic_fields_set__", set(fields))
+    _set(sample, "__pydantic_extra__", None)
+    _set(sample, "__pydantic_private__", None)
+    try:
+        _LINE_UP(sample)
+    except ValueError:
+        return Sample(**fields)  # raises the error the constructor always raised
+    return sample
 
 
 def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> Sample:
@@ -243,12 +322,22 @@ def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator
         return
     for at in range(0, len(ids), step):
         part = ids[at : at + step]
-        for sample_id in part:
-            _check_terminal(state, sample_id)
         if consume:
+            for sample_id in part:
+                _check_terminal(state, sample_id)
             yield [sample_of(state.samples.pop(sample_id), lane=lane) for sample_id in part]
         else:
-            yield [sample_of(state.samples[sample_id], lane=lane) for sample_id in part]
+            yield samples_named(state, part, lane)
+
+
+def samples_named(state: RolloutState, ids: Sequence[str], lane: Lane) -> list[Sample]:
+    """The samples of ``ids``, in that order, shaped by ``lane`` (not the CE lane, whose
+    sub-samples are planned over the whole rollout); raises naming the first id that has no
+    terminal event in ``state``, before building any."""
+    for sample_id in ids:
+        _check_terminal(state, sample_id)
+    samples = state.samples
+    return [sample_of(samples[sample_id], lane=lane) for sample_id in ids]
 
 
 def _check_terminal(state: RolloutState, sample_id: str) -> None:

@@ -18,7 +18,7 @@ from engine.events.log import EventLog
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 
-__all__ = ["load_snapshot", "pool_at", "rebuild", "save_snapshot"]
+__all__ = ["gc_paused", "load_snapshot", "pool_at", "rebuild", "save_snapshot"]
 
 S = TypeVar("S")
 
@@ -39,12 +39,14 @@ async def rebuild(
     back on afterwards, and collects as usual from then on."""
     folded = since if since is not None else start(projection)
     envelopes = await log.read_all(stream, after=folded.position)
-    with _gc_paused():
+    with gc_paused():
         return fold(projection, folded, envelopes, until=until)
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic collector while a large, acyclic result is built (a rebuild, a
+    client's load); switched back on afterwards when it was on. Nests."""
     enabled = gc.isenabled()
     gc.disable()
     try:

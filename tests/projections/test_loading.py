@@ -1,0 +1,309 @@
+"""The loading folds (``engine.projections.loading``) and the client's ``load`` / ``iter_load``
+give exactly the samples of the reference path -- the whole ``RolloutProjection`` fold, then
+``trainer_samples`` -- on random rollout streams: multi-turn samples, retried attempts,
+aborted samples, late duplicate terminals, redelivered plan entries, ``TaskJoined`` groups
+(and chains), prompts stored once, teacher scorings of the right and wrong attempts, every
+lane (CE included), undecodable entries and entries in a non-canonical key order; and the
+same errors where the reference raises."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Sequence
+from unittest.mock import patch
+
+import pytest
+
+from engine.client import RolloutClient
+from engine.errors import DecodeError
+from engine.events import Envelope, RedisEventLog, TaskJoined
+from engine.events.arrays import LogProbs, Mask, TokenIds
+from engine.events.base import Event
+from engine.events.codec import decode, encode
+from engine.events.redis_log import FIELD
+from engine.outcomes import SampleStatus
+from engine.projections import samples as samples_module
+from engine.projections.base import fold, start
+from engine.projections.lanes import Lane, request_lane
+from engine.projections.loading import MARK_EVERY, IndexFold, LoadFold, type_name
+from engine.projections.rollout import RolloutProjection
+from engine.projections.samples import samples_named, trainer_samples
+from engine.sample import Sample
+from tests.projections.rollout_streams import random_stream
+
+STREAM = "rl:{rollout:t}"
+
+
+def _ids(raw: Sequence[bytes]) -> list[tuple[str, bytes]]:
+    return [(f"{i + 1}-0", r) for i, r in enumerate(raw)]
+
+
+def reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
+    """The samples as the full fold gives them, built by the validating constructor (as
+    before ``samples._sample``), or the error it raises (type, message)."""
+    with patch.object(samples_module, "_sample", lambda **fields: Sample(**fields)):
+        return _reference(raw)
+
+
+def _reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
+    envs = []
+    for entry_id, r in _ids(raw):
+        try:
+            envs.append(Envelope(STREAM, entry_id, decode(r)))
+        except DecodeError:
+            continue  # the log's readers skip it
+    p = RolloutProjection()
+    try:
+        return trainer_samples(fold(p, start(p), envs).state)
+    except Exception as exc:  # noqa: BLE001 - compared with the other path's
+        return type(exc).__name__, str(exc)
+
+
+def by_load_fold(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
+    try:
+        f = LoadFold()
+        f.feed(_ids(raw))
+        return trainer_samples(f.state())
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+def by_index_fold(raw: Sequence[bytes], chunk: int) -> list[Sample] | tuple[str, str]:
+    """Both passes of ``iter_load``, with the stream in memory: the second reads back each
+    chunk's entries through the fold's ranges, from its marks."""
+    entries = _ids(raw)
+    position = {entry_id: i for i, (entry_id, _) in enumerate(entries)}
+    try:
+        index = IndexFold()
+        index.feed(entries)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    assert index.ready is not None and not index.ready.dummy
+    lane = request_lane(index.request)
+    assert lane is not Lane.CE
+    ids = index.ready.sample_ids
+    out: list[Sample] = []
+    for at in range(0, len(ids), chunk):
+        part = ids[at : at + chunk]
+        wanted = index.wanted(part)
+        events: dict[int, Event] = {}
+        for start_id, count, first in index.ranges(wanted, gap=2):
+            assert first == position[start_id] and first % MARK_EVERY == 0
+            for ordinal in range(first, first + count):
+                if ordinal in wanted:
+                    events[ordinal] = decode(entries[ordinal][1])
+        try:
+            out.extend(samples_named(index.chunk_state(part, events), part, lane))
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+    return out
+
+
+def _same(a: list[Sample] | tuple[str, str], b: list[Sample] | tuple[str, str]) -> None:
+    """Equal samples, byte for byte, with the same fields set (or the same error)."""
+    assert _dumps(a) == _dumps(b)
+    assert a == b
+    if isinstance(a, list) and isinstance(b, list):
+        assert [s.model_fields_set for s in a] == [s.model_fields_set for s in b]
+        assert [list(s.__dict__) for s in a] == [list(s.__dict__) for s in b]
+
+
+def _dumps(samples: list[Sample] | tuple[str, str]) -> list[str] | tuple[str, str]:
+    if isinstance(samples, tuple):
+        return samples
+    return [s.model_dump_json() for s in samples]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_load_fold_gives_the_reference_samples(seed: int) -> None:
+    ready = ("ok", "ok", "ok", "dummy", "missing", "unknown")[seed % 6]
+    raw = random_stream(seed, n_samples=4 + seed % 29, ready=ready)
+    expected = reference(raw)
+    got = by_load_fold(raw)
+    _same(got, expected)
+    if ready == "ok":
+        assert isinstance(expected, list) and expected
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_index_fold_gives_the_reference_samples_chunk_by_chunk(seed: int) -> None:
+    raw = random_stream(seed, n_samples=4 + seed % 29, ready=("ok", "unknown")[seed % 5 == 4])
+    expected = reference(raw)
+    index = IndexFold()
+    index.feed(_ids(raw))
+    if request_lane(index.request) is Lane.CE:
+        pytest.skip("the CE lane is loaded whole (tested through the client)")
+    for chunk in (1, 3, 1000):
+        got = by_index_fold(raw, chunk)
+        if isinstance(expected, tuple) and chunk < 1000:
+            # A chunk names the sample with no terminal: the same error, possibly after
+            # earlier chunks were yielded.
+            assert isinstance(got, tuple) and got == expected
+            continue
+        _same(got, expected)
+
+
+def test_errors_of_the_writer_are_named_as_the_full_fold_names_them() -> None:
+    joined = TaskJoined(rollout_id="t", sample_id="s1", index=1, group_index=0, same_as="s0")
+    raw = random_stream(3, n_samples=8)
+    for bad in ([encode(joined), *raw], _without_prompts(raw)):
+        expected = reference(bad)
+        assert isinstance(expected, tuple) and expected[0] == "RolloutError"
+        assert by_load_fold(bad) == expected
+        index = IndexFold()
+        with pytest.raises(Exception) as caught:
+            index.feed(_ids(bad))
+        assert (type(caught.value).__name__, str(caught.value)) == expected
+
+
+def _without_prompts(raw: Sequence[bytes]) -> list[bytes]:
+    kept = [r for r in raw if type_name(r) != b"PromptStored"]
+    assert len(kept) < len(raw)
+    return kept
+
+
+def _fields(**over: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "index": 3, "group_index": 1, "sample_id": "s3", "prompt": "q", "response": "r",
+        "label": "7", "tokens": TokenIds.from_values([1, 2, 3]), "response_length": 2,
+        "loss_mask": Mask.from_values([1, 0]), "rollout_log_probs": LogProbs.from_values(
+            [-0.5, -0.25]), "reward": 1.0, "status": SampleStatus.COMPLETED,
+        "termination_reason": None, "policy_version": 2, "token_versions": None,
+        "metadata": {"task_type": "t", "attempt": 0},
+    }
+    fields.update(over)
+    return fields
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"reward": {"score": 0.5, "fmt": 1.0}},
+        {"label": {"a": [1, 2]}, "metadata": {"nested": {"x": 1}}},  # not flat: validated
+        {"prompt": [{"role": "user", "content": "hi"}]},
+        {"index": True},  # a bool is not an index: the constructor refuses it
+        {"index": -1},
+        {"policy_version": -3},
+        {"reward": float("nan")},
+        {"metadata": {"x": float("inf")}},
+        {"prompt": []},
+        {"response_length": 5},  # the invariants
+        {"loss_mask": Mask.from_values([1])},
+        {"token_versions": TokenIds.from_values([1])},
+    ],
+)
+def test_the_cheap_sample_is_the_validated_one(over: dict[str, object]) -> None:
+    fields = _fields(**over)
+    try:
+        expected: Sample | tuple[str, str] = Sample(**fields)
+    except Exception as exc:  # noqa: BLE001
+        expected = (type(exc).__name__, str(exc))
+    try:
+        got: Sample | tuple[str, str] = samples_module._sample(**fields)
+    except Exception as exc:  # noqa: BLE001
+        got = (type(exc).__name__, str(exc))
+    if isinstance(expected, tuple):
+        assert got == expected
+        return
+    assert isinstance(got, Sample)
+    assert got == expected and got.model_dump_json() == expected.model_dump_json()
+    assert got.model_fields_set == expected.model_fields_set
+    assert list(got.__dict__) == list(expected.__dict__)
+
+
+def test_type_name_reads_the_canonical_head_only() -> None:
+    raw = random_stream(1, n_samples=4)[0]
+    assert type_name(raw) == b"RolloutRequested"
+    assert type_name(b"") is None and type_name(b"\x93\x01\x02\x03") is None
+    assert type_name(b"\x81\xa1v\x01") is None  # a map whose first key is not "type"
+
+
+# ---------------------------------------------------------------- through the client
+
+
+async def _write(log: RedisEventLog, rollout_id: str, raw: Sequence[bytes]) -> None:
+    stream = log.names.rollout(rollout_id)
+    for entry_id, r in _ids(raw):
+        await log.redis.xadd(stream, {FIELD: r}, id=entry_id)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 7, 11, 12, 13, 17, 22])
+async def test_load_and_iter_load_give_the_reference_samples(
+    log: RedisEventLog, seed: int
+) -> None:
+    raw = random_stream(seed, n_samples=30)
+    rollout_id = f"r{seed}"
+    await _write(log, rollout_id, raw)
+    expected = reference(raw)
+    assert isinstance(expected, list) and expected
+    client = RolloutClient(log)
+    assert _dumps(await client.load(rollout_id)) == _dumps(expected)
+    for chunk_size in (1, 4, 1000):
+        chunks = [c async for c in client.iter_load(rollout_id, chunk_size)]
+        assert [len(c) for c in chunks[:-1]] == [chunk_size] * (len(chunks) - 1)
+        assert _dumps([s for c in chunks for s in c]) == _dumps(expected)
+
+
+async def test_the_lanes_are_all_covered(log: RedisEventLog) -> None:
+    """The seeds above hold every lane (so the client's CE path is exercised too)."""
+    lanes = set()
+    for seed in [0, 5, 7, 11, 12, 13, 17, 22]:
+        index = IndexFold()
+        index.feed(_ids(random_stream(seed, n_samples=30)))
+        lanes.add(request_lane(index.request))
+    assert lanes == set(Lane)
+
+
+async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> None:
+    """Peak memory while iterating in chunks of 50 stays well under a whole ``load``'s."""
+    raw = _big_plain_stream(3000)
+    await _write(log, "big", raw)
+    client = RolloutClient(log)
+    tracemalloc.start()
+    try:
+        whole = await client.load("big")
+        _, load_peak = tracemalloc.get_traced_memory()
+        assert len(whole) == 3000
+        del whole
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        n = 0
+        async for chunk in client.iter_load("big", 50):
+            n += len(chunk)
+            del chunk
+        _, iter_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == 3000
+    # The whole load holds every sample (and the page being folded); the chunked one holds
+    # the per-sample index, one page of raw entries and one chunk.
+    assert iter_peak - base < load_peak / 10, (iter_peak - base, load_peak)
+
+
+def _big_plain_stream(n: int) -> list[bytes]:
+    """A grpo rollout of ``n`` samples with long responses (so a sample outweighs its index
+    entry, as in real rollouts)."""
+    from engine.events import (
+        RolloutReady,
+        RolloutRequested,
+        SampleCompleted,
+        SampleStarted,
+        TaskFetched,
+    )
+
+    events: list[Event] = [RolloutRequested(rollout_id="big", n_prompts=n // 8)]
+    for i in range(n):
+        sid = f"big-{i}"
+        events.append(TaskFetched(rollout_id="big", sample_id=sid, index=i, group_index=i // 8,
+                                  prompt=f"q{i // 8}", dataset="d", task_type="t"))
+    for i in range(n):
+        sid = f"big-{i}"
+        events.append(SampleStarted(rollout_id="big", sample_id=sid))
+        events.append(SampleCompleted(
+            rollout_id="big", sample_id=sid, prompt_ids=list(range(64)),
+            response_ids=[i % 100] * 512, logprobs=[-0.5] * 512, loss_mask=[1] * 512,
+            reward=1.0, response_text="x" * 256,
+        ))
+    events.append(RolloutReady(rollout_id="big", sample_ids=[f"big-{i}" for i in range(n)]))
+    return [encode(e) for e in events]
