@@ -47,7 +47,8 @@ class PackedArray:
 
     @classmethod
     def from_values(cls, values: Iterable[float] | Iterable[int] | np.ndarray[Any, Any]) -> Self:
-        if isinstance(values, list | tuple):
+        kind = type(values)
+        if kind is list or kind is tuple or isinstance(values, list | tuple):
             # The common case (an agent's lists): the C array module packs and range-checks
             # in one pass, twice as fast as numpy's type inference; anything it refuses
             # (integral floats, out-of-range values) takes the numpy path, which accepts
@@ -59,7 +60,9 @@ class PackedArray:
             else:
                 if _SWAP:
                     native.byteswap()
-                return cls(native.tobytes())
+                packed = _new(cls)
+                packed._data = native.tobytes()  # whole items by construction
+                return packed
         if isinstance(values, np.ndarray):
             arr = values
         else:
@@ -135,6 +138,9 @@ class PackedArray:
 
     @classmethod
     def _coerce(cls, value: Any) -> Self:
+        kind = type(value)
+        if kind is list or kind is tuple:  # an agent's values: checked first, the common case
+            return cls.from_values(value)
         if isinstance(value, cls):
             return value
         if isinstance(value, PackedArray):

@@ -422,3 +422,39 @@ async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: Eve
     assert state.n_done == 4
     assert worker.batches_done == 1 and worker.batches_handed_back == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+
+def test_the_worker_progress_printer_counts_from_batch_reports() -> None:
+    import io
+
+    from engine.actors.evaluator_worker import BatchReport
+    from workers.evaluator import Progress
+
+    out = io.StringIO()
+    progress = Progress("w1", out=out)
+    for batch, (done, aborted, again) in enumerate([(5, 1, False), (2, 0, True)]):
+        progress.on_batch_done(
+            BatchReport(rollout_id="r1", batch_id=f"b{batch}", evaluator_id="math",
+                        ran=done + aborted, completed=done, aborted=aborted, redelivered=again)
+        )  # fmt: skip
+    assert (progress.completed, progress.aborted) == (7, 1)
+    assert out.getvalue().splitlines() == [
+        "[w1] batch b0: 5 completed, 1 aborted | total 5 completed, 1 aborted",
+        "[w1] batch b1 (recovered): 2 completed, 0 aborted | total 7 completed, 1 aborted",
+    ]
+
+
+def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() -> None:
+    from pathlib import Path
+
+    from engine.actors.batch_run import _with_node
+    from engine.agents.base import EpisodeContext
+    from engine.domain import SamplingParams, StoppingCriteria
+
+    ctx = EpisodeContext(
+        rollout_id="r1", sample_id="s1", attempt=2, stopping=StoppingCriteria(),
+        sampling_params=SamplingParams(), tmp_dir=Path("/tmp/x"), seed=7, dagger_beta=0.5,
+    )  # fmt: skip
+    moved = _with_node(ctx, "node-a")
+    assert moved.node == "node-a" and ctx.node is None
+    assert moved == EpisodeContext(**{**ctx.__dict__, "node": "node-a"})
