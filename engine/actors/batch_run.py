@@ -539,7 +539,7 @@ class BatchRun:
     # ------------------------------------------------------------------ outcomes
 
     def _started(self, sample_id: str, attempt: int, node: str) -> SampleStarted:
-        return SampleStarted(
+        return SampleStarted.assemble(
             rollout_id=self.plan.admitted.rollout_id,
             sample_id=sample_id,
             attempt=attempt,

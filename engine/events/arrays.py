@@ -38,12 +38,12 @@ class PackedArray:
     ext_code: ClassVar[int]
 
     def __init__(self, data: bytes) -> None:
-        if len(data) % self.dtype.itemsize:
+        if len(data) % self.itemsize:
             raise ValueError(
                 f"{type(self).__name__}: {len(data)} bytes is not a multiple of "
-                f"{self.dtype.itemsize} ({self.dtype.name})"
+                f"{self.itemsize} ({self.dtype.name})"
             )
-        self._data = bytes(data)
+        self._data = data if type(data) is bytes else bytes(data)
 
     @classmethod
     def from_values(cls, values: Iterable[float] | Iterable[int] | np.ndarray[Any, Any]) -> Self:
@@ -60,9 +60,9 @@ class PackedArray:
             else:
                 if _SWAP:
                     native.byteswap()
-                packed = _new(cls)
-                packed._data = native.tobytes()  # whole items by construction
-                return packed
+                adopted = _new(cls)
+                adopted._data = native.tobytes()  # whole items by construction
+                return adopted
         if isinstance(values, np.ndarray):
             arr = values
         else:
@@ -88,7 +88,9 @@ class PackedArray:
 
     @classmethod
     def empty(cls) -> Self:
-        return cls(b"")
+        empty = _new(cls)
+        empty._data = b""
+        return empty
 
     @property
     def data(self) -> bytes:
