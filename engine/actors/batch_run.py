@@ -49,6 +49,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -900,7 +901,12 @@ _set = object.__setattr__
 
 
 def _safe(name: str) -> str:
+    if _PLAIN.fullmatch(name):  # the usual sample id: nothing to replace (one C pass)
+        return name
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 
 
 def _remove_dir(path: Path) -> None:

@@ -458,3 +458,40 @@ def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() ->
     moved = _with_node(ctx, "node-a")
     assert moved.node == "node-a" and ctx.node is None
     assert moved == EpisodeContext(**{**ctx.__dict__, "node": "node-a"})
+
+
+async def test_a_worker_decodes_only_the_tasks_its_batches_need(
+    log: EventLog, specs: Mapping[str, Any]
+) -> None:
+    from engine.actors.evaluator_worker import WorkerConfig
+    from engine.events import RolloutRequested, TaskFetched, TaskJoined
+    from engine.events.redis_log import FIELD, RedisEventLog
+    from engine.projections.rollout import RolloutProjection
+    from engine.runtime.rebuild import rebuild
+
+    def task(i: int) -> TaskFetched:
+        return TaskFetched(rollout_id="r1", sample_id=f"s{i}", index=i, group_index=i // 2,
+                           prompt=f"q{i // 2}", dataset="math", task_type="math")  # fmt: skip
+
+    stream = log.names.rollout("r1")
+    request = RolloutRequested(rollout_id="r1", iteration=1, n_prompts=3, n_samples_per_prompt=2)
+    events: list[Any] = [request]
+    for i in range(6):
+        joined = TaskJoined.of(task(i), task(i - 1)) if i % 2 else None
+        events.append(joined or task(i))
+    await log.append_many([(stream, ev) for ev in events[:4]])
+    assert isinstance(log, RedisEventLog)
+    await log.redis.xadd(stream, {FIELD: b"\xc1 not msgpack"})  # skipped, not fatal
+    await log.append_many([(stream, ev) for ev in events[4:]])
+
+    evaluator = next(iter(specs))
+    worker = EvaluatorWorker(log, specs, WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,)))
+    folded = (await rebuild(log, stream, RolloutProjection())).state
+    cached = await worker._rollout_tasks("r1", ["s3"])
+    assert cached.request == folded.request and folded.request is not None
+    # s3 is joined on s2: both decoded; the rest only read
+    assert sorted(cached.tasks) == ["s2", "s3"] and sorted(cached.raw) == ["s0", "s1", "s4", "s5"]
+    cached = await worker._rollout_tasks("r1", ["s1", "s4", "missing"])
+    assert sorted(cached.tasks) == ["s0", "s1", "s2", "s3", "s4"]
+    for sid, ev in cached.tasks.items():
+        assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream
