@@ -511,7 +511,7 @@ class TaskJoined(Event):
             if mine[name] is not theirs[name] and mine[name] != theirs[name]:
                 return None
         # Every value comes from validated events: nothing to validate again.
-        return cls.model_construct(
+        return cls.assemble(
             rollout_id=ev.rollout_id,
             sample_id=ev.sample_id,
             index=ev.index,

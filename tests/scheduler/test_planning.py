@@ -154,3 +154,42 @@ def test_the_cascade_is_resolved_once_into_typed_settings(tmp_path: Path) -> Non
     assert plan.request.knobs == {"dagger_beta": 0.5}
     assert all(t.source_line is not None and t.source_line >= 1 for t in tasks)
     assert all("_source_line" not in t.metadata for t in tasks)
+
+
+def test_planned_task_events_are_what_the_validating_constructor_builds(tmp_path: Path) -> None:
+    # The planner assembles TaskFetched / TaskJoined from values already validated (the data
+    # source's Task, the resolved settings): same events, field order, fields set and bytes.
+    import json
+
+    import yaml
+
+    from engine.events.codec import encode
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"hi {i}"}], "label": {"a": [i, 2.5]},
+         "row": i, "tags": ["x", {"y": None}]}
+        if i % 2 else {"prompt": f"q{i}", "label": None, "row": i, "tags": []}
+        for i in range(6)
+    ]  # fmt: skip
+    (tmp_path / "mix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = {"rollout": {"datasets": {"mix": {
+        "path": "mix.jsonl", "task_type": "math", "metadata_keys": ["row", "tags"],
+        "n_samples_per_prompt": 3, "sampling_params": {"temperature": 0.5},
+    }}}}  # fmt: skip
+    (tmp_path / "rollout.yaml").write_text(yaml.safe_dump(doc))
+    p = Planner(load_rollout_config(tmp_path / "rollout.yaml"), load_specs())
+    plan = p.plan(request("r", n_prompts=6), DataState())
+    events = plan.rollout_events()
+    assert {type(e) for e in events[1:19]} == {TaskFetched, TaskJoined}
+    for ev in events[1:19]:
+        built = type(ev)(**{name: ev.__dict__[name] for name in ev.model_fields_set})
+        assert ev == built and list(ev.__dict__) == list(built.__dict__)
+        assert ev.model_fields_set == built.model_fields_set
+        assert encode(ev) == encode(built)
+    # each sample owns its values: nothing is shared with another sample's task
+    tasks = plan.tasks()
+    chat = [t for t in tasks if isinstance(t.prompt, list)]
+    assert len(chat) == 9 and chat[1].group_index == chat[0].group_index
+    assert chat[1].prompt == chat[0].prompt and chat[1].prompt is not chat[0].prompt
+    assert chat[1].label == chat[0].label and chat[1].label is not chat[0].label
+    assert tasks[1].metadata == tasks[0].metadata and tasks[1].metadata is not tasks[0].metadata
