@@ -540,7 +540,7 @@ class BatchRun:
     # ------------------------------------------------------------------ outcomes
 
     def _started(self, sample_id: str, attempt: int, node: str) -> SampleStarted:
-        return SampleStarted.assemble(
+        return SampleStarted(
             rollout_id=self.plan.admitted.rollout_id,
             sample_id=sample_id,
             attempt=attempt,

@@ -86,11 +86,8 @@ def completed_events(
             f"task {sample_id}: eval must return a float or a dict of floats, "
             f"got {type(reward).__name__}"
         )
-    # Every value below is of its field's type already (the AgentResult was validated when
-    # the agent built it, the rest is the worker's own), so the events are assembled, not
-    # validated a second time (``Event.assemble``).
     turns: list[Event] = [
-        TurnCompleted.assemble(
+        TurnCompleted(
             rollout_id=rollout_id,
             sample_id=sample_id,
             attempt=attempt,
@@ -106,7 +103,7 @@ def completed_events(
         )
         for t in result.turns
     ]
-    done = SampleCompleted.assemble(
+    done = SampleCompleted(
         rollout_id=rollout_id,
         sample_id=sample_id,
         attempt=attempt,

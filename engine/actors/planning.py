@@ -372,11 +372,8 @@ class Planner:
             out: list[TaskFetched] = []
             for task in tasks[start:stop]:
                 stopping, sampling = resolved[task.dataset_name]
-                # The task's values were validated when the data source built it (and
-                # the settings when they were resolved above): assembled, not validated
-                # again (what the constructor gives, tests/scheduler/test_planning_assemble.py).
                 out.append(
-                    TaskFetched.assemble(
+                    TaskFetched(
                         rollout_id=rid,
                         sample_id=task.sample_id,
                         index=task.index,
@@ -386,7 +383,7 @@ class Planner:
                         dataset=task.dataset_name,
                         task_type=task.task_type,
                         source_line=task.source_line,
-                        metadata=dict(task.metadata),
+                        metadata=task.metadata,
                         stopping=stopping,
                         sampling_params=sampling,
                     )

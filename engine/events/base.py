@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
-from pydantic_core import PydanticUndefined
 
 from engine.errors import SchemaVersionError, UnknownEventType
 
@@ -52,81 +51,6 @@ class Event(BaseModel):
         _REGISTRY[name] = cls
         for hook in _ON_REGISTER:
             hook(name)
-
-    @classmethod
-    def assemble(cls, **values: Any) -> Self:
-        """The event of ``values``, each already of its field's type, built without
-        validating them again (see :func:`assemble`)."""
-        return assemble(cls, **values)
-
-
-_new = object.__new__
-_set = object.__setattr__
-_Assembly = tuple[dict[str, Any], tuple[tuple[str, Callable[[], Any]], ...], tuple[str, ...]]
-_ASSEMBLY: dict[type[BaseModel], _Assembly] = {}
-
-
-_M = TypeVar("_M", bound=BaseModel)
-
-
-def assemble(cls: type[_M], **values: Any) -> _M:
-    """The model (an event or a record nested in one) of ``values``, each already of its
-    field's type, built without validating them again: for the hot paths that turn values
-    validated at their own boundary (an ``AgentResult``, a decoded event, the data source's
-    ``Task``, the scheduler's resolved settings) into events, one or more per sample. The
-    result is what ``cls(**values)`` gives for such values: equal, the same field order (so
-    the same bytes on the wire) and the same ``model_fields_set``
-    (``tests/events/test_assemble.py``). A missing required field or an unknown one raises
-    ``TypeError``; a class with validators is refused; anything else is the caller's
-    promise, so values from outside the engine go through the constructor."""
-    plan = _ASSEMBLY.get(cls)
-    if plan is None:
-        plan = _ASSEMBLY[cls] = _assembly_plan(cls)
-    template, factories, required = plan
-    fields = template.copy()
-    fields.update(values)
-    if len(fields) != len(template):
-        unknown = sorted(set(values) - set(template))
-        raise TypeError(f"{cls.__name__}.assemble: unknown fields {unknown}")
-    for name in required:
-        if fields[name] is PydanticUndefined:
-            raise TypeError(f"{cls.__name__}.assemble: missing required field {name!r}")
-    for name, factory in factories:
-        if name not in values:
-            fields[name] = factory()
-    model = _new(cls)
-    _set(model, "__dict__", fields)
-    _set(model, "__pydantic_fields_set__", set(values))
-    _set(model, "__pydantic_extra__", None)
-    _set(model, "__pydantic_private__", None)
-    return model
-
-
-def _assembly_plan(cls: type[BaseModel]) -> _Assembly:
-    """Field order with the plain defaults filled in, the factories of the others, and the
-    required fields (``PydanticUndefined`` in the template until given). A class with
-    validators or a post-init is refused: skipping them would change the result."""
-    decorators = cls.__pydantic_decorators__
-    if (
-        decorators.validators
-        or decorators.field_validators
-        or decorators.root_validators
-        or decorators.model_validators
-        or cls.__pydantic_post_init__ is not None
-    ):
-        raise TypeError(f"{cls.__name__} has validators; build it with its constructor")
-    template: dict[str, Any] = {}
-    factories: list[tuple[str, Callable[[], Any]]] = []
-    required: list[str] = []
-    for name, info in cls.model_fields.items():
-        if info.default_factory is not None:
-            template[name] = None
-            factories.append((name, info.default_factory))  # type: ignore[arg-type]
-        else:
-            template[name] = info.default
-            if info.default is PydanticUndefined:
-                required.append(name)
-    return template, tuple(factories), tuple(required)
 
 
 def on_register(hook: Callable[[str], None]) -> None:

@@ -85,7 +85,7 @@ from typing import Any, NamedTuple
 
 from engine.domain import Resource
 from engine.errors import PlacementError
-from engine.events.base import Envelope, assemble
+from engine.events.base import Envelope
 from engine.events.catalog import (
     AdmissionClosed,
     BatchLeased,
@@ -581,9 +581,8 @@ def try_acquire_batch(
             free.take(per_sample, shares)
             del order[position]
             bisect.insort(order, (free.key, name))
-            grants.append(  # validated values (the profile's, the layout's): assembled
-                assemble(
-                    TokenGrant,
+            grants.append(
+                TokenGrant(
                     token_id=f"{token_prefix}:t{i}",
                     node=name,
                     gpus=shares,

@@ -25,7 +25,6 @@ from engine.events import (
     TokenGrant,
     TokenReleased,
 )
-from engine.events.codec import encode
 from engine.projections.placement import (
     UNBOUNDED,
     PoolState,
@@ -232,12 +231,6 @@ def test_the_folds_node_order_stays_the_placement_preference_through_multi_node_
         per = Resource(gpu=rng.choice([0, 0.5, 1]), cpu=rng.choice([0.5, 1]), memory_gb=1)
         grants = try_acquire_batch(state, BIG, per, rng.randint(1, 12), token_prefix=f"b{i}")
         if grants is not None:
-            # assembled grants are what the validating constructor builds, to the byte
-            built = [TokenGrant(**g.model_dump()) for g in grants]
-            assert grants == built and [g.model_fields_set for g in grants] == [
-                g.model_fields_set for g in built
-            ]
-            assert encode(acquired(f"b{i}", grants)) == encode(acquired(f"b{i}", built))
             state = fold_all_onto(state, acquired(f"b{i}", grants))
         elif state.held:
             rollout, batch = rng.choice(sorted(state.held))

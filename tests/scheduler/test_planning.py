@@ -156,14 +156,13 @@ def test_the_cascade_is_resolved_once_into_typed_settings(tmp_path: Path) -> Non
     assert all("_source_line" not in t.metadata for t in tasks)
 
 
-def test_planned_task_events_are_what_the_validating_constructor_builds(tmp_path: Path) -> None:
-    # The planner assembles TaskFetched / TaskJoined from values already validated (the data
-    # source's Task, the resolved settings): same events, field order, fields set and bytes.
+def test_each_planned_sample_owns_its_dataset_values(tmp_path: Path) -> None:
+    # The data source shares a record's immutable values (strings, numbers, None) between
+    # the samples of a group and copies the rest: no sample's task holds a list or dict
+    # another one holds (or the record).
     import json
 
     import yaml
-
-    from engine.events.codec import encode
 
     rows = [
         {"prompt": [{"role": "user", "content": f"hi {i}"}], "label": {"a": [i, 2.5]},
@@ -174,22 +173,18 @@ def test_planned_task_events_are_what_the_validating_constructor_builds(tmp_path
     (tmp_path / "mix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     doc = {"rollout": {"datasets": {"mix": {
         "path": "mix.jsonl", "task_type": "math", "metadata_keys": ["row", "tags"],
-        "n_samples_per_prompt": 3, "sampling_params": {"temperature": 0.5},
+        "n_samples_per_prompt": 3,
     }}}}  # fmt: skip
     (tmp_path / "rollout.yaml").write_text(yaml.safe_dump(doc))
     p = Planner(load_rollout_config(tmp_path / "rollout.yaml"), load_specs())
-    plan = p.plan(request("r", n_prompts=6), DataState())
-    events = plan.rollout_events()
-    assert {type(e) for e in events[1:19]} == {TaskFetched, TaskJoined}
-    for ev in events[1:19]:
-        built = type(ev)(**{name: ev.__dict__[name] for name in ev.model_fields_set})
-        assert ev == built and list(ev.__dict__) == list(built.__dict__)
-        assert ev.model_fields_set == built.model_fields_set
-        assert encode(ev) == encode(built)
-    # each sample owns its values: nothing is shared with another sample's task
-    tasks = plan.tasks()
+    tasks = p.plan(request("r", n_prompts=6), DataState()).tasks()
     chat = [t for t in tasks if isinstance(t.prompt, list)]
-    assert len(chat) == 9 and chat[1].group_index == chat[0].group_index
+    plain = [t for t in tasks if isinstance(t.prompt, str)]
+    assert len(chat) == len(plain) == 9 and chat[1].group_index == chat[0].group_index
     assert chat[1].prompt == chat[0].prompt and chat[1].prompt is not chat[0].prompt
     assert chat[1].label == chat[0].label and chat[1].label is not chat[0].label
-    assert tasks[1].metadata == tasks[0].metadata and tasks[1].metadata is not tasks[0].metadata
+    assert chat[1].metadata["tags"] == chat[0].metadata["tags"]
+    assert chat[1].metadata["tags"] is not chat[0].metadata["tags"]
+    assert plain[1].metadata["tags"] == []
+    assert plain[1].metadata["tags"] is not plain[0].metadata["tags"]
+    assert plain[1].label is None and plain[1].prompt == plain[0].prompt
