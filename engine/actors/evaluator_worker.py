@@ -5,9 +5,10 @@ Contract
 * Input: ``BatchAdmitted`` on ``rl:work:{evaluator_id}`` for each evaluator id the worker
   serves, read through the consumer group ``evaluators`` (one consumer per worker process).
   Up to ``max_batches`` batches run at once in one process.
-* Tasks come from folding the rollout stream: the worker keeps, per rollout (an LRU of
-  ``task_cache_rollouts``), the ``TaskFetched`` events and the request copy, and reads
-  further only when a batch names a sample it has not seen.
+* Tasks come from the rollout stream, read undecoded: the worker keeps, per rollout (an
+  LRU of ``task_cache_rollouts``), the request copy, the tasks its batches needed (decoded
+  then) and the other task entries as read (only their type and sample id are looked at,
+  ``codec.peek``), and reads further only when a batch names a sample it has not seen.
 * The worker runs on the actor runtime (``engine.runtime.loop.serve``); what to re-run,
   which tokens to reuse and what to abort are pure functions of the folds
   (:mod:`engine.actors.recovery`), tested without Redis.
