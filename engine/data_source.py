@@ -33,7 +33,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import JsonValue, Strict
 
@@ -309,10 +309,24 @@ def _task(record: PromptRecord, rollout_id: str, index: int, group_index: int) -
         rollout_id=rollout_id,
         index=index,
         group_index=group_index,
-        prompt=copy.deepcopy(record.prompt),
-        label=copy.deepcopy(record.label),
+        prompt=_own(record.prompt),
+        label=_own(record.label),
         dataset_name=record.dataset.name,
         task_type=record.dataset.task_type,
         source_line=record.line,
-        metadata=copy.deepcopy(record.metadata),
+        metadata=_own(record.metadata),
     )
+
+
+_IMMUTABLE = (str, int, float, bool, type(None))
+
+
+def _own(value: Any) -> Any:
+    """The task's own copy of a record's value: immutable values are shared as they are
+    (``deepcopy`` would return them too, after its dispatch: a cost per sample)."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return value
+    if (kind is dict or kind is list) and not value:
+        return kind()
+    return copy.deepcopy(value)

@@ -49,13 +49,14 @@ import asyncio
 import hashlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -252,6 +253,14 @@ class BatchRun:
         self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
+        # The metric children this batch records into, looked up once per batch instead of
+        # twice per sample (prometheus-client's ``labels()`` hashes and locks every call).
+        evaluator = spec.evaluator_id
+        self._in_flight = metrics.SAMPLES_IN_FLIGHT.labels(evaluator)
+        self._done_metric = {
+            "completed": metrics.SAMPLES_DONE.labels(evaluator, "completed"),
+            "aborted": metrics.SAMPLES_DONE.labels(evaluator, "aborted"),
+        }
 
     # ------------------------------------------------------------------ batch
 
@@ -331,16 +340,18 @@ class BatchRun:
         rec = _Attempt()
         token: str | None = None
         outcome: list[Event]
-        evaluator = self.spec.evaluator_id
+        in_flight = self._in_flight
+        in_flight.inc()
         try:
-            with metrics.SAMPLES_IN_FLIGHT.labels(evaluator).track_inprogress():
-                outcome, token = await self._episode(sample_id, attempt, rec)
+            outcome, token = await self._episode(sample_id, attempt, rec)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a failure outside any phase (bad task data)
             outcome = [self._aborted(sample_id, attempt, rec, exc)]
+        finally:
+            in_flight.dec()
         done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
-        metrics.SAMPLES_DONE.labels(evaluator, done).inc()
+        self._done_metric[done].inc()
         self._emit(outcome)
         self._return_token(token)
         self._report(sample_id, attempt, rec, outcome[-1])
@@ -405,7 +416,8 @@ class BatchRun:
                     rec.node = self.plan.admitted.nodes.get(token, "")
                     gpus = self.plan.admitted.gpus.get(token)
                     rec.gpu = gpus[0] if gpus else None
-                ctx = replace(ctx, node=rec.node or None)
+                if rec.node:  # the context as it was, with the token's node
+                    ctx = _with_node(ctx, rec.node)
                 self._emit([self._started(sample_id, attempt, rec.node)])
                 rec.phase = "run"
                 result = await self._timed(self._run(episode.run(ctx), guard), rec)
@@ -875,8 +887,26 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:
+    """``dataclasses.replace(ctx, node=node)`` without re-running ``__post_init__`` (every
+    other field was checked when ``ctx`` was built): a per-sample copy on the hot path."""
+    copy = _new(EpisodeContext)
+    copy.__dict__.update(ctx.__dict__)
+    _set(copy, "node", node)
+    return copy
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
 def _safe(name: str) -> str:
+    if _PLAIN.fullmatch(name):  # the usual sample id: nothing to replace (one C pass)
+        return name
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 
 
 def _remove_dir(path: Path) -> None:

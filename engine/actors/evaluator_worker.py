@@ -5,9 +5,10 @@ Contract
 * Input: ``BatchAdmitted`` on ``rl:work:{evaluator_id}`` for each evaluator id the worker
   serves, read through the consumer group ``evaluators`` (one consumer per worker process).
   Up to ``max_batches`` batches run at once in one process.
-* Tasks come from folding the rollout stream: the worker keeps, per rollout (an LRU of
-  ``task_cache_rollouts``), the ``TaskFetched`` events and the request copy, and reads
-  further only when a batch names a sample it has not seen.
+* Tasks come from the rollout stream, read undecoded: the worker keeps, per rollout (an
+  LRU of ``task_cache_rollouts``), the request copy, the tasks its batches needed (decoded
+  then) and the other task entries as read (only their type and sample id are looked at,
+  ``codec.peek``), and reads further only when a batch names a sample it has not seen.
 * The worker runs on the actor runtime (``engine.runtime.loop.serve``); what to re-run,
   which tokens to reuse and what to abort are pure functions of the folds
   (:mod:`engine.actors.recovery`), tested without Redis.
@@ -75,7 +76,7 @@ from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.gate import TurnGate
 from engine.backends.pool import BackendPool
-from engine.errors import ConfigError
+from engine.errors import ConfigError, DecodeError
 from engine.events.base import Event
 from engine.events.catalog import (
     BatchAdmitted,
@@ -84,6 +85,7 @@ from engine.events.catalog import (
     TaskFetched,
     TaskJoined,
 )
+from engine.events.codec import decode, peek
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
@@ -99,6 +101,7 @@ __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 logger = logging.getLogger(__name__)
 
 GROUP = "evaluators"
+_TASK_TYPES = frozenset({"TaskFetched", "TaskJoined"})
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -141,10 +144,40 @@ class BatchReport:
 
 @dataclass(slots=True)
 class _RolloutTasks:
+    """What the worker knows of one rollout's tasks. Entries are read undecoded and only
+    peeked at (``codec.peek``): a task is decoded when a batch of this worker needs it, so
+    a worker decodes its own batches' tasks, not every task of the rollout (with W workers
+    each read them all; decoding them all cost each worker W times its own share)."""
+
     request: RolloutRequested | None = None
-    tasks: dict[str, TaskFetched] = field(default_factory=dict)
+    tasks: dict[str, TaskFetched] = field(default_factory=dict)  # decoded: batches need them
+    raw: dict[str, bytes] = field(default_factory=dict)  # read, not needed yet
     position: str = "0-0"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def resolve(self, sample_id: str) -> TaskFetched | None:
+        """The sample's task, decoded now if it was only read (None: not read, or its entry
+        does not decode; the batch then aborts the sample for a missing task)."""
+        task = self.tasks.get(sample_id)
+        if task is not None:
+            return task
+        raw = self.raw.pop(sample_id, None)
+        if raw is None:
+            return None
+        try:
+            ev = decode(raw)
+        except DecodeError as exc:  # the finalizer, the stream's owner, dead-letters it
+            logger.warning("skipping the undecodable task of %s: %s", sample_id, exc)
+            return None
+        if isinstance(ev, TaskJoined):
+            first = self.resolve(ev.same_as)
+            if first is None:
+                return None  # the group's task is not known: as if never read
+            ev = ev.task(first)  # its group's task
+        if not isinstance(ev, TaskFetched):
+            return None
+        self.tasks[sample_id] = ev
+        return ev
 
 
 class EvaluatorWorker:
@@ -377,26 +410,31 @@ class EvaluatorWorker:
         else:
             self._tasks.move_to_end(rollout_id)
         async with cached.lock:
-            missing = {sid for sid in needed if sid not in cached.tasks}
+            missing = {sid for sid in needed if cached.resolve(sid) is None}
             stream = self.names.rollout(rollout_id)
             # Read on only until the batch's tasks are known: a batch can start while the
             # rest of a large plan is still unread (later batches read further).
             while missing:
-                envs, position = await self.log.read_after(
-                    stream, cached.position, block_ms=0, count=1000
-                )
-                for env in envs:
-                    ev = env.event
-                    if isinstance(ev, TaskJoined) and ev.same_as in cached.tasks:
-                        ev = ev.task(cached.tasks[ev.same_as])  # its group's task
-                    if isinstance(ev, TaskFetched):
-                        cached.tasks.setdefault(ev.sample_id, ev)
-                        missing.discard(ev.sample_id)
-                    elif isinstance(ev, RolloutRequested) and cached.request is None:
-                        cached.request = ev
-                if position == cached.position:
+                entries = await self.log.read_raw(stream, after=cached.position, limit=1000)
+                if not entries:
                     break
-                cached.position = position
+                cached.position = entries[-1][0]
+                for _entry_id, raw in entries:
+                    head = peek(raw)
+                    if head is None:
+                        continue  # not an event: its owner dead-letters it
+                    kind, sample_id, _same_as = head
+                    if kind in _TASK_TYPES:
+                        if sample_id not in cached.tasks:
+                            cached.raw.setdefault(sample_id, raw)
+                    elif kind == "RolloutRequested" and cached.request is None:
+                        try:
+                            request = decode(raw)
+                        except DecodeError:
+                            continue
+                        if isinstance(request, RolloutRequested):
+                            cached.request = request
+                missing = {sid for sid in missing if cached.resolve(sid) is None}
         return cached
 
     # ------------------------------------------------------------------ dead letters

@@ -38,16 +38,17 @@ class PackedArray:
     ext_code: ClassVar[int]
 
     def __init__(self, data: bytes) -> None:
-        if len(data) % self.dtype.itemsize:
+        if len(data) % self.itemsize:
             raise ValueError(
                 f"{type(self).__name__}: {len(data)} bytes is not a multiple of "
-                f"{self.dtype.itemsize} ({self.dtype.name})"
+                f"{self.itemsize} ({self.dtype.name})"
             )
-        self._data = bytes(data)
+        self._data = data if type(data) is bytes else bytes(data)
 
     @classmethod
     def from_values(cls, values: Iterable[float] | Iterable[int] | np.ndarray[Any, Any]) -> Self:
-        if isinstance(values, list | tuple):
+        kind = type(values)
+        if kind is list or kind is tuple or isinstance(values, list | tuple):
             # The common case (an agent's lists): the C array module packs and range-checks
             # in one pass, twice as fast as numpy's type inference; anything it refuses
             # (integral floats, out-of-range values) takes the numpy path, which accepts
@@ -59,7 +60,9 @@ class PackedArray:
             else:
                 if _SWAP:
                     native.byteswap()
-                return cls(native.tobytes())
+                adopted = _new(cls)
+                adopted._data = native.tobytes()  # whole items by construction
+                return adopted
         if isinstance(values, np.ndarray):
             arr = values
         else:
@@ -85,7 +88,9 @@ class PackedArray:
 
     @classmethod
     def empty(cls) -> Self:
-        return cls(b"")
+        empty = _new(cls)
+        empty._data = b""
+        return empty
 
     @property
     def data(self) -> bytes:
@@ -135,6 +140,9 @@ class PackedArray:
 
     @classmethod
     def _coerce(cls, value: Any) -> Self:
+        kind = type(value)
+        if kind is list or kind is tuple:  # an agent's values: checked first, the common case
+            return cls.from_values(value)
         if isinstance(value, cls):
             return value
         if isinstance(value, PackedArray):

@@ -118,6 +118,30 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
     return out
 
 
+class _Head(msgspec.Struct):
+    """What :func:`peek` reads of an entry; every other key is skipped unparsed."""
+
+    type: str
+    sample_id: str = ""
+    same_as: str = ""
+
+
+_peek_head = msgspec.msgpack.Decoder(_Head).decode
+
+
+def peek(raw: bytes) -> tuple[str, str, str] | None:
+    """``(type, sample_id, same_as)`` of an encoded event, read without decoding the rest
+    (the empty string for a key it does not have); None when the bytes do not read as an
+    event map. It validates nothing: a reader that keeps the entry decodes it with
+    :func:`decode`, which upcasts and checks as always. For readers that skip most of
+    what they read (a worker looking for its batch's tasks in a rollout stream)."""
+    try:
+        head = _peek_head(raw)
+    except (msgspec.MsgspecError, ValueError, TypeError):
+        return None
+    return head.type, head.sample_id, head.same_as
+
+
 def decode_payload(raw: bytes) -> dict[str, Any]:
     """Unpack bytes to the raw map, without validation."""
     try:

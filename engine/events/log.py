@@ -206,9 +206,10 @@ class EventLog(Protocol):
         ...
 
     async def read_raw(
-        self, stream: str, *, after: str | None = None, page: int = 2000
+        self, stream: str, *, after: str | None = None, page: int = 2000, limit: int | None = None
     ) -> list[RawEntry]:
-        """Every entry after ``after`` (None: from the start), undecoded."""
+        """Every entry after ``after`` (None: from the start), undecoded; with ``limit``,
+        only the first ``limit`` of them."""
         ...
 
     async def tail_raw(

@@ -1014,19 +1014,23 @@ class RedisEventLog:
     # ------------------------------------------------------------------ raw access
 
     async def read_raw(
-        self, stream: str, *, after: str | None = None, page: int = 2000
+        self, stream: str, *, after: str | None = None, page: int = 2000, limit: int | None = None
     ) -> list[RawEntry]:
         """Every entry after ``after`` (None: from the start) as ``(id, raw bytes)``,
-        undecoded: an entry without the event field reads as empty bytes."""
+        undecoded: an entry without the event field reads as empty bytes. With ``limit``,
+        the first ``limit`` of them only."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"read_raw: limit must be at least 1, got {limit}")
         out: list[RawEntry] = []
         cursor = after
         while True:
             start = "-" if cursor is None else exclusive(cursor)
+            count = page if limit is None else min(page, limit - len(out))
             with _translate(f"XRANGE {stream}"):
-                rows = await self._r.xrange(stream, start, "+", count=page)
+                rows = await self._r.xrange(stream, start, "+", count=count)
             for raw_id, fields in rows:
                 out.append((_s(raw_id), bytes(fields.get(FIELD, b""))))
-            if len(rows) < page:
+            if len(rows) < count or (limit is not None and len(out) >= limit):
                 return out
             cursor = out[-1][0]
 

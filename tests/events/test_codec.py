@@ -318,3 +318,13 @@ def test_a_packed_array_equals_the_values_it_packs() -> None:
     assert LogProbs.from_values([-0.1]) == (-0.1,)  # compared at the array's float32 width
     assert ids[1:] == TokenIds.from_values([2, 3]) and isinstance(ids[1:], TokenIds)
     assert ids[-1] == 3
+
+
+def test_peek_reads_the_type_sample_and_group_reference_of_every_event() -> None:
+    from engine.events.codec import peek
+
+    for ev in example_events():
+        expected = (ev.type, getattr(ev, "sample_id", ""), getattr(ev, "same_as", ""))
+        assert peek(encode(ev)) == expected, ev.type
+    assert peek(b"") is None and peek(b"\xc1") is None and peek(msgpack.packb([1, 2])) is None
+    assert peek(msgpack.packb({"type": "X", "sample_id": 3})) is None  # not a string

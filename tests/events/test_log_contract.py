@@ -456,6 +456,10 @@ async def test_raw_reads_return_stored_bytes_and_dead_letter_nothing(log: EventL
     assert stored[0][1] == encode(failed(0).model_copy(update={"producer": "test"}))
     assert [i for i, _ in await log.read_raw(S, after=ids[2], page=2)] == ids[3:]
     assert await log.read_raw(f"{S}:missing") == []
+    assert [i for i, _ in await log.read_raw(S, page=2, limit=3)] == ids[:3]
+    assert [i for i, _ in await log.read_raw(S, after=ids[0], limit=10)] == ids[1:]
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        await log.read_raw(S, limit=0)
     assert log.dead_lettered == 0
 
 

@@ -422,3 +422,76 @@ async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: Eve
     assert state.n_done == 4
     assert worker.batches_done == 1 and worker.batches_handed_back == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
+
+
+def test_the_worker_progress_printer_counts_from_batch_reports() -> None:
+    import io
+
+    from engine.actors.evaluator_worker import BatchReport
+    from workers.evaluator import Progress
+
+    out = io.StringIO()
+    progress = Progress("w1", out=out)
+    for batch, (done, aborted, again) in enumerate([(5, 1, False), (2, 0, True)]):
+        progress.on_batch_done(
+            BatchReport(rollout_id="r1", batch_id=f"b{batch}", evaluator_id="math",
+                        ran=done + aborted, completed=done, aborted=aborted, redelivered=again)
+        )  # fmt: skip
+    assert (progress.completed, progress.aborted) == (7, 1)
+    assert out.getvalue().splitlines() == [
+        "[w1] batch b0: 5 completed, 1 aborted | total 5 completed, 1 aborted",
+        "[w1] batch b1 (recovered): 2 completed, 0 aborted | total 7 completed, 1 aborted",
+    ]
+
+
+def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() -> None:
+    from pathlib import Path
+
+    from engine.actors.batch_run import _with_node
+    from engine.agents.base import EpisodeContext
+    from engine.domain import SamplingParams, StoppingCriteria
+
+    ctx = EpisodeContext(
+        rollout_id="r1", sample_id="s1", attempt=2, stopping=StoppingCriteria(),
+        sampling_params=SamplingParams(), tmp_dir=Path("/tmp/x"), seed=7, dagger_beta=0.5,
+    )  # fmt: skip
+    moved = _with_node(ctx, "node-a")
+    assert moved.node == "node-a" and ctx.node is None
+    assert moved == EpisodeContext(**{**ctx.__dict__, "node": "node-a"})
+
+
+async def test_a_worker_decodes_only_the_tasks_its_batches_need(
+    log: EventLog, specs: Mapping[str, Any]
+) -> None:
+    from engine.actors.evaluator_worker import WorkerConfig
+    from engine.events import RolloutRequested, TaskFetched, TaskJoined
+    from engine.events.redis_log import FIELD, RedisEventLog
+    from engine.projections.rollout import RolloutProjection
+    from engine.runtime.rebuild import rebuild
+
+    def task(i: int) -> TaskFetched:
+        return TaskFetched(rollout_id="r1", sample_id=f"s{i}", index=i, group_index=i // 2,
+                           prompt=f"q{i // 2}", dataset="math", task_type="math")  # fmt: skip
+
+    stream = log.names.rollout("r1")
+    request = RolloutRequested(rollout_id="r1", iteration=1, n_prompts=3, n_samples_per_prompt=2)
+    events: list[Any] = [request]
+    for i in range(6):
+        joined = TaskJoined.of(task(i), task(i - 1)) if i % 2 else None
+        events.append(joined or task(i))
+    await log.append_many([(stream, ev) for ev in events[:4]])
+    assert isinstance(log, RedisEventLog)
+    await log.redis.xadd(stream, {FIELD: b"\xc1 not msgpack"})  # skipped, not fatal
+    await log.append_many([(stream, ev) for ev in events[4:]])
+
+    evaluator = next(iter(specs))
+    worker = EvaluatorWorker(log, specs, WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,)))
+    folded = (await rebuild(log, stream, RolloutProjection())).state
+    cached = await worker._rollout_tasks("r1", ["s3"])
+    assert cached.request == folded.request and folded.request is not None
+    # s3 is joined on s2: both decoded; the rest only read
+    assert sorted(cached.tasks) == ["s2", "s3"] and sorted(cached.raw) == ["s0", "s1", "s4", "s5"]
+    cached = await worker._rollout_tasks("r1", ["s1", "s4", "missing"])
+    assert sorted(cached.tasks) == ["s0", "s1", "s2", "s3", "s4"]
+    for sid, ev in cached.tasks.items():
+        assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream

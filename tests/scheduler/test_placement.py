@@ -220,6 +220,36 @@ def test_random_batches_never_over_allocate_and_fill_to_capacity() -> None:
     assert state.is_full_capacity()
 
 
+def test_the_folds_node_order_stays_the_placement_preference_through_multi_node_batches() -> None:
+    # The fold re-places a node once per event, after all of the event's tokens on it: the
+    # order must still be exactly the nodes sorted by their keys, whatever the grants span.
+    rng = random.Random(11)
+    state = pool_of(
+        declared(node("a", gpus=2, cpu=8), node("b", gpus=4, cpu=8), node("c", gpus=1, cpu=64))
+    )
+    for i in range(400):
+        per = Resource(gpu=rng.choice([0, 0.5, 1]), cpu=rng.choice([0.5, 1]), memory_gb=1)
+        grants = try_acquire_batch(state, BIG, per, rng.randint(1, 12), token_prefix=f"b{i}")
+        if grants is not None:
+            state = fold_all_onto(state, acquired(f"b{i}", grants))
+        elif state.held:
+            rollout, batch = rng.choice(sorted(state.held))
+            held = sorted(state.held[(rollout, batch)])
+            some = rng.sample(held, rng.randint(1, len(held)))  # a partial release too
+            state = fold_all_onto(
+                state, TokenReleased(rollout_id=rollout, batch_id=batch, token_ids=some)
+            )
+        assert state.order == sorted((n.key, name) for name, n in state.nodes.items())
+        assert state.over_allocation() == []
+    assert len({g.node for g in acquired_nodes(state)}) > 1  # batches did span nodes
+
+
+def acquired_nodes(state: PoolState) -> list[TokenGrant]:
+    return [
+        held.grant(token) for tokens in state.held.values() for token, held in tokens.items()
+    ]
+
+
 # ---------------------------------------------------------------- the fold
 
 

@@ -154,3 +154,37 @@ def test_the_cascade_is_resolved_once_into_typed_settings(tmp_path: Path) -> Non
     assert plan.request.knobs == {"dagger_beta": 0.5}
     assert all(t.source_line is not None and t.source_line >= 1 for t in tasks)
     assert all("_source_line" not in t.metadata for t in tasks)
+
+
+def test_each_planned_sample_owns_its_dataset_values(tmp_path: Path) -> None:
+    # The data source shares a record's immutable values (strings, numbers, None) between
+    # the samples of a group and copies the rest: no sample's task holds a list or dict
+    # another one holds (or the record).
+    import json
+
+    import yaml
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"hi {i}"}], "label": {"a": [i, 2.5]},
+         "row": i, "tags": ["x", {"y": None}]}
+        if i % 2 else {"prompt": f"q{i}", "label": None, "row": i, "tags": []}
+        for i in range(6)
+    ]  # fmt: skip
+    (tmp_path / "mix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = {"rollout": {"datasets": {"mix": {
+        "path": "mix.jsonl", "task_type": "math", "metadata_keys": ["row", "tags"],
+        "n_samples_per_prompt": 3,
+    }}}}  # fmt: skip
+    (tmp_path / "rollout.yaml").write_text(yaml.safe_dump(doc))
+    p = Planner(load_rollout_config(tmp_path / "rollout.yaml"), load_specs())
+    tasks = p.plan(request("r", n_prompts=6), DataState()).tasks()
+    chat = [t for t in tasks if isinstance(t.prompt, list)]
+    plain = [t for t in tasks if isinstance(t.prompt, str)]
+    assert len(chat) == len(plain) == 9 and chat[1].group_index == chat[0].group_index
+    assert chat[1].prompt == chat[0].prompt and chat[1].prompt is not chat[0].prompt
+    assert chat[1].label == chat[0].label and chat[1].label is not chat[0].label
+    assert chat[1].metadata["tags"] == chat[0].metadata["tags"]
+    assert chat[1].metadata["tags"] is not chat[0].metadata["tags"]
+    assert plain[1].metadata["tags"] == []
+    assert plain[1].metadata["tags"] is not plain[0].metadata["tags"]
+    assert plain[1].label is None and plain[1].prompt == plain[0].prompt
