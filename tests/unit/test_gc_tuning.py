@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.runtime.loop import GC_THRESHOLD, tune_gc
-from engine.runtime.rebuild import _gc_paused
+from engine.runtime.rebuild import gc_paused
 
 
 @pytest.fixture(autouse=True)
@@ -31,16 +31,16 @@ def test_tune_gc_raises_the_thresholds_and_never_lowers_one() -> None:
 
 def test_the_fold_pause_restores_the_collector() -> None:
     gc.enable()
-    with _gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
-    with _gc_paused():
+    with gc_paused():
         pass
     assert not gc.isenabled()  # a collector the caller switched off stays off
-    with pytest.raises(RuntimeError), _gc_paused():
+    with pytest.raises(RuntimeError), gc_paused():
         raise RuntimeError("boom")
     gc.enable()
-    with pytest.raises(RuntimeError), _gc_paused():
+    with pytest.raises(RuntimeError), gc_paused():
         raise RuntimeError("boom")
     assert gc.isenabled()
