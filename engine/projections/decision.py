@@ -104,8 +104,9 @@ class Brief:
 
     ``turns`` is the turn count of the current attempt while the sample runs, and from its
     terminal event on the count its row reports (``SampleCompleted.n_turns`` or the turns
-    recorded; ``SampleAborted.turns``). ``versions``: sampled (loss-masked) tokens per weight
-    version, ascending, ``-1`` for tokens recorded without a version."""
+    recorded; ``SampleAborted.turns``). The sampled tokens' weight versions are kept as a
+    count and the oldest version, with the per-version counts only when they differ
+    (:attr:`versions`)."""
 
     sample_id: str
     index: int
@@ -121,7 +122,9 @@ class Brief:
     failure_class: FailureClass = FailureClass.INFRA_OTHER
     abort_class: AbortClass | None = None
     response_length: int = 0
-    versions: tuple[tuple[int, int], ...] = ()
+    n_sampled: int = 0  # sampled (loss-masked) tokens
+    low_version: int = 0  # the oldest weight version among them (-1: unknown)
+    spread: tuple[tuple[int, int], ...] | None = None  # per version, when more than one
     scored: bool = False
     ce: tuple[CeChunk, ...] | None = None
 
@@ -142,8 +145,11 @@ class Brief:
         return self.failure_class.correct
 
     @property
-    def n_sampled(self) -> int:
-        return sum(n for _, n in self.versions)
+    def versions(self) -> tuple[tuple[int, int], ...]:
+        """Sampled tokens per weight version, ascending (``-1``: recorded without one)."""
+        if self.spread is not None:
+            return self.spread
+        return ((self.low_version, self.n_sampled),) if self.n_sampled else ()
 
 
 @dataclass(slots=True)
@@ -279,7 +285,11 @@ class DecisionProjection:
             b.failure_class = FailureClass.of(ev.reward, reason)
             b.turns = ev.n_turns or b.turns
             b.response_length = len(ev.response_ids)
-            b.versions = _versions(ev)
+            versions = _versions(ev)
+            if versions:
+                b.low_version = versions[0][0]
+                b.n_sampled = sum(n for _, n in versions)
+                b.spread = versions if len(versions) > 1 else None
             if _wants_ce(state.request):
                 shift = prompt_len - len(ev.prompt_ids)
                 b.ce = tuple(
@@ -421,10 +431,10 @@ def stale_split(
         if b.aborted:
             (stale if b.abort_class is AbortClass.STALE else fresh).append(b)
             continue
-        if not b.completed or not b.versions:
+        if not b.completed or not b.n_sampled:
             fresh.append(b)
             continue
-        low = b.versions[0][0]
+        low = b.low_version
         if low < 0 or low < floor:
             stale.append(b)
             tokens += b.n_sampled
