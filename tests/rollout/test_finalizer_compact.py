@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from engine.actors import finalizer as full
+from engine.actors.finalizer import Finalizer, FinalizerConfig
 from engine.errors import RolloutError
 from engine.events import (
     AbortClass,
@@ -38,11 +39,14 @@ from engine.events import (
     TokenIds,
     TurnCompleted,
 )
-from engine.events.catalog import PromptStored, TaskJoined
+from engine.events.catalog import PromptStored, RolloutReady, TaskJoined
 from engine.events.codec import encode
+from engine.events.log import EventLog
 from engine.projections import decision as compact
+from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection
 from engine.projections.summary import build_summary, dumps
+from engine.runtime.rebuild import rebuild
 
 REASONS = ["finish", "finish", "max_turns", "length", None]
 ABORTS = [AbortClass.INFRA_CONN, AbortClass.AGENT_TIMEOUT, AbortClass.STALE,
@@ -331,3 +335,50 @@ def test_the_compact_state_is_small_per_sample() -> None:
     full_bytes = held(RolloutProjection()) / n
     assert compact_bytes < 1024, f"{compact_bytes:.0f} bytes per sample"
     assert compact_bytes * 4 < full_bytes, (compact_bytes, full_bytes)
+
+
+async def test_the_live_finalizer_follows_a_rollout_in_compact_memory(real_log: EventLog) -> None:
+    """A real finalizer following a 4,000-sample rollout on a real redis-server: its peak
+    traced memory stays a small fraction of what the whole fold keeps (the events), and its
+    ``RolloutReady`` is the full-state decision's, byte for byte."""
+    log = real_log
+    n_groups, per = 500, 8
+    n = n_groups * per
+    stream = log.names.rollout("big")
+    batch: list[tuple[str, Event]] = []
+    for env in _bench_like(n_groups, per):
+        batch.append((stream, env.event))
+        if len(batch) == 1000:
+            await log.append_many(batch)
+            batch = []
+    if batch:
+        await log.append_many(batch)
+    finalizer = Finalizer(log, FinalizerConfig(consumer="f-compact", block_ms=200))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        outcome = await finalizer.follow("big")
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert isinstance(outcome, RolloutReady) and len(outcome.sample_ids) == n
+    whole = await rebuild(log, stream, RolloutProjection())
+    reference = full.decide_ready(
+        fold(RolloutProjection(), start(RolloutProjection()), [
+            env for env in await log.read_all(stream) if not isinstance(env.event, RolloutReady)
+        ]).state
+    )
+    assert reference is not None
+    assert encode(reference, producer="p") == encode(outcome, producer="p")  # the log's own
+    assert whole.state.ready == outcome
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = await rebuild(log, stream, RolloutProjection())
+        whole_bytes = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept.state.n_terminal == n
+    assert peak < whole_bytes / 3, (peak / n, whole_bytes / n)
