@@ -6,8 +6,12 @@ Contract
   (several finalizers may run; each request is followed by one of them, and a crashed
   finalizer's requests are claimed by another after the idle window). The control entry is
   acked once the rollout has a ``RolloutReady`` or ``RolloutFailed``.
-* Per rollout it folds ``rl:{rollout:<id>}`` with ``RolloutProjection`` using blocking reads
-  (no sleep-polling) until every planned sample is terminal, then:
+* Per rollout it folds ``rl:{rollout:<id>}`` using blocking reads (no sleep-polling) until
+  every planned sample is terminal -- into the compact state of
+  :mod:`engine.projections.decision` (a few hundred bytes a sample: outcome, reward, group,
+  attempt, token counts per weight version, ...), not the samples themselves, so a
+  1M-sample rollout fits a finalizer's memory; the whole samples are folded beside it only
+  when ``out_dir`` or the dumps need them -- then:
 
   1. applies the request's filters (rollout-engine §5): reward-based rejection first (drop
      every group whose samples' rewards are all equal -- an aborted sample counts as 0),
@@ -33,12 +37,14 @@ Contract
   the reason, by compare-and-append, unless it was decided meanwhile; the trainer's wait
   ends with that error instead of never. The entry is acked only after that.
 * It runs on the actor runtime (``engine.runtime.loop.serve``): a stop hands the requests
-  it follows back. Whether a decision is worth computing is read from the counters of
-  ``RolloutProjection`` (terminal and scored samples, the ``CaptureRequested`` guard).
+  it follows back. Whether a decision is worth computing is read from the fold's counters
+  (terminal and scored samples, the ``CaptureRequested`` guard).
 * At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
   blocking read); further requests wait in the group.
-* The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`)
-  and tested directly; the shell only reads, appends and acks.
+* The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`
+  here, from the full :class:`RolloutState`; the same names in
+  :mod:`engine.projections.decision`, from the compact state the shell folds) and tested
+  directly, one against the other; the shell only reads, appends and acks.
 * With ``retention`` set, the finalizer also keeps Redis memory bounded on its own: every
   ``retention.every_s`` seconds it runs one retention pass
   (:func:`engine.runtime.retention.retention_pass`: acked shared-stream entries trimmed,
@@ -89,6 +95,8 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
+from engine.projections import decision as compact
+from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.lanes import needs_teacher, route
 from engine.projections.rollout import (
     ControlProjection,
@@ -389,8 +397,12 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
 _RELAYED = (SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored)
 
 
-def carried_sources(state: RolloutState) -> dict[str, set[str]]:
-    """Per rollout a carried sample runs in, the ids of this rollout's carried samples."""
+def carried_sources(state: RolloutState | DecisionState) -> dict[str, set[str]]:
+    """Per rollout a carried sample runs in, the ids of this rollout's carried samples.
+    From the compact state (the finalizer's) it is kept as the tasks are folded; from the
+    full state it is a scan of every sample."""
+    if isinstance(state, DecisionState):
+        return compact.carried_sources(state)
     out: dict[str, set[str]] = defaultdict(set)
     for s in state.samples.values():
         if s.task.carried_from is not None:
@@ -496,13 +508,19 @@ def worth_deciding(state: RolloutState) -> bool:
 
 
 class _Follower:
-    """One rollout stream folded with blocking reads (no sleep-polling)."""
+    """One rollout stream folded with blocking reads (no sleep-polling), into the compact
+    state the decisions need (:mod:`engine.projections.decision`): a few hundred bytes a
+    sample, not the samples themselves."""
 
-    def __init__(self, log: EventLog, stream: str) -> None:
+    def __init__(self, log: EventLog, stream: str, *, whole: bool = False) -> None:
         self._log = log
         self.stream = stream
-        self._projection = RolloutProjection()
+        self._projection = DecisionProjection()
         self.state = self._projection.initial()
+        # The whole samples, folded beside the compact state only when the artifacts or
+        # dumps are written (they are built from the samples themselves).
+        self._whole = RolloutProjection() if whole else None
+        self.full: RolloutState | None = self._whole.initial() if self._whole else None
         self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
         self.position = EMPTY_ID
         self.copied: set[str] = set()  # event types this follower has copied itself
@@ -520,6 +538,8 @@ class _Follower:
             if isinstance(env.event, SampleVerified):
                 self.verify.add(env.event)
             self.state = self._projection.evolve(self.state, env)
+            if self._whole is not None and self.full is not None:
+                self.full = self._whole.evolve(self.full, env)
             if self.state.decided:
                 self.position = env.id
                 return True
@@ -639,13 +659,15 @@ class Finalizer:
 
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
-        f = _Follower(self.log, self.names.rollout(rollout_id))
+        dumps = self.config.dumps
+        whole = self.config.out_dir is not None or (dumps is not None and dumps.armed)
+        f = _Follower(self.log, self.names.rollout(rollout_id), whole=whole)
         relay: asyncio.Task[None] | None = None
         try:
             while not f.state.decided:
                 await f.read()
                 if relay is None and f.state.planned is not None:
-                    sources = carried_sources(f.state)
+                    sources = compact.carried_sources(f.state)
                     if sources:
                         relay = asyncio.create_task(self._relay(f.stream, sources))
                 if f.state.capture is not None and not f.state.decided:
@@ -655,7 +677,7 @@ class Finalizer:
                 failed = f.verify.failed(rollout_id) if not f.state.decided else None
                 if failed is not None:  # a re-score past its threshold fails the rollout loudly
                     await self._append(f, [failed], (self.names.control, failed))
-                elif not f.state.decided and worth_deciding(f.state):
+                elif not f.state.decided and compact.worth_deciding(f.state):
                     await self._decide(f)
         finally:
             if relay is not None:
@@ -664,12 +686,12 @@ class Finalizer:
                     await relay
         if f.state.ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
             await self._ensure_copy(f, self.names.control, f.state.ready)
-            carried = tail_carried(f.state, f.state.ready)
+            carried = compact.tail_carried(f.state, f.state.ready)
             if carried is not None:  # the next request of the stream takes it over
                 await self._ensure_copy(f, self.names.data, carried)
         elif f.state.failed is not None and f.state.failed == f.verify.failed(rollout_id):
             await self._ensure_copy(f, self.names.control, f.state.failed)  # ours, as above
-        return self._finish(rollout_id, f.state)
+        return self._finish(rollout_id, f)
 
     async def _ensure_copy(
         self, f: _Follower, stream: str, event: _Copied
@@ -699,7 +721,7 @@ class Finalizer:
             if copies:
                 await self.log.append_many(copies)
 
-    async def _trainer_version(self, state: RolloutState) -> int | None:
+    async def _trainer_version(self, state: DecisionState) -> int | None:
         """The highest version published on ``rl:control`` so far, read only for a request
         with a staleness bound (the only decision it changes)."""
         request = state.request
@@ -710,22 +732,22 @@ class Finalizer:
 
     async def _decide(self, f: _Follower) -> None:
         trainer_version = await self._trainer_version(f.state)
-        capture = decide_capture(
+        capture = compact.decide_capture(
             f.state, top_k=self.config.top_k, trainer_version=trainer_version
         )
         if capture is not None:
             if f.state.capture is None:  # asked once; then wait for its TeacherScored
                 await self._append(f, [capture], (self.names.capture, capture))
             return
-        ready = decide_ready(f.state, trainer_version)
+        ready = compact.decide_ready(f.state, trainer_version)
         if ready is not None and f.verify.by_sample:
             ready = ready.model_copy(update={"metrics": {**ready.metrics, **f.verify.metrics()}})
         if ready is not None:
             # An aborted tail is recorded in the same step (after the RolloutReady, so the
             # artifacts -- folded up to the RolloutReady -- do not depend on it).
-            events: list[Event] = [ready, *tail_aborts(f.state, ready)]
+            events: list[Event] = [ready, *compact.tail_aborts(f.state, ready)]
             also: list[tuple[str, _Copied]] = [(self.names.control, ready)]
-            carried = tail_carried(f.state, ready)
+            carried = compact.tail_carried(f.state, ready)
             if carried is not None:  # the next request of the stream takes it over
                 also.append((self.names.data, carried))
             await self._append(f, events, *also)
@@ -744,12 +766,14 @@ class Finalizer:
         for stream, copy in also:  # other slots: copied once each, after the decision
             await self._ensure_copy(f, stream, copy)
 
-    def _finish(self, rollout_id: str, state: RolloutState) -> Outcome:
+    def _finish(self, rollout_id: str, f: _Follower) -> Outcome:
+        state = f.state
         if state.ready is not None:
-            if self.config.out_dir is not None:
-                write_artifacts(state, self.config.out_dir / rollout_id)
-            if self.config.dumps is not None:
-                write_dumps(state, self.config.dumps)  # never raises: best-effort
+            if f.full is not None:  # folded up to and including the RolloutReady
+                if self.config.out_dir is not None:
+                    write_artifacts(f.full, self.config.out_dir / rollout_id)
+                if self.config.dumps is not None:
+                    write_dumps(f.full, self.config.dumps)  # never raises: best-effort
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
                 rollout_id,

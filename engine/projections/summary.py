@@ -42,10 +42,11 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from engine.events.catalog import RolloutReady, RolloutRequested
 from engine.outcomes import FailureClass, TerminationReason
 from engine.projections.rollout import RolloutState
 from engine.projections.rows import SampleRow, sample_rows
@@ -62,8 +63,39 @@ __all__ = [
     "pass_at_k",
     "placement_log",
     "render_artifacts",
+    "rows_metrics",
     "sample_rows",
+    "summary_of",
 ]
+
+
+class OutcomeRow(Protocol):
+    """What the metrics and ``summary.json`` read of a sample: a :class:`SampleRow`, or the
+    finalizer's compact record (:class:`engine.projections.decision.Brief`)."""
+
+    @property
+    def sample_id(self) -> str: ...
+
+    @property
+    def dataset(self) -> str: ...
+
+    @property
+    def group_index(self) -> int: ...
+
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def failure_class(self) -> FailureClass: ...
+
+    @property
+    def turns(self) -> int: ...
+
+    @property
+    def correct(self) -> bool: ...
+
+
+R = TypeVar("R", bound=OutcomeRow)
 
 
 def classify_termination(reward: float, reason: TerminationReason | str | None) -> FailureClass:
@@ -102,9 +134,9 @@ def _power_of_two_ks(n_min: int) -> list[int]:
     return ks
 
 
-def _dataset_metrics(rows: list[SampleRow]) -> dict[str, float]:
+def _dataset_metrics(rows: Sequence[OutcomeRow]) -> dict[str, float]:
     out = {"accuracy": sum(r.correct for r in rows) / len(rows)}
-    groups: dict[int, list[SampleRow]] = defaultdict(list)
+    groups: dict[int, list[OutcomeRow]] = defaultdict(list)
     for r in rows:
         groups[r.group_index].append(r)
     n_min = min(len(g) for g in groups.values())
@@ -115,8 +147,8 @@ def _dataset_metrics(rows: list[SampleRow]) -> dict[str, float]:
     return out
 
 
-def _by_dataset(rows: Iterable[SampleRow]) -> dict[str, list[SampleRow]]:
-    out: dict[str, list[SampleRow]] = defaultdict(list)
+def _by_dataset(rows: Iterable[R]) -> dict[str, list[R]]:
+    out: dict[str, list[R]] = defaultdict(list)
     for r in rows:
         out[r.dataset].append(r)
     return dict(sorted(out.items()))
@@ -128,9 +160,13 @@ def eval_metrics(
     """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1).
 
     ``rows`` saves recomputing :func:`sample_rows` when the caller has them."""
+    return rows_metrics(sample_rows(state) if rows is None else rows, prefix=prefix)
+
+
+def rows_metrics(rows: Sequence[OutcomeRow], *, prefix: str = "eval") -> dict[str, float]:
+    """:func:`eval_metrics` of ``rows`` (index order), whatever record they come as."""
     out: dict[str, float] = {}
-    all_rows = sample_rows(state) if rows is None else rows
-    for name, ds_rows in _by_dataset(all_rows).items():
+    for name, ds_rows in _by_dataset(rows).items():
         for key, value in _dataset_metrics(ds_rows).items():
             out[f"{prefix}/{name}/{key}"] = value
     return out
@@ -165,7 +201,20 @@ def dumps(obj: Any) -> str:
 
 def build_summary(state: RolloutState) -> dict[str, Any]:
     """``summary.json``: per-dataset counts per class and metrics, and the per-task list."""
-    rows = sample_rows(state)
+    return summary_of(
+        sample_rows(state), rollout_id=state.rollout_id, request=state.request, ready=state.ready
+    )
+
+
+def summary_of(
+    rows: Sequence[OutcomeRow],
+    *,
+    rollout_id: str | None,
+    request: RolloutRequested | None,
+    ready: RolloutReady | None,
+) -> dict[str, Any]:
+    """:func:`build_summary` from the rows (index order, a ready tail's rows as
+    :func:`sample_rows` makes them), the request and the ``RolloutReady``."""
     datasets: dict[str, Any] = {}
     for name, ds_rows in _by_dataset(rows).items():
         counts = _class_counts(ds_rows)
@@ -175,9 +224,8 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
             "metrics": _dataset_metrics(ds_rows),
         }
     totals = _class_counts(rows)
-    request, ready = state.request, state.ready
     out: dict[str, Any] = {
-        "rollout_id": state.rollout_id,
+        "rollout_id": rollout_id,
         "iteration": request.iteration if request is not None else None,
         "kind": request.kind.value if request is not None else None,
         "policy_version": request.policy_version if request is not None else None,
@@ -223,7 +271,7 @@ def build_summary(state: RolloutState) -> dict[str, Any]:
     return out
 
 
-def _class_counts(rows: Iterable[SampleRow]) -> dict[str, int]:
+def _class_counts(rows: Iterable[OutcomeRow]) -> dict[str, int]:
     """Samples per failure class: the eight always, the engine's own two when present."""
     counts = {c.value: 0 for c in FailureClass if not c.engine_ended}
     for r in rows:
