@@ -22,10 +22,10 @@ loads the CA bundle into an SSL context (~20 ms, unused on plain http); when the
 built inside the timed arm they delayed every conversation's first call by ~150-290 ms of a
 ~1 s arm, which alone made the proxy arm look 15-25% slower (``scaffold_client_open_ms`` is
 that start-up, per client, reported apart like ``proxy_start_stop_ms``).
-``proxy_cpu_ms_per_call`` is the bench process's
-extra CPU per chat call in the proxy arm over the direct arm (the proxy's HTTP server, request
-parsing, sync and reply building). The scaffolds' HTTP clients run in a process of their own,
-as real scaffolds do, so their CPU is not in it.
+``proxy_cpu_ms_per_call`` is the bench process's extra CPU per chat call in the proxy arm over
+the direct arm (the proxy's HTTP server, request parsing, sync and reply building). The
+scaffolds' HTTP clients run in a process of their own, as real scaffolds do, so their CPU is
+not in it.
 ``proxy_extra_ms_per_call`` is the fixed cost of the proxy's path per call: one conversation
 at a time (``--latency-turns`` turns, ``--latency-reps`` times), one output token per turn,
 median ms per call through the proxy (``proxy_ms_per_call_1tok``) minus direct
