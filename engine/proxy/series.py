@@ -11,6 +11,10 @@ have built for the same conversation (``engine.agents.chat_tokens``):
    ``ChatTokens.observation`` exactly as the tool agent tokenizes its tool messages;
 3. the ids the server generated are appended verbatim with their logprobs (``mask 1``).
 
+The part of step 2 that depends only on what is already consumed (the template's rendering of
+the history, the reply's text) can be done ahead with ``Recorder.prepare``; the proxy does it
+once a reply is sent, so a call's path to its generation renders the history only once.
+
 The append-only guard: every consumed message keeps a signature (role, text content, tool
 calls, tool-call id, name). A call whose history is shorter than what was consumed (shrunk),
 whose consumed prefix differs (rewritten, e.g. a summary), whose echoed assistant turn is not
