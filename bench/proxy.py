@@ -14,10 +14,18 @@ server's scheduler do not share a GIL):
 Both arms run the same conversations (same messages, seeds and fixed-length outputs via
 ``ignore_eos``) at the same concurrency; each round runs them one after the other in ABBA order.
 ``proxy_vs_direct_ratio`` is proxy tokens/s over direct tokens/s (generated tokens over wall
-time), median over rounds; target >= 0.9. ``proxy_cpu_ms_per_call`` is the bench process's
-extra CPU per chat call in the proxy arm over the direct arm (the proxy's HTTP server, request
-parsing, sync and reply building). The scaffolds' HTTP clients run in a process of their own,
-as real scaffolds do, so their CPU is not in it.
+time), median over rounds; target >= 0.9. Only the conversations are timed, in both arms: the
+direct arm's pooled client exists before its timer starts, and so do the scaffolds' HTTP clients
+(one ``httpx.AsyncClient`` per proxy, made when the scaffold process is handed the proxies'
+URLs, as a scaffold makes its OpenAI client at start-up). Building an ``httpx.AsyncClient``
+loads the CA bundle into an SSL context (~20 ms, unused on plain http); when the eight were
+built inside the timed arm they delayed every conversation's first call by ~150-290 ms of a
+~1 s arm, which alone made the proxy arm look 15-25% slower (``scaffold_client_open_ms`` is
+that start-up, per client, reported apart like ``proxy_start_stop_ms``).
+``proxy_cpu_ms_per_call`` is the bench process's extra CPU per chat call in the proxy arm over
+the direct arm (the proxy's HTTP server, request parsing, sync and reply building). The
+scaffolds' HTTP clients run in a process of their own, as real scaffolds do, so their CPU is
+not in it.
 ``proxy_extra_ms_per_call`` is the fixed cost of the proxy's path per call: one conversation
 at a time (``--latency-turns`` turns, ``--latency-reps`` times), one output token per turn,
 median ms per call through the proxy (``proxy_ms_per_call_1tok``) minus direct
@@ -82,27 +90,26 @@ def params(i: int, turn: int, max_new: int) -> dict[str, Any]:
     return {"max_new_tokens": max_new, "ignore_eos": True, "sampling_seed": 1000 * i + turn}
 
 
-async def proxy_conversation(url: str, i: int, turns: int, max_new: int) -> int:
+async def proxy_conversation(client: httpx.AsyncClient, i: int, turns: int, max_new: int) -> int:
     generated = 0
-    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
-        messages = opening(i)
-        for turn in range(turns):
-            p = params(i, turn, max_new)
-            reply = await client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": "tinylm",
-                    "messages": messages,
-                    "max_tokens": p["max_new_tokens"],
-                    "ignore_eos": True,
-                    "seed": p["sampling_seed"],
-                },
-            )
-            reply.raise_for_status()
-            body = reply.json()
-            generated += int(body["usage"]["completion_tokens"])
-            message = {k: v for k, v in body["choices"][0]["message"].items() if v is not None}
-            messages = [*messages, message, observation(i, turn)]
+    messages = opening(i)
+    for turn in range(turns):
+        p = params(i, turn, max_new)
+        reply = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tinylm",
+                "messages": messages,
+                "max_tokens": p["max_new_tokens"],
+                "ignore_eos": True,
+                "seed": p["sampling_seed"],
+            },
+        )
+        reply.raise_for_status()
+        body = reply.json()
+        generated += int(body["usage"]["completion_tokens"])
+        message = {k: v for k, v in body["choices"][0]["message"].items() if v is not None}
+        messages = [*messages, message, observation(i, turn)]
     return generated
 
 
@@ -144,6 +151,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
     extra_cpu: list[float] = []
     valid: list[bool] = []
     lifecycle: list[float] = []
+    opened: list[float] = []
     async with BackendPool(url) as pool:
         backend = pool.get()
         assert isinstance(backend, SGLangBackend)
@@ -155,12 +163,15 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
         to_scaffolds, from_scaffolds = scaffolds.stdin, scaffolds.stdout
         assert to_scaffolds is not None and from_scaffolds is not None
 
+        async def scaffolds_do(op: str, **job: Any) -> dict[str, Any]:
+            to_scaffolds.write((json.dumps({"op": op, **job}) + "\n").encode())
+            answer: dict[str, Any] = json.loads(await from_scaffolds.readline())
+            return answer
+
         async def via_proxy(_: int) -> int:
             # All conversations at once, in the scaffold process; the reply is the token count.
-            job = {"urls": [p.url for p in proxies], "turns": args.turns,
-                   "max_new": args.max_new_tokens}  # fmt: skip
-            to_scaffolds.write((json.dumps(job) + "\n").encode())
-            return int(json.loads(await from_scaffolds.readline())["generated"])
+            answer = await scaffolds_do("run", turns=args.turns, max_new=args.max_new_tokens)
+            return int(answer["generated"])
 
         async def direct(i: int) -> int:
             return await direct_conversation(backend, chat, i, args.turns, args.max_new_tokens)
@@ -179,7 +190,10 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
                         for _ in range(args.conversations)
                     ]
                     t1 = time.perf_counter()
+                    await scaffolds_do("open", urls=[p.url for p in proxies])
+                    opened.append((time.perf_counter() - t1) / len(proxies) * 1000)
                     wall, cpu, res = await arm(which, via_proxy, 1)
+                    await scaffolds_do("close")
                     t2 = time.perf_counter()
                     await asyncio.gather(*(p.aclose() for p in proxies))
                     lifecycle.append((t1 - t0 + time.perf_counter() - t2) / len(proxies) * 1000)
@@ -203,11 +217,11 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
             await direct_conversation(backend, chat, r, args.latency_turns, 1)
             fixed_direct.append((time.perf_counter() - t0) / args.latency_turns * 1000)
             async with RecordingProxy(backend=backend, tokenizer=tokenizer) as one:
-                job = {"urls": [one.url], "turns": args.latency_turns, "max_new": 1}
+                await scaffolds_do("open", urls=[one.url])
                 t0 = time.perf_counter()
-                to_scaffolds.write((json.dumps(job) + "\n").encode())
-                await from_scaffolds.readline()
+                await scaffolds_do("run", turns=args.latency_turns, max_new=1)
                 fixed_proxy.append((time.perf_counter() - t0) / args.latency_turns * 1000)
+                await scaffolds_do("close")
         to_scaffolds.close()
         await scaffolds.wait()
     fixed: dict[str, Any] = {}
@@ -230,6 +244,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
         "proxy_vs_direct_ratio_min": round(min(ratios), 3),
         "proxy_cpu_ms_per_call": round(statistics.median(extra_cpu), 2),
         "proxy_start_stop_ms": round(statistics.median(lifecycle), 1),
+        "scaffold_client_open_ms": round(statistics.median(opened), 1),
         "conversation_capture_valid_share": sum(valid) / len(valid) if valid else 0.0,
         **fixed,
     }
@@ -321,17 +336,29 @@ async def scaffold_episodes(url: str, model: Path, args: argparse.Namespace) -> 
 
 async def scaffold_process() -> None:
     """``--client``: the scaffolds' side, in its own process as real scaffolds are. Each stdin
-    line is a round: run every conversation against its proxy, answer the tokens generated."""
+    line is one command, answered by one line: ``open`` makes one HTTP client per proxy URL
+    (a scaffold's start-up, as the direct arm's pooled client is made before it is timed),
+    ``run`` runs every conversation against its proxy and answers the tokens generated,
+    ``close`` closes the clients."""
     loop = asyncio.get_running_loop()
+    clients: list[httpx.AsyncClient] = []
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         job = json.loads(line)
-        counts = await asyncio.gather(
-            *(
-                proxy_conversation(url, i, job["turns"], job["max_new"])
-                for i, url in enumerate(job["urls"])
+        if job["op"] == "open":
+            clients = [httpx.AsyncClient(base_url=url, timeout=None) for url in job["urls"]]
+            answer: dict[str, Any] = {"clients": len(clients)}
+        elif job["op"] == "run":
+            counts = await asyncio.gather(
+                *(
+                    proxy_conversation(client, i, job["turns"], job["max_new"])
+                    for i, client in enumerate(clients)
+                )
             )
-        )
-        print(json.dumps({"generated": sum(counts)}), flush=True)
+            answer = {"generated": sum(counts)}
+        else:
+            await asyncio.gather(*(c.aclose() for c in clients))
+            clients, answer = [], {"closed": True}
+        print(json.dumps(answer), flush=True)
 
 
 def main() -> None:

@@ -103,6 +103,13 @@ class ChatTokens:
         """What the template writes after an assistant message's content (step 1)."""
         return self._close(history)[0]
 
+    def closing(self, history: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+        """Step 1 for ``history`` (``close`` and the rendering ``A``): the part of an
+        observation that does not depend on the turn's tokens or tool messages, so a caller
+        can compute it ahead of time (while the turn generates) and pass it to
+        ``observation`` as ``closing``."""
+        return self._close(history)
+
     def _close(self, history: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
         """``close``, and the rendering ``A`` of ``history`` plus the marker message."""
         opened = self.render(history, generation_prompt=True)
@@ -120,10 +127,13 @@ class ChatTokens:
         history: Sequence[Mapping[str, Any]],
         generated_ids: Sequence[int],
         tool_messages: Sequence[Mapping[str, Any]],
+        *,
+        closing: tuple[str, str] | None = None,
     ) -> Observation:
         """The increment after a turn whose tokens were ``generated_ids`` (see the module
-        docstring); ``history`` is the conversation before that turn."""
-        close, before = self._close(history)
+        docstring); ``history`` is the conversation before that turn. ``closing`` is
+        ``closing(history)`` computed earlier (the same value; it saves two renders)."""
+        close, before = self._close(history) if closing is None else closing
         after = self.render([*history, _assistant(_MARKER), *tool_messages], generation_prompt=True)
         if not after.startswith(before):
             raise AgentError(

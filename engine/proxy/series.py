@@ -11,6 +11,10 @@ have built for the same conversation (``engine.agents.chat_tokens``):
    ``ChatTokens.observation`` exactly as the tool agent tokenizes its tool messages;
 3. the ids the server generated are appended verbatim with their logprobs (``mask 1``).
 
+The part of step 2 that depends only on what is already consumed (the template's rendering of
+the history, the reply's text) can be done ahead with ``Recorder.prepare``; the proxy does it
+once a reply is sent, so a call's path to its generation renders the history only once.
+
 The append-only guard: every consumed message keeps a signature (role, text content, tool
 calls, tool-call id, name). A call whose history is shorter than what was consumed (shrunk),
 whose consumed prefix differs (rewritten, e.g. a summary), whose echoed assistant turn is not
@@ -114,6 +118,15 @@ class _Reply:
     calls: tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """``Recorder.prepare``'s work for the reply ``reply``."""
+
+    reply: _Reply
+    closing: tuple[str, str]  # ChatTokens.closing(history before the reply)
+    raw: str  # the reply's text as generated, trailing special tokens dropped
+
+
 @dataclass
 class Recorder:
     """Builds one task's series (see the module docstring). Not thread-safe: one call at a time."""
@@ -133,6 +146,9 @@ class Recorder:
     last: _Reply | None = None
     valid: bool = True
     invalid_reason: str | None = None
+    # What the next call's increment needs that its messages do not change, made by
+    # ``prepare`` for the reply ``last`` (so it is used only while ``last`` is that reply).
+    ahead: _Ahead | None = None
 
     def series(self) -> list[int]:
         return [*self.prompt, *self.response]
@@ -194,18 +210,33 @@ class Recorder:
         observations = [dict(m) for m in fresh[1:]]
         if any(m.get("role") == "assistant" for m in observations):
             raise AppendOnlyViolation("an assistant message the model did not generate")
-        obs = self.chat.observation(self.history, self.last.ids, observations)
-        raw = self.chat.decode(
-            _without_trailing_special(self.last.ids, self.chat), skip_special_tokens=False
+        ahead = self.ahead if self.ahead is not None and self.ahead.reply is self.last else None
+        if ahead is None:
+            ahead = self._ahead(self.chat, self.last)
+        obs = self.chat.observation(
+            self.history, self.last.ids, observations, closing=ahead.closing
         )
-        self.history = [*self.history, {"role": "assistant", "content": raw}, *observations]
+        self.history = [*self.history, {"role": "assistant", "content": ahead.raw}, *observations]
         self.response.extend(obs.token_ids)
         self.logprobs.extend(0.0 for _ in obs.token_ids)
         self.mask.extend(0 for _ in obs.token_ids)
         self.consumed = [*self.consumed, *fresh_sigs]
         self.seen = [*self.seen, *fresh_seen]
-        self.last = None
+        self.last = self.ahead = None
         return self.series()
+
+    def prepare(self) -> None:
+        """Do now what the next call's ``sync`` needs that its messages do not change: the
+        chat template's rendering of the history so far (``ChatTokens.closing``) and the text
+        of the reply just given. The proxy calls it once the reply is sent, so this work
+        runs while the scaffold reads the reply instead of between the scaffold's next
+        request and its generation. Without it ``sync`` computes the same values itself."""
+        if self.valid and self.chat is not None and self.last is not None and self.ahead is None:
+            self.ahead = self._ahead(self.chat, self.last)
+
+    def _ahead(self, chat: ChatTokens, last: _Reply) -> _Ahead:
+        raw = chat.decode(_without_trailing_special(last.ids, chat), skip_special_tokens=False)
+        return _Ahead(last, chat.closing(self.history), raw)
 
     def generated(
         self,

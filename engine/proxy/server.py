@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -157,7 +158,6 @@ class RecordingProxy:
             timeout_keep_alive=30,
         )
         self._server = _Server(config)
-        self._client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None))
         self._serving = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._serving.done():
@@ -199,9 +199,16 @@ class RecordingProxy:
 
     # -- routes -----------------------------------------------------------------------------
 
+    def _upstream(self) -> httpx.AsyncClient:
+        """The client for the model server's own OpenAI routes, made on first use: most tasks
+        never pass a call through, and making an ``httpx.AsyncClient`` costs ~20 ms (it loads
+        the CA bundle) on every proxy start."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None))
+        return self._client
+
     async def _models(self, request: Request) -> Response:
-        assert self._client is not None
-        reply = await self._client.get(request.url.path)
+        reply = await self._upstream().get(request.url.path)
         return Response(
             reply.content,
             status_code=reply.status_code,
@@ -229,7 +236,7 @@ class RecordingProxy:
                     log.warning("recording proxy %s: capture failed: %r", self.task_id, exc)
                     self.recorder.invalidate(f"capture failed: {type(exc).__name__}: {exc}")
                 else:
-                    return self._respond(body, reply)
+                    return self._respond(body, reply, BackgroundTask(self._prepare))
             self.passed_through += 1
             return await self._pass_through(raw, bool(body.get("stream")))
 
@@ -303,21 +310,30 @@ class RecordingProxy:
             },
         }
 
-    def _respond(self, body: Mapping[str, Any], reply: dict[str, Any]) -> Response:
+    async def _prepare(self) -> None:
+        """After a captured reply is sent: the next call's template work, off its path
+        (``Recorder.prepare``). A failure here is left for that call's ``sync`` to meet."""
+        async with self._lock:
+            with contextlib.suppress(Exception):
+                self.recorder.prepare()
+
+    def _respond(
+        self, body: Mapping[str, Any], reply: dict[str, Any], after: BackgroundTask
+    ) -> Response:
         if not body.get("stream"):
-            return JSONResponse(reply)
+            return JSONResponse(reply, background=after)
         options = body.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, Mapping) else False
-        return StreamingResponse(_sse(reply, usage), media_type="text/event-stream")
+        return StreamingResponse(
+            _sse(reply, usage), media_type="text/event-stream", background=after
+        )
 
     async def _pass_through(self, raw: bytes, stream: bool) -> Response:
-        assert self._client is not None
+        client = self._upstream()
         headers = {"content-type": "application/json"}
         if not stream:
             async with self.backend.gate.turn():  # a generation: the weight sync's gate
-                reply = await self._client.post(
-                    "/v1/chat/completions", content=raw, headers=headers
-                )
+                reply = await client.post("/v1/chat/completions", content=raw, headers=headers)
             return Response(
                 reply.content,
                 status_code=reply.status_code,
@@ -326,10 +342,8 @@ class RecordingProxy:
         turn = self.backend.gate.turn()  # held until the stream ends
         await turn.__aenter__()
         try:
-            upstream = await self._client.send(
-                self._client.build_request(
-                    "POST", "/v1/chat/completions", content=raw, headers=headers
-                ),
+            upstream = await client.send(
+                client.build_request("POST", "/v1/chat/completions", content=raw, headers=headers),
                 stream=True,
             )
         except BaseException:

@@ -133,3 +133,38 @@ def test_a_call_that_fails_midway_leaves_the_series_as_it_was(random_tokenizer: 
     with pytest.raises(TypeError):  # the server turns capture off on such an error
         rec.sync([USER, echo, odd], None)
     assert rec.series() == before and rec.consumed == consumed and len(rec.seen) == 1
+
+
+def test_work_prepared_ahead_gives_the_same_series(random_tokenizer: Any) -> None:
+    """``prepare`` (run by the proxy once a reply is sent) moves the next call's template work
+    off its path: the series, history and turns must be what computing it inline gives, also
+    when a refused call comes between the prepare and the call that uses it."""
+    ids = list(random_tokenizer("hi there", add_special_tokens=False)["input_ids"])
+    eos = random_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos in random_tokenizer.all_special_ids
+    ahead, inline = Recorder(random_tokenizer), Recorder(random_tokenizer)
+    messages: list[dict[str, Any]] = [USER]
+    for turn in range(4):
+        series = [rec.sync(messages, None) for rec in (ahead, inline)]
+        assert series[0] == series[1]
+        assert ahead.ahead is None  # used up by the call that consumed it
+        out = [*ids, eos] if turn % 2 else ids  # with and without the end-of-turn token
+        for rec in (ahead, inline):
+            rec.generated(
+                out,
+                [-0.5] * len(out),
+                content="hi there",
+                calls=[],
+                prompt_tokens=len(series[0]),
+                elapsed_s=0.0,
+                finish_reason="stop",
+            )
+        ahead.prepare()
+        assert ahead.ahead is not None and ahead.ahead.reply is ahead.last
+        if turn == 1:
+            with pytest.raises(AppendOnlyViolation, match="not the assistant reply"):
+                ahead.sync([*messages, {"role": "assistant", "content": "other"}, USER], None)
+        messages = [*messages, {"role": "assistant", "content": "hi there"},
+                    {"role": "user", "content": f"observation {turn}"}]  # fmt: skip
+    assert ahead.history == inline.history
+    assert ahead.trajectory() == inline.trajectory() is not None
