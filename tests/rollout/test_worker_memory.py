@@ -98,3 +98,23 @@ async def test_a_workers_task_cache_stays_bounded_over_a_rollout(
     # index by about two. 64 bytes a task is a generous bound that still tells them apart.
     assert per_task < 64, (small, large, per_task)
     print(f"held: {small} bytes at 1000 samples, {large} at 5000: {per_task:.1f} bytes a task")
+
+
+def test_the_task_index_places_each_samples_first_entry() -> None:
+    from engine.actors.evaluator_worker import MARK_EVERY, _RolloutTasks
+
+    index = _RolloutTasks("r", window=2)
+    order = ["r:s0", "r:s1", "carried:s7", "r:s3", "r:s1", "r:s05", "r:s9", *(
+        f"r:s{k}" for k in range(7, 7 + MARK_EVERY))]  # fmt: skip
+    firsts = [index.add(f"before-{k}", sid, sid.encode()) for k, sid in enumerate(order)]
+    assert firsts[:7] == [True, True, True, True, False, True, True]  # r:s1 again: ignored
+    assert index.locate("r:s1") == 1  # its first entry, as the rollout fold keeps it
+    assert index.locate("carried:s7") == 2 and index.locate("r:s05") == 5
+    assert index.locate("r:s5") is None  # ordinal 5 holds r:s05, not r:s5
+    assert index.locate("r:s9") == 6 and index.locate("r:s2") is None
+    assert index.locate(f"r:s{len(order)}") is None  # not read yet
+    # planner ids cost one byte each; the others a dict entry; a mark every MARK_EVERY
+    assert sorted(index.others) == ["carried:s7", "r:s05", "r:s9"]
+    assert len(index.planned) == index.count == len(order)
+    assert index.marks == ["before-0", f"before-{MARK_EVERY}"]
+    assert list(index.recent) == order[-2:]  # the window keeps the last two read
