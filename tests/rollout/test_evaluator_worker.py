@@ -485,13 +485,18 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
     await log.append_many([(stream, ev) for ev in events[4:]])
 
     evaluator = next(iter(specs))
-    worker = EvaluatorWorker(log, specs, WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,)))
     folded = (await rebuild(log, stream, RolloutProjection())).state
-    cached = await worker._rollout_tasks("r1", ["s3"])
-    assert cached.request == folded.request and folded.request is not None
-    # s3 is joined on s2: both decoded; the rest only read
-    assert sorted(cached.tasks) == ["s2", "s3"] and sorted(cached.raw) == ["s0", "s1", "s4", "s5"]
-    cached = await worker._rollout_tasks("r1", ["s1", "s4", "missing"])
-    assert sorted(cached.tasks) == ["s0", "s1", "s2", "s3", "s4"]
-    for sid, ev in cached.tasks.items():
-        assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream
+    assert folded.request is not None
+    for window in (2048, 0):  # entries kept as read, or every one re-read from the index
+        config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), task_window=window)
+        worker = EvaluatorWorker(log, specs, config)
+        request, tasks = await worker._batch_tasks("r1", ["s3"])
+        assert request == folded.request
+        assert list(tasks) == ["s3"]  # joined on s2, which is decoded but not kept
+        cached = worker._tasks["r1"]
+        assert sorted(cached.recent) == (["s0", "s1", "s4", "s5"] if window else [])
+        request, more = await worker._batch_tasks("r1", ["s1", "s4", "missing", "s2"])
+        assert list(more) == ["s1", "s4", "s2"]  # no entry for "missing": left out
+        tasks.update(more)
+        for sid, ev in tasks.items():
+            assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream
