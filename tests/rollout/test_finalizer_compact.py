@@ -397,3 +397,13 @@ async def test_the_live_finalizer_follows_a_rollout_in_compact_memory(real_log: 
         tracemalloc.stop()
     assert kept.state.n_terminal == n
     assert peak < whole_bytes / 3, (peak / n, whole_bytes / n)
+
+
+if __name__ == "__main__":
+    # A rule changed on purpose: rewrite the golden digests from the engine's rules
+    # (`PYTHONPATH=$PWD python -m tests.rollout.test_finalizer_compact`) and say why in
+    # the commit.
+    GOLDEN.write_text(
+        json.dumps({str(seed): _digest(_rollout(seed))[0] for seed in range(160)},
+                   indent=1, sort_keys=True) + "\n"
+    )
