@@ -41,10 +41,10 @@ Contract
   (terminal and scored samples, the ``CaptureRequested`` guard).
 * At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
   blocking read); further requests wait in the group.
-* The decisions are pure (:func:`decide_ready`, :func:`decide_capture`, :func:`apply_filters`
-  here, from the full :class:`RolloutState`; the same names in
-  :mod:`engine.projections.decision`, from the compact state the shell folds) and tested
-  directly, one against the other; the shell only reads, appends and acks.
+* The decisions are pure functions of the compact state (:func:`decide_ready`,
+  :func:`decide_capture`, :func:`apply_filters`, ...), defined once in
+  :mod:`engine.projections.decision` and re-exported here; they are tested directly, and
+  the shell only reads, appends and acks.
 * With ``retention`` set, the finalizer also keeps Redis memory bounded on its own: every
   ``retention.every_s`` seconds it runs one retention pass
   (:func:`engine.runtime.retention.retention_pass`: acked shared-stream entries trimmed,
@@ -64,26 +64,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
 from engine.actors.verify import VerifyTally
-from engine.agents.result import UNKNOWN_VERSION
-from engine.domain import TerminationReason
 from engine.errors import AppendConflict
 from engine.events.base import Event
 from engine.events.catalog import (
-    AbortClass,
     CaptureRequested,
-    FilterSpec,
     RolloutFailed,
-    RolloutKind,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
@@ -95,18 +87,30 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
-from engine.projections import decision as compact
-from engine.projections.decision import DecisionProjection, DecisionState
-from engine.projections.lanes import needs_teacher, route
+from engine.projections.decision import (
+    DecisionProjection,
+    DecisionState,
+    Selection,
+    apply_filters,
+    build_summary,
+    carried_sources,
+    decide_capture,
+    decide_ready,
+    groups_needed,
+    ready_metrics,
+    route,
+    select_groups,
+    stale_split,
+    tail_aborts,
+    tail_carried,
+    version_spread,
+    worth_deciding,
+)
 from engine.projections.rollout import (
     ControlProjection,
     RolloutProjection,
     RolloutState,
-    SampleState,
-    staleness_floor,
 )
-from engine.projections.rows import row_of
-from engine.projections.summary import FailureClass, eval_metrics
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
@@ -117,16 +121,20 @@ __all__ = [
     "FinalizerConfig",
     "Selection",
     "RetentionConfig",
+    "DecisionState",
     "apply_filters",
+    "build_summary",
     "carried_sources",
     "decide_capture",
     "decide_ready",
     "groups_needed",
     "ready_metrics",
+    "route",
     "select_groups",
     "stale_split",
     "tail_aborts",
     "tail_carried",
+    "version_spread",
     "worth_deciding",
 ]
 
@@ -137,317 +145,12 @@ GROUP = "finalizers"
 
 # ---------------------------------------------------------------- pure decisions
 
+# The decisions are pure functions of the compact fold, defined once in
+# engine.projections.decision and re-exported here under the names the finalizer has
+# always offered (one implementation: a change to a rule cannot diverge between copies).
 
-def _reward(s: SampleState) -> float:
-    done = s.completed
-    return float(done.reward) if done is not None else 0.0
-
-
-def apply_filters(
-    state: RolloutState, samples: list[SampleState] | None = None
-) -> tuple[list[str], list[str]]:
-    """``(kept, dropped)`` sample ids in index order: rejection first, then finish-only.
-    ``samples`` (index order) restricts the decision to those; default: every sample."""
-    filters = state.request.filters if state.request is not None else FilterSpec()
-    ordered = state.ordered() if samples is None else samples
-    kept = ordered
-    if filters.reject_equal_rewards:
-        rewards: dict[int, set[float]] = defaultdict(set)
-        for s in ordered:
-            rewards[s.task.group_index].add(_reward(s))
-        kept = [s for s in kept if len(rewards[s.task.group_index]) > 1]
-    if filters.finish_only:
-        kept = [s for s in kept if s.completed is not None and _finished(s.completed)]
-    kept_ids = {s.sample_id for s in kept}
-    dropped = [s.sample_id for s in ordered if s.sample_id not in kept_ids]
-    return [s.sample_id for s in kept], dropped
-
-
-def _finished(done: SampleCompleted) -> bool:
-    """A clean finish: the episode ended on the agent's own terms."""
-    return done.termination_reason == TerminationReason.FINISH.value
-
-
-def _needs_teacher(state: RolloutState) -> bool:
-    return needs_teacher(state.request)  # routed by the request's algorithm (lanes)
-
-
-def _unscored(state: RolloutState, kept: list[str]) -> list[str]:
-    """Kept completed samples still waiting for their teacher logprobs."""
-    return [
-        sid
-        for sid in kept
-        if (s := state.samples[sid]).completed is not None and s.teacher is None
-    ]
-
-
-def groups_needed(state: RolloutState) -> int | None:
-    """Whole groups an over-provisioned training rollout becomes ready with (its request's
-    ``n_prompts``); None: the rollout waits for every planned sample."""
-    request = state.request
-    if request is None or request.kind is not RolloutKind.TRAIN:
-        return None
-    if request.n_planned_prompts <= request.n_prompts:
-        return None
-    return request.n_prompts
-
-
-@dataclass(frozen=True, slots=True)
-class Selection:
-    """The groups a ready rollout is made of: their samples (index order) and the tail --
-    the other samples of an over-provisioned rollout (index order)."""
-
-    samples: list[SampleState]
-    tail: list[str]
-
-
-def select_groups(state: RolloutState) -> Selection | None:
-    """The rollout's groups once it may become ready (None: not yet).
-
-    Without over-provisioning that is every sample, once every planned sample is terminal.
-    With it, the first ``n_prompts`` groups to become whole (every sample terminal), in the
-    order the log made them whole -- a pure function of the rollout stream, so a replay
-    selects the same groups; every other sample is the tail."""
-    planned = state.planned
-    if planned is None or len(state.samples) < planned.n_samples:
-        return None
-    need = groups_needed(state)
-    if need is None or need >= len(state.group_size):
-        if not state.all_terminal():
-            return None
-        return Selection(state.ordered(), [])
-    if len(state.completed_groups) < need:
-        return None
-    chosen = set(state.completed_groups[:need])
-    ordered = state.ordered()
-    return Selection(
-        [s for s in ordered if s.task.group_index in chosen],
-        [s.sample_id for s in ordered if s.task.group_index not in chosen],
-    )
-
-
-def _sampled_versions(done: SampleCompleted) -> np.ndarray:
-    """The weight version of each sampled (loss-masked) token; -1 where unknown."""
-    sampled = done.loss_mask.numpy().astype(bool)
-    if not len(done.token_versions):
-        return np.full(int(sampled.sum()), UNKNOWN_VERSION, dtype=np.int64)
-    versions: np.ndarray = done.token_versions.numpy()[sampled].astype(np.int64)
-    return versions
-
-
-def stale_split(
-    samples: list[SampleState], floor: int | None
-) -> tuple[list[SampleState], list[SampleState], int]:
-    """``(fresh, stale, stale_tokens)``: the samples that meet the staleness bound
-    ``floor`` and those that do not, with the stale ones' sampled tokens.
-
-    A completed sample is stale when any sampled token comes from a version older than
-    ``floor`` or from an unknown version (:func:`version_meets`); a sample the worker ended
-    as ``stale`` (it could no longer meet the bound) is stale too. Observation tokens are
-    not sampled and never count. Without a bound every sample is fresh."""
-    if floor is None:
-        return samples, [], 0
-    fresh: list[SampleState] = []
-    stale: list[SampleState] = []
-    tokens = 0
-    for s in samples:
-        aborted = s.aborted
-        if aborted is not None:
-            (stale if aborted.abort_class is AbortClass.STALE else fresh).append(s)
-            continue
-        done = s.completed
-        if done is None:
-            fresh.append(s)
-            continue
-        versions = _sampled_versions(done)
-        bad = (versions < 0) | (versions < floor)
-        if bad.any():
-            stale.append(s)
-            tokens += len(versions)
-        else:
-            fresh.append(s)
-    return fresh, stale, tokens
-
-
-def decide_capture(
-    state: RolloutState, *, top_k: int = 20, trainer_version: int | None = None
-) -> CaptureRequested | None:
-    """The teacher capture to ask for, once the rollout's groups are terminal (None: nothing
-    to ask)."""
-    if state.ready is not None or state.failed is not None or not _needs_teacher(state):
-        return None
-    selection = select_groups(state)
-    if selection is None:
-        return None
-    fresh, _, _ = stale_split(selection.samples, staleness_floor(state.request, trainer_version))
-    kept, _ = apply_filters(state, fresh)
-    missing = _unscored(state, kept)
-    if not missing:
-        return None
-    assert state.rollout_id is not None
-    return CaptureRequested(rollout_id=state.rollout_id, sample_ids=missing, top_k=top_k)
-
-
-def ready_metrics(
-    state: RolloutState,
-    kept: list[str],
-    dropped: list[str],
-    samples: list[SampleState] | None = None,
-) -> dict[str, float]:
-    """Counts, reward statistics, failure-class counts and per-dataset eval metrics of
-    ``samples`` (default: every sample; a partial rollout passes its selected groups')."""
-    chosen = state.ordered() if samples is None else samples
-    rows = [row_of(s) for s in chosen]
-    n = len(rows)
-    completed = [s.completed for s in chosen if s.completed is not None]
-    out: dict[str, float] = {
-        "n_samples": float(n),
-        "n_kept": float(len(kept)),
-        "n_dropped": float(len(dropped)),
-        "n_completed": float(len(completed)),
-        "n_aborted": float(n - len(completed)),
-        "reward_mean": sum(r.reward for r in rows) / n if n else 0.0,
-        "abort_rate": (n - len(completed)) / n if n else 0.0,
-        "response_length_mean": (
-            sum(len(c.response_ids) for c in completed) / len(completed) if completed else 0.0
-        ),
-    }
-    for cls in FailureClass:
-        count = sum(1 for r in rows if r.failure_class is cls)
-        if count or not cls.engine_ended:  # the engine's own classes only when present
-            out[f"class/{cls.value}"] = float(count)
-    kind = state.request.kind if state.request is not None else RolloutKind.TRAIN
-    prefix = "eval" if kind is RolloutKind.EVAL else "rollout"
-    out.update(eval_metrics(state, prefix=prefix, rows=rows))
-    return out
-
-
-def version_spread(state: RolloutState, kept: list[str]) -> dict[str, int]:
-    """Sampled tokens (loss mask 1) of the kept completed samples per weight version, keyed
-    as strings; tokens of samples recorded without versions count as unknown (``"-1"``)."""
-    counts: Counter[int] = Counter()
-    for sid in kept:
-        sample = state.samples.get(sid)
-        done = sample.completed if sample is not None else None
-        if done is None:
-            continue
-        values, n = np.unique(_sampled_versions(done), return_counts=True)
-        counts.update(dict(zip(values.tolist(), n.tolist(), strict=True)))
-    return {str(v): counts[v] for v in sorted(counts)}
-
-
-def decide_ready(state: RolloutState, trainer_version: int | None = None) -> RolloutReady | None:
-    """The rollout's ``RolloutReady``, or None while it is not ready (or already decided).
-
-    Ready means: the plan is complete, the rollout's groups are terminal (every sample, or
-    the first ``n_prompts`` whole groups of an over-provisioned rollout:
-    :func:`select_groups`), and -- when the request needs teacher logprobs -- every kept
-    completed sample has its ``TeacherScored``. ``trainer_version`` is the highest
-    ``PolicyVersionPublished`` version the finalizer has read (None: none); with the
-    request's ``max_staleness`` it fixes the bound (:func:`stale_split`). The decision is a
-    pure function of the folded stream and ``trainer_version``, and the ``RolloutReady``
-    records the version it used, so it can be re-derived from the log.
-    """
-    if state.ready is not None or state.failed is not None:
-        return None
-    selection = select_groups(state)
-    if selection is None:
-        return None
-    request = state.request
-    floor = staleness_floor(request, trainer_version)
-    fresh, stale, stale_tokens = stale_split(selection.samples, floor)
-    kept, dropped = apply_filters(state, fresh)
-    if _needs_teacher(state) and _unscored(state, kept):
-        return None
-    routed = route(state, kept, dropped)  # route -> shape (engine.projections.lanes)
-    kept, dropped = routed.kept, routed.dropped
-    chosen = selection.samples
-    n_completed = sum(1 for s in chosen if s.completed is not None)
-    metrics = {**ready_metrics(state, kept, dropped, chosen), **(routed.metrics or {})}
-    current = None
-    if floor is not None:
-        assert request is not None and request.max_staleness is not None
-        current = floor + request.max_staleness
-        metrics["n_stale"] = float(len(stale))
-        metrics["stale_tokens"] = float(stale_tokens)
-    if selection.tail:
-        metrics["n_tail"] = float(len(selection.tail))
-    assert state.rollout_id is not None
-    return RolloutReady(
-        rollout_id=state.rollout_id,
-        iteration=request.iteration if request is not None else 0,
-        kind=request.kind if request is not None else RolloutKind.TRAIN,
-        policy_version=request.policy_version if request is not None else 0,
-        sample_ids=kept,
-        dropped_sample_ids=dropped,
-        dummy=not kept,
-        n_completed=n_completed,
-        n_aborted=len(chosen) - n_completed,
-        metrics=metrics,
-        version_tokens=version_spread(state, kept),
-        gbs_scale=routed.gbs_scale,
-        trainer_version=current,
-        stale_sample_ids=[s.sample_id for s in stale],
-        stale_tokens=stale_tokens,
-        tail_sample_ids=selection.tail,
-        tail_carried=bool(selection.tail) and request is not None and request.tail == "carry",
-    )
-
-
+# The lifecycle events of a carried sample copied from the stream it runs in.
 _RELAYED = (SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored)
-
-
-def carried_sources(state: RolloutState | DecisionState) -> dict[str, set[str]]:
-    """Per rollout a carried sample runs in, the ids of this rollout's carried samples.
-    From the compact state (the finalizer's) it is kept as the tasks are folded; from the
-    full state it is a scan of every sample."""
-    if isinstance(state, DecisionState):
-        return compact.carried_sources(state)
-    out: dict[str, set[str]] = defaultdict(set)
-    for s in state.samples.values():
-        if s.task.carried_from is not None:
-            out[s.task.carried_from].add(s.sample_id)
-    return dict(out)
-
-
-def tail_carried(state: RolloutState, ready: RolloutReady) -> TailCarried | None:
-    """The ``TailCarried`` (for ``rl:data``) of a rollout ready with a carried tail."""
-    request = state.request
-    if not ready.tail_carried or request is None or request.request_stream is None:
-        return None
-    return TailCarried(
-        rollout_id=ready.rollout_id,
-        request_stream=request.request_stream,
-        tasks=[state.samples[sid].task for sid in ready.tail_sample_ids],
-    )
-
-
-def tail_aborts(state: RolloutState, ready: RolloutReady) -> list[SampleAborted]:
-    """The ``SampleAborted`` (``tail_aborted``) of every tail sample still without a
-    terminal event, for a request whose tail is aborted; appended with the
-    ``RolloutReady`` in one step (index order)."""
-    if not ready.tail_sample_ids or ready.tail_carried:
-        return []
-    out: list[SampleAborted] = []
-    for sid in ready.tail_sample_ids:
-        s = state.samples[sid]
-        if s.done:
-            continue
-        out.append(
-            SampleAborted(
-                rollout_id=ready.rollout_id,
-                sample_id=sid,
-                attempt=max(s.attempt, 0),
-                abort_class=AbortClass.TAIL_ABORTED,
-                error=(
-                    "tail of an over-provisioned rollout: it became ready with "
-                    f"{len(ready.sample_ids) + len(ready.dropped_sample_ids)} samples of its "
-                    "first whole groups"
-                ),
-                turns=len(s.turns),
-            )
-        )
-    return out
 
 
 # ---------------------------------------------------------------- the shell
@@ -488,23 +191,6 @@ class FinalizerConfig:
 
 Outcome = RolloutReady | RolloutFailed
 _Copied = Outcome | CaptureRequested | TailCarried  # what a finalizer copies to the plane
-
-
-def worth_deciding(state: RolloutState) -> bool:
-    """A cheap test, from the fold's counters, that a decision may be due: every planned
-    sample is terminal (an over-provisioned rollout: enough groups are whole) and, once a
-    capture was asked for, as many samples are scored as it asked for.
-    :func:`decide_capture` and :func:`decide_ready` then check in full."""
-    planned = state.planned
-    if planned is None:
-        return False
-    need = groups_needed(state)
-    if need is not None and len(state.samples) >= planned.n_samples:
-        if len(state.completed_groups) < need:
-            return False
-    elif state.n_terminal < planned.n_samples:
-        return False
-    return state.capture is None or state.n_scored >= len(state.capture.sample_ids)
 
 
 class _Follower:
@@ -667,7 +353,7 @@ class Finalizer:
             while not f.state.decided:
                 await f.read()
                 if relay is None and f.state.planned is not None:
-                    sources = compact.carried_sources(f.state)
+                    sources = carried_sources(f.state)
                     if sources:
                         relay = asyncio.create_task(self._relay(f.stream, sources))
                 if f.state.capture is not None and not f.state.decided:
@@ -677,7 +363,7 @@ class Finalizer:
                 failed = f.verify.failed(rollout_id) if not f.state.decided else None
                 if failed is not None:  # a re-score past its threshold fails the rollout loudly
                     await self._append(f, [failed], (self.names.control, failed))
-                elif not f.state.decided and compact.worth_deciding(f.state):
+                elif not f.state.decided and worth_deciding(f.state):
                     await self._decide(f)
         finally:
             if relay is not None:
@@ -686,7 +372,7 @@ class Finalizer:
                     await relay
         if f.state.ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
             await self._ensure_copy(f, self.names.control, f.state.ready)
-            carried = compact.tail_carried(f.state, f.state.ready)
+            carried = tail_carried(f.state, f.state.ready)
             if carried is not None:  # the next request of the stream takes it over
                 await self._ensure_copy(f, self.names.data, carried)
         elif f.state.failed is not None and f.state.failed == f.verify.failed(rollout_id):
@@ -732,22 +418,22 @@ class Finalizer:
 
     async def _decide(self, f: _Follower) -> None:
         trainer_version = await self._trainer_version(f.state)
-        capture = compact.decide_capture(
+        capture = decide_capture(
             f.state, top_k=self.config.top_k, trainer_version=trainer_version
         )
         if capture is not None:
             if f.state.capture is None:  # asked once; then wait for its TeacherScored
                 await self._append(f, [capture], (self.names.capture, capture))
             return
-        ready = compact.decide_ready(f.state, trainer_version)
+        ready = decide_ready(f.state, trainer_version)
         if ready is not None and f.verify.by_sample:
             ready = ready.model_copy(update={"metrics": {**ready.metrics, **f.verify.metrics()}})
         if ready is not None:
             # An aborted tail is recorded in the same step (after the RolloutReady, so the
             # artifacts -- folded up to the RolloutReady -- do not depend on it).
-            events: list[Event] = [ready, *compact.tail_aborts(f.state, ready)]
+            events: list[Event] = [ready, *tail_aborts(f.state, ready)]
             also: list[tuple[str, _Copied]] = [(self.names.control, ready)]
-            carried = compact.tail_carried(f.state, ready)
+            carried = tail_carried(f.state, ready)
             if carried is not None:  # the next request of the stream takes it over
                 also.append((self.names.data, carried))
             await self._append(f, events, *also)

@@ -33,6 +33,7 @@ from engine.events import (
     TurnCompleted,
 )
 from engine.projections.base import fold, start
+from engine.projections.decision import DecisionProjection
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import trainer_samples
 from engine.sandbox import LocalSandboxProvider
@@ -164,9 +165,9 @@ async def test_a_mid_episode_update_changes_the_recorded_versions_and_logprobs(
     done = next(e for e in events if isinstance(e, SampleCompleted))
     assert done.token_versions == result.response_versions
     envs = [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
+    decision = DecisionProjection()
+    ready = decide_ready(fold(decision, start(decision), envs).state)
     projection = RolloutProjection()
-    state = fold(projection, start(projection), envs).state
-    ready = decide_ready(state)
     assert ready is not None
     assert ready.version_tokens == {"0": b0 - a0, "1": b1 - a1}
     (sample,) = trainer_samples(fold(projection, start(projection), [

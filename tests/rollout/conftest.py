@@ -34,6 +34,7 @@ from engine.events import (
 )
 from engine.events import connect as redis_connect
 from engine.projections.base import fold, start
+from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from tests.conftest import ClientFactory
 from tests.redis_server import RedisServer
@@ -56,6 +57,13 @@ def envelopes(events: Sequence[Event]) -> list[Envelope]:
 def rollout_state(events: Sequence[Event]) -> RolloutState:
     """The rollout projection folded over ``events``: what the finalizer decides from."""
     projection = RolloutProjection()
+    return fold(projection, start(projection), envelopes(events)).state
+
+
+def decision_state(events: Sequence[Event]) -> DecisionState:
+    """The compact decision projection folded over ``events``: what the finalizer decides
+    from (``engine.projections.decision``)."""
+    projection = DecisionProjection()
     return fold(projection, start(projection), envelopes(events)).state
 
 

@@ -41,6 +41,7 @@ from engine.events.codec import decode, encode
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start
 from engine.projections.data_cursor import DataCursorProjection, DataState
+from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import render_artifacts
 from tests.redis_server import RedisServer
@@ -56,6 +57,13 @@ def _planner(tmp_path: Path) -> Planner:
 def _fold(events: list[Event]) -> RolloutState:
     envs = [Envelope("s", f"{i + 1}-0", decode(encode(ev))) for i, ev in enumerate(events)]
     projection = RolloutProjection()
+    return fold(projection, start(projection), envs).state
+
+
+def _decide(events: list[Event]) -> DecisionState:
+    """The compact decision fold over ``events`` (what the finalizer decides from)."""
+    envs = [Envelope("s", f"{i + 1}-0", decode(encode(ev))) for i, ev in enumerate(events)]
+    projection = DecisionProjection()
     return fold(projection, start(projection), envs).state
 
 
@@ -85,7 +93,7 @@ def test_the_next_request_of_the_stream_takes_the_carried_groups_over(tmp_path: 
     # groups 3 and 0 become whole first; group 1 is half done, group 2 not started
     a_events: list[Event] = plan_a.rollout_events()
     a_events += [_done("A", plan_a.sample_ids[i]) for i in (6, 7, 0, 2, 1)]
-    state_a = _fold(a_events)
+    state_a = _decide(a_events)
     ready_a = decide_ready(state_a)
     assert ready_a is not None and ready_a.tail_carried
     assert ready_a.tail_sample_ids == [plan_a.sample_ids[i] for i in (2, 3, 4, 5)]
@@ -122,11 +130,11 @@ def test_the_next_request_of_the_stream_takes_the_carried_groups_over(tmp_path: 
 
     # B is decided by its own stream: the copies of the carried samples' events in it
     b_events: list[Event] = plan_b.rollout_events()
-    b_state = _fold(b_events)
+    b_state = _decide(b_events)
     assert carried_sources(b_state) == {"A": set(ready_a.tail_sample_ids)}
     b_events += [_done("B", t.sample_id) for t in own]
     b_events += [_done("A", t.sample_id) for t in taken]  # relayed from A's stream
-    b_state = _fold(b_events)
+    b_state = _decide(b_events)
     ready_b = decide_ready(b_state)
     assert ready_b is not None
     assert ready_b.sample_ids == [t.sample_id for t in tasks]

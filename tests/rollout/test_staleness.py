@@ -45,6 +45,7 @@ from engine.events import connect as redis_connect
 from engine.ops.inspection import status_lines
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start
+from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import render_artifacts
 from tests.redis_server import RedisServer
@@ -210,12 +211,15 @@ async def wait_ready(log: EventLog, rollout_id: str, timeout: float = 90.0) -> R
     return await asyncio.wait_for(follow(), timeout)
 
 
-async def fold_until_ready(log: EventLog, rollout_id: str) -> tuple[RolloutState, RolloutState]:
-    """The rollout folded up to and including its RolloutReady, and up to just before."""
+async def fold_until_ready(
+    log: EventLog, rollout_id: str
+) -> tuple[DecisionState, RolloutState]:
+    """The decision fold up to just before the rollout's RolloutReady (what the finalizer
+    decided from), and the rollout folded up to and including it."""
     envs = await log.read_all(log.names.rollout(rollout_id))
     at = next(i for i, e in enumerate(envs) if isinstance(e.event, RolloutReady))
-    projection = RolloutProjection()
-    before = fold(projection, start(projection), envs[:at]).state
+    decision = DecisionProjection()
+    before = fold(decision, start(decision), envs[:at]).state
     projection = RolloutProjection()
     upto = fold(projection, start(projection), envs[: at + 1]).state
     return before, upto
