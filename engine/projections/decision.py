@@ -57,13 +57,11 @@ from engine.events.catalog import (
 from engine.outcomes import AbortClass, FailureClass, TerminationReason
 from engine.projections.lanes import (
     CeChunk,
-    CePlan,
     Lane,
     Routed,
     ce_chunks,
-    ce_order,
-    max_seq_len_of,
     needs_teacher,
+    plan_ce,
     request_lane,
 )
 from engine.projections.rollout import staleness_floor
@@ -493,27 +491,13 @@ def route(state: DecisionState, kept: list[str], dropped: list[str]) -> Routed:
     request = state.request
     if request_lane(request) is not Lane.CE:
         return Routed(kept=kept, dropped=dropped)
-    limit = max_seq_len_of(request)
-    chunks: list[CeChunk] = []
-    too_long: list[str] = []
-    n_traj = 0
-    for sid in kept:
-        b = state.samples.get(sid)
-        if b is None or not b.completed:
-            continue
-        mine = b.ce or ()
-        if limit is not None and any(c.n_tokens > limit for c in mine):
-            too_long.append(sid)
-            continue
-        if mine:
-            n_traj += 1
-            chunks.extend(mine)
-    seed = request.seed if request is not None else 0
-    iteration = request.iteration if request is not None else 0
-    plan = CePlan(
-        chunks=tuple(ce_order(chunks, seed=seed, iteration=iteration)),
-        too_long=tuple(too_long),
-        n_trajectories=n_traj,
+    plan = plan_ce(
+        request,
+        (
+            (sid, b.ce or ())
+            for sid in kept
+            if (b := state.samples.get(sid)) is not None and b.completed
+        ),
     )
     gone = set(plan.too_long)
     samples = state.samples

@@ -39,7 +39,7 @@ The lanes
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -63,6 +63,7 @@ __all__ = [
     "ce_chunks",
     "ce_order",
     "ce_plan",
+    "plan_ce",
     "Routed",
     "action_mask_of",
     "lane_of",
@@ -267,17 +268,28 @@ def ce_order(chunks: Iterable[CeChunk], *, seed: int, iteration: int) -> list[Ce
 def ce_plan(state: RolloutState, kept: Sequence[str]) -> CePlan:
     """Expand the kept completed samples (aborted ones have no trajectory to expand): a
     trajectory whose chunks include one over ``max_seq_len`` is dropped atomically."""
-    request = state.request
+
+    def expanded() -> Iterator[tuple[str, Sequence[CeChunk]]]:
+        for sid in kept:
+            s: SampleState | None = state.samples.get(sid)
+            done = s.completed if s is not None else None
+            if done is not None:
+                yield sid, ce_chunks(done)
+
+    return plan_ce(state.request, expanded())
+
+
+def plan_ce(
+    request: RolloutRequested | None, trajectories: Iterable[tuple[str, Sequence[CeChunk]]]
+) -> CePlan:
+    """The CE plan of completed trajectories (sample id, its SFT chunks), in kept order: one
+    with a chunk over ``max_seq_len`` is dropped whole; the rest are shuffled per iteration.
+    The one rule both the loader (whole samples) and the finalizer (compact records) use."""
     limit = max_seq_len_of(request)
     chunks: list[CeChunk] = []
     too_long: list[str] = []
     n_traj = 0
-    for sid in kept:
-        s: SampleState | None = state.samples.get(sid)
-        done = s.completed if s is not None else None
-        if done is None:
-            continue
-        mine = ce_chunks(done)
+    for sid, mine in trajectories:
         if limit is not None and any(c.n_tokens > limit for c in mine):
             too_long.append(sid)
             continue
