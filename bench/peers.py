@@ -64,10 +64,10 @@ from bench.rollout import (  # noqa: E402
     cpu_seconds,
     cpu_with_children,
     descendants,
+    episode_sample,
 )
 from bench.rollout_evaluators import BATCH_SIZE, ZeroLatencyAgent  # noqa: E402
-from engine.agents.base import EpisodeContext  # noqa: E402
-from engine.domain import SamplingParams, StoppingCriteria, Task  # noqa: E402
+from engine.domain import Task  # noqa: E402
 from engine.ops.embedded import start_redis_server  # noqa: E402
 from engine.sample import Sample  # noqa: E402
 
@@ -95,24 +95,7 @@ def batches(tasks: Sequence[Task]) -> list[list[Task]]:
 async def run_batch(agent: ZeroLatencyAgent, tasks: Sequence[Task]) -> list[Sample]:
     """One batch the way a worker of the seeds runs it: init -> run -> eval -> cleanup per
     sample, all of the batch's samples at once, a ``Sample`` per task."""
-    tmp = Path(tempfile.gettempdir())
-    stopping, sampling = StoppingCriteria(), SamplingParams()
-
-    async def one(task: Task) -> Sample:
-        ctx = EpisodeContext(
-            rollout_id=task.rollout_id, sample_id=task.sample_id, attempt=1,
-            stopping=stopping, sampling_params=sampling, tmp_dir=tmp,
-        )
-        episode = agent.episode(task)
-        try:
-            await episode.init(ctx)
-            result = await episode.run(ctx)
-            reward = await episode.eval(ctx, result)
-        finally:
-            await episode.cleanup(ctx)
-        return Sample.from_agent_result(task, result, reward)
-
-    return list(await asyncio.gather(*(one(t) for t in tasks)))
+    return list(await asyncio.gather(*(episode_sample(agent, t) for t in tasks)))
 
 
 # ---------------------------------------------------------------------- figures

@@ -212,6 +212,26 @@ class EngineArm:
         self.redis.stop()
 
 
+async def episode_sample(agent: ZeroLatencyAgent, task: Task) -> Sample:
+    """One sample the way a worker of the seeds runs it: init -> run -> eval -> cleanup, then
+    a ``Sample`` of the task (the in-process baseline's and the Ray / rq arms' episode)."""
+    ctx = EpisodeContext(
+        rollout_id=task.rollout_id, sample_id=task.sample_id, attempt=1,
+        stopping=_STOPPING, sampling_params=_SAMPLING, tmp_dir=Path(tempfile.gettempdir()),
+    )
+    episode = agent.episode(task)
+    try:
+        await episode.init(ctx)
+        result = await episode.run(ctx)
+        reward = await episode.eval(ctx, result)
+    finally:
+        await episode.cleanup(ctx)
+    return Sample.from_agent_result(task, result, reward)
+
+
+_STOPPING, _SAMPLING = StoppingCriteria(), SamplingParams()
+
+
 async def inprocess(n_samples: int) -> float:
     """Samples/s of the seeds' architecture: one asyncio loop, no events."""
     agent = ZeroLatencyAgent()
@@ -221,23 +241,9 @@ async def inprocess(n_samples: int) -> float:
              source_line=1)
         for i in range(n_samples)
     ]
-    tmp = Path(tempfile.gettempdir())
-    stopping, sampling = StoppingCriteria(), SamplingParams()
-
     async def one(task: Task, sem: asyncio.Semaphore) -> Sample:
         async with sem:
-            ctx = EpisodeContext(
-                rollout_id=task.rollout_id, sample_id=task.sample_id, attempt=1,
-                stopping=stopping, sampling_params=sampling, tmp_dir=tmp,
-            )
-            episode = agent.episode(task)
-            try:
-                await episode.init(ctx)
-                result = await episode.run(ctx)
-                reward = await episode.eval(ctx, result)
-            finally:
-                await episode.cleanup(ctx)
-            return Sample.from_agent_result(task, result, reward)
+            return await episode_sample(agent, task)
 
     t0 = time.perf_counter()
     sems = [asyncio.Semaphore(BATCH_SIZE) for _ in range(0, n_samples, BATCH_SIZE)]
