@@ -6,8 +6,9 @@ One workload, three ways of dispatching it (issue 16, point 4). ``--samples`` sa
 zero-latency agent and once with an agent whose ``run`` sleeps ``--slow-ms`` (50 ms) first:
 
 * ``engine``: bench/rollout.py's arm -- a redis-server, the scheduler, the evaluator workers
-  and a finalizer as processes; the trainer requests, waits for ``RolloutReady`` and loads
-  the samples (``client.load``). Every event is in Redis before it counts.
+  and a finalizer as processes; the trainer requests and gets the samples with
+  ``client.wait_load`` (the ready event and the samples, the stream folded while it is
+  written, as ``RefillLoop`` does). Every event is in Redis before it counts.
 * ``ray``: the slime / verl shape. ``ray.init`` on this machine; one async Ray actor per
   worker (``max_concurrency`` 8); the driver splits the tasks into batches, sends each batch
   as one actor call, round robin, and gathers the returned ``Sample`` lists with
@@ -17,10 +18,12 @@ zero-latency agent and once with an agent whose ``run`` sleeps ``--slow-ms`` (50
   into Redis; the driver waits for each job's result.
 
 Per arm and agent: samples/s from the first dispatch to every sample in the driver's
-hands (for the engine: request -> ``RolloutReady`` -> ``load`` done; the request -> ready
-rate is printed beside it), and CPU per sample: the user + system time, read from
-``/proc``, of everything that is not the store -- the driver (this process), the workers,
-and for the engine its scheduler and finalizer. The store's CPU is reported beside it
+hands (for the engine: request -> ``wait_load`` done; beside it, from a second rollout of
+the same size, ``sequential_samples_per_s`` (``wait_ready`` then ``load``, one after the
+other), ``ready_samples_per_s`` (request -> ready) and ``load_s``), and CPU per sample: the
+user + system time, read from ``/proc``, of everything that is not the store -- the driver
+(this process), the workers, and for the engine its scheduler and finalizer. The store's
+CPU is reported beside it
 (redis-server for the engine and rq; Ray's own daemons -- gcs_server, raylet and the other
 processes ``ray.init`` starts -- for Ray).
 
@@ -128,18 +131,21 @@ async def engine_arm(n: int, workers: int, latency_ms: float) -> dict[str, Any]:
         arm.start()
         try:
             await arm.rollout(max(PER_PROMPT * 64, n // 10))  # warm-up
+            # request -> ready, then load: the rates of the two steps apart
+            seq = await arm.rollout(n)
+            # wait_load, the trainer's way (RefillLoop): the load overlaps the rollout
             drv0 = time.process_time()
-            r = await arm.rollout(n)
+            r = await arm.rollout(n, overlap=True)
             driver = time.process_time() - drv0
         finally:
             await arm.close()
-    wall = r["wall_s"] + r["load_s"]
     cpu = (r["engine_cpu_ms_per_sample"] * n / 1000) + driver
     return figures(
-        n, wall, cpu, r["redis_cpu_ms_per_sample"] * n / 1000,
-        ready_samples_per_s=round(r["samples_per_s"], 1),
+        n, r["wall_s"], cpu, r["redis_cpu_ms_per_sample"] * n / 1000,
         engine_cpu_ms_per_sample=round(r["engine_cpu_ms_per_sample"], 4),
-        load_s=round(r["load_s"], 3),
+        sequential_samples_per_s=round(n / (seq["wall_s"] + seq["load_s"]), 1),
+        ready_samples_per_s=round(seq["samples_per_s"], 1),
+        load_s=round(seq["load_s"], 3),
     )
 
 
@@ -427,7 +433,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         for key, lat in latencies.items():
             record("engine", key, lambda lat=lat: asyncio.run(engine_arm(n, w, lat)))
         slow = results["engine"][f"{args.slow_ms:g}ms"]
-        after = KILL_AT * (slow["wall_s"] - slow["load_s"])  # while samples still run
+        after = KILL_AT * n / slow["ready_samples_per_s"]  # while samples still run
         losses["engine"] = asyncio.run(engine_kill(n, w, args.slow_ms, after))
         _log(f"engine kill: {json.dumps(losses['engine'])}")
     if "ray" in arms:

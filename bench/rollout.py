@@ -140,7 +140,11 @@ class EngineArm:
         proc = self.redis._proc
         return cpu_seconds(proc.pid) if proc is not None else 0.0
 
-    async def rollout(self, n_samples: int) -> dict[str, float]:
+    async def rollout(self, n_samples: int, *, overlap: bool = False) -> dict[str, float]:
+        """One rollout of ``n_samples``: request -> ready (``wall_s``, and the engine's CPU
+        over it), then ``load`` (``load_s``). ``overlap``: ``client.wait_load`` instead, which
+        folds the stream while it is written: ``wall_s`` is request -> samples loaded and
+        ``load_s`` is 0."""
         if self.client is None:
             self.client = RolloutClient.connect(self.redis.url, block_ms=1000)
         client = self.client
@@ -154,7 +158,10 @@ class EngineArm:
         )
         if not self.real_scheduler:
             play_cpu = await self._play(rid)
-        ready = await client.wait_ready(rid, timeout=600)
+        if overlap:
+            ready, samples = await client.wait_load(rid, timeout=600)
+        else:
+            ready = await client.wait_ready(rid, timeout=600)
         wall = time.perf_counter() - t0
         by1 = self.cpu_by_process()
         cpu = sum(by1.values()) - cpu0 + play_cpu
@@ -163,7 +170,8 @@ class EngineArm:
         }
         redis_cpu = self.redis_cpu() - redis0
         t1 = time.perf_counter()
-        samples = await client.load(rid)
+        if not overlap:
+            samples = await client.load(rid)
         load_s = time.perf_counter() - t1
         if ready.n_completed != n_samples or len(samples) != n_samples:
             raise RuntimeError(f"rollout {rid}: {ready.n_completed} of {n_samples} completed")

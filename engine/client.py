@@ -20,6 +20,13 @@ Contract
   (:class:`engine.projections.loading.LoadFold`: tasks, first terminals, teacher scorings,
   stored prompts, the request and the ready event; the rest is not even decoded), with
   the cyclic collector paused while it builds.
+* ``wait_load(rollout_id)`` is ``wait_ready`` followed by ``load``, overlapped: while it
+  waits on ``rl:control``, a second task folds the rollout stream into the same
+  ``LoadFold`` as the entries are appended (blocking reads, pages of raw entries), so when
+  the ready event comes only the last entries are left to read and the samples to build.
+  Same result, same errors. As in ``load``, the cyclic collector is paused for the call
+  (which here includes the wait; what the fold reads is kept, and collections would only
+  re-scan it). ``RefillLoop`` uses it.
 * ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
   of ``chunk_size``, streaming: a first pass over the stream keeps only a compact index of
   where each sample's entries are (:class:`engine.projections.loading.IndexFold`), then
@@ -44,6 +51,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -338,6 +346,61 @@ class RolloutClient:
         await self._scan(stream, fold)
         return trainer_samples(fold.state())
 
+    async def wait_load(
+        self, rollout_id: str, timeout: float | None = None
+    ) -> tuple[RolloutReady, list[Sample]]:
+        """``wait_ready`` and then ``load``, in one call that overlaps them: while it waits,
+        the rollout stream is folded as it is written (see the module docstring). Returns
+        what ``wait_ready(rollout_id, timeout)`` and then ``load(rollout_id)`` return, and
+        raises what they raise."""
+        stream = self.names.rollout(rollout_id)
+        with gc_paused():  # as in load: what is read is kept, and it is read while waiting
+            return await self._wait_load(rollout_id, stream, timeout)
+
+    async def _wait_load(
+        self, rollout_id: str, stream: str, timeout: float | None
+    ) -> tuple[RolloutReady, list[Sample]]:
+        fold = LoadFold()
+        waited = asyncio.Event()
+        follow = asyncio.create_task(self._follow(stream, fold, waited))
+        try:
+            ready = await self.wait_ready(rollout_id, timeout)
+        except BaseException:
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+            raise
+        waited.set()
+        position = await follow
+        return ready, await self._finish_load(stream, fold, position)
+
+    async def _finish_load(self, stream: str, fold: LoadFold, position: str) -> list[Sample]:
+        # The entries past what the follower folded (the rest of a page, an aborted tail
+        # recorded after the RolloutReady), then the samples; the fold is freed on return.
+        start = "-" if position == EMPTY_ID else exclusive(position)
+        await self._scan(stream, fold, start=start)
+        return trainer_samples(fold.state())
+
+    async def _follow(self, stream: str, fold: LoadFold, waited: asyncio.Event) -> str:
+        """Fold ``stream`` into ``fold`` as it is written, with blocking reads, until the
+        fold holds the rollout's ``RolloutReady`` or ``waited`` is set (the control plane
+        has the ready event: the rollout stream had it first, unless it is gone); returns
+        the id of the last entry folded. An outage pauses it (``wait_ready`` rides it out
+        and says when it is over); what it missed, ``_finish_load`` reads."""
+        position = EMPTY_ID
+        backoff = Backoff(first_s=0.5, max_s=5.0)
+        while fold.ready is None and not waited.is_set():
+            try:
+                rows = await self.log.tail_raw({stream: position}, count=_LOAD_PAGE)
+            except LogUnavailable as exc:
+                await asyncio.sleep(backoff.next_pause(exc))
+                continue
+            backoff.reset()
+            if rows:
+                position = rows[-1][1]
+                fold.feed((entry_id, raw) for _stream, entry_id, raw in rows)
+        return position
+
     async def iter_load(
         self, rollout_id: str, chunk_size: int = 1024
     ) -> AsyncGenerator[list[Sample], None]:
@@ -371,16 +434,22 @@ class RolloutClient:
             del samples
 
     async def _scan(
-        self, stream: str, fold: LoadFold | IndexFold, page: int = _LOAD_PAGE
+        self,
+        stream: str,
+        fold: LoadFold | IndexFold,
+        page: int = _LOAD_PAGE,
+        *,
+        start: str = "-",
     ) -> None:
-        """Fold every entry of ``stream`` into ``fold``, ``page`` raw entries at a time; the
-        next page is asked for before this one is folded, so Redis serves it meanwhile."""
+        """Fold every entry of ``stream`` from ``start`` on into ``fold``, ``page`` raw
+        entries at a time; the next page is asked for before this one is folded, so Redis
+        serves it meanwhile."""
 
         async def read(start: str) -> list[RawEntry]:
             (rows,) = await self.log.read_raw_ranges(stream, [(start, "+", page)])
             return rows
 
-        pending: asyncio.Task[list[RawEntry]] | None = asyncio.create_task(read("-"))
+        pending: asyncio.Task[list[RawEntry]] | None = asyncio.create_task(read(start))
         try:
             while pending is not None:
                 rows = await pending
@@ -483,8 +552,7 @@ class RefillLoop:
             if not self._pending:
                 return
             iteration, rid, version = self._pending.pop(0)
-            ready = await self.client.wait_ready(rid, self.timeout)
-            samples = await self.client.load(rid)
+            ready, samples = await self.client.wait_load(rid, self.timeout)
             yield Iteration(iteration, rid, ready, samples, version)
 
     async def publish(
@@ -645,6 +713,12 @@ class SyncRolloutClient:
 
     def load(self, rollout_id: str) -> list[Sample]:
         return self._runner.run(self._client.load(rollout_id))
+
+    def wait_load(
+        self, rollout_id: str, timeout: float | None = None
+    ) -> tuple[RolloutReady, list[Sample]]:
+        """See :meth:`RolloutClient.wait_load`."""
+        return self._runner.run(self._client.wait_load(rollout_id, timeout))
 
     def publish_version(self, version: int, weights_uri: str) -> None:
         """See :meth:`RolloutClient.publish_version`."""

@@ -3,8 +3,9 @@
 One iteration (``train``):
 
 1. ``client.request(iteration=i, policy_version=v, algorithm=...)`` for a training rollout;
-2. ``client.wait_ready`` (a ``RolloutFailed`` ends the run with the engine's reason);
-3. ``client.load`` and ``collate``;
+2. ``client.wait_load``: the ready event and the samples, the rollout stream folded while
+   it is written (a ``RolloutFailed`` ends the run with the engine's reason);
+3. ``collate``;
 4. the student's logprobs on the sampled tokens, the lane's loss (:func:`lane_loss`) and an
    optimizer step, ``steps_per_rollout`` times on the same batch (the metrics are the first
    step's: the loss and KL of the policy that sampled the rollout);
@@ -182,8 +183,7 @@ async def evaluate(
     rid = await client.request(iteration=iteration, n_prompts=1, kind=RolloutKind.EVAL,
                                n_samples_per_prompt=samples_per_prompt,
                                policy_version=version, seed=seed)
-    await watched(client.wait_ready(rid, timeout=timeout_s), check_alive)
-    samples = await client.load(rid)
+    _ready, samples = await watched(client.wait_load(rid, timeout=timeout_s), check_alive)
     return {"eval_" + k: v for k, v in _rewards(samples).items()} | {
         "eval_samples": float(sum(not s.remove_sample for s in samples))
     }
@@ -225,8 +225,9 @@ async def train(
             datasets=list(config.datasets) if config.datasets else None,
             knobs=config.knobs,
         )
-        ready = await watched(client.wait_ready(rid, timeout=config.timeout_s), check_alive)
-        samples = await client.load(rid)
+        ready, samples = await watched(
+            client.wait_load(rid, timeout=config.timeout_s), check_alive
+        )
         if config.algorithm in TEACHER_ALGORITHMS:
             # An aborted sample is a masked dummy without teacher logprobs; it carries no
             # gradient, and collate builds teacher_log_probs only when every row has them.
