@@ -32,8 +32,10 @@ Contract
   where each sample's entries are (:class:`engine.projections.loading.IndexFold`), then
   each chunk's entries are read back (a few ranges, one round trip) and built. A trainer
   that consumes chunk by chunk holds the index, one page of entries and one chunk, never
-  the whole rollout. The CE lane, whose sub-samples are shuffled across the whole
-  rollout, is built whole and then handed out in chunks.
+  the whole rollout. The CE lane's sub-samples are shuffled across the whole rollout: its
+  plan is made first (the completed trajectories read back a page at a time, each kept
+  as its chunks' bounds), then each chunk of the plan reads back and builds its parents
+  (a trajectory whose sub-samples fall in several chunks is read once per chunk).
 * ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
   (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
   prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
@@ -92,10 +94,12 @@ from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
 from engine.events.log import EventLog, RawEntry
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
-from engine.projections.lanes import Lane, request_lane
+from engine.projections.lanes import CeChunk, Lane, ce_chunks, plan_ce, request_lane
 from engine.projections.loading import IndexFold, LoadFold
 from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.samples import (
+    ce_samples,
+    no_terminal,
     samples_named,
     scalar_reward,
     trainer_samples,
@@ -118,6 +122,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _LOAD_PAGE = 4096  # entries per XRANGE page when loading a rollout
+_CE_PLAN_PAGE = 1024  # trajectories read back at a time to plan the CE lane (iter_load)
 
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token lanes of rollout-engine §5)."""
@@ -414,21 +419,63 @@ class RolloutClient:
             # caller's chunk size, not the rollout's.
             await self._scan(stream, index, min(_LOAD_PAGE, max(256, 4 * chunk_size)))
         ready = index.ready
-        if ready is None or ready.dummy or request_lane(index.request) is Lane.CE:
-            # Nothing to stream (no ready event: the error; a dummy: one sample), or the CE
-            # lane, whose sub-samples are shuffled across the whole rollout: built whole.
+        if ready is None or ready.dummy:
+            # Nothing to stream (no ready event: the error; a dummy: one sample).
             with gc_paused():
                 whole = await self._load(stream)
             for at in range(0, len(whole), chunk_size):
                 yield whole[at : at + chunk_size]
             return
         lane = request_lane(index.request)
+        if lane is Lane.CE:
+            async for sub_samples in self._iter_ce(stream, index, chunk_size):
+                yield sub_samples
+            return
         ids = ready.sample_ids
         for at in range(0, len(ids), chunk_size):
             part = ids[at : at + chunk_size]
             with gc_paused():
                 events = await self._read_back(stream, index, part)
                 samples = samples_named(index.chunk_state(part, events), part, lane)
+                del events
+            yield samples
+            del samples
+
+    async def _iter_ce(
+        self, stream: str, index: IndexFold, chunk_size: int
+    ) -> AsyncGenerator[list[Sample], None]:
+        """The CE lane's sub-samples, ``chunk_size`` at a time, as ``load`` orders them: the
+        plan (which trajectory gives which chunks, shuffled across the whole rollout) is made
+        from the completed trajectories read back a page at a time, each kept as its chunks'
+        bounds only; then each chunk of the plan reads back and builds its parents."""
+        ready = index.ready
+        assert ready is not None
+        for sample_id in ready.sample_ids:
+            if not index.has_terminal(sample_id):
+                raise no_terminal(index.rollout_id, sample_id)
+        completed = [sid for sid in ready.sample_ids if index.completed(sid)]
+        trajectories: list[tuple[str, list[CeChunk]]] = []
+        page = min(_CE_PLAN_PAGE, max(256, chunk_size))  # memory follows the chunk size
+        for at in range(0, len(completed), page):
+            part = completed[at : at + page]
+            with gc_paused():
+                state = index.chunk_state(part, await self._read_back(stream, index, part))
+                for sid in part:
+                    done = state.samples[sid].completed
+                    assert done is not None
+                    trajectories.append((sid, ce_chunks(done)))
+                del state
+        plan = plan_ce(index.request, trajectories).chunks
+        del trajectories
+        if not plan:
+            yield [Sample.masked_dummy(policy_version=ready.policy_version)]
+            return
+        for at in range(0, len(plan), chunk_size):
+            part_plan = plan[at : at + chunk_size]
+            parents = list(dict.fromkeys(c.sample_id for c in part_plan))
+            with gc_paused():
+                events = await self._read_back(stream, index, parents)
+                samples = ce_samples(index.chunk_state(parents, events), part_plan)
                 del events
             yield samples
             del samples

@@ -288,6 +288,16 @@ class IndexFold(_Fold):
     def _prompt(self, at: int, ev: PromptStored) -> None:
         self.prompts.setdefault(ev.prompt_key, at)
 
+    def has_terminal(self, sample_id: str) -> bool:
+        """Whether the sample is known and has a terminal event."""
+        i = self.row.get(sample_id)
+        return i is not None and self.terminal_kind[i] != 0
+
+    def completed(self, sample_id: str) -> bool:
+        """Whether the sample's first terminal event is a ``SampleCompleted``."""
+        i = self.row.get(sample_id)
+        return i is not None and self.terminal_kind[i] == _COMPLETED
+
     # ------------------------------------------------------------ the second pass
 
     def wanted(self, sample_ids: Sequence[str]) -> list[int]:

@@ -44,6 +44,8 @@ from engine.projections.rollout import RolloutState, SampleState
 from engine.sample import Sample
 
 __all__ = [
+    "ce_samples",
+    "no_terminal",
     "sample_of",
     "samples_named",
     "trainer_sample_chunks",
@@ -309,11 +311,7 @@ def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator
         # all (each parent once), then hands them out in chunks.
         for sample_id in ids:
             _check_terminal(state, sample_id)
-        plan = ce_plan(state, ids)
-        parents = {sid: sample_of(state.samples[sid]) for sid in {c.sample_id for c in plan.chunks}}
-        chunks = [
-            ce_sample(state.samples[c.sample_id], c, parents[c.sample_id]) for c in plan.chunks
-        ]
+        chunks = ce_samples(state, ce_plan(state, ids).chunks)
         if not chunks:
             yield [Sample.masked_dummy(policy_version=ready.policy_version)]
             return
@@ -330,6 +328,20 @@ def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator
             yield samples_named(state, part, lane)
 
 
+def ce_samples(state: RolloutState, chunks: Sequence[CeChunk]) -> list[Sample]:
+    """The SFT sub-samples of ``chunks`` (a CE plan's, in its order), each parent trajectory
+    built once; ``state`` holds at least their parents."""
+    parents: dict[str, Sample] = {}
+    out: list[Sample] = []
+    for c in chunks:
+        s = state.samples[c.sample_id]
+        parent = parents.get(c.sample_id)
+        if parent is None:
+            parent = parents[c.sample_id] = sample_of(s)
+        out.append(ce_sample(s, c, parent))
+    return out
+
+
 def samples_named(state: RolloutState, ids: Sequence[str], lane: Lane) -> list[Sample]:
     """The samples of ``ids``, in that order, shaped by ``lane`` (not the CE lane, whose
     sub-samples are planned over the whole rollout); raises naming the first id that has no
@@ -343,7 +355,12 @@ def samples_named(state: RolloutState, ids: Sequence[str], lane: Lane) -> list[S
 def _check_terminal(state: RolloutState, sample_id: str) -> None:
     s = state.samples.get(sample_id)
     if s is None or not s.done:
-        raise RolloutError(
-            f"rollout {state.rollout_id}: RolloutReady names {sample_id}, which has no "
-            f"terminal event in the stream"
-        )
+        raise no_terminal(state.rollout_id, sample_id)
+
+
+def no_terminal(rollout_id: str | None, sample_id: str) -> RolloutError:
+    """The error of a ready event that names a sample with no terminal event."""
+    return RolloutError(
+        f"rollout {rollout_id}: RolloutReady names {sample_id}, which has no terminal event "
+        f"in the stream"
+    )

@@ -15,7 +15,7 @@ from unittest.mock import patch
 import pytest
 
 from engine.client import RolloutClient
-from engine.errors import DecodeError
+from engine.errors import DecodeError, RolloutError
 from engine.events import Envelope, RedisEventLog, TaskJoined
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
@@ -24,7 +24,7 @@ from engine.events.redis_log import FIELD
 from engine.outcomes import SampleStatus
 from engine.projections import samples as samples_module
 from engine.projections.base import fold, start
-from engine.projections.lanes import Lane, request_lane
+from engine.projections.lanes import CE_ALGORITHMS, Lane, request_lane
 from engine.projections.loading import MARK_EVERY, IndexFold, LoadFold, type_name
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import samples_named, trainer_samples
@@ -255,6 +255,49 @@ async def test_the_lanes_are_all_covered(log: RedisEventLog) -> None:
     assert lanes == set(Lane)
 
 
+_CE_SEEDS = [0, 9, 11, 12, 24, 25, 27, 38, 40, 41, 44, 50]
+
+
+@pytest.mark.parametrize("seed", _CE_SEEDS)
+async def test_iter_load_streams_the_ce_lane_in_loads_order(
+    log: RedisEventLog, seed: int
+) -> None:
+    """The CE lane's sub-samples (planned across the whole rollout, shuffled, over-long
+    trajectories dropped: seed 12 sets ``max_seq_len``) come in ``load``'s order, whatever
+    the chunk size; a sub-samples' parent split over chunks is read back once per chunk."""
+    raw = random_stream(seed, n_samples=30)
+    index = IndexFold()
+    index.feed(_ids(raw))
+    assert request_lane(index.request) is Lane.CE
+    rollout_id = f"ce{seed}"
+    await _write(log, rollout_id, raw)
+    expected = reference(raw)
+    assert isinstance(expected, list) and len(expected) > 4
+    assert any(s.metadata["ce_chunk"] for s in expected)  # a trajectory gave several
+    client = RolloutClient(log)
+    for chunk_size in (1, 3, 1000):
+        chunks = [c async for c in client.iter_load(rollout_id, chunk_size)]
+        assert [len(c) for c in chunks[:-1]] == [chunk_size] * (len(chunks) - 1)
+        got = [s for c in chunks for s in c]
+        _same(got, expected)
+
+
+async def test_iter_load_of_the_ce_lane_names_a_missing_terminal_first(
+    log: RedisEventLog,
+) -> None:
+    """A ready event naming a sample with no terminal: the error ``load`` raises, before any
+    chunk."""
+    raw = random_stream(0, n_samples=30, ready="unknown")
+    await _write(log, "ce-missing", raw)
+    expected = reference(raw)
+    assert isinstance(expected, tuple) and expected[0] == "RolloutError"
+    got: list[list[Sample]] = []
+    with pytest.raises(RolloutError) as caught:
+        async for chunk in RolloutClient(log).iter_load("ce-missing", 1):
+            got.append(chunk)
+    assert got == [] and (type(caught.value).__name__, str(caught.value)) == expected
+
+
 async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> None:
     """Peak memory while iterating in chunks of 50 stays well under a whole ``load``'s."""
     raw = _big_plain_stream(3000)
@@ -281,9 +324,36 @@ async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> 
     assert iter_peak - base < load_peak / 10, (iter_peak - base, load_peak)
 
 
-def _big_plain_stream(n: int) -> list[bytes]:
-    """A grpo rollout of ``n`` samples with long responses (so a sample outweighs its index
-    entry, as in real rollouts)."""
+async def test_iter_load_of_the_ce_lane_holds_the_plan_and_one_chunk(
+    log: RedisEventLog,
+) -> None:
+    """The CE lane streams too: iterating in chunks of 50 peaks well under a whole load."""
+    raw = _big_plain_stream(2000, algorithm=sorted(CE_ALGORITHMS)[0])
+    await _write(log, "big", raw)
+    client = RolloutClient(log)
+    tracemalloc.start()
+    try:
+        whole = await client.load("big")
+        _, load_peak = tracemalloc.get_traced_memory()
+        assert len(whole) == 2 * 2000  # two sub-samples a trajectory
+        del whole
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        n = 0
+        async for chunk in client.iter_load("big", 50):
+            n += len(chunk)
+            del chunk
+        _, iter_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n == 2 * 2000
+    assert iter_peak - base < load_peak / 10, (iter_peak - base, load_peak)
+
+
+def _big_plain_stream(n: int, algorithm: str = "grpo") -> list[bytes]:
+    """A rollout of ``n`` samples with long responses (so a sample outweighs its index
+    entry, as in real rollouts); for the CE lane each response has two teacher segments
+    (a student turn between them), so each trajectory gives two sub-samples."""
     from engine.events import (
         RolloutReady,
         RolloutRequested,
@@ -292,7 +362,10 @@ def _big_plain_stream(n: int) -> list[bytes]:
         TaskFetched,
     )
 
-    events: list[Event] = [RolloutRequested(rollout_id="big", n_prompts=n // 8)]
+    events: list[Event] = [
+        RolloutRequested(rollout_id="big", n_prompts=n // 8, algorithm=algorithm)
+    ]
+    teacher = [1] * 128 + [0] * 128 + [1] * 256  # teacher, student turn, teacher
     for i in range(n):
         sid = f"big-{i}"
         events.append(TaskFetched(rollout_id="big", sample_id=sid, index=i, group_index=i // 8,
@@ -304,6 +377,8 @@ def _big_plain_stream(n: int) -> list[bytes]:
             rollout_id="big", sample_id=sid, prompt_ids=list(range(64)),
             response_ids=[i % 100] * 512, logprobs=[-0.5] * 512, loss_mask=[1] * 512,
             reward=1.0, response_text="x" * 256,
+            teacher_mask=teacher if algorithm != "grpo" else [],
+            student_cut_points=[128, 256] if algorithm != "grpo" else [],
         ))
     events.append(RolloutReady(rollout_id="big", sample_ids=[f"big-{i}" for i in range(n)]))
     return [encode(e) for e in events]
