@@ -385,7 +385,7 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            tmp = self._tmp_dir(sample_id, attempt)
+            tmp = _LazyTmp(self, sample_id, attempt)
             # One trajectory, one policy server (BackendPool.bind), released after cleanup.
             backends = (
                 self._backends.bind(f"{ev.rollout_id}/{sample_id}/{attempt}")
@@ -394,19 +394,20 @@ class BatchRun:
             )
             if backends is not None and guard is not None:
                 backends = _GuardedPool(backends, guard)
-            ctx = EpisodeContext(
+            ctx = _attempt_context(
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
                 attempt=attempt,
                 stopping=stopping,
                 sampling_params=sampling,
-                tmp_dir=tmp,
                 backends=backends,
                 sandboxes=self._labelled_sandboxes(sample_id, attempt),
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
+                node=None,
                 dagger_beta=self._dagger_beta,
                 t_max=self._t_max,
+                _tmp=tmp,
             )
             try:
                 rec.phase = "init"
@@ -448,7 +449,8 @@ class BatchRun:
                     else:
                         logger.warning("cleanup of %s failed after an abort: %s", sample_id, exc)
                 finally:
-                    _remove_dir(tmp)
+                    if tmp.path is not None:  # the episode asked for its directory
+                        _remove_dir(tmp.path)
                     if backends is not None:
                         backends.release()
         if failure is None and result is not None:
@@ -890,10 +892,62 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
 def _with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:
     """``dataclasses.replace(ctx, node=node)`` without re-running ``__post_init__`` (every
     other field was checked when ``ctx`` was built): a per-sample copy on the hot path."""
-    copy = _new(EpisodeContext)
+    copy = _new(type(ctx))
     copy.__dict__.update(ctx.__dict__)
     _set(copy, "node", node)
     return copy
+
+
+class _LazyTmp:
+    """An attempt's ``tmp_dir``, reserved only when the episode first reads it: most
+    episodes never do, and then no path is built and nothing is removed after cleanup.
+    ``path`` is None until then. Copies of the attempt's context share it."""
+
+    __slots__ = ("_run", "_sample_id", "_attempt", "path")
+
+    def __init__(self, run: BatchRun, sample_id: str, attempt: int) -> None:
+        self._run = run
+        self._sample_id = sample_id
+        self._attempt = attempt
+        self.path: Path | None = None
+
+    def get(self) -> Path:
+        if self.path is None:
+            self.path = self._run._tmp_dir(self._sample_id, self._attempt)
+        return self.path
+
+    @classmethod
+    def given(cls, path: Path) -> _LazyTmp:
+        tmp = _new(cls)
+        tmp.path = path
+        return tmp
+
+
+class _AttemptContext(EpisodeContext):
+    """The ``EpisodeContext`` a ``BatchRun`` builds per attempt: the same fields, with
+    ``tmp_dir`` made on first read (:class:`_LazyTmp`). Built by :func:`_attempt_context`;
+    ``dataclasses.replace`` of one (which passes ``tmp_dir``) works as on the base class."""
+
+    @property  # type: ignore[override]
+    def tmp_dir(self) -> Path:
+        tmp: _LazyTmp = self.__dict__["_tmp"]
+        return tmp.get()
+
+    @tmp_dir.setter
+    def tmp_dir(self, value: Path) -> None:  # the dataclass __init__ (replace) sets it
+        self.__dict__["_tmp"] = _LazyTmp.given(value)
+
+    def __repr__(self) -> str:
+        return EpisodeContext.__repr__(self).replace(type(self).__qualname__, "EpisodeContext", 1)
+
+
+def _attempt_context(**fields: Any) -> _AttemptContext:
+    """An :class:`_AttemptContext` of ``fields`` (every field but ``tmp_dir``, plus the
+    ``_tmp`` holder), checked like ``EpisodeContext(...)`` without its per-field setattr."""
+    ctx = _new(_AttemptContext)
+    ctx.__dict__.update(fields)
+    ctx.__post_init__()
+    return ctx
 
 
 _new = object.__new__
