@@ -72,7 +72,7 @@ from engine.actors.outcomes import (
     completed_events,
 )
 from engine.actors.verify import VerifyPolicy, selected, verify_result
-from engine.agents.base import AgentResult, EpisodeContext, Reward
+from engine.agents.base import AgentResult, EpisodeContext, Reward, noop_phase
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.pool import BackendPool
@@ -394,7 +394,7 @@ class BatchRun:
             )
             if backends is not None and guard is not None:
                 backends = _GuardedPool(backends, guard)
-            ctx = _attempt_context(
+            ctx: EpisodeContext = _attempt_context(
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
                 attempt=attempt,
@@ -439,8 +439,11 @@ class BatchRun:
             finally:
                 rec.phase = "cleanup"
                 try:
-                    async with asyncio.timeout(self._settings.cleanup_timeout_s):
+                    if noop_phase(episode, "cleanup"):  # returns at once: no timer
                         await episode.cleanup(ctx)
+                    else:
+                        async with asyncio.timeout(self._settings.cleanup_timeout_s):
+                            await episode.cleanup(ctx)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -928,7 +931,7 @@ class _AttemptContext(EpisodeContext):
     ``tmp_dir`` made on first read (:class:`_LazyTmp`). Built by :func:`_attempt_context`;
     ``dataclasses.replace`` of one (which passes ``tmp_dir``) works as on the base class."""
 
-    @property  # type: ignore[override]
+    @property
     def tmp_dir(self) -> Path:
         tmp: _LazyTmp = self.__dict__["_tmp"]
         return tmp.get()

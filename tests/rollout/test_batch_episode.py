@@ -5,12 +5,22 @@ A real ``BatchRun`` with in-process agents; events go to a list."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings
-from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.agents.base import (
+    AgentResult,
+    BaseAgent,
+    Episode,
+    EpisodeAgent,
+    EpisodeContext,
+    Reward,
+    TurnRecord,
+    noop_phase,
+)
 from engine.agents.binding import EvaluatorBinding
 from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
 from engine.events.base import Event
@@ -167,3 +177,55 @@ async def test_the_phases_run_in_order_and_cleanup_runs_after_a_failure(tmp_path
         assert agent.phases[-1] == "cleanup"
         [aborted] = [e for e in events if isinstance(e, SampleAborted)]
         assert aborted.phase == phase and f"{phase} failed" in aborted.error
+
+
+class SlowCleanupAgent(PhaseAgent):
+    async def cleanup(self, task: Task, context: EpisodeContext) -> None:
+        self.phases.append("cleanup")
+        await asyncio.sleep(3600)
+
+
+async def test_an_overriding_cleanup_is_still_cut_at_the_cleanup_timeout(tmp_path: Path) -> None:
+    agent = SlowCleanupAgent()
+    sink = ListSink()
+    profile = EvaluatorProfile(evaluator_id="e")
+    run = BatchRun(EvaluatorBinding(profile=profile, agent=agent), plan(1), sink=sink,
+                   names=StreamNames("rl"),
+                   settings=EpisodeSettings(worker_id="w", tmp_root=tmp_path,
+                                            cleanup_timeout_s=0.05))
+    await asyncio.wait_for(run.run(), 30)
+    [aborted] = [e for e in sink.events if isinstance(e, SampleAborted)]
+    assert aborted.phase == "cleanup" and agent.phases == ["init", "run", "eval", "cleanup"]
+
+
+class OwnEpisode(Episode):
+    async def run(self, context: EpisodeContext) -> AgentResult:
+        return result()
+
+    async def eval(self, context: EpisodeContext, result: AgentResult) -> Reward:
+        return 1.0
+
+
+class CleaningEpisode(OwnEpisode):
+    async def cleanup(self, context: EpisodeContext) -> None:
+        return None
+
+
+class EpisodeMaker(EpisodeAgent):
+    def __init__(self, cls: type[Episode]) -> None:
+        self.cls = cls
+
+    def episode(self, task: Task) -> Episode:
+        return self.cls()
+
+
+def test_noop_phase_tells_the_inherited_no_op_phases_from_overriding_ones() -> None:
+    task = Task(sample_id="r:s0", rollout_id="r", index=0, group_index=0, prompt="p",
+                dataset_name="d", task_type="t", source_line=1)
+    assert noop_phase(ContextAgent().episode(task), "cleanup")
+    assert noop_phase(ContextAgent().episode(task), "init")
+    assert not noop_phase(PhaseAgent().episode(task), "cleanup")
+    assert not noop_phase(PhaseAgent().episode(task), "init")
+    assert noop_phase(EpisodeMaker(OwnEpisode).episode(task), "cleanup")
+    assert not noop_phase(EpisodeMaker(CleaningEpisode).episode(task), "cleanup")
+    assert noop_phase(EpisodeMaker(CleaningEpisode).episode(task), "init")
