@@ -72,7 +72,7 @@ from engine.actors.outcomes import (
     completed_events,
 )
 from engine.actors.verify import VerifyPolicy, selected, verify_result
-from engine.agents.base import AgentResult, EpisodeContext, Reward, noop_phase
+from engine.agents.base import AgentResult, Episode, EpisodeContext, Reward, noop_phase
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.pool import BackendPool
@@ -411,7 +411,7 @@ class BatchRun:
             )
             try:
                 rec.phase = "init"
-                await self._timed(episode.init(ctx), rec)
+                await self._timed(episode.init(ctx), rec, scoped=not noop_phase(episode, "init"))
                 token = await self._take_token()
                 if token is not None:
                     rec.node = self.plan.admitted.nodes.get(token, "")
@@ -420,13 +420,7 @@ class BatchRun:
                 if rec.node:  # the context as it was, with the token's node
                     ctx = _with_node(ctx, rec.node)
                 self._emit([self._started(sample_id, attempt, rec.node)])
-                rec.phase = "run"
-                result = await self._timed(self._run(episode.run(ctx), guard), rec)
-                rec.turns = len(result.turns)
-                rec.agent_reason = result.termination_reason
-                self._check_result(task, result)
-                rec.phase = "eval"
-                reward = await self._timed(episode.eval(ctx, result), rec)
+                result, reward = await self._run_and_eval(episode, ctx, task, guard, rec)
                 if selected(sample_id, self._verify.fraction):
                     verified = await verify_result(
                         backends, rollout_id=ev.rollout_id, sample_id=sample_id,
@@ -515,21 +509,22 @@ class BatchRun:
         cascade (request, evaluator profile, dataset) into the ``TaskFetched``."""
         return ev.stopping, ev.sampling_params
 
-    async def _timed(self, step: Coroutine[Any, Any, T], rec: _Attempt) -> T:
-        """Await one phase within what is left of the episode window."""
+    async def _timed(
+        self, step: Coroutine[Any, Any, T], rec: _Attempt, *, scoped: bool = True
+    ) -> T:
+        """Await one phase within what is left of the episode window (``scoped=False``: a
+        phase known to return at once, timed without a timeout scope of its own)."""
         window = rec.window_s
-        if window is None:
-            start = self._clock()
+        if window is not None and window - rec.used_s <= 0:
+            step.close()
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
+        start = self._clock()
+        if window is None or not scoped:
             try:
                 return await step
             finally:
                 rec.used_s += self._clock() - start
-        remaining = window - rec.used_s
-        if remaining <= 0:
-            step.close()
-            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
-        start = self._clock()
-        cm = asyncio.timeout(remaining)
+        cm = asyncio.timeout(window - rec.used_s)
         try:
             async with cm:
                 return await step
@@ -541,6 +536,62 @@ class BatchRun:
             raise
         finally:
             rec.used_s += self._clock() - start
+
+    async def _run_and_eval(
+        self,
+        episode: Episode,
+        ctx: EpisodeContext,
+        task: Task,
+        guard: SampleGuard | None,
+        rec: _Attempt,
+    ) -> tuple[AgentResult, Reward]:
+        """The run and eval phases under one timeout scope: nothing between them is outside
+        the episode window, so the deadline of what is left when run starts serves both."""
+        window = rec.window_s
+        if window is None:
+            return await self._run_then_eval(episode, ctx, task, guard, rec)
+        remaining = window - rec.used_s
+        if remaining <= 0:
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before run")
+        cm = asyncio.timeout(remaining)
+        try:
+            async with cm:
+                return await self._run_then_eval(episode, ctx, task, guard, rec)
+        except TimeoutError:
+            if cm.expired():
+                raise EpisodeTimeout(
+                    f"episode window of {window:g} s elapsed during {rec.phase}"
+                ) from None
+            raise
+
+    async def _run_then_eval(
+        self,
+        episode: Episode,
+        ctx: EpisodeContext,
+        task: Task,
+        guard: SampleGuard | None,
+        rec: _Attempt,
+    ) -> tuple[AgentResult, Reward]:
+        clock = self._clock
+        rec.phase = "run"
+        start = clock()
+        try:
+            result = await self._run(episode.run(ctx), guard)
+        finally:
+            rec.used_s += clock() - start
+        rec.turns = len(result.turns)
+        rec.agent_reason = result.termination_reason
+        self._check_result(task, result)
+        rec.phase = "eval"
+        window = rec.window_s
+        if window is not None and window - rec.used_s <= 0:
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before eval")
+        start = clock()
+        try:
+            reward = await episode.eval(ctx, result)
+        finally:
+            rec.used_s += clock() - start
+        return result, reward
 
     # ------------------------------------------------------------------ outcomes
 

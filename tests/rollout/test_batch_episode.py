@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings
 from engine.agents.base import (
     AgentResult,
@@ -22,9 +24,10 @@ from engine.agents.base import (
     noop_phase,
 )
 from engine.agents.binding import EvaluatorBinding
-from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
+from engine.domain import EvaluatorProfile, Resource, StoppingCriteria, Task, TerminationReason
 from engine.events.base import Event
 from engine.events.catalog import (
+    AbortClass,
     BatchAdmitted,
     SampleAborted,
     SampleCompleted,
@@ -229,3 +232,42 @@ def test_noop_phase_tells_the_inherited_no_op_phases_from_overriding_ones() -> N
     assert noop_phase(EpisodeMaker(OwnEpisode).episode(task), "cleanup")
     assert not noop_phase(EpisodeMaker(CleaningEpisode).episode(task), "cleanup")
     assert noop_phase(EpisodeMaker(CleaningEpisode).episode(task), "init")
+
+
+class OverrunAgent(PhaseAgent):
+    """Overruns the episode window in ``slow``; records every phase it enters."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__()
+        self.slow = slow
+
+    async def _phase(self, name: str) -> None:
+        self.phases.append(name)
+        if name == self.slow:
+            await asyncio.sleep(3600)
+
+
+def windowed_plan(window_s: float) -> BatchPlan:
+    base = plan(1, tokens=("t0",))
+    [(sid, task)] = base.tasks.items()
+    task = task.model_copy(update={"stopping": StoppingCriteria(timeout_s=window_s)})
+    return dataclasses.replace(base, tasks={sid: task})
+
+
+@pytest.mark.parametrize("slow", ["init", "run", "eval"])
+async def test_a_phase_that_overruns_the_window_is_aborted_as_agent_timeout(
+    slow: str, tmp_path: Path
+) -> None:
+    agent = OverrunAgent(slow)
+    sink = ListSink()
+    run = BatchRun(EvaluatorBinding(profile=EvaluatorProfile(evaluator_id="e"), agent=agent),
+                   windowed_plan(0.2), sink=sink, names=StreamNames("rl"),
+                   settings=EpisodeSettings(worker_id="w", tmp_root=tmp_path))
+    await asyncio.wait_for(run.run(), 30)
+    [aborted] = [e for e in sink.events if isinstance(e, SampleAborted)]
+    assert (aborted.abort_class, aborted.phase) == (AbortClass.AGENT_TIMEOUT, slow)
+    assert f"elapsed during {slow}" in aborted.error
+    assert aborted.window_s == 0.2 and aborted.elapsed_s >= 0.2
+    assert agent.phases[-1] == "cleanup" and agent.phases.count("cleanup") == 1
+    # SampleStarted once the token is held: after init, so not for an init that overran
+    assert any(isinstance(e, SampleStarted) for e in sink.events) == (slow != "init")
