@@ -235,7 +235,9 @@ class BatchRun:
         self._releasing: list[str] = []
         self._release_scheduled = False
         self._rollout_stream = names.rollout(plan.admitted.rollout_id)
-        self._batch_tmp: Path | None = None
+        # The batch's directory: named now, made only by an episode that needs its own.
+        root = settings.tmp_root or Path(tempfile.gettempdir())
+        self._batch_tmp = root / f"rollout-batch-{secrets.token_hex(8)}"
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
@@ -274,8 +276,7 @@ class BatchRun:
             if self._held:
                 self._release(sorted(self._held), "batch_done")
         finally:
-            if self._batch_tmp is not None:
-                shutil.rmtree(self._batch_tmp, ignore_errors=True)
+            _remove_dir(self._batch_tmp)
 
     def _emit(self, events: Sequence[Event], stream: str | None = None) -> None:
         target = stream or self._rollout_stream
@@ -385,7 +386,7 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            tmp = _LazyTmp(self, sample_id, attempt)
+            tmp = _LazyTmp(self._batch_tmp, sample_id, attempt)
             # One trajectory, one policy server (BackendPool.bind), released after cleanup.
             backends = (
                 self._backends.bind(f"{ev.rollout_id}/{sample_id}/{attempt}")
@@ -679,18 +680,6 @@ class BatchRun:
 
     # ------------------------------------------------------------------ resources
 
-    def _tmp_dir(self, sample_id: str, attempt: int) -> Path:
-        """The attempt's private directory, reserved (not created) inside a per-batch one.
-
-        Neither exists until an agent makes its own (``ctx.tmp_dir.mkdir(parents=True)``);
-        most episodes never do, so a worker killed mid-batch leaves no empty directory
-        behind. The batch's name carries a random part, and ``run`` removes it if it was made.
-        """
-        if self._batch_tmp is None:
-            root = self._settings.tmp_root or Path(tempfile.gettempdir())
-            self._batch_tmp = root / f"rollout-batch-{secrets.token_hex(8)}"
-        return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
-
     def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandboxes is None:
             return None
@@ -953,21 +942,24 @@ def _with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:
 
 
 class _LazyTmp:
-    """An attempt's ``tmp_dir``, reserved only when the episode first reads it: most
-    episodes never do, and then no path is built and nothing is removed after cleanup.
-    ``path`` is None until then. Copies of the attempt's context share it."""
+    """An attempt's ``tmp_dir``: a path reserved (not created) inside the batch's directory
+    when the episode first reads it. Neither exists until an agent makes its own
+    (``ctx.tmp_dir.mkdir(parents=True)``); most episodes never do (then no path is built and
+    nothing is removed after cleanup), so a worker killed mid-batch leaves no empty
+    directory behind. The batch's name carries a random part, and ``BatchRun.run`` removes
+    it. ``path`` is None until read; copies of the attempt's context share the holder."""
 
-    __slots__ = ("_run", "_sample_id", "_attempt", "path")
+    __slots__ = ("_batch", "_sample_id", "_attempt", "path")
 
-    def __init__(self, run: BatchRun, sample_id: str, attempt: int) -> None:
-        self._run = run
+    def __init__(self, batch: Path, sample_id: str, attempt: int) -> None:
+        self._batch = batch
         self._sample_id = sample_id
         self._attempt = attempt
         self.path: Path | None = None
 
     def get(self) -> Path:
         if self.path is None:
-            self.path = self._run._tmp_dir(self._sample_id, self._attempt)
+            self.path = _attempt_dir(self._batch, self._sample_id, self._attempt)
         return self.path
 
     @classmethod
@@ -1006,6 +998,10 @@ def _attempt_context(**fields: Any) -> _AttemptContext:
 
 _new = object.__new__
 _set = object.__setattr__
+
+
+def _attempt_dir(batch: Path, sample_id: str, attempt: int) -> Path:
+    return batch / f"{_safe(sample_id)}-a{attempt}"
 
 
 def _safe(name: str) -> str:

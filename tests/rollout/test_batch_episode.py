@@ -6,7 +6,9 @@ A real ``BatchRun`` with in-process agents; events go to a list."""
 from __future__ import annotations
 
 import asyncio
+import copy as copy_module
 import dataclasses
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -125,9 +127,12 @@ class ContextAgent(BaseAgent):
 
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
         copy = dataclasses.replace(context, seed=99)
+        deep = copy_module.deepcopy(context)
+        pickled = pickle.loads(pickle.dumps(context))
         self.seen.append((context.node, context.attempt, copy.seed, copy.node,
                           copy.tmp_dir == context.tmp_dir, copy == dataclasses.replace(copy),
-                          repr(context).startswith("EpisodeContext(rollout_id='r'")))
+                          repr(context).startswith("EpisodeContext(rollout_id='r'"),
+                          deep.tmp_dir == pickled.tmp_dir == context.tmp_dir, deep == context))
         return result()
 
     async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
@@ -137,7 +142,7 @@ class ContextAgent(BaseAgent):
 async def test_the_context_reads_and_copies_like_a_plain_episode_context(tmp_path: Path) -> None:
     agent = ContextAgent()
     await run_batch(agent, 1, tmp_path, tokens=("t0",))
-    assert agent.seen == [("node-a", 1, 99, "node-a", True, True, True)]
+    assert agent.seen == [("node-a", 1, 99, "node-a", True, True, True, True, True)]
     assert list(tmp_path.iterdir()) == []  # read, never made: nothing on disk
 
 
