@@ -97,6 +97,7 @@ from engine.events.catalog import (
     TaskFetched,
     TokenReleased,
 )
+from engine.events.fastpath import field_layout, trusted
 from engine.events.log import EMPTY_ID, EventLog
 from engine.events.names import StreamNames
 from engine.outcomes import TerminationReason
@@ -597,14 +598,21 @@ class BatchRun:
     # ------------------------------------------------------------------ outcomes
 
     def _started(self, sample_id: str, attempt: int, node: str) -> SampleStarted:
-        return SampleStarted(
-            rollout_id=self.plan.admitted.rollout_id,
-            sample_id=sample_id,
-            attempt=attempt,
-            batch_id=self.plan.admitted.batch_id,
-            worker=self._settings.worker_id,
-            node=node,
-            causation=self.plan.causation,
+        ad = self.plan.admitted  # every value is already a str (the attempt an int)
+        return trusted(
+            SampleStarted,
+            {
+                "type": "SampleStarted",
+                "producer": "",
+                "causation": self.plan.causation,
+                "rollout_id": ad.rollout_id,
+                "sample_id": sample_id,
+                "attempt": attempt,
+                "batch_id": ad.batch_id,
+                "worker": self._settings.worker_id,
+                "node": node,
+            },
+            _STARTED_SET,
         )
 
     def _check_result(self, task: Task, result: AgentResult) -> None:
@@ -693,6 +701,13 @@ class BatchRun:
                 attempt=attempt,
             ),
         )
+
+
+_STARTED_SET = field_layout(
+    SampleStarted,
+    ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "batch_id",
+     "worker", "node"),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- issue 12: ending work early

@@ -38,6 +38,7 @@ from engine.events.catalog import (
     TokenReleased,
     TurnCompleted,
 )
+from engine.events.codec import decode, encode
 from engine.events.names import StreamNames
 
 
@@ -276,3 +277,15 @@ async def test_a_phase_that_overruns_the_window_is_aborted_as_agent_timeout(
     assert agent.phases[-1] == "cleanup" and agent.phases.count("cleanup") == 1
     # SampleStarted once the token is held: after init, so not for an init that overran
     assert any(isinstance(e, SampleStarted) for e in sink.events) == (slow != "init")
+
+
+async def test_sample_started_equals_its_validated_construction(tmp_path: Path) -> None:
+    events = await run_batch(ContextAgent(), 2, tmp_path, concurrency=2, tokens=("t0", "t1"))
+    started = [e for e in events if isinstance(e, SampleStarted)]
+    assert sorted(e.sample_id for e in started) == ["r:s0", "r:s1"]
+    for event in started:
+        reference = SampleStarted(**{k: getattr(event, k) for k in event.model_fields_set})
+        assert event == reference and event.node == "node-a" and event.worker == "w"
+        assert list(event.__dict__) == list(reference.__dict__)
+        assert event.model_fields_set == reference.model_fields_set
+        assert encode(event) == encode(reference) and decode(encode(event)) == event
