@@ -72,7 +72,7 @@ from engine.actors.outcomes import (
     completed_events,
 )
 from engine.actors.verify import VerifyPolicy, selected, verify_result
-from engine.agents.base import AgentResult, EpisodeContext, Reward
+from engine.agents.base import AgentResult, Episode, EpisodeContext, Reward, noop_phase
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.pool import BackendPool
@@ -97,6 +97,7 @@ from engine.events.catalog import (
     TaskFetched,
     TokenReleased,
 )
+from engine.events.fastpath import field_layout, trusted
 from engine.events.log import EMPTY_ID, EventLog
 from engine.events.names import StreamNames
 from engine.outcomes import TerminationReason
@@ -235,7 +236,9 @@ class BatchRun:
         self._releasing: list[str] = []
         self._release_scheduled = False
         self._rollout_stream = names.rollout(plan.admitted.rollout_id)
-        self._batch_tmp: Path | None = None
+        # The batch's directory: named now, made only by an episode that needs its own.
+        root = settings.tmp_root or Path(tempfile.gettempdir())
+        self._batch_tmp = root / f"rollout-batch-{secrets.token_hex(8)}"
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
@@ -274,8 +277,7 @@ class BatchRun:
             if self._held:
                 self._release(sorted(self._held), "batch_done")
         finally:
-            if self._batch_tmp is not None:
-                shutil.rmtree(self._batch_tmp, ignore_errors=True)
+            _remove_dir(self._batch_tmp)
 
     def _emit(self, events: Sequence[Event], stream: str | None = None) -> None:
         target = stream or self._rollout_stream
@@ -385,7 +387,7 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            tmp = self._tmp_dir(sample_id, attempt)
+            tmp = _LazyTmp(self._batch_tmp, sample_id, attempt)
             # One trajectory, one policy server (BackendPool.bind), released after cleanup.
             backends = (
                 self._backends.bind(f"{ev.rollout_id}/{sample_id}/{attempt}")
@@ -394,23 +396,24 @@ class BatchRun:
             )
             if backends is not None and guard is not None:
                 backends = _GuardedPool(backends, guard)
-            ctx = EpisodeContext(
+            ctx: EpisodeContext = _attempt_context(
                 rollout_id=ev.rollout_id,
                 sample_id=sample_id,
                 attempt=attempt,
                 stopping=stopping,
                 sampling_params=sampling,
-                tmp_dir=tmp,
                 backends=backends,
                 sandboxes=self._labelled_sandboxes(sample_id, attempt),
                 policy_version=self._policy_version,
                 seed=sample_seed(self._seed, ev.index),
+                node=None,
                 dagger_beta=self._dagger_beta,
                 t_max=self._t_max,
+                _tmp=tmp,
             )
             try:
                 rec.phase = "init"
-                await self._timed(episode.init(ctx), rec)
+                await self._timed(episode.init(ctx), rec, scoped=not noop_phase(episode, "init"))
                 token = await self._take_token()
                 if token is not None:
                     rec.node = self.plan.admitted.nodes.get(token, "")
@@ -419,13 +422,7 @@ class BatchRun:
                 if rec.node:  # the context as it was, with the token's node
                     ctx = _with_node(ctx, rec.node)
                 self._emit([self._started(sample_id, attempt, rec.node)])
-                rec.phase = "run"
-                result = await self._timed(self._run(episode.run(ctx), guard), rec)
-                rec.turns = len(result.turns)
-                rec.agent_reason = result.termination_reason
-                self._check_result(task, result)
-                rec.phase = "eval"
-                reward = await self._timed(episode.eval(ctx, result), rec)
+                result, reward = await self._run_and_eval(episode, ctx, task, guard, rec)
                 if selected(sample_id, self._verify.fraction):
                     verified = await verify_result(
                         backends, rollout_id=ev.rollout_id, sample_id=sample_id,
@@ -438,8 +435,11 @@ class BatchRun:
             finally:
                 rec.phase = "cleanup"
                 try:
-                    async with asyncio.timeout(self._settings.cleanup_timeout_s):
+                    if noop_phase(episode, "cleanup"):  # returns at once: no timer
                         await episode.cleanup(ctx)
+                    else:
+                        async with asyncio.timeout(self._settings.cleanup_timeout_s):
+                            await episode.cleanup(ctx)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
@@ -448,7 +448,8 @@ class BatchRun:
                     else:
                         logger.warning("cleanup of %s failed after an abort: %s", sample_id, exc)
                 finally:
-                    _remove_dir(tmp)
+                    if tmp.path is not None:  # the episode asked for its directory
+                        _remove_dir(tmp.path)
                     if backends is not None:
                         backends.release()
         if failure is None and result is not None:
@@ -510,21 +511,22 @@ class BatchRun:
         cascade (request, evaluator profile, dataset) into the ``TaskFetched``."""
         return ev.stopping, ev.sampling_params
 
-    async def _timed(self, step: Coroutine[Any, Any, T], rec: _Attempt) -> T:
-        """Await one phase within what is left of the episode window."""
+    async def _timed(
+        self, step: Coroutine[Any, Any, T], rec: _Attempt, *, scoped: bool = True
+    ) -> T:
+        """Await one phase within what is left of the episode window (``scoped=False``: a
+        phase known to return at once, timed without a timeout scope of its own)."""
         window = rec.window_s
-        if window is None:
-            start = self._clock()
+        if window is not None and window - rec.used_s <= 0:
+            step.close()
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
+        start = self._clock()
+        if window is None or not scoped:
             try:
                 return await step
             finally:
                 rec.used_s += self._clock() - start
-        remaining = window - rec.used_s
-        if remaining <= 0:
-            step.close()
-            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
-        start = self._clock()
-        cm = asyncio.timeout(remaining)
+        cm = asyncio.timeout(window - rec.used_s)
         try:
             async with cm:
                 return await step
@@ -537,17 +539,80 @@ class BatchRun:
         finally:
             rec.used_s += self._clock() - start
 
+    async def _run_and_eval(
+        self,
+        episode: Episode,
+        ctx: EpisodeContext,
+        task: Task,
+        guard: SampleGuard | None,
+        rec: _Attempt,
+    ) -> tuple[AgentResult, Reward]:
+        """The run and eval phases under one timeout scope: nothing between them is outside
+        the episode window, so the deadline of what is left when run starts serves both."""
+        window = rec.window_s
+        if window is None:
+            return await self._run_then_eval(episode, ctx, task, guard, rec)
+        remaining = window - rec.used_s
+        if remaining <= 0:
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before run")
+        cm = asyncio.timeout(remaining)
+        try:
+            async with cm:
+                return await self._run_then_eval(episode, ctx, task, guard, rec)
+        except TimeoutError:
+            if cm.expired():
+                raise EpisodeTimeout(
+                    f"episode window of {window:g} s elapsed during {rec.phase}"
+                ) from None
+            raise
+
+    async def _run_then_eval(
+        self,
+        episode: Episode,
+        ctx: EpisodeContext,
+        task: Task,
+        guard: SampleGuard | None,
+        rec: _Attempt,
+    ) -> tuple[AgentResult, Reward]:
+        clock = self._clock
+        rec.phase = "run"
+        start = clock()
+        try:
+            result = await self._run(episode.run(ctx), guard)
+        finally:
+            rec.used_s += clock() - start
+        rec.turns = len(result.turns)
+        rec.agent_reason = result.termination_reason
+        self._check_result(task, result)
+        rec.phase = "eval"
+        window = rec.window_s
+        if window is not None and window - rec.used_s <= 0:
+            raise EpisodeTimeout(f"episode window of {window:g} s elapsed before eval")
+        start = clock()
+        try:
+            reward = await episode.eval(ctx, result)
+        finally:
+            rec.used_s += clock() - start
+        return result, reward
+
     # ------------------------------------------------------------------ outcomes
 
     def _started(self, sample_id: str, attempt: int, node: str) -> SampleStarted:
-        return SampleStarted(
-            rollout_id=self.plan.admitted.rollout_id,
-            sample_id=sample_id,
-            attempt=attempt,
-            batch_id=self.plan.admitted.batch_id,
-            worker=self._settings.worker_id,
-            node=node,
-            causation=self.plan.causation,
+        ad = self.plan.admitted  # every value is already a str (the attempt an int)
+        return trusted(
+            SampleStarted,
+            {
+                "type": "SampleStarted",
+                "producer": "",
+                "causation": self.plan.causation,
+                "rollout_id": ad.rollout_id,
+                "sample_id": sample_id,
+                "attempt": attempt,
+                "batch_id": ad.batch_id,
+                "worker": self._settings.worker_id,
+                "node": node,
+            },
+            _STARTED_SET,
         )
 
     def _check_result(self, task: Task, result: AgentResult) -> None:
@@ -623,18 +688,6 @@ class BatchRun:
 
     # ------------------------------------------------------------------ resources
 
-    def _tmp_dir(self, sample_id: str, attempt: int) -> Path:
-        """The attempt's private directory, reserved (not created) inside a per-batch one.
-
-        Neither exists until an agent makes its own (``ctx.tmp_dir.mkdir(parents=True)``);
-        most episodes never do, so a worker killed mid-batch leaves no empty directory
-        behind. The batch's name carries a random part, and ``run`` removes it if it was made.
-        """
-        if self._batch_tmp is None:
-            root = self._settings.tmp_root or Path(tempfile.gettempdir())
-            self._batch_tmp = root / f"rollout-batch-{secrets.token_hex(8)}"
-        return self._batch_tmp / f"{_safe(sample_id)}-a{attempt}"
-
     def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandboxes is None:
             return None
@@ -648,6 +701,13 @@ class BatchRun:
                 attempt=attempt,
             ),
         )
+
+
+_STARTED_SET = field_layout(
+    SampleStarted,
+    ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "batch_id",
+     "worker", "node"),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- issue 12: ending work early
@@ -890,14 +950,73 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
 def _with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:
     """``dataclasses.replace(ctx, node=node)`` without re-running ``__post_init__`` (every
     other field was checked when ``ctx`` was built): a per-sample copy on the hot path."""
-    copy = _new(EpisodeContext)
+    copy = _new(type(ctx))
     copy.__dict__.update(ctx.__dict__)
     _set(copy, "node", node)
     return copy
 
 
+class _LazyTmp:
+    """An attempt's ``tmp_dir``: a path reserved (not created) inside the batch's directory
+    when the episode first reads it. Neither exists until an agent makes its own
+    (``ctx.tmp_dir.mkdir(parents=True)``); most episodes never do (then no path is built and
+    nothing is removed after cleanup), so a worker killed mid-batch leaves no empty
+    directory behind. The batch's name carries a random part, and ``BatchRun.run`` removes
+    it. ``path`` is None until read; copies of the attempt's context share the holder."""
+
+    __slots__ = ("_batch", "_sample_id", "_attempt", "path")
+
+    def __init__(self, batch: Path, sample_id: str, attempt: int) -> None:
+        self._batch = batch
+        self._sample_id = sample_id
+        self._attempt = attempt
+        self.path: Path | None = None
+
+    def get(self) -> Path:
+        if self.path is None:
+            self.path = _attempt_dir(self._batch, self._sample_id, self._attempt)
+        return self.path
+
+    @classmethod
+    def given(cls, path: Path) -> _LazyTmp:
+        tmp = _new(cls)
+        tmp.path = path
+        return tmp
+
+
+class _AttemptContext(EpisodeContext):
+    """The ``EpisodeContext`` a ``BatchRun`` builds per attempt: the same fields, with
+    ``tmp_dir`` made on first read (:class:`_LazyTmp`). Built by :func:`_attempt_context`;
+    ``dataclasses.replace`` of one (which passes ``tmp_dir``) works as on the base class."""
+
+    @property
+    def tmp_dir(self) -> Path:
+        tmp: _LazyTmp = self.__dict__["_tmp"]
+        return tmp.get()
+
+    @tmp_dir.setter
+    def tmp_dir(self, value: Path) -> None:  # the dataclass __init__ (replace) sets it
+        self.__dict__["_tmp"] = _LazyTmp.given(value)
+
+    def __repr__(self) -> str:
+        return EpisodeContext.__repr__(self).replace(type(self).__qualname__, "EpisodeContext", 1)
+
+
+def _attempt_context(**fields: Any) -> _AttemptContext:
+    """An :class:`_AttemptContext` of ``fields`` (every field but ``tmp_dir``, plus the
+    ``_tmp`` holder), checked like ``EpisodeContext(...)`` without its per-field setattr."""
+    ctx = _new(_AttemptContext)
+    ctx.__dict__.update(fields)
+    ctx.__post_init__()
+    return ctx
+
+
 _new = object.__new__
 _set = object.__setattr__
+
+
+def _attempt_dir(batch: Path, sample_id: str, attempt: int) -> Path:
+    return batch / f"{_safe(sample_id)}-a{attempt}"
 
 
 def _safe(name: str) -> str:

@@ -28,6 +28,7 @@ from engine.errors import AgentError
 from engine.events.arrays import Mask, TokenIds
 from engine.events.base import Event
 from engine.events.catalog import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
+from engine.events.fastpath import field_layout, trusted
 from engine.projections.samples import scalar_reward
 
 __all__ = [
@@ -86,47 +87,78 @@ def completed_events(
             f"task {sample_id}: eval must return a float or a dict of floats, "
             f"got {type(reward).__name__}"
         )
+    # Every value below is already of its field's type (the result, its turns and the
+    # attempt record were validated or built here), so the events are built without a
+    # second validation (engine.events.fastpath.trusted); floats are made floats.
+    node, gpu = rec.node, rec.gpu
     turns: list[Event] = [
-        TurnCompleted(
-            rollout_id=rollout_id,
-            sample_id=sample_id,
-            attempt=attempt,
-            turn=t.index,
-            node=rec.node,
-            gpu=rec.gpu,
-            prompt_tokens=t.prompt_tokens,
-            response_tokens=t.response_tokens,
-            tool_calls=list(t.tool_calls),
-            elapsed_s=t.elapsed_s,
-            weight_version=t.weight_version,
-            causation=causation,
+        trusted(
+            TurnCompleted,
+            {
+                "type": "TurnCompleted",
+                "producer": "",
+                "causation": causation,
+                "rollout_id": rollout_id,
+                "sample_id": sample_id,
+                "attempt": attempt,
+                "turn": t.index,
+                "node": node,
+                "gpu": gpu,
+                "prompt_tokens": t.prompt_tokens,
+                "response_tokens": t.response_tokens,
+                "tool_calls": list(t.tool_calls),
+                "elapsed_s": float(t.elapsed_s),
+                "weight_version": t.weight_version,
+            },
+            _TURN_SET,
         )
         for t in result.turns
     ]
-    done = SampleCompleted(
-        rollout_id=rollout_id,
-        sample_id=sample_id,
-        attempt=attempt,
-        prompt_ids=TokenIds.empty() if prompt_key else result.prompt_token_ids,
-        prompt_key=prompt_key,
-        response_ids=result.response_token_ids,
-        logprobs=result.response_logprobs,
-        loss_mask=result.loss_mask,
-        reward=score,
-        reward_detail=detail,
-        status=reason.status,
-        termination_reason=reason,
-        response_text=result.text,
-        n_turns=len(result.turns),
-        elapsed_s=rec.used_s,
-        policy_version=policy_version,
-        metrics=dict(result.metrics),
-        token_versions=result.response_versions,
-        teacher_mask=result.teacher_mask if result.teacher_mask is not None else Mask.empty(),
-        student_cut_points=list(result.student_cut_points),
-        causation=causation,
+    teacher_mask = result.teacher_mask
+    done = trusted(
+        SampleCompleted,
+        {
+            "type": "SampleCompleted",
+            "producer": "",
+            "causation": causation,
+            "rollout_id": rollout_id,
+            "sample_id": sample_id,
+            "attempt": attempt,
+            "prompt_ids": TokenIds.empty() if prompt_key else result.prompt_token_ids,
+            "response_ids": result.response_token_ids,
+            "logprobs": result.response_logprobs,
+            "loss_mask": result.loss_mask,
+            "reward": score,
+            "reward_detail": detail,
+            "status": reason.status,
+            "termination_reason": reason,
+            "response_text": result.text,
+            "n_turns": len(result.turns),
+            "elapsed_s": float(rec.used_s),
+            "policy_version": policy_version,
+            "metrics": dict(result.metrics),
+            "token_versions": result.response_versions,
+            "teacher_mask": teacher_mask if teacher_mask is not None else Mask.empty(),
+            "student_cut_points": list(result.student_cut_points),
+            "prompt_key": prompt_key,
+        },
+        _DONE_SET,
     )
     return [*turns, done]
+
+
+_TURN_SET = field_layout(
+    TurnCompleted,
+    ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "turn", "node",
+     "gpu", "prompt_tokens", "response_tokens", "tool_calls", "elapsed_s", "weight_version"),
+)  # fmt: skip
+_DONE_SET = field_layout(
+    SampleCompleted,
+    ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "prompt_ids",
+     "response_ids", "logprobs", "loss_mask", "reward", "reward_detail", "status",
+     "termination_reason", "response_text", "n_turns", "elapsed_s", "policy_version",
+     "metrics", "token_versions", "teacher_mask", "student_cut_points", "prompt_key"),
+)  # fmt: skip
 
 
 def aborted_event(

@@ -50,6 +50,7 @@ __all__ = [
     "Reward",
     "TurnRecord",
     "check_response_arrays",
+    "noop_phase",
 ]
 
 
@@ -190,3 +191,23 @@ class _AgentPhases(Episode):
 
     async def cleanup(self, context: EpisodeContext) -> None:
         await self._agent.cleanup(self._task, context)
+
+
+_NOOP: dict[tuple[type, str], bool] = {}
+
+
+def noop_phase(episode: Episode, phase: str) -> bool:
+    """Whether ``phase`` (``"init"`` or ``"cleanup"``) of ``episode`` is the inherited no-op:
+    ``Episode``'s, or for the default episode the agent's inherited from ``BaseAgent``. Such a
+    phase returns at once; the evaluator still runs it, but without a timeout scope of its
+    own (one per sample per phase is a measurable share of a fast episode's cost)."""
+    if type(episode) is _AgentPhases:
+        owner: type = type(episode._agent)
+        base: type = BaseAgent
+    else:
+        owner, base = type(episode), Episode
+    key = (owner, phase)
+    known = _NOOP.get(key)
+    if known is None:
+        known = _NOOP[key] = getattr(owner, phase) is getattr(base, phase)
+    return known

@@ -41,6 +41,11 @@ def check_response_arrays(
 
 
 _BITS = b"\x00\x01"
+# Immutable, so one instance serves every default (a default factory is a Python call per
+# field per result).
+_EMPTY_TOKENIDS = TokenIds.empty()
+_EMPTY_LOGPROBS = LogProbs.empty()
+_EMPTY_MASK = Mask.empty()
 _NON_NEGATIVE_TOP_BYTES = bytes(range(128))
 
 
@@ -72,14 +77,14 @@ class AgentResult(FrozenModel):
     tuples or numpy arrays of numbers and packs them once, here.
     """
 
-    prompt_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
-    response_token_ids: TokenIds = Field(default_factory=TokenIds.empty)
-    response_logprobs: LogProbs = Field(default_factory=LogProbs.empty)
-    loss_mask: Mask = Field(default_factory=Mask.empty)
+    prompt_token_ids: TokenIds = _EMPTY_TOKENIDS
+    response_token_ids: TokenIds = _EMPTY_TOKENIDS
+    response_logprobs: LogProbs = _EMPTY_LOGPROBS
+    loss_mask: Mask = _EMPTY_MASK
     # Per response token: the weight version of the turn that sampled it; -1
     # (``UNKNOWN_VERSION``) for tokens the policy did not sample (observations) or whose
     # server reported no version. Empty when the agent records none (then all are unknown).
-    response_versions: TokenIds = Field(default_factory=TokenIds.empty)
+    response_versions: TokenIds = _EMPTY_TOKENIDS
     turns: tuple[TurnRecord, ...] = ()
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -98,17 +103,14 @@ class AgentResult(FrozenModel):
 
     @model_validator(mode="after")
     def _arrays_line_up(self) -> AgentResult:
-        check_response_arrays(
-            len(self.response_token_ids),
-            self.loss_mask,
-            self.response_logprobs if len(self.response_logprobs) else None,
-        )
-        if len(self.response_versions) not in (0, len(self.response_token_ids)):
-            raise ValueError(
-                f"response_versions has {len(self.response_versions)} entries for "
-                f"{len(self.response_token_ids)} response tokens"
-            )
         n = len(self.response_token_ids)
+        logprobs = self.response_logprobs
+        check_response_arrays(n, self.loss_mask, logprobs if len(logprobs) else None)
+        versions = len(self.response_versions)
+        if versions and versions != n:
+            raise ValueError(
+                f"response_versions has {versions} entries for {n} response tokens"
+            )
         if self.teacher_mask is not None:
             if len(self.teacher_mask) != n:
                 raise ValueError(
@@ -116,12 +118,11 @@ class AgentResult(FrozenModel):
                 )
             if self.teacher_mask.data.translate(None, _BITS):
                 raise ValueError("teacher_mask entries must be 0 or 1")
-        if list(self.student_cut_points) != sorted(set(self.student_cut_points)) or any(
-            cut >= n for cut in self.student_cut_points
-        ):
+        cuts = self.student_cut_points
+        if cuts and (list(cuts) != sorted(set(cuts)) or cuts[-1] >= n):
             raise ValueError(
                 "student_cut_points must be increasing response offsets, got "
-                f"{self.student_cut_points} for {n} response tokens"
+                f"{cuts} for {n} response tokens"
             )
         return self
 

@@ -240,3 +240,36 @@ def fast_types() -> set[str]:
     return {
         name for name in registered_types() if _plan_for(name.encode()) is not None
     }
+
+
+# ---------------------------------------------------------------- the write side
+
+_E = typing.TypeVar("_E", bound=Event)
+
+
+def trusted(cls: type[_E], values: dict[str, Any], fields_set: frozenset[str]) -> _E:
+    """An event of ``cls`` holding ``values``, built without validation, the way
+    :func:`decode_fast` builds one: for a producer whose every value already has its
+    field's exact type (they come from validated records), where pydantic would only
+    check them again. ``values`` holds every field, in the class's field order (check the
+    layout once with :func:`field_layout`); ``fields_set`` is the keys the validated
+    construction would have been passed. The result equals ``cls(**passed)`` field for
+    field (``tests/rollout/test_outcomes.py`` holds the sample path to that)."""
+    event = _new(cls)
+    _set(event, "__dict__", values)
+    _set(event, "__pydantic_fields_set__", set(fields_set))
+    _set(event, "__pydantic_extra__", None)
+    _set(event, "__pydantic_private__", None)
+    return event
+
+
+def field_layout(cls: type[Event], names: tuple[str, ...]) -> frozenset[str]:
+    """Check that ``names`` are ``cls``'s fields in order (raise ``TypeError`` naming the
+    difference: a producer of :func:`trusted` values is stale); the fields a producer
+    passes, i.e. all but ``type`` and ``producer``."""
+    actual = tuple(cls.model_fields)
+    if actual != names:
+        raise TypeError(
+            f"{cls.__name__}: a trusted builder lists the fields {names}, the class has {actual}"
+        )
+    return frozenset(names) - {"type", "producer"}

@@ -11,10 +11,12 @@ from engine.actors.outcomes import (
     aborted_event,
     completed_events,
 )
-from engine.agents.base import AgentResult, TurnRecord
+from engine.agents.base import AgentResult, Reward, TurnRecord
 from engine.domain import TerminationReason
 from engine.errors import AgentError, BackendUnavailable
-from engine.events import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
+from engine.events import AbortClass, Event, SampleAborted, SampleCompleted, TurnCompleted
+from engine.events.codec import decode, encode
+from engine.events.fastpath import field_layout
 from engine.projections.rows import sample_row
 
 RESULT = AgentResult(
@@ -89,3 +91,50 @@ def test_the_progress_report_of_each_terminal() -> None:
     bad = sample_row(None, abort, batch_id="b", attempt=1)
     assert (bad.completed, bad.reward, bad.abort_class, bad.phase, bad.elapsed_s) == (
         False, 0.0, "infra_sandbox", "init", 0.5)
+
+
+def _validated(event: Event) -> Event:
+    """The same event built the validating way, from the fields it was given."""
+    passed = {name: getattr(event, name) for name in event.model_fields_set}
+    return type(event)(**passed)
+
+
+@pytest.mark.parametrize(
+    ("result", "reward", "rec", "causation", "prompt_key"),
+    [
+        (RESULT, {"acc": 1, "fmt": 0.5}, Attempt(node="n1", gpu=1, used_s=2), "c@1-0", ""),
+        (RESULT, 1, Attempt(), None, "k" * 24),
+        (
+            AgentResult(
+                prompt_token_ids=[7], response_token_ids=[8, 9, 10], response_logprobs=[0, -1, -2],
+                loss_mask=[1, 0, 0], teacher_mask=[0, 1, 1], student_cut_points=[0],
+                response_versions=[3, -1, -1], metrics={"m": 2}, text="t",
+                turns=(TurnRecord(index=0, prompt_tokens=1, response_tokens=1, elapsed_s=1,
+                                  weight_version=3, tool_calls=("a", "b")),),
+                termination_reason=TerminationReason.LENGTH,
+            ),
+            0.25, Attempt(node="", gpu=None, used_s=0.5), None, "",
+        ),
+    ],
+)
+def test_outcome_events_equal_their_validated_construction(
+    result: AgentResult, reward: Reward, rec: Attempt, causation: str | None, prompt_key: str
+) -> None:
+    events = completed_events(rollout_id="r", sample_id="r:s0", attempt=2, rec=rec,
+                              result=result, reward=reward, policy_version=3,
+                              causation=causation, prompt_key=prompt_key)
+    for event in events:
+        reference = _validated(event)
+        assert event == reference
+        assert list(event.__dict__) == list(reference.__dict__)  # field order: the wire's
+        assert {k: type(v) for k, v in event.__dict__.items()} == {
+            k: type(v) for k, v in reference.__dict__.items()
+        }
+        assert event.model_fields_set == reference.model_fields_set
+        assert encode(event) == encode(reference)
+        assert decode(encode(event)) == event
+
+
+def test_a_trusted_builder_refuses_a_stale_field_list() -> None:
+    with pytest.raises(TypeError, match="TurnCompleted: a trusted builder lists the fields"):
+        field_layout(TurnCompleted, ("type", "producer", "causation", "rollout_id"))
