@@ -200,11 +200,20 @@ def _wants_ce(request: RolloutRequested | None) -> bool:
 
 def _versions(done: SampleCompleted) -> tuple[tuple[int, int], ...]:
     """Sampled tokens per weight version, ascending (engine.actors.finalizer's
-    ``_sampled_versions``, counted)."""
-    sampled = done.loss_mask.numpy().astype(bool)
-    if not len(done.token_versions):
-        n = int(np.count_nonzero(sampled))
+    ``_sampled_versions``, counted).
+
+    The common trajectory -- every token of one version, or none recorded -- is counted on
+    the packed bytes (a sampled token is a non-zero mask byte); anything else, including
+    arrays of different lengths (which numpy's boolean index refuses), takes numpy."""
+    mask = done.loss_mask.data
+    n_tokens = len(mask)
+    n = n_tokens - mask.count(0)
+    tv = done.token_versions.data
+    if not tv:
         return ((UNKNOWN_VERSION, n),) if n else ()
+    if len(tv) == 4 * n_tokens and tv == tv[:4] * n_tokens:  # one version throughout
+        return ((int.from_bytes(tv[:4], "little", signed=True), n),) if n else ()
+    sampled = done.loss_mask.numpy().astype(bool)
     versions = done.token_versions.numpy()[sampled].astype(np.int64)
     if not len(versions):
         return ()
@@ -222,6 +231,15 @@ class DecisionProjection:
 
     def __init__(self) -> None:
         self._datasets: dict[str, str] = {}  # one string object per dataset name
+        # _wants_ce of the last request asked about (asked once per completed sample)
+        self._ce_of: tuple[RolloutRequested | None, bool] = (None, _wants_ce(None))
+
+    def _wants_ce(self, request: RolloutRequested | None) -> bool:
+        known, wants = self._ce_of
+        if request is not known:
+            wants = _wants_ce(request)
+            self._ce_of = (request, wants)
+        return wants
 
     def initial(self) -> DecisionState:
         return DecisionState()
@@ -288,7 +306,7 @@ class DecisionProjection:
                 b.low_version = versions[0][0]
                 b.n_sampled = sum(n for _, n in versions)
                 b.spread = versions if len(versions) > 1 else None
-            if _wants_ce(state.request):
+            if self._wants_ce(state.request):
                 shift = prompt_len - len(ev.prompt_ids)
                 b.ce = tuple(
                     replace(c, n_tokens=c.n_tokens + shift) if shift else c
