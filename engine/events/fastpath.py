@@ -195,8 +195,9 @@ _asdict = msgspec.structs.asdict
 _Refused = (msgspec.MsgspecError, DecodeError, ValueError)
 
 
-def decode_fast(raw: bytes) -> Event | None:
-    """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
+def _canonical_plan(raw: bytes) -> _Plan | None:
+    """The plan of ``raw``'s class when ``raw`` is a map in canonical form for it (``type``
+    first, one key per field plus ``v``), else None."""
     head = raw[0] if raw else 0
     if 0x80 <= head <= 0x8F:  # fixmap
         n_keys, at = head & 0x0F, 1
@@ -212,6 +213,34 @@ def decode_fast(raw: bytes) -> Event | None:
     start = at + 6
     plan = _plan_for(raw[start : start + size])
     if plan is None or plan.n_keys != n_keys:
+        return None
+    return plan
+
+
+def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
+    """``(class, fields)`` of an event whose class has only scalar fields (no packed array,
+    no nested model), read into the class's checked msgspec struct without building the
+    event; None for anything else (another class, not canonical, refused).
+
+    The struct holds every field, checked as :func:`decode_fast` checks it, and for such a
+    class that check is all ``decode_fast`` does: whenever this returns fields,
+    :func:`engine.events.codec.decode` returns the event with exactly these values. A
+    reader that needs a few fields of many small events (the finalizer's fold) reads them
+    here and decodes whatever this declines the usual way, which accepts, upcasts or
+    refuses it as always."""
+    plan = _canonical_plan(raw)
+    if plan is None or plan.arrays or plan.compact or plan.nested:
+        return None
+    try:
+        return plan.cls, plan.decode(raw)
+    except _Refused:
+        return None
+
+
+def decode_fast(raw: bytes) -> Event | None:
+    """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
+    plan = _canonical_plan(raw)
+    if plan is None:
         return None
     try:
         values = _asdict(plan.decode(raw))

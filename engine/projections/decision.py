@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from engine.errors import RolloutError
-from engine.events.base import Envelope
+from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     CaptureRequested,
     FilterSpec,
@@ -224,6 +224,20 @@ def _versions(done: SampleCompleted) -> tuple[tuple[int, int], ...]:
     return tuple(zip(values.tolist(), counts.tolist(), strict=True))
 
 
+def _started(state: DecisionState, sample_id: str, attempt: int) -> None:
+    b = state.samples.get(sample_id)
+    if b is not None and not b.done and attempt >= b.attempt:
+        if attempt != b.attempt:
+            b.turns = 0  # a re-run starts afresh
+        b.attempt = attempt
+
+
+def _turn(state: DecisionState, sample_id: str, attempt: int) -> None:
+    b = state.samples.get(sample_id)
+    if b is not None and not b.done and attempt == b.attempt:
+        b.turns += 1
+
+
 class DecisionProjection:
     """Folds one rollout stream into a :class:`DecisionState`."""
 
@@ -245,21 +259,34 @@ class DecisionProjection:
         return DecisionState()
 
     def _task(self, state: DecisionState, ev: TaskFetched | TaskJoined) -> None:
+        if isinstance(ev, TaskJoined):
+            self._joined(state, ev)
+        elif ev.sample_id not in state.samples:
+            dataset = self._datasets.setdefault(ev.dataset, ev.dataset)
+            self._add(state, ev, dataset, ev.carried_from, ev)
+
+    def _joined(self, state: DecisionState, ev: TaskJoined) -> None:
+        """A joined sample (the event, or its flat fields: then no whole task is kept)."""
         if ev.sample_id in state.samples:
             return
-        if isinstance(ev, TaskJoined):
-            first = state.samples.get(ev.same_as)
-            if first is None:
-                raise RolloutError(
-                    f"TaskJoined {ev.sample_id} (rollout {ev.rollout_id}) refers to sample "
-                    f"{ev.same_as!r}, whose TaskFetched no earlier entry of the stream holds"
-                )
-            dataset, carried_from = first.dataset, first.carried_from  # group fields
-            whole = state.tasks.get(ev.same_as)
-            task = ev.task(whole) if whole is not None else None
-        else:
-            dataset = self._datasets.setdefault(ev.dataset, ev.dataset)
-            task, carried_from = ev, ev.carried_from
+        first = state.samples.get(ev.same_as)
+        if first is None:
+            raise RolloutError(
+                f"TaskJoined {ev.sample_id} (rollout {ev.rollout_id}) refers to sample "
+                f"{ev.same_as!r}, whose TaskFetched no earlier entry of the stream holds"
+            )
+        whole = state.tasks.get(ev.same_as)
+        task = ev.task(whole) if whole is not None else None
+        self._add(state, ev, first.dataset, first.carried_from, task)  # group fields
+
+    def _add(
+        self,
+        state: DecisionState,
+        ev: TaskFetched | TaskJoined,
+        dataset: str,
+        carried_from: str | None,
+        task: TaskFetched | None,
+    ) -> None:
         state.samples[ev.sample_id] = Brief(
             sample_id=ev.sample_id,
             index=ev.index,
@@ -330,15 +357,9 @@ class DecisionProjection:
         if isinstance(ev, TaskFetched | TaskJoined):
             self._task(state, ev)
         elif isinstance(ev, SampleStarted):
-            b = state.samples.get(ev.sample_id)
-            if b is not None and not b.done and ev.attempt >= b.attempt:
-                if ev.attempt != b.attempt:
-                    b.turns = 0  # a re-run starts afresh
-                b.attempt = ev.attempt
+            _started(state, ev.sample_id, ev.attempt)
         elif isinstance(ev, TurnCompleted):
-            b = state.samples.get(ev.sample_id)
-            if b is not None and not b.done and ev.attempt == b.attempt:
-                b.turns += 1
+            _turn(state, ev.sample_id, ev.attempt)
         elif isinstance(ev, SampleCompleted | SampleAborted):
             self._terminal(state, ev)
         elif isinstance(ev, TeacherScored):
@@ -372,6 +393,25 @@ class DecisionProjection:
             if state.capture is None:
                 state.capture = ev
         return state
+
+    def evolve_flat(self, state: DecisionState, cls: type[Event], fields: Any) -> bool:
+        """Fold one event from its checked fields (``codec.decode_flat``), without the
+        event: what :meth:`evolve` does with it, for the small events that make most of a
+        stream (``SampleStarted``, ``TurnCompleted``, and ``TaskJoined`` when no whole task
+        is kept). Returns False, changing nothing, for any other event: the caller decodes
+        that one and folds it with :meth:`evolve`."""
+        if cls is SampleStarted:
+            state.event_count += 1
+            _started(state, fields.sample_id, fields.attempt)
+        elif cls is TurnCompleted:
+            state.event_count += 1
+            _turn(state, fields.sample_id, fields.attempt)
+        elif cls is TaskJoined and not _keeps_tasks(state.request):
+            state.event_count += 1
+            self._joined(state, fields)  # state.tasks is empty: no whole task to build
+        else:
+            return False
+        return True
 
 
 # ---------------------------------------------------------------- decisions
