@@ -44,7 +44,13 @@ import msgspec
 from pydantic import BaseModel
 
 from engine.errors import DecodeError
-from engine.events.arrays import EXT_TYPES, PackedArray, from_compact, from_wire
+from engine.events.arrays import (
+    EXT_TYPES,
+    PackedArray,
+    compact_size,
+    from_compact,
+    from_wire,
+)
 from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
@@ -218,23 +224,31 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
 
 
 def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
-    """``(class, fields)`` of an event whose class has only scalar fields (no packed array,
-    no nested model), read into the class's checked msgspec struct without building the
-    event; None for anything else (another class, not canonical, refused).
+    """``(class, fields)`` of an event read into its class's checked msgspec struct without
+    building the event; None for anything :func:`decode_fast` would not take (another
+    class, not canonical, refused) and for a class with a nested model field.
 
-    The struct holds every field, checked as :func:`decode_fast` checks it, and for such a
-    class that check is all ``decode_fast`` does: whenever this returns fields,
-    :func:`engine.events.codec.decode` returns the event with exactly these values. A
-    reader that needs a few fields of many small events (the finalizer's fold) reads them
-    here and decodes whatever this declines the usual way, which accepts, upcasts or
-    refuses it as always."""
+    Every field is read and checked as :func:`decode_fast` checks it, packed arrays
+    included (their lengths and compact forms, without building them): whenever this
+    returns fields, :func:`engine.events.codec.decode` returns the event with these values.
+    A packed array stays in its wire form in the struct -- the raw little-endian bytes, or
+    for a field of the class's ``compact_arrays`` the compact value (``arrays.from_compact``
+    / ``arrays.compact_size`` read it). For folds that need a few fields of many events
+    (the finalizer's): whatever this declines, the reader decodes the usual way, which
+    accepts, upcasts or refuses it as always."""
     plan = _canonical_plan(raw)
-    if plan is None or plan.arrays or plan.compact or plan.nested:
+    if plan is None or plan.nested:
         return None
     try:
-        return plan.cls, plan.decode(raw)
+        fields = plan.decode(raw)
+        for name, kind in plan.arrays:
+            if len(getattr(fields, name)) % kind.itemsize:
+                return None
+        for name, kind in plan.compact:
+            compact_size(kind, getattr(fields, name))
     except _Refused:
         return None
+    return plan.cls, fields
 
 
 def decode_fast(raw: bytes) -> Event | None:

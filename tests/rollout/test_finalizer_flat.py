@@ -23,13 +23,15 @@ from engine.events import (
     Event,
     LogProbs,
     Mask,
+    RolloutRequested,
     SampleCompleted,
     SampleStarted,
     TaskFetched,
     TokenIds,
     TurnCompleted,
 )
-from engine.events.catalog import DeadLetter, RolloutReady, TaskJoined
+from engine.events.arrays import PackedArray, compact_size, from_compact
+from engine.events.catalog import DeadLetter, PromptStored, RolloutReady, TaskJoined
 from engine.events.codec import decode, decode_flat, encode
 from engine.events.log import EventLog
 from engine.events.redis_log import FIELD, RedisEventLog
@@ -92,14 +94,9 @@ def test_flat_fields_are_the_decoded_events_fields() -> None:
 
 
 def test_decode_flat_declines_what_it_does_not_check_in_full() -> None:
-    # classes with packed arrays or nested models: their checks are decode's
-    done = SampleCompleted(rollout_id="r", sample_id="r:s0", prompt_ids=TokenIds.empty(),
-                           response_ids=TokenIds.from_values([1]),
-                           logprobs=LogProbs.from_values([-1.0]),
-                           loss_mask=Mask.from_values([1]))
+    # a class with a nested model: its check is that model's validator, decode's
     task = TaskFetched(rollout_id="r", sample_id="r:s0", index=0, group_index=0,
                        prompt="q", dataset="d", task_type="t")
-    assert decode_flat(encode(done)) is None
     assert decode_flat(encode(task)) is None
     # not canonical: a lax value decode coerces, a missing default, garbage
     started = SampleStarted(rollout_id="r", sample_id="r:s0", attempt=1)
@@ -110,6 +107,94 @@ def test_decode_flat_declines_what_it_does_not_check_in_full() -> None:
     assert decode_flat(msgpack.packb(short)) is None
     assert decode_flat(b"\xc1 not msgpack") is None
     assert decode_flat(b"") is None
+
+
+def _completed(n: int, *, mask: list[int] | None = None, versions: list[int] | None = None,
+               ids_from: int = 0, prompt_key: str = "") -> SampleCompleted:
+    return SampleCompleted(
+        rollout_id="r", sample_id="r:s0", attempt=1,
+        prompt_ids=TokenIds.from_values([] if prompt_key else list(range(ids_from, ids_from + 70))),
+        prompt_key=prompt_key,
+        response_ids=TokenIds.from_values(list(range(ids_from, ids_from + n))),
+        logprobs=LogProbs.from_values([-0.5] * n),
+        loss_mask=Mask.from_values(mask if mask is not None else [1] * n),
+        reward=1.0, termination_reason="finish", n_turns=2,
+        token_versions=TokenIds.from_values(versions if versions is not None else [3] * n),
+        teacher_mask=Mask.from_values([0, 1] * (n // 2)),
+    )
+
+
+COMPLETED = [
+    _completed(5),
+    _completed(300),  # compact: a bit mask, uint16 ids
+    _completed(300, ids_from=70_000),  # uint24 ids
+    _completed(300, ids_from=2**24),  # raw ids
+    _completed(300, mask=[2, 0, 1] * 100),  # not 0/1: a raw mask
+    _completed(300, mask=[0, 1, 1] * 100, versions=[1, 2, 2] * 100),
+    _completed(9, versions=[]),
+    _completed(9, prompt_key="p0"),
+]
+
+
+def test_a_completed_samples_flat_fields_are_the_decoded_events() -> None:
+    for done in COMPLETED:
+        raw = encode(done)
+        got = decode_flat(raw)
+        assert got is not None and got[0] is SampleCompleted
+        fields = got[1]
+        for name, value in decode(raw).__dict__.items():
+            wire = getattr(fields, name)
+            if name in SampleCompleted.compact_arrays:
+                assert from_compact(type(value), wire) == value
+                assert compact_size(type(value), wire) == len(value)
+            elif isinstance(value, PackedArray):
+                assert wire == value.data
+            else:
+                assert wire == value, name
+
+
+def _fold_both(
+    events: list[Event],
+) -> tuple[compact.DecisionState, compact.DecisionState, int]:
+    typed, flat = compact.DecisionProjection(), _FlatFold()
+    a, b = typed.initial(), flat.initial()
+    for i, ev in enumerate(events):
+        env = Envelope("s", f"{i + 1}-0", ev)
+        a = typed.evolve(a, Envelope("s", env.id, decode(encode(ev))))
+        b = flat.evolve(b, env)
+    return a, b, flat.flat
+
+
+def test_a_completed_sample_folds_flat_as_the_event_does() -> None:
+    for algorithm in ("grpo", "dagger_ce"):
+        request = RolloutRequested(rollout_id="r", n_prompts=1, n_samples_per_prompt=1,
+                                   algorithm=algorithm)
+        for done in COMPLETED:
+            head: list[Event] = [
+                request,
+                TaskFetched(rollout_id="r", sample_id="r:s0", index=0, group_index=0,
+                            prompt="q", dataset="d", task_type="t"),
+                PromptStored(rollout_id="r", prompt_key="p0",
+                             prompt_ids=TokenIds.from_values([7] * 12)),
+                SampleStarted(rollout_id="r", sample_id="r:s0", attempt=1),
+            ]
+            typed, flat, n_flat = _fold_both([*head, done])
+            assert n_flat == (2 if algorithm == "grpo" else 1)  # the CE lane's: decoded
+            assert flat.samples == typed.samples and flat.n_terminal == typed.n_terminal == 1
+            assert flat.event_count == typed.event_count
+    # a different number of versions than tokens: refused the same way (numpy's IndexError)
+    bad = _completed(4, versions=[1, 2])
+    with pytest.raises(IndexError):
+        _fold_both([request, *head[1:], bad])
+    brief = compact.DecisionProjection()
+    state = brief.initial()
+    plain = RolloutRequested(rollout_id="r", n_prompts=1, n_samples_per_prompt=1)
+    for i, ev in enumerate([plain, head[1]]):
+        state = brief.evolve(state, Envelope("s", f"{i + 1}-0", ev))
+    fields = decode_flat(encode(bad))
+    assert fields is not None
+    with pytest.raises(IndexError):
+        brief.evolve_flat(state, *fields)
 
 
 def _bad_entries(first: str) -> list[dict[bytes, bytes]]:
