@@ -12,7 +12,7 @@ Contract
   attempt, token counts per weight version, ...), not the samples themselves, so a
   1M-sample rollout fits a finalizer's memory; the whole samples are folded beside it only
   when ``out_dir`` or the dumps need them. Without the whole samples it reads the stream
-  raw and folds the small events most of it is made of (a sample's start and turns, a
+  raw and folds the events most of it is made of (a sample's start, turns and end, a
   joined task) from their checked fields (``codec.decode_flat``) without building events;
   every other entry is decoded as a typed read decodes it, and one that does not decode is
   dead-lettered (once) by the log's own typed read, exactly as before -- then:
@@ -245,9 +245,9 @@ class _Follower:
         return self.state.decided
 
     async def _read_flat(self) -> bool:
-        """:meth:`read` for the compact fold alone. The entries come raw; the small ones
-        most of a stream is made of (a sample's start and turns, a joined task) are folded
-        from their checked fields (``codec.decode_flat``) without building events, and
+        """:meth:`read` for the compact fold alone. The entries come raw; those most of a
+        stream is made of (a sample's start, turns and end, a joined task) are folded from
+        their checked fields (``codec.decode_flat``) without building events, and
         every other entry is decoded as a typed read decodes it. An entry that does not
         decode is read again by the log's own typed read with ``dead_letter=True``, which
         dead-letters it (once) exactly as :meth:`EventLog.read_after` would have."""
@@ -257,21 +257,24 @@ class _Follower:
         else:  # read_after's non-blocking read (a tail_raw of 0 would block for ever)
             rows = await log.read_raw(stream, after=self.position, limit=_READ_COUNT)
         flat = self._projection.evolve_flat
+        folded = False  # as read_after's envelopes: entries that decoded
         for entry_id, raw in rows:
             fields = decode_flat(raw)
             if fields is not None and flat(self.state, *fields):
+                folded = True
                 continue  # never a deciding event
             try:
                 envs = [Envelope(stream, entry_id, decode(raw))]
             except DecodeError:
                 envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
             for env in envs:
+                folded = True
                 if self._fold(env):
                     self.position = entry_id
                     return True
         if rows:
             self.position = rows[-1][0]
-        return bool(rows)
+        return folded
 
 
 class Finalizer:

@@ -261,3 +261,20 @@ async def test_the_finalizer_skips_and_dead_letters_bad_entries_as_a_typed_read(
     again = await Finalizer(log, FinalizerConfig(consumer="f2")).follow("big")
     assert again == outcome
     assert letters(await log.read_all(log.names.dead)) == expected  # once each
+
+
+async def test_a_read_of_only_bad_entries_folds_nothing_and_moves_past_them(
+    real_log: EventLog,
+) -> None:
+    """As ``read_after``: nothing decoded is "nothing read" (a dead request's follower then
+    appends its RolloutFailed at once), and the position moves past the bad entries."""
+    from engine.actors.finalizer import _Follower
+
+    assert isinstance(real_log, RedisEventLog)
+    stream = real_log.names.rollout("bad")
+    ids = [await real_log.redis.xadd(stream, entry) for entry in _bad_entries("bad:s0")[:3]]
+    follower = _Follower(real_log, stream)
+    assert await follower.read() is False
+    assert follower.position == ids[-1].decode()
+    assert follower.state.event_count == 0
+    assert len(await real_log.read_all(real_log.names.dead)) == 3
