@@ -11,7 +11,11 @@ Contract
   :mod:`engine.projections.decision` (a few hundred bytes a sample: outcome, reward, group,
   attempt, token counts per weight version, ...), not the samples themselves, so a
   1M-sample rollout fits a finalizer's memory; the whole samples are folded beside it only
-  when ``out_dir`` or the dumps need them -- then:
+  when ``out_dir`` or the dumps need them. Without the whole samples it reads the stream
+  raw and folds the events most of it is made of (a sample's start, turns and end, a
+  joined task) from their checked fields (``codec.decode_flat``) without building events;
+  every other entry is decoded as a typed read decodes it, and one that does not decode is
+  dead-lettered (once) by the log's own typed read, exactly as before -- then:
 
   1. applies the request's filters (rollout-engine §5): reward-based rejection first (drop
      every group whose samples' rewards are all equal -- an aborted sample counts as 0),
@@ -71,8 +75,8 @@ from pathlib import Path
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
 from engine.actors.verify import VerifyTally
-from engine.errors import AppendConflict
-from engine.events.base import Event
+from engine.errors import AppendConflict, DecodeError
+from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     CaptureRequested,
     RolloutFailed,
@@ -86,6 +90,7 @@ from engine.events.catalog import (
     TeacherScored,
     TurnCompleted,
 )
+from engine.events.codec import decode, decode_flat
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.decision import (
     DecisionProjection,
@@ -141,6 +146,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GROUP = "finalizers"
+_READ_COUNT = 500  # entries a read of a rollout stream returns at most (read_after's)
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -215,22 +221,60 @@ class _Follower:
         """Fold what the next read returns (blocking when there is nothing yet); returns
         whether it read anything. Folding stops at the entry that decides the rollout, so
         ``position`` is then that entry (what replay folds up to)."""
+        if self._whole is None:
+            return await self._read_flat()
         # The finalizer following a rollout owns its stream: it dead-letters (once) what
         # does not decode there; every other reader skips such entries.
         envs, position = await self._log.read_after(
             self.stream, self.position, dead_letter=True
         )
         for env in envs:
-            if isinstance(env.event, SampleVerified):
-                self.verify.add(env.event)
-            self.state = self._projection.evolve(self.state, env)
-            if self._whole is not None and self.full is not None:
-                self.full = self._whole.evolve(self.full, env)
-            if self.state.decided:
+            if self._fold(env):
                 self.position = env.id
                 return True
         self.position = position
         return bool(envs)
+
+    def _fold(self, env: Envelope) -> bool:
+        """Fold one decoded entry; returns whether the rollout is now decided."""
+        if isinstance(env.event, SampleVerified):
+            self.verify.add(env.event)
+        self.state = self._projection.evolve(self.state, env)
+        if self._whole is not None and self.full is not None:
+            self.full = self._whole.evolve(self.full, env)
+        return self.state.decided
+
+    async def _read_flat(self) -> bool:
+        """:meth:`read` for the compact fold alone. The entries come raw; those most of a
+        stream is made of (a sample's start, turns and end, a joined task) are folded from
+        their checked fields (``codec.decode_flat``) without building events, and
+        every other entry is decoded as a typed read decodes it. An entry that does not
+        decode is read again by the log's own typed read with ``dead_letter=True``, which
+        dead-letters it (once) exactly as :meth:`EventLog.read_after` would have."""
+        log, stream = self._log, self.stream
+        if log.block_ms > 0:
+            rows = [(i, raw) for _, i, raw in await log.tail_raw({stream: self.position})]
+        else:  # read_after's non-blocking read (a tail_raw of 0 would block for ever)
+            rows = await log.read_raw(stream, after=self.position, limit=_READ_COUNT)
+        flat = self._projection.evolve_flat
+        folded = False  # as read_after's envelopes: entries that decoded
+        for entry_id, raw in rows:
+            fields = decode_flat(raw)
+            if fields is not None and flat(self.state, *fields):
+                folded = True
+                continue  # never a deciding event
+            try:
+                envs = [Envelope(stream, entry_id, decode(raw))]
+            except DecodeError:
+                envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
+            for env in envs:
+                folded = True
+                if self._fold(env):
+                    self.position = entry_id
+                    return True
+        if rows:
+            self.position = rows[-1][0]
+        return folded
 
 
 class Finalizer:

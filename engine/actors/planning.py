@@ -85,6 +85,10 @@ __all__ = ["Plan", "Planner", "admission_refused", "admission_wait", "check_part
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
 
+# A task's fields that become a TaskFetched's group fields (catalog.GROUP_FIELDS; the
+# rollout id, the resolved settings -- per dataset -- and carried_from follow from them).
+_TASK_GROUP_FIELDS = ("prompt", "label", "dataset_name", "task_type", "source_line", "metadata")
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -104,6 +108,13 @@ class Plan:
     # Per group index, the position (in ``tasks()``) of the group's first sample: the one
     # whose ``TaskFetched`` the others' ``TaskJoined`` refer to (empty: none written joined).
     group_first: Mapping[int, int] = field(default_factory=dict, repr=False, compare=False)
+    # Sample ``at``'s TaskJoined when the planner's own tasks show it shares every group
+    # field with its group's first sample, built without its TaskFetched; None: not known
+    # so (a group's first, a carried sample, a field that differs), and ``wire_tasks``
+    # compares the events themselves.
+    make_joined: Callable[[int], TaskJoined | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def rollout_id(self) -> str:
@@ -122,23 +133,34 @@ class Plan:
     def wire_tasks(self, start: int = 0, stop: int | None = None) -> list[Event]:
         """What the stream holds for samples ``start`` to ``stop``: the ``TaskFetched`` of a
         group's first sample, and a ``TaskJoined`` on it for every other sample of the group
-        that shares its task (a sample that differs in any group field is written whole)."""
-        tasks = self.tasks(start, stop)
-        firsts: dict[int, TaskFetched] = {}
-        out: list[Event] = []
-        for at, ev in enumerate(tasks, start=max(start, 0)):
-            pos = self.group_first.get(ev.group_index)
-            if pos is None or pos == at:
-                out.append(ev)
+        that shares its task (a sample that differs in any group field is written whole).
+
+        A joined sample of the planner's own tasks is built from its task (``make_joined``)
+        without its ``TaskFetched``; every other sample's ``TaskFetched`` is built and
+        compared with its group's first as ``TaskJoined.of`` compares them."""
+        n = len(self.sample_ids)
+        lo = max(min(start, n), 0)
+        hi = n if stop is None else max(min(stop, n), lo)
+        joined_of = self.make_joined
+        out: list[Event | None] = (
+            [joined_of(at) for at in range(lo, hi)] if joined_of is not None else [None] * (hi - lo)
+        )
+        built: dict[int, TaskFetched] = {}
+
+        def task(at: int) -> TaskFetched:
+            ev = built.get(at)
+            if ev is None:
+                ev = built[at] = self.make_tasks(at, at + 1)[0]
+            return ev
+
+        for at in range(lo, hi):
+            if out[at - lo] is not None:
                 continue
-            first = firsts.get(ev.group_index)
-            if first is None:
-                first = firsts[ev.group_index] = (
-                    tasks[pos - start] if pos >= start else self.tasks(pos, pos + 1)[0]
-                )
-            joined = TaskJoined.of(ev, first)
-            out.append(ev if joined is None else joined)
-        return out
+            ev = task(at)
+            pos = self.group_first.get(ev.group_index)
+            joined = None if pos is None or pos == at else TaskJoined.of(ev, task(pos))
+            out[at - lo] = ev if joined is None else joined
+        return [ev for ev in out if ev is not None]
 
     def rollout_events(self, start: int = 0, stop: int | None = None) -> list[Event]:
         """Events ``start`` to ``stop`` of ``rl:{rollout:<id>}``, in stream order."""
@@ -161,6 +183,41 @@ class Plan:
         for batch in self.batches:
             out[batch.evaluator_id] = max(out.get(batch.evaluator_id, 0), len(batch.sample_ids))
         return out
+
+
+_new = object.__new__
+_set = object.__setattr__
+# What TaskJoined.of passes: every field but the type (producer and causation are the
+# TaskFetched's defaults, "" and None).
+_JOINED_SET = frozenset(TaskJoined.model_fields) - {"type"}
+
+
+def _joined(rid: str, sample_id: str, index: int, group_index: int, same_as: str) -> TaskJoined:
+    """``TaskJoined(rollout_id=rid, ..., same_as=same_as, producer="", causation=None)``,
+    the arguments ``TaskJoined.of`` passes, for a plan's hot loop (a joined sample is most
+    of a rollout). The values come validated (the request's id, the task's own), so when
+    each has its field's exact type the instance is filled in without the validator --
+    equal to the validated one, field order and fields set included; anything else is
+    validated."""
+    if (
+        type(rid) is not str
+        or type(sample_id) is not str
+        or type(index) is not int
+        or type(group_index) is not int
+        or type(same_as) is not str
+    ):
+        return TaskJoined(rollout_id=rid, sample_id=sample_id, index=index,
+                          group_index=group_index, same_as=same_as, producer="",
+                          causation=None)
+    ev = _new(TaskJoined)
+    _set(ev, "__dict__", {
+        "type": "TaskJoined", "producer": "", "causation": None, "rollout_id": rid,
+        "sample_id": sample_id, "index": index, "group_index": group_index, "same_as": same_as,
+    })
+    _set(ev, "__pydantic_fields_set__", set(_JOINED_SET))
+    _set(ev, "__pydantic_extra__", None)
+    _set(ev, "__pydantic_private__", None)
+    return ev
 
 
 class Planner:
@@ -392,6 +449,25 @@ class Planner:
             out.extend(carried[max(start - n, 0) : max(stop - n, 0)])
             return out
 
+        def make_joined(at: int) -> TaskJoined | None:
+            # Read from the tasks: a TaskFetched holds a task's group fields as they are
+            # (JSON values as given, the metadata copied, the resolved settings shared per
+            # dataset), so fields equal here are equal there, and TaskJoined.of would join.
+            if at >= len(tasks):
+                return None  # a carried sample: its TaskFetched is compared
+            task = tasks[at]
+            pos = group_first.get(task.group_index)
+            if pos is None or pos == at or pos >= len(tasks):
+                return None
+            first = tasks[pos]
+            if task.sample_id == first.sample_id:
+                return None
+            for name in _TASK_GROUP_FIELDS:
+                mine, theirs = getattr(task, name), getattr(first, name)
+                if mine is not theirs and mine != theirs:
+                    return None
+            return _joined(rid, task.sample_id, task.index, task.group_index, first.sample_id)
+
         sealed: list[BatchSealed] = []
         for seq, batch in enumerate(self._batch(rid, tasks) if tasks else []):
             sealed.append(
@@ -425,6 +501,7 @@ class Planner:
             planned=planned,
             make_tasks=make_tasks,
             group_first=group_first,
+            make_joined=make_joined,
         )
 
     def _batch(self, rollout_id: str, tasks: list[Task]) -> list[Batch]:

@@ -310,3 +310,31 @@ def from_compact(kind: type[_P], wire: bytes) -> _P:
         wide[:, :3] = np.frombuffer(body, dtype=np.uint8).reshape(-1, 3)
         return kind(wide.tobytes())
     raise ValueError(f"{kind.__name__}: unknown compact form (tag {tag})")
+
+
+def compact_size(kind: type[PackedArray], wire: bytes) -> int:
+    """``len(from_compact(kind, wire))`` without building the array, refusing (with a
+    ``ValueError``) exactly what :func:`from_compact` refuses: for a reader that needs only
+    an array's length (the finalizer's fold of a ``SampleCompleted``)."""
+    if not wire:
+        raise ValueError(f"{kind.__name__}: an empty compact value (it needs its tag byte)")
+    tag, n = wire[0], len(wire) - 1
+    if tag == _RAW:
+        size = kind.dtype.itemsize
+        if n % size:
+            kind(wire[1:])  # raises the constructor's error, naming the class and the length
+        return n // size
+    if tag == _BITS and kind is Mask:
+        pad = wire[1] if n else 8
+        if pad > 7 or (pad and n == 1):
+            raise ValueError(f"Mask: bad bit padding in a compact value of {len(wire)} bytes")
+        return (n - 1) * 8 - pad
+    if tag == _U16 and kind is TokenIds:
+        if n % 2:
+            raise ValueError(f"TokenIds: {n} bytes is not a multiple of 2 (uint16)")
+        return n // 2
+    if tag == _U24 and kind is TokenIds:
+        if n % 3:
+            raise ValueError(f"TokenIds: {n} bytes is not a multiple of 3 (uint24)")
+        return n // 3
+    raise ValueError(f"{kind.__name__}: unknown compact form (tag {tag})")

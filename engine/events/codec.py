@@ -32,6 +32,7 @@ from engine.events.arrays import (
 )
 from engine.events.base import Event, event_class, upcast
 from engine.events.fastpath import decode_fast
+from engine.events.fastpath import decode_flat as decode_flat  # peek's sibling (below)
 
 _RESERVED = ("type", "v")
 
@@ -140,6 +141,12 @@ def peek(raw: bytes) -> tuple[str, str, str] | None:
     except (msgspec.MsgspecError, ValueError, TypeError):
         return None
     return head.type, head.sample_id, head.same_as
+
+
+# ``decode_flat(raw)`` (engine.events.fastpath) is peek's checked sibling: ``(class,
+# fields)`` of an event whose class has only scalar fields, every field read and checked
+# exactly as ``decode`` checks it but no event built; None for anything else, which the
+# reader then decodes. For folds that need a few fields of many small events.
 
 
 def decode_payload(raw: bytes) -> dict[str, Any]:

@@ -44,7 +44,13 @@ import msgspec
 from pydantic import BaseModel
 
 from engine.errors import DecodeError
-from engine.events.arrays import EXT_TYPES, PackedArray, from_compact, from_wire
+from engine.events.arrays import (
+    EXT_TYPES,
+    PackedArray,
+    compact_size,
+    from_compact,
+    from_wire,
+)
 from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
@@ -195,8 +201,9 @@ _asdict = msgspec.structs.asdict
 _Refused = (msgspec.MsgspecError, DecodeError, ValueError)
 
 
-def decode_fast(raw: bytes) -> Event | None:
-    """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
+def _canonical_plan(raw: bytes) -> _Plan | None:
+    """The plan of ``raw``'s class when ``raw`` is a map in canonical form for it (``type``
+    first, one key per field plus ``v``), else None."""
     head = raw[0] if raw else 0
     if 0x80 <= head <= 0x8F:  # fixmap
         n_keys, at = head & 0x0F, 1
@@ -212,6 +219,42 @@ def decode_fast(raw: bytes) -> Event | None:
     start = at + 6
     plan = _plan_for(raw[start : start + size])
     if plan is None or plan.n_keys != n_keys:
+        return None
+    return plan
+
+
+def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
+    """``(class, fields)`` of an event read into its class's checked msgspec struct without
+    building the event; None for anything :func:`decode_fast` would not take (another
+    class, not canonical, refused) and for a class with a nested model field.
+
+    Every field is read and checked as :func:`decode_fast` checks it, packed arrays
+    included (their lengths and compact forms, without building them): whenever this
+    returns fields, :func:`engine.events.codec.decode` returns the event with these values.
+    A packed array stays in its wire form in the struct -- the raw little-endian bytes, or
+    for a field of the class's ``compact_arrays`` the compact value (``arrays.from_compact``
+    / ``arrays.compact_size`` read it). For folds that need a few fields of many events
+    (the finalizer's): whatever this declines, the reader decodes the usual way, which
+    accepts, upcasts or refuses it as always."""
+    plan = _canonical_plan(raw)
+    if plan is None or plan.nested:
+        return None
+    try:
+        fields = plan.decode(raw)
+        for name, kind in plan.arrays:
+            if len(getattr(fields, name)) % kind.itemsize:
+                return None
+        for name, kind in plan.compact:
+            compact_size(kind, getattr(fields, name))
+    except _Refused:
+        return None
+    return plan.cls, fields
+
+
+def decode_fast(raw: bytes) -> Event | None:
+    """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
+    plan = _canonical_plan(raw)
+    if plan is None:
         return None
     try:
         values = _asdict(plan.decode(raw))

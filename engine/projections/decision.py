@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from engine.errors import RolloutError
-from engine.events.base import Envelope
+from engine.events.arrays import Mask, TokenIds, compact_size, from_compact
+from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     CaptureRequested,
     FilterSpec,
@@ -201,11 +202,24 @@ def _wants_ce(request: RolloutRequested | None) -> bool:
 def _versions(done: SampleCompleted) -> tuple[tuple[int, int], ...]:
     """Sampled tokens per weight version, ascending (engine.actors.finalizer's
     ``_sampled_versions``, counted)."""
-    sampled = done.loss_mask.numpy().astype(bool)
-    if not len(done.token_versions):
-        n = int(np.count_nonzero(sampled))
+    return _versions_of(done.loss_mask.data, done.token_versions.data)
+
+
+def _versions_of(mask: bytes, tv: bytes) -> tuple[tuple[int, int], ...]:
+    """:func:`_versions` from the raw bytes of the loss mask (uint8) and the token versions
+    (int32, little-endian).
+
+    The common trajectory -- every token of one version, or none recorded -- is counted on
+    the bytes (a sampled token is a non-zero mask byte); anything else, including arrays of
+    different lengths (which numpy's boolean index refuses), takes numpy."""
+    n_tokens = len(mask)
+    n = n_tokens - mask.count(0)
+    if not tv:
         return ((UNKNOWN_VERSION, n),) if n else ()
-    versions = done.token_versions.numpy()[sampled].astype(np.int64)
+    if len(tv) == 4 * n_tokens and tv == tv[:4] * n_tokens:  # one version throughout
+        return ((int.from_bytes(tv[:4], "little", signed=True), n),) if n else ()
+    sampled = np.frombuffer(mask, dtype=np.uint8).astype(bool)
+    versions = np.frombuffer(tv, dtype="<i4")[sampled].astype(np.int64)
     if not len(versions):
         return ()
     low, high = int(versions.min()), int(versions.max())
@@ -215,6 +229,41 @@ def _versions(done: SampleCompleted) -> tuple[tuple[int, int], ...]:
     return tuple(zip(values.tolist(), counts.tolist(), strict=True))
 
 
+def _opened(state: DecisionState, sample_id: str, attempt: int) -> Brief | None:
+    """The sample a terminal event of ``attempt`` closes, its attempt recorded; None when
+    it is unknown or already terminal (the first terminal wins)."""
+    b = state.samples.get(sample_id)
+    if b is None or b.done:
+        return None
+    if attempt != b.attempt:
+        b.turns = 0  # a terminal of another attempt: its turns are not recorded
+    b.attempt = max(b.attempt, attempt)
+    b.terminal_attempt = attempt
+    return b
+
+
+def _closed(state: DecisionState, b: Brief) -> None:
+    state.n_terminal += 1
+    g = b.group_index
+    done = state.group_done[g] = state.group_done.get(g, 0) + 1
+    if done == state.group_size.get(g, 0):
+        state.completed_groups.append(g)
+
+
+def _started(state: DecisionState, sample_id: str, attempt: int) -> None:
+    b = state.samples.get(sample_id)
+    if b is not None and not b.done and attempt >= b.attempt:
+        if attempt != b.attempt:
+            b.turns = 0  # a re-run starts afresh
+        b.attempt = attempt
+
+
+def _turn(state: DecisionState, sample_id: str, attempt: int) -> None:
+    b = state.samples.get(sample_id)
+    if b is not None and not b.done and attempt == b.attempt:
+        b.turns += 1
+
+
 class DecisionProjection:
     """Folds one rollout stream into a :class:`DecisionState`."""
 
@@ -222,26 +271,48 @@ class DecisionProjection:
 
     def __init__(self) -> None:
         self._datasets: dict[str, str] = {}  # one string object per dataset name
+        # _wants_ce of the last request asked about (asked once per completed sample)
+        self._ce_of: tuple[RolloutRequested | None, bool] = (None, _wants_ce(None))
+
+    def _wants_ce(self, request: RolloutRequested | None) -> bool:
+        known, wants = self._ce_of
+        if request is not known:
+            wants = _wants_ce(request)
+            self._ce_of = (request, wants)
+        return wants
 
     def initial(self) -> DecisionState:
         return DecisionState()
 
     def _task(self, state: DecisionState, ev: TaskFetched | TaskJoined) -> None:
+        if isinstance(ev, TaskJoined):
+            self._joined(state, ev)
+        elif ev.sample_id not in state.samples:
+            dataset = self._datasets.setdefault(ev.dataset, ev.dataset)
+            self._add(state, ev, dataset, ev.carried_from, ev)
+
+    def _joined(self, state: DecisionState, ev: TaskJoined) -> None:
+        """A joined sample (the event, or its flat fields: then no whole task is kept)."""
         if ev.sample_id in state.samples:
             return
-        if isinstance(ev, TaskJoined):
-            first = state.samples.get(ev.same_as)
-            if first is None:
-                raise RolloutError(
-                    f"TaskJoined {ev.sample_id} (rollout {ev.rollout_id}) refers to sample "
-                    f"{ev.same_as!r}, whose TaskFetched no earlier entry of the stream holds"
-                )
-            dataset, carried_from = first.dataset, first.carried_from  # group fields
-            whole = state.tasks.get(ev.same_as)
-            task = ev.task(whole) if whole is not None else None
-        else:
-            dataset = self._datasets.setdefault(ev.dataset, ev.dataset)
-            task, carried_from = ev, ev.carried_from
+        first = state.samples.get(ev.same_as)
+        if first is None:
+            raise RolloutError(
+                f"TaskJoined {ev.sample_id} (rollout {ev.rollout_id}) refers to sample "
+                f"{ev.same_as!r}, whose TaskFetched no earlier entry of the stream holds"
+            )
+        whole = state.tasks.get(ev.same_as)
+        task = ev.task(whole) if whole is not None else None
+        self._add(state, ev, first.dataset, first.carried_from, task)  # group fields
+
+    def _add(
+        self,
+        state: DecisionState,
+        ev: TaskFetched | TaskJoined,
+        dataset: str,
+        carried_from: str | None,
+        task: TaskFetched | None,
+    ) -> None:
         state.samples[ev.sample_id] = Brief(
             sample_id=ev.sample_id,
             index=ev.index,
@@ -258,53 +329,67 @@ class DecisionProjection:
         state.group_size[g] = state.group_size.get(g, 0) + 1
 
     def _terminal(self, state: DecisionState, ev: SampleCompleted | SampleAborted) -> None:
-        b = state.samples.get(ev.sample_id)
-        if b is None or b.done:
-            return
-        if ev.attempt != b.attempt:
-            b.turns = 0  # a terminal of another attempt: its turns are not recorded
-        b.attempt = max(b.attempt, ev.attempt)
-        b.terminal_attempt = ev.attempt
         if isinstance(ev, SampleCompleted):
-            prompt_len = len(ev.prompt_ids)
-            if ev.prompt_key:
-                stored = state.prompts.get(ev.prompt_key)
-                if stored is None:
-                    raise RolloutError(
-                        f"SampleCompleted {ev.sample_id} (rollout {ev.rollout_id}) refers to "
-                        f"prompt {ev.prompt_key!r}, which no earlier PromptStored of the "
-                        "stream holds"
-                    )
-                prompt_len = stored
-            reason = ev.termination_reason
-            b.outcome = COMPLETED
-            b.reward = float(ev.reward)
-            b.finished = reason == _FINISH
-            b.failure_class = FailureClass.of(ev.reward, reason)
-            b.turns = ev.n_turns or b.turns
-            b.response_length = len(ev.response_ids)
-            versions = _versions(ev)
-            if versions:
-                b.low_version = versions[0][0]
-                b.n_sampled = sum(n for _, n in versions)
-                b.spread = versions if len(versions) > 1 else None
-            if _wants_ce(state.request):
-                shift = prompt_len - len(ev.prompt_ids)
-                b.ce = tuple(
-                    replace(c, n_tokens=c.n_tokens + shift) if shift else c
-                    for c in ce_chunks(ev)
+            self._completed(
+                state, ev, len(ev.prompt_ids), len(ev.response_ids), ev.loss_mask.data,
+                ev.token_versions.data, ev,
+            )
+            return
+        b = _opened(state, ev.sample_id, ev.attempt)
+        if b is None:
+            return
+        abort = ev.abort_class
+        b.outcome = ABORTED
+        b.failure_class = abort.failure_class
+        b.abort_class = abort
+        b.turns = ev.turns
+        _closed(state, b)
+
+    def _completed(
+        self,
+        state: DecisionState,
+        ev: SampleCompleted,
+        n_prompt: int,
+        n_response: int,
+        mask: bytes,
+        token_versions: bytes,
+        whole: SampleCompleted | None,
+    ) -> None:
+        """A ``SampleCompleted``: ``ev`` is the event (``whole`` too) or its flat fields
+        (``whole`` None: only for a request that needs no CE chunks), with its prompt and
+        response lengths and the raw bytes of its loss mask and token versions."""
+        b = _opened(state, ev.sample_id, ev.attempt)
+        if b is None:
+            return
+        prompt_len = n_prompt
+        if ev.prompt_key:
+            stored = state.prompts.get(ev.prompt_key)
+            if stored is None:
+                raise RolloutError(
+                    f"SampleCompleted {ev.sample_id} (rollout {ev.rollout_id}) refers to "
+                    f"prompt {ev.prompt_key!r}, which no earlier PromptStored of the "
+                    "stream holds"
                 )
-        else:
-            abort = ev.abort_class
-            b.outcome = ABORTED
-            b.failure_class = abort.failure_class
-            b.abort_class = abort
-            b.turns = ev.turns
-        state.n_terminal += 1
-        g = b.group_index
-        done = state.group_done[g] = state.group_done.get(g, 0) + 1
-        if done == state.group_size.get(g, 0):
-            state.completed_groups.append(g)
+            prompt_len = stored
+        reason = ev.termination_reason
+        b.outcome = COMPLETED
+        b.reward = float(ev.reward)
+        b.finished = reason == _FINISH
+        b.failure_class = FailureClass.of(ev.reward, reason)
+        b.turns = ev.n_turns or b.turns
+        b.response_length = n_response
+        versions = _versions_of(mask, token_versions)
+        if versions:
+            b.low_version = versions[0][0]
+            b.n_sampled = sum(n for _, n in versions)
+            b.spread = versions if len(versions) > 1 else None
+        if whole is not None and self._wants_ce(state.request):
+            shift = prompt_len - n_prompt
+            b.ce = tuple(
+                replace(c, n_tokens=c.n_tokens + shift) if shift else c
+                for c in ce_chunks(whole)
+            )
+        _closed(state, b)
 
     def evolve(self, state: DecisionState, env: Envelope) -> DecisionState:
         ev = env.event
@@ -312,15 +397,9 @@ class DecisionProjection:
         if isinstance(ev, TaskFetched | TaskJoined):
             self._task(state, ev)
         elif isinstance(ev, SampleStarted):
-            b = state.samples.get(ev.sample_id)
-            if b is not None and not b.done and ev.attempt >= b.attempt:
-                if ev.attempt != b.attempt:
-                    b.turns = 0  # a re-run starts afresh
-                b.attempt = ev.attempt
+            _started(state, ev.sample_id, ev.attempt)
         elif isinstance(ev, TurnCompleted):
-            b = state.samples.get(ev.sample_id)
-            if b is not None and not b.done and ev.attempt == b.attempt:
-                b.turns += 1
+            _turn(state, ev.sample_id, ev.attempt)
         elif isinstance(ev, SampleCompleted | SampleAborted):
             self._terminal(state, ev)
         elif isinstance(ev, TeacherScored):
@@ -354,6 +433,38 @@ class DecisionProjection:
             if state.capture is None:
                 state.capture = ev
         return state
+
+    def evolve_flat(self, state: DecisionState, cls: type[Event], fields: Any) -> bool:
+        """Fold one event from its checked fields (``codec.decode_flat``), without the
+        event: what :meth:`evolve` does with it, for the events that make most of a stream
+        (``SampleStarted``, ``TurnCompleted``, ``SampleCompleted`` when the request needs no
+        CE chunks, and ``TaskJoined`` when no whole task is kept). Returns False, changing
+        nothing, for any other event: the caller decodes that one and folds it with
+        :meth:`evolve`."""
+        if cls is SampleStarted:
+            state.event_count += 1
+            _started(state, fields.sample_id, fields.attempt)
+        elif cls is TurnCompleted:
+            state.event_count += 1
+            _turn(state, fields.sample_id, fields.attempt)
+        elif cls is SampleCompleted and not self._wants_ce(state.request):
+            state.event_count += 1
+            mask = fields.loss_mask  # compact: checked by decode_flat
+            self._completed(
+                state,
+                fields,
+                compact_size(TokenIds, fields.prompt_ids),
+                compact_size(TokenIds, fields.response_ids),
+                mask[1:] if mask[0] == 0 else from_compact(Mask, mask).data,
+                fields.token_versions,
+                None,
+            )
+        elif cls is TaskJoined and not _keeps_tasks(state.request):
+            state.event_count += 1
+            self._joined(state, fields)  # state.tasks is empty: no whole task to build
+        else:
+            return False
+        return True
 
 
 # ---------------------------------------------------------------- decisions

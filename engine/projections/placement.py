@@ -541,6 +541,30 @@ class _Free:
             self.gpu_total -= share.fraction
 
 
+_new = object.__new__
+_set = object.__setattr__
+_GRANT_FIELDS = frozenset(TokenGrant.model_fields)
+
+
+def _grant(token_id: str, node: str, shares: list[GpuShare], per_sample: Resource) -> TokenGrant:
+    """``TokenGrant(token_id=..., node=..., gpus=shares, cpu=..., memory_gb=...)`` for the
+    batch's hot loop (a token per sample). Every value already has its field's exact type
+    -- strings, a fresh list of validated ``GpuShare``, the validated resource's floats --
+    so the instance is filled in as ``model_construct`` would, without the validator; equal
+    to the validated one, fields set included. Anything else is validated."""
+    cpu, memory = per_sample.cpu, per_sample.memory_gb
+    if type(cpu) is not float or type(memory) is not float or type(node) is not str:
+        return TokenGrant(token_id=token_id, node=node, gpus=shares, cpu=cpu, memory_gb=memory)
+    grant = _new(TokenGrant)
+    _set(grant, "__dict__", {
+        "token_id": token_id, "node": node, "gpus": shares, "cpu": cpu, "memory_gb": memory,
+    })
+    _set(grant, "__pydantic_fields_set__", set(_GRANT_FIELDS))
+    _set(grant, "__pydantic_extra__", None)
+    _set(grant, "__pydantic_private__", None)
+    return grant
+
+
 def try_acquire_batch(
     state: PoolState,
     budget: Resource,
@@ -581,15 +605,7 @@ def try_acquire_batch(
             free.take(per_sample, shares)
             del order[position]
             bisect.insort(order, (free.key, name))
-            grants.append(
-                TokenGrant(
-                    token_id=f"{token_prefix}:t{i}",
-                    node=name,
-                    gpus=shares,
-                    cpu=per_sample.cpu,
-                    memory_gb=per_sample.memory_gb,
-                )
-            )
+            grants.append(_grant(f"{token_prefix}:t{i}", name, shares, per_sample))
             break
         else:
             return None
