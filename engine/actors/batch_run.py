@@ -521,21 +521,10 @@ class BatchRun:
             step.close()
             raise EpisodeTimeout(f"episode window of {window:g} s elapsed before {rec.phase}")
         start = self._clock()
-        if window is None or not scoped:
-            try:
-                return await step
-            finally:
-                rec.used_s += self._clock() - start
-        cm = asyncio.timeout(window - rec.used_s)
         try:
-            async with cm:
+            if window is None or not scoped:
                 return await step
-        except TimeoutError:
-            if cm.expired():
-                raise EpisodeTimeout(
-                    f"episode window of {window:g} s elapsed during {rec.phase}"
-                ) from None
-            raise
+            return await _within_window(step, window, rec)
         finally:
             rec.used_s += self._clock() - start
 
@@ -549,22 +538,15 @@ class BatchRun:
     ) -> tuple[AgentResult, Reward]:
         """The run and eval phases under one timeout scope: nothing between them is outside
         the episode window, so the deadline of what is left when run starts serves both."""
+        rec.phase = "run"
         window = rec.window_s
         if window is None:
             return await self._run_then_eval(episode, ctx, task, guard, rec)
-        remaining = window - rec.used_s
-        if remaining <= 0:
+        if window - rec.used_s <= 0:
             raise EpisodeTimeout(f"episode window of {window:g} s elapsed before run")
-        cm = asyncio.timeout(remaining)
-        try:
-            async with cm:
-                return await self._run_then_eval(episode, ctx, task, guard, rec)
-        except TimeoutError:
-            if cm.expired():
-                raise EpisodeTimeout(
-                    f"episode window of {window:g} s elapsed during {rec.phase}"
-                ) from None
-            raise
+        return await _within_window(
+            self._run_then_eval(episode, ctx, task, guard, rec), window, rec
+        )
 
     async def _run_then_eval(
         self,
@@ -945,6 +927,21 @@ def _int_knob(knobs: Mapping[str, Any], name: str) -> int | None:
     """An integer knob of the rollout request (``None`` when unset or not an integer)."""
     value = knobs.get(name)
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def _within_window(step: Coroutine[Any, Any, T], window: float, rec: _Attempt) -> T:
+    """Await ``step`` under one timeout scope of what is left of the episode ``window``; its
+    expiry is an ``EpisodeTimeout`` naming the phase it cut (``rec.phase`` by then)."""
+    cm = asyncio.timeout(window - rec.used_s)
+    try:
+        async with cm:
+            return await step
+    except TimeoutError:
+        if cm.expired():
+            raise EpisodeTimeout(
+                f"episode window of {window:g} s elapsed during {rec.phase}"
+            ) from None
+        raise
 
 
 def _with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:

@@ -279,6 +279,40 @@ async def test_a_phase_that_overruns_the_window_is_aborted_as_agent_timeout(
     assert any(isinstance(e, SampleStarted) for e in sink.events) == (slow != "init")
 
 
+class InitClockAgent(BaseAgent):
+    """An init that (on the fake clock) takes the whole episode window."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.ran = False
+
+    async def init(self, task: Task, context: EpisodeContext) -> None:
+        self.clock[0] += 5.0
+
+    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
+        self.ran = True
+        return result()
+
+    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
+        return 1.0
+
+
+async def test_a_window_spent_by_init_aborts_the_run_before_it_starts(tmp_path: Path) -> None:
+    """init ends exactly as the window does: run is not started, and the abort names the
+    phase it did not get to (run), as the message does."""
+    now = [0.0]
+    agent = InitClockAgent(now)
+    sink = ListSink()
+    run = BatchRun(EvaluatorBinding(profile=EvaluatorProfile(evaluator_id="e"), agent=agent),
+                   windowed_plan(5.0), sink=sink, names=StreamNames("rl"),
+                   settings=EpisodeSettings(worker_id="w", tmp_root=tmp_path),
+                   clock=lambda: now[0])
+    await asyncio.wait_for(run.run(), 30)
+    [aborted] = [e for e in sink.events if isinstance(e, SampleAborted)]
+    assert (aborted.abort_class, aborted.phase) == (AbortClass.AGENT_TIMEOUT, "run")
+    assert "elapsed before run" in aborted.error and not agent.ran
+
+
 async def test_sample_started_equals_its_validated_construction(tmp_path: Path) -> None:
     events = await run_batch(ContextAgent(), 2, tmp_path, concurrency=2, tokens=("t0", "t1"))
     started = [e for e in events if isinstance(e, SampleStarted)]
