@@ -9,7 +9,6 @@ import asyncio
 import copy as copy_module
 import dataclasses
 import pickle
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -40,17 +39,7 @@ from engine.events.catalog import (
 )
 from engine.events.codec import decode, encode
 from engine.events.names import StreamNames
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def emit(self, items: Sequence[tuple[str, Event]]) -> None:
-        self.events.extend(event for _, event in items)
-
-    async def flush(self) -> None:
-        return None
+from tests.agents.test_evaluator_wiring import ListSink
 
 
 def result() -> AgentResult:
