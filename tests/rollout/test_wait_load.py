@@ -4,7 +4,9 @@ is written. The rollouts are the archived e64f068 rollouts, appended entry by en
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from engine.events.log import RawStreamEntry
 from engine.events.redis_log import FIELD
 from engine.runtime.archive import Archive, read_archive
 from engine.sample import Sample
+from tests.faults.harness import RestartableRedis
 from tests.redis_server import RedisServer
 from tests.rollout.test_iter_load import FIXTURES
 
@@ -158,3 +161,36 @@ def test_the_sync_client_waits_and_loads(redis_server: RedisServer) -> None:
     with SyncRolloutClient(redis_server.url) as client:
         ready, samples = client.wait_load(rollout_id, timeout=_DEADLINE_S)
     assert ready.rollout_id == rollout_id and samples == whole
+
+
+async def test_it_waits_and_follows_through_a_redis_restart(tmp_path: Path) -> None:
+    """Redis goes away while the rollout is half written: the wait goes on, the follower
+    pauses, and once Redis is back both pick up where they were; the samples are load's."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not installed")
+    archive = read_archive(FIXTURES / "train.rollout")
+    at = _ready_at(archive)
+    ready = decode(archive.entries[at][1])
+    server = RestartableRedis(tmp_path)
+    server.start()
+    client = RolloutClient.connect(server.url, block_ms=100)
+    writer = RolloutClient.connect(server.url, block_ms=100)
+    log = writer.log
+    assert isinstance(log, RedisEventLog)
+    try:
+        waiting = asyncio.create_task(client.wait_load(archive.rollout_id, timeout=60))
+        await _append(log, archive.stream, archive.entries[: at // 2])
+        await _until(lambda: _running("_follow"))
+        await asyncio.to_thread(server.stop)
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # the outage ends neither the wait nor the follower
+        await asyncio.to_thread(server.start)
+        await _append(log, archive.stream, archive.entries[at // 2 :])
+        await log.append(log.names.control, ready)
+        got_ready, samples = await asyncio.wait_for(waiting, 30)
+        assert got_ready == ready
+        assert samples == await writer.load(archive.rollout_id) and samples
+    finally:
+        await client.aclose()
+        await writer.aclose()
+        server.stop()
