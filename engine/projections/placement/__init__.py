@@ -2,38 +2,8 @@
 taken on its state (``allocation``). Both are pure: no I/O, and a decision never modifies
 the state it reads; the scheduler records the grants it decides as ``TokenAcquired``."""
 
-from engine.projections.placement.allocation import (
-    UNBOUNDED,
-    budget_tokens,
-    describe_resource,
-    max_tokens_for,
-    try_acquire_batch,
-)
-from engine.projections.placement.pool import (
-    EPS,
-    BatchKey,
-    Held,
-    NodeUsage,
-    PoolProjection,
-    PoolState,
-    fold_all,
-    pool_of,
-    render_pool,
-)
+from engine.projections.placement import allocation, pool
+from engine.projections.placement.allocation import *  # noqa: F403
+from engine.projections.placement.pool import *  # noqa: F403
 
-__all__ = [
-    "EPS",
-    "UNBOUNDED",
-    "BatchKey",
-    "Held",
-    "NodeUsage",
-    "PoolProjection",
-    "PoolState",
-    "budget_tokens",
-    "describe_resource",
-    "fold_all",
-    "max_tokens_for",
-    "pool_of",
-    "render_pool",
-    "try_acquire_batch",
-]
+__all__ = [*allocation.__all__, *pool.__all__]
