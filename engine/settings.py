@@ -391,15 +391,8 @@ CONNECTION = ("redis_url", "stream_prefix")
 """What every command that talks to the log takes (the credentials are environment-only)."""
 
 PROCESS = (
-    *CONNECTION,
-    "worker_id",
-    "block_ms",
-    "heartbeat_ms",
-    "claim_idle_ms",
-    "outage_limit_s",
-    "log_level",
-    "metrics_port",
-    "metrics_host",
+    *CONNECTION, "worker_id", "block_ms", "heartbeat_ms", "claim_idle_ms", "outage_limit_s",
+    "log_level", "metrics_port", "metrics_host",
 )
 """What every long-running engine process takes."""
 
@@ -457,12 +450,15 @@ class Flags:
         try:
             return Settings.model_validate(values)
         except ValidationError as exc:
-            raise ConfigError(
-                "; ".join(
-                    f"{self.options(key)[0]} {problem} ({env_name(key)})" if key else problem
-                    for key, problem in explain(exc)
-                )
-            ) from None
+            problems = [self._explain(key, problem) for key, problem in explain(exc)]
+            raise ConfigError("; ".join(problems)) from None
+
+    def _explain(self, key: str, problem: str) -> str:
+        if not key:  # a rule across settings: its message names them
+            return problem
+        if key not in self.names:
+            return f"{env_name(key)} {problem}"
+        return f"{self.options(key)[0]} {problem} ({env_name(key)})"
 
 
 def unknown_variable_message(key: str, declared: Iterable[str]) -> str:
