@@ -1,6 +1,7 @@
 """The ``rollout`` command.
 
-Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.settings``):
+Log tools (talk to Redis; their settings flags, ``--redis-url`` and ``--prefix`` for all, are
+generated from ``engine.settings`` and default to the ``ROLLOUT_*`` variables):
 
 * ``rollout replay ID [--from FILE] [--out DIR]`` -- rebuild a rollout's samples, summary,
   eval details and placement log from the log (or an archive file), byte-identical to the
@@ -13,7 +14,8 @@ Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.set
 * ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
 * ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
 * ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
-* ``rollout env`` -- every ``ROLLOUT_*`` variable with its type, default and meaning.
+* ``rollout env [--markdown]`` -- every ``ROLLOUT_*`` variable with its type, default, flag and
+  meaning (``--markdown``: the table of docs/configuration.md).
 
 A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
 
@@ -34,11 +36,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from engine.errors import EngineError
+from engine.errors import ConfigError, EngineError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
-from engine.settings import Settings
+from engine.settings import CONNECTION, Flags, Settings
 
 __all__ = ["main"]
 
@@ -83,50 +85,59 @@ def _stream_id(text: str) -> str:
     return text
 
 
+LOG_TOOL = Flags(CONNECTION)
+"""The settings of every log tool: the Redis URL and the stream prefix."""
+
+_FLAGS = {
+    "retention": Flags(
+        (*CONNECTION, "retention_store", "retention_keep_s"),
+        aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
+    ),
+}
+"""Commands that take more settings than ``LOG_TOOL``."""
+
+
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    redis_url, prefix = settings.redis_url, settings.stream_prefix
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=redis_url, help="Redis holding the streams")
-    common.add_argument("--prefix", default=prefix, help="stream name prefix")
     parser = argparse.ArgumentParser(
         prog="rollout", description="Event-sourced rollout engine for agentic RL."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("replay", parents=[common], help="rebuild a rollout's outputs")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        _FLAGS.get(name, LOG_TOOL).add_to(p, settings)
+        return p
+
+    p = command("replay", "rebuild a rollout's outputs")
     p.add_argument("rollout_id", metavar="ID")
     p.add_argument("--from", dest="source", type=Path, help="an archive file instead of Redis")
     p.add_argument("--out", type=Path, help="output directory (default ./replay-ID)")
-    p = sub.add_parser("archive", parents=[common], help="write a rollout's events to a file")
+    p = command("archive", "write a rollout's events to a file")
     p.add_argument("rollout_id", metavar="ID")
     p.add_argument("--out", type=Path, required=True)
-    p = sub.add_parser(
-        "retention", parents=[common],
-        help="trim acked shared streams; archive finished rollouts to files, then delete them",
+    p = command(
+        "retention",
+        "trim acked shared streams; archive finished rollouts to files, then delete them",
     )
-    p.add_argument("--store", type=Path, default=settings.retention_store,
-                   help="directory of rollout archives (default ROLLOUT_RETENTION_STORE)")
-    p.add_argument("--keep-s", type=float, default=settings.retention_keep_s,
-                   help="retention window: keep what finished less than this long ago "
-                   "(default ROLLOUT_RETENTION_KEEP_S)")
     p.add_argument("--every", type=float, default=None,
                    help="repeat every this many seconds (default: one pass, then exit)")
-    p = sub.add_parser("tail", parents=[common], help="print live events")
+    p = command("tail", "print live events")
     p.add_argument("--rollout", help="only this rollout's events (and its stream)")
     p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
     p.add_argument("--from-start", action="store_true", help="print existing events first")
     p.add_argument("--count", type=int, help="exit after this many lines")
-    p = sub.add_parser("status", parents=[common], help="a rollout's progress")
+    p = command("status", "a rollout's progress")
     p.add_argument("rollout_id", metavar="ID")
-    p = sub.add_parser("pool", parents=[common],
-                       help="the placement pool now, or as it was at a past event (time travel)")
+    p = command("pool", "the placement pool now, or as it was at a past event (time travel)")
     p.add_argument("--at", metavar="ID", type=_stream_id,
                    help="an rl:pool event id (default: the latest)")
-    p = sub.add_parser("top", parents=[common],
-                       help="a live view of rollouts, pool use, workers and lag")
+    p = command("top", "a live view of rollouts, pool use, workers and lag")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
-    sub.add_parser("env", help="every ROLLOUT_* variable: type, default, meaning")
+    p = sub.add_parser("env", help="every ROLLOUT_* variable: type, default, flag, meaning")
+    p.add_argument("--markdown", action="store_true",
+                   help="as the Markdown table of docs/configuration.md")
     p = sub.add_parser("events", help="the events reference, generated from the catalog")
     p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
     p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
@@ -135,15 +146,16 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     return parser
 
 
-def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
-    from engine.settings import Settings
+def _log(settings: Settings, block_ms: int = 2000) -> EventLog:
+    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL may be a flag.
+    return open_log(
+        settings.redis(block_ms=block_ms),
+        names=StreamNames(settings.stream_prefix),
+        producer="cli",
+    )
 
-    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL from the flag.
-    settings = Settings.from_env().redis(url=args.redis_url, block_ms=block_ms)
-    return open_log(settings, names=StreamNames(args.prefix), producer="cli")
 
-
-async def _replay(args: argparse.Namespace) -> int:
+async def _replay(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import (
         decode_entries,
         raw_entries,
@@ -163,7 +175,7 @@ async def _replay(args: argparse.Namespace) -> int:
             return 2
         stream, entries = archive.stream, archive.entries
     else:
-        log = _log(args)
+        log = _log(settings)
         try:
             stream = log.names.rollout(args.rollout_id)
             entries = await raw_entries(log, stream)
@@ -183,10 +195,10 @@ async def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _archive(args: argparse.Namespace) -> int:
+async def _archive(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import archive_rollout
 
-    log = _log(args)
+    log = _log(settings)
     try:
         n = await archive_rollout(log, args.rollout_id, args.out)
     finally:
@@ -195,23 +207,22 @@ async def _archive(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _retention(args: argparse.Namespace) -> int:
+async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.retention import retention_pass
 
-    if args.store is None:
+    if settings.retention_store is None:
         print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
               file=sys.stderr)
-        return 2
-    if args.keep_s < 0:
-        print(f"error: --keep-s must be at least 0, got {args.keep_s}", file=sys.stderr)
         return 2
     if args.every is not None and args.every <= 0:
         print(f"error: --every must be positive, got {args.every}", file=sys.stderr)
         return 2
-    log = _log(args)
+    log = _log(settings)
     try:
         while True:
-            report = await retention_pass(log, args.store, keep_s=args.keep_s)
+            report = await retention_pass(
+                log, settings.retention_store, keep_s=settings.retention_keep_s
+            )
             print(report.summary(), flush=True)
             if args.every is None:
                 return 0
@@ -220,10 +231,10 @@ async def _retention(args: argparse.Namespace) -> int:
         await log.aclose()
 
 
-async def _tail(args: argparse.Namespace) -> int:
+async def _tail(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import tail
 
-    log = _log(args, block_ms=1000)
+    log = _log(settings, block_ms=1000)
     names = log.names
     streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
     try:
@@ -244,13 +255,13 @@ async def _tail(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _status(args: argparse.Namespace) -> int:
+async def _status(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import status_lines
     from engine.ops.replay import decode_entries, raw_entries
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
 
-    log = _log(args)
+    log = _log(settings)
     try:
         stream = log.names.rollout(args.rollout_id)
         envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
@@ -266,11 +277,11 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _pool(args: argparse.Namespace) -> int:
+async def _pool(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.placement import render_pool
     from engine.runtime.rebuild import pool_at
 
-    log = _log(args)
+    log = _log(settings)
     try:
         folded = await pool_at(log, until=args.at)
     finally:
@@ -293,10 +304,10 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _top(args: argparse.Namespace) -> int:
+async def _top(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.top import run_top
 
-    log = _log(args)
+    log = _log(settings)
     try:
         await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
     finally:
@@ -330,12 +341,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "env":
-        print(Settings.describe())
+        print(Settings.markdown() if args.markdown else Settings.describe() + "\n", end="")
         return 0
     if args.command == "events":
         return _events(args)
     try:
-        return asyncio.run(_COMMANDS[args.command](args))
+        settings = _FLAGS.get(args.command, LOG_TOOL).apply(settings, args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_COMMANDS[args.command](settings, args))
     except KeyboardInterrupt:
         return 0
     except (EngineError, OSError) as exc:

@@ -8,18 +8,12 @@ unless configured, ``no-new-privileges``, and these limits:
   ``cpu_time_s`` -> the container's ``RLIMIT_CPU`` ulimit; ``cpus`` (config) -> ``nano_cpus``;
   ``disk_mb`` -> the working directory is a tmpfs of that size (lost when the container goes).
 
-Commands are ``docker exec`` s. Each carries an environment marker
-(``ROLLOUT_SANDBOX_EXEC=<id>/<n>``); on timeout a second exec kills every process in the
-container carrying it (it needs ``/bin/sh``, ``tr`` and ``grep`` in the image, which busybox and
-coreutils images have). When even that cannot run -- a fork bomb holding every pid -- the
-container is killed and the sandbox is marked failed: later calls raise ``SandboxError`` saying
-so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a file in ``scratch_dir`` that
-the command's shell opens and unlinks before the command starts.
-
-Classification: SIGXCPU (exit 152) is ``cpu``; an unrequested SIGKILL (exit 137) is ``memory``
-when the daemon reported an ``oom`` event for the container while the exec ran (concurrent
-execs in one sandbox can be confused), otherwise ``SIGKILL``; otherwise the error text decides,
-as in the local backend.
+Commands are ``docker exec`` s (``_docker_exec``: the marker each carries, the kill on
+timeout, the classification of its end). When even the kill cannot run -- a fork bomb holding
+every pid -- the container is killed and the sandbox is marked failed: later calls raise
+``SandboxError`` saying so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a
+file in ``scratch_dir`` that the command's shell opens and unlinks before the command starts.
+SIGXCPU (exit 152) is ``cpu``; otherwise the error text decides, as in the local backend.
 
 Files move with ``get_archive``/``put_archive`` (see ``_docker_files``); a symlink leading out of
 the working directory raises ``SandboxEscape``, as in the local backend.
@@ -34,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import posixpath
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +36,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from engine.errors import ConfigError, SandboxError
+from engine.sandbox import _docker_exec as _exec
 from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_member, translate
 from engine.sandbox._docker_files import ArchiveFiles
 from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
@@ -52,7 +46,6 @@ from engine.sandbox.base import (
     Endpoint,
     ExecResult,
     SandboxLimits,
-    attribute_end,
     command_argv,
     validate_labels,
     validate_selector,
@@ -60,27 +53,7 @@ from engine.sandbox.base import (
 
 __all__ = ["DockerSandbox", "DockerSandboxConfig", "DockerSandboxProvider"]
 
-_EXEC_MARKER = "ROLLOUT_SANDBOX_EXEC"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-# Kills every process whose environment holds the marker given as $1, until none is left.
-# The pipeline's own processes do not carry the marker (it is an argument here, not env).
-_KILLER = r"""
-m="$1"; round=0
-while [ "$round" -lt 100 ]; do
-  found=0
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    [ "$p" = "$$" ] && continue
-    if tr '\000' '\n' < "$d/environ" 2>/dev/null | grep -qxF -- "$m"; then
-      kill -9 "$p" 2>/dev/null && found=1
-    fi
-  done
-  [ "$found" = 0 ] && exit 0
-  round=$((round + 1))
-done
-exit 1
-"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,29 +94,6 @@ class DockerSandboxConfig:
             raise ConfigError(f"DockerSandboxConfig.cpus must be > 0, got {self.cpus}")
         if not self.keepalive:
             raise ConfigError("DockerSandboxConfig.keepalive needs a command")
-
-
-class _Output:
-    """Thread-safe capture of one exec's two streams, keeping the first ``limit`` bytes each."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.data = (bytearray(), bytearray())
-        self.truncated = [False, False]
-        self.lock = threading.Lock()
-
-    def add(self, index: int, chunk: bytes) -> None:
-        with self.lock:
-            buffer = self.data[index]
-            room = self.limit - len(buffer)
-            if room > 0:
-                buffer += chunk[:room]
-            if len(chunk) > room:
-                self.truncated[index] = True
-
-    def text(self, index: int) -> str:
-        with self.lock:
-            return self.data[index].decode("utf-8", "replace")
 
 
 class DockerSandbox:
@@ -390,13 +340,9 @@ class DockerSandbox:
         self._exec_count += 1
         number = self._exec_count
         marker = f"{self._id}/{number}"
-        environment = dict(self._config.base_env)
-        environment["HOME"] = self._workdir
-        for key, value in (env or {}).items():
-            if not key or "=" in key or "\0" in key or "\0" in value or key == _EXEC_MARKER:
-                raise SandboxError(f"exec in sandbox {self._id}: environment name {key!r} invalid")
-            environment[key] = value
-        environment[_EXEC_MARKER] = marker
+        environment = _exec.environment(
+            self._config.base_env, env, home=self._workdir, marker=marker, sandbox_id=self._id
+        )
         if stdin is not None:
             argv = await self._stage_stdin(argv, stdin, number)
         api = self._client.api
@@ -414,7 +360,7 @@ class DockerSandbox:
             user=self._config.user or "",
         )
         exec_id = created["Id"]
-        output = _Output(self._limits.max_output_bytes)
+        output = _exec.Output(self._limits.max_output_bytes)
 
         def pump() -> None:
             for out, err in api.exec_start(exec_id, stream=True, demux=True):
@@ -446,9 +392,14 @@ class DockerSandbox:
             error = task.exception()
             if error is not None:
                 raise error
-        exit_code = await self._exit_code(exec_id, timed_out)
-        return await self._result(
-            exit_code, output, timed_out=timed_out, elapsed=elapsed, since=wall_start
+        code = await _exec.exit_code(
+            api, exec_id, timed_out=timed_out, failed=lambda: self._state == "failed",
+            sandbox_id=self._id,
+        )
+        return await _exec.result(
+            code, output, timed_out=timed_out, elapsed=elapsed, since=wall_start,
+            client=self._client, container_id=container.id,
+            failure=self._failure if self._state == "failed" else None,
         )
 
     async def _stage_stdin(self, argv: list[str], stdin: bytes | str, number: int) -> list[str]:
@@ -462,91 +413,12 @@ class DockerSandbox:
             self._config.scratch_dir,
             archive,
         )
-        path = posixpath.join(self._config.scratch_dir, name)
-        script = 'exec <"$0" || exit 125; rm -f -- "$0" 2>/dev/null; exec "$@"'
-        return ["/bin/sh", "-c", script, path, *argv]
+        return _exec.stdin_argv(posixpath.join(self._config.scratch_dir, name), argv)
 
     async def _kill_exec(self, marker: str) -> bool:
-        """Kill every process of one exec from inside the container; False if that failed."""
-        container = self._container
-
-        def run() -> int:
-            result = container.exec_run(
-                ["/bin/sh", "-c", _KILLER, "rollout-kill", f"{_EXEC_MARKER}={marker}"],
-                user=self._config.user or "",
-            )
-            return int(result.exit_code)
-
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(run), self._config.kill_grace_s)
-        except Exception:
-            return False
-        return code == 0
-
-    async def _exit_code(self, exec_id: str, timed_out: bool) -> int:
-        api = self._client.api
-        for _ in range(100):
-            try:
-                info = await asyncio.to_thread(api.exec_inspect, exec_id)
-            except Exception as exc:
-                if self._state == "failed":
-                    return 128 + signal.SIGKILL
-                raise translate(f"sandbox {self._id}: inspecting an exec", exc) from exc
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            if timed_out or self._state == "failed":
-                return 128 + signal.SIGKILL
-            await asyncio.sleep(0.02)
-        return 128 + signal.SIGKILL
-
-    async def _oom_killed_between(self, since: float, until: float) -> bool | None:
-        """Whether the daemon reported an OOM kill in the container in ``[since, until]``
-        (Docker's ``oom`` event covers every process of the container's memory cgroup);
-        ``None`` when the events cannot be read."""
-        client, container_id = self._client, self._container.id
-
-        def run() -> list[Any]:
-            return list(
-                client.api.events(
-                    since=since,
-                    until=until,
-                    filters={"container": container_id, "event": "oom"},
-                    decode=True,
-                )
-            )
-
-        try:
-            events = await asyncio.to_thread(run)
-        except Exception:
-            return None
-        return bool(events)
-
-    async def _result(
-        self, exit_code: int, output: _Output, *, timed_out: bool, elapsed: float, since: float
-    ) -> ExecResult:
-        stderr = output.text(1)
-        diagnostics: dict[str, str] = {}
-        oom_killed = False
-        if exit_code == 128 + signal.SIGKILL and not timed_out:
-            oom = await self._oom_killed_between(since, time.time())
-            if oom is not None:
-                diagnostics["docker_oom_event"] = str(oom).lower()
-                oom_killed = oom
-        killed_by = attribute_end(
-            exit_code, timed_out=timed_out, stderr=stderr, oom_killed=oom_killed
-        )
-        if self._state == "failed":
-            diagnostics["sandbox_failed"] = self._failure
-        return ExecResult(
-            exit_code=exit_code,
-            stdout=output.text(0),
-            stderr=stderr,
-            stdout_truncated=output.truncated[0],
-            stderr_truncated=output.truncated[1],
-            timed_out=timed_out,
-            killed_by=killed_by,
-            elapsed_s=elapsed,
-            diagnostics=diagnostics,
+        return await _exec.kill_exec(
+            self._container, marker, user=self._config.user or "",
+            grace_s=self._config.kill_grace_s,
         )
 
     # -- files ---------------------------------------------------------------------------

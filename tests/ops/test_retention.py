@@ -158,7 +158,9 @@ def test_the_retention_command_runs_one_pass(
     assert "archived and deleted 0 rollouts" in capsys.readouterr().out
     assert cli.main(["retention", "--redis-url", redis_server.url, "--store", str(tmp_path),
                      "--keep-s", "-1"]) == 2
-    assert "--keep-s must be at least 0, got -1.0" in capsys.readouterr().err
+    assert "--keep-s must be at least 0.0, got -1.0 (ROLLOUT_RETENTION_KEEP_S)" in (
+        capsys.readouterr().err
+    )
     assert cli.main(["retention", "--redis-url", redis_server.url]) == 2
     assert "needs --store DIR (or ROLLOUT_RETENTION_STORE)" in capsys.readouterr().err
 
@@ -169,7 +171,7 @@ def test_the_retention_command_reads_its_defaults_from_the_environment(
     monkeypatch.setenv("ROLLOUT_RETENTION_STORE", str(tmp_path / "store"))
     monkeypatch.setenv("ROLLOUT_RETENTION_KEEP_S", "120")
     args = cli.build_parser(Settings.from_env()).parse_args(["retention"])
-    assert (args.store, args.keep_s) == (tmp_path / "store", 120.0)
+    assert (args.retention_store, args.retention_keep_s) == (tmp_path / "store", 120.0)
     assert cli.main(["retention", "--redis-url", redis_server.url]) == 0
     assert (tmp_path / "store").is_dir()
 
