@@ -61,7 +61,6 @@ from engine.agents.base import Episode, EpisodeAgent, EpisodeContext
 from engine.agents.result import AgentResult, Reward
 from engine.agents.scaffolds.base import Scaffold, ScaffoldExit, ScaffoldReport, ScaffoldRun
 from engine.backends.base import ModelBackend
-from engine.backends.sglang import SGLangBackend
 from engine.domain import Task
 from engine.errors import (
     AgentError,
@@ -315,7 +314,7 @@ class InstalledEpisode(Episode):
                 await stack.enter_async_context(proxy)
                 base_url = proxy.url + "/v1"
             else:
-                base_url = _model_url(backend, cfg.model_url, context) + "/v1"
+                base_url = backend.base_url.rstrip("/") + "/v1"
             bridge = await stack.enter_async_context(
                 CommandBridge(self.sandbox, command_timeout_s=cfg.command_timeout_s)
             )
@@ -500,15 +499,6 @@ class CommandBridge:
             "returncode": result.exit_code,
             "exception_info": info,
         }
-
-
-def _model_url(backend: ModelBackend, explicit: str | None, context: EpisodeContext) -> str:
-    if isinstance(backend, SGLangBackend):
-        return backend.config.url.rstrip("/")
-    url = explicit or (context.backends.default_url if context.backends else None)
-    if not url:
-        raise BackendUnavailable(f"sample {context.sample_id}: no model URL for the scaffold")
-    return url.rstrip("/")
 
 
 async def _check(argv: Sequence[str]) -> str | None:

@@ -362,10 +362,8 @@ class ToolAgent(EpisodeAgent):
             backend = context.backends.get(self.config.sglang_url)
         except ConfigError as exc:
             raise ConfigError(f"sample {context.sample_id}: {exc}") from exc
-        if not backend.supports_token_ids:
-            raise ConfigError(
-                f"ToolAgent needs a token-level backend, got {type(backend).__name__}"
-            )
+        if not backend.capabilities.token_ids:
+            raise ConfigError(f"ToolAgent needs a backend with token ids, got {backend!r}")
         return backend
 
     async def _loop(

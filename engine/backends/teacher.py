@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 
 from engine.backends._http import HTTPSettings
-from engine.backends.base import FinishReason, GenerationResult, ToolCall
-from engine.backends.sglang import ForceDecodeScore, SGLangBackend, SGLangConfig
+from engine.backends.base import FinishReason, ForceDecodeScore, GenerationResult, ToolCall
+from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.backends.toolcalls import ParsedToolCalls, parse_tool_calls
 from engine.errors import BackendError, ConfigError
 
