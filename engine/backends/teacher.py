@@ -1,4 +1,4 @@
-"""``TeacherBackend``: a frozen teacher model on its own SGLang server (inference-backend §3).
+"""``TeacherBackend``: a frozen teacher model on its own SGLang server.
 
 The teacher speaks its own chat template, so it loads its own tokenizer (CPU only, local files
 only). It never acts in the environment. Two roles are foreseen:
