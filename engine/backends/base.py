@@ -1,4 +1,4 @@
-"""The model-backend port: one structural ``Protocol``, what a backend can do, its records.
+"""The model-backend port: the ``ModelBackend`` base, what a backend can do, its records.
 
 Every LLM call in a rollout goes through a ``ModelBackend``. A backend states what it can do
 in ``capabilities`` (a frozen ``Capabilities``), and callers ask that, never its class:
@@ -33,20 +33,21 @@ Contract shared by every implementation:
 - A backend owns one pooled HTTP client, created lazily on first use inside the running event
   loop and released by ``aclose()``; it must not be shared across event loops.
 
-``BackendDefaults`` is the base of the adapters: no capability, and each operation raising.
+``ModelBackend`` is an ABC because it shares that code: no capability unless an adapter
+states one, and each operation raising until the adapter offers it.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 __all__ = [
-    "BackendDefaults",
     "Capabilities",
     "FinishReason",
     "ForceDecodeScore",
@@ -179,16 +180,19 @@ class ForceDecodeScore:
     weight_version: int | None = None  # what the server reported scoring with (None: unknown)
 
 
-@runtime_checkable
-class ModelBackend(Protocol):
-    """A prompt-to-completion engine (see the module docstring for the contract)."""
+class ModelBackend(abc.ABC):
+    """A prompt-to-completion engine (see the module docstring for the contract).
 
-    @property
-    def capabilities(self) -> Capabilities: ...
+    An adapter implements ``generate``, sets ``base_url`` and its ``capabilities``, and
+    overrides the operations those capabilities offer; the others raise ``unsupported``."""
 
-    @property
-    def base_url(self) -> str: ...
+    capabilities: Capabilities = Capabilities()
+    base_url: str = ""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url})"
+
+    @abc.abstractmethod
     async def generate(
         self,
         *,
@@ -198,48 +202,6 @@ class ModelBackend(Protocol):
         sampling_params: Mapping[str, Any],
         rid: str | None = None,
     ) -> GenerationResult: ...
-
-    async def score(
-        self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
-    ) -> ForceDecodeScore: ...
-
-    async def abort(self, rid: str | None = None) -> None: ...
-
-    async def weight_version(self) -> int | None: ...
-
-    async def health(self, *, generate: bool = False) -> None: ...
-
-    def forwarded_call(self) -> AbstractAsyncContextManager[None]: ...
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    async def aclose(self) -> None: ...
-
-
-class _Capable(Protocol):
-    @property
-    def capabilities(self) -> Capabilities: ...
-
-
-def unsupported(backend: _Capable, capability: str) -> NotImplementedError:
-    """The error of an operation ``backend`` lacks the ``capability`` for."""
-    offers = ", ".join(backend.capabilities.names()) or "none"
-    return NotImplementedError(
-        f"{backend!r} has no {capability} capability (it offers: {offers})"
-    )
-
-
-class BackendDefaults:
-    """The base of a backend adapter: no capability; each operation it does not override
-    raises ``unsupported``. A subclass sets ``base_url`` and implements ``generate``."""
-
-    capabilities: Capabilities = Capabilities()
-    base_url: str = ""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.base_url})"
 
     async def score(
         self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
@@ -267,3 +229,11 @@ class BackendDefaults:
 
     async def aclose(self) -> None:
         return None
+
+
+def unsupported(backend: ModelBackend, capability: str) -> NotImplementedError:
+    """The error of an operation ``backend`` lacks the ``capability`` for."""
+    offers = ", ".join(backend.capabilities.names()) or "none"
+    return NotImplementedError(
+        f"{backend!r} has no {capability} capability (it offers: {offers})"
+    )

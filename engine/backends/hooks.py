@@ -17,8 +17,8 @@ A hook (``CallHook``) has two methods, run for each call in this order:
   must not raise.
 
 ``ModelCall`` names what the hooks see: the kind of call, the endpoint and its backend (the
-server's own, to abort a request on or probe), the request id. A ``HookedBackend`` is cheap (a
-slotted object per ``get`` of a bound view, one ``ModelCall`` per call) and owns nothing:
+server's own, to abort a request on or probe), the request id. A ``HookedBackend`` is cheap (an
+object per ``get`` of a guarded view, one ``ModelCall`` per call) and owns nothing:
 ``aclose`` leaves the endpoint's backend to the pool.
 """
 
@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 from enum import StrEnum
 from typing import Any, Protocol
 
-from engine.backends.base import Capabilities, ForceDecodeScore, GenerationResult, ModelBackend
+from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
 
 __all__ = ["CallHook", "CallKind", "HookedBackend", "ModelCall"]
 
@@ -62,26 +62,18 @@ class CallHook(Protocol):
     ) -> None: ...
 
 
-class HookedBackend:
+class HookedBackend(ModelBackend):
     """An endpoint's backend whose calls pass ``hooks`` (see the module docstring)."""
-
-    __slots__ = ("_inner", "_url", "_hooks")
 
     def __init__(self, inner: ModelBackend, url: str, hooks: tuple[CallHook, ...]) -> None:
         self._inner = inner
         self._url = url
         self._hooks = hooks
+        self.capabilities = inner.capabilities
+        self.base_url = inner.base_url
 
     def __repr__(self) -> str:
         return repr(self._inner)
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._inner.capabilities
-
-    @property
-    def base_url(self) -> str:
-        return self._inner.base_url
 
     async def generate(
         self,

@@ -35,9 +35,9 @@ import httpx
 
 from engine.backends._http import HTTPSettings, JSONClient, StatusRetry, check_base_url
 from engine.backends.base import (
-    BackendDefaults,
     FinishReason,
     GenerationResult,
+    ModelBackend,
     ToolCall,
     Usage,
     error_finish_reason,
@@ -118,7 +118,7 @@ def to_chat_params(
     return out
 
 
-class OpenAIBackend(BackendDefaults):
+class OpenAIBackend(ModelBackend):
     """Chat-level ``ModelBackend`` (see the module docstring)."""
 
     def __init__(

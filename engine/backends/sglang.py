@@ -43,11 +43,11 @@ import httpx
 
 from engine.backends._http import HTTPSettings, JSONClient, check_base_url
 from engine.backends.base import (
-    BackendDefaults,
     Capabilities,
     FinishReason,
     ForceDecodeScore,
     GenerationResult,
+    ModelBackend,
     Usage,
     error_finish_reason,
 )
@@ -92,7 +92,7 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ConfigError(f"cannot load a tokenizer from {path} (local files only): {exc}") from exc
 
 
-class SGLangBackend(BackendDefaults):
+class SGLangBackend(ModelBackend):
     """Token-level ``ModelBackend`` over SGLang's native API (see the module docstring)."""
 
     capabilities = Capabilities(
