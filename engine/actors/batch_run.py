@@ -307,20 +307,21 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            held = self._hold(ev, attempt, guard)
+            held = self._hold(ev, sample_id, attempt, guard)
             try:
-                await self._phases(episode, task, attempt, held, guard, rec)
+                await self._phases(episode, task, sample_id, attempt, held, guard, rec)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 held.fail(exc, rec.phase)
             finally:
                 await self._cleanup(episode, held, rec)
-        return self._outcome(task, attempt, held, rec), held.token
+        return self._outcome(task, sample_id, attempt, held, rec), held.token
 
-    def _hold(self, ev: TaskFetched, attempt: int, guard: SampleGuard | None) -> _Held:
+    def _hold(
+        self, ev: TaskFetched, sample_id: str, attempt: int, guard: SampleGuard | None
+    ) -> _Held:
         """The attempt's directory, bound view of the pool and context."""
-        sample_id = ev.sample_id
         tmp = LazyTmp(self._batch_tmp, sample_id, attempt)
         # One trajectory, one policy server (BackendPool.bind), released after cleanup.
         backends = (
@@ -352,6 +353,7 @@ class BatchRun:
         self,
         episode: Episode,
         task: Task,
+        sample_id: str,
         attempt: int,
         held: _Held,
         guard: SampleGuard | None,
@@ -369,7 +371,6 @@ class BatchRun:
             rec.gpu = gpus[0] if gpus else None
         if rec.node:  # the context as it was, with the token's node
             held.ctx = with_node(held.ctx, rec.node)
-        sample_id = task.sample_id
         self._emit([
             started_event(
                 rollout_id=ad.rollout_id, sample_id=sample_id, attempt=attempt,
@@ -408,7 +409,9 @@ class BatchRun:
             if held.backends is not None:
                 held.backends.release()
 
-    def _outcome(self, task: Task, attempt: int, held: _Held, rec: Attempt) -> list[Event]:
+    def _outcome(
+        self, task: Task, sample_id: str, attempt: int, held: _Held, rec: Attempt
+    ) -> list[Event]:
         if held.failure is None and held.result is not None:
             try:
                 events = self._finished(task, attempt, rec, held.result, held.reward)
@@ -419,7 +422,7 @@ class BatchRun:
                 held.fail(exc, "eval")
         assert held.failure is not None
         rec.phase = held.phase
-        return [self._aborted(held.ctx.sample_id, attempt, rec, held.failure)]
+        return [self._aborted(sample_id, attempt, rec, held.failure)]
 
     async def _run_and_eval(
         self,
