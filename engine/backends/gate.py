@@ -1,4 +1,4 @@
-"""``TurnGate``: whether a worker may start a generate call now, and how many are in flight.
+"""``TurnGate``: whether a worker may start a model call now, and how many are in flight.
 
 A weight sync must land between turns, never inside one (a turn is one generate call: its
 tokens all come from one set of weights). Every model call of a worker's backends passes the
