@@ -9,7 +9,7 @@ server's scheduler do not share a GIL):
           increment, generates on ``/generate`` and answers a ChatCompletion
   direct  the native agent's way: the same conversations built as a token series in process
           (``ChatTokens``: prompt, then observation increments) and sent to ``/generate``
-          through the same pooled ``SGLangBackend``
+          through the same pooled backend
 
 Both arms run the same conversations (same messages, seeds and fixed-length outputs via
 ``ignore_eos``) at the same concurrency; each round runs them one after the other in ABBA order.
@@ -69,8 +69,9 @@ from typing import Any
 import httpx
 
 from engine.agents.chat_tokens import ChatTokens
+from engine.backends.base import ModelBackend
 from engine.backends.pool import BackendPool
-from engine.backends.sglang import SGLangBackend, load_tokenizer
+from engine.backends.sglang import load_tokenizer
 from engine.ops.tinylm import init_model, spawn_server
 from engine.proxy import RecordingProxy
 
@@ -114,7 +115,7 @@ async def proxy_conversation(client: httpx.AsyncClient, i: int, turns: int, max_
 
 
 async def direct_conversation(
-    backend: SGLangBackend, chat: ChatTokens, i: int, turns: int, max_new: int
+    backend: ModelBackend, chat: ChatTokens, i: int, turns: int, max_new: int
 ) -> int:
     generated = 0
     special = set(chat.tokenizer.all_special_ids)
@@ -154,7 +155,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
     opened: list[float] = []
     async with BackendPool(url) as pool:
         backend = pool.get()
-        assert isinstance(backend, SGLangBackend)
+        assert backend.capabilities.token_ids
 
         proxies: list[RecordingProxy] = []
         scaffolds = await asyncio.create_subprocess_exec(

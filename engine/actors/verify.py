@@ -14,8 +14,9 @@ tokens re-tokenised on the way), every importance ratio is wrong and nothing els
   token (loss mask 1, not a DAgger teacher token) whose recorded weight version is the one
   the server now reports is compared with its re-scored logprob. Tokens of another version
   (an update landed since) are counted, never compared; a sample with none left is
-  *skipped*, never failed. A re-score that cannot run (no token-level backend, the server
-  unreachable) is skipped too, with the reason: the check must not abort training samples.
+  *skipped*, never failed. A re-score that cannot run (no backend with the scoring
+  capability, the server unreachable) is skipped too, with the reason: the check must not
+  abort training samples.
 * **The event.** ``SampleVerified`` (max ``|delta logprob|``, its response position, the
   version, counts, the threshold and whether it was exceeded) goes out just before the
   sample's ``SampleCompleted``, so a finalizer has folded it before the sample is terminal.
@@ -45,7 +46,6 @@ from engine.backends.fidelity import (
     check_server_logprobs,
 )
 from engine.backends.pool import BackendPool
-from engine.backends.sglang import SGLangBackend
 from engine.errors import ConfigError
 from engine.events.catalog import RolloutFailed, SampleVerified
 
@@ -151,8 +151,8 @@ async def verify_result(
     except Exception as exc:  # no endpoint configured, the pool closing
         backend, kind = None, f"{type(exc).__name__}: {exc}"
     else:
-        kind = type(backend).__name__ if backend is not None else "no backend"
-    if not isinstance(backend, SGLangBackend):
+        kind = repr(backend) if backend is not None else "no backend"
+    if backend is None or not backend.capabilities.scoring:
         return verdict(skipped=f"no token-level backend to re-score on ({kind})"[:500])
     if not len(result.prompt_token_ids):
         return verdict(skipped="no prompt tokens")
@@ -237,8 +237,8 @@ class VerifyTally:
 
 
 async def check_servers(backends: BackendPool | None, *, threshold: float) -> None:
-    """The start-up check of a worker: each of its default model servers that speaks SGLang's
-    token-level API must report the logprobs a re-score reproduces
+    """The start-up check of a worker: each of its default model servers whose backend has
+    the token_ids and scoring capabilities must report the logprobs a re-score reproduces
     (``fidelity.check_server_logprobs``); ``TemperatureScaledLogprobs`` (a ``ConfigError``
     naming ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) otherwise. A server that cannot be reached
     now is not refused (it may come up later); that is logged."""
@@ -250,7 +250,7 @@ async def check_servers(backends: BackendPool | None, *, threshold: float) -> No
         except Exception as exc:
             logger.warning("verify: no backend for %s to check at start: %r", url, exc)
             continue
-        if not isinstance(backend, SGLangBackend):
+        if not (backend.capabilities.token_ids and backend.capabilities.scoring):
             continue
         try:
             report = await check_server_logprobs(backend, tolerance=max(threshold, 1e-4))

@@ -1,7 +1,7 @@
 """Token series of a tool episode: the rendered prompt and the observation increments.
 
-The agent keeps one token series per episode (inference-backend §2 and §4): the prompt rendered
-once by the chat template, then, turn after turn, the model's generated tokens *verbatim* and
+The agent keeps one token series per episode (``TokenSeries``): the prompt rendered once by
+the chat template, then, turn after turn, the model's generated tokens *verbatim* and
 the observation tokens the environment adds. Generated tokens are never re-tokenized; only the
 text the environment contributes goes through the tokenizer.
 
@@ -41,12 +41,13 @@ A template that is not append-only in this sense (``A`` not extending ``P`` arou
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from engine.agents.result import UNKNOWN_VERSION
 from engine.errors import AgentError
 
-__all__ = ["ChatTokens", "Message", "Observation"]
+__all__ = ["ChatTokens", "Message", "Observation", "TokenSeries"]
 
 Message = dict[str, Any]
 
@@ -151,3 +152,35 @@ class ChatTokens:
 
 def _assistant(content: str) -> Message:
     return {"role": "assistant", "content": content}
+
+
+@dataclass
+class TokenSeries:
+    """One episode's token series: the prompt, then generated tokens (loss mask 1, their
+    logprobs and weight version) and observed ones (mask 0, logprob 0.0, version unknown)."""
+
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token; -1: none/unknown
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    def ids(self) -> list[int]:
+        return [*self.prompt, *self.response]
+
+    def generated(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
+    ) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.mask.extend([1] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
+
+    def observed(self, token_ids: Sequence[int]) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.mask.extend([0] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION] * len(token_ids))

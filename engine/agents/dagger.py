@@ -1,6 +1,6 @@
 """``DAggerAgent``: the native tool agent with a teacher that may act instead of the student.
 
-DAgger rollin, per turn of a ``ToolAgent`` episode (rollout-engine §4, inference-backend §3):
+DAgger rollin, per turn of a ``ToolAgent`` episode:
 
 1. a draw ``u`` in [0, 1) is made from the episode's ``context.seed`` and the turn index alone
    (``dagger_draw``), so a re-run attempt reproduces every decision;

@@ -1,4 +1,4 @@
-"""``ToolAgent``: a native token-level multi-turn tool agent (rollout-engine §3).
+"""``ToolAgent``: a native token-level multi-turn tool agent.
 
 One episode, for one sample:
 
@@ -53,13 +53,13 @@ invalid or did not end cleanly), ``response_tokens``, ``generated_tokens``,
 ``tool_cpu_limit``, ``tool_disk_limit``, ``tool_signaled``, ``tool_invalid_call``).
 
 State: ``ToolAgent`` holds what every episode shares (config, tokenizer, chat template,
-verifier) and makes one ``ToolEpisode`` per attempt (``agent.episode(task)``); the one thing an
-episode carries from ``init`` to ``cleanup`` is its sandbox, kept on that episode, and
-everything else lives in ``run``'s locals. Concurrent episodes of one agent share nothing else.
+verifier); its ``ToolEpisode`` (one per attempt) carries the sandbox from ``init`` to
+``cleanup``, and everything else lives in ``run``'s locals.
 
 Ports: the model backend comes from the worker's ``context.backends`` (the endpoint
-``ToolAgentConfig.sglang_url``, else the worker's default); the agent neither builds nor closes
-backends, and the sandbox provider is the worker's ``context.sandboxes``.
+``ToolAgentConfig.sglang_url``, else the worker's default) and must have the ``token_ids``
+capability; the sandbox provider is the worker's ``context.sandboxes``. The agent builds and
+closes neither.
 """
 
 from __future__ import annotations
@@ -83,20 +83,12 @@ from engine.agents.base import (
     Reward,
     TurnRecord,
 )
-from engine.agents.chat_tokens import ChatTokens, Message
-from engine.agents.result import UNKNOWN_VERSION
-from engine.agents.tools import (
-    PythonTool,
-    SandboxTool,
-    ToolCallError,
-    clip_text,
-    render_exec,
-    resolve_call,
-)
-from engine.backends.base import FinishReason, GenerationResult, ModelBackend, ToolCall
+from engine.agents.chat_tokens import ChatTokens, Message, TokenSeries
+from engine.agents.tools import PythonTool, SandboxTool, ToolCounts, run_tool_calls
+from engine.backends.base import FinishReason, GenerationResult, ModelBackend
 from engine.backends.sglang import load_tokenizer
 from engine.backends.toolcalls import parse_tool_calls
-from engine.domain import Task, TerminationReason
+from engine.domain import StoppingCriteria, Task, TerminationReason
 from engine.errors import (
     AgentError,
     BackendProtocolError,
@@ -104,7 +96,7 @@ from engine.errors import (
     GenerationAborted,
     SandboxError,
 )
-from engine.sandbox import ExecOutcome, Sandbox, SandboxLimits, classify
+from engine.sandbox import Sandbox, SandboxLimits
 
 __all__ = [
     "FinishedEpisode",
@@ -244,47 +236,34 @@ def last_generation(result: AgentResult) -> tuple[int, ...]:
     return tuple(result.response_token_ids.tolist()[start:end])
 
 
-@dataclass
-class _Series:
-    """The episode's token series: prompt, then generated and observed tokens (run's local)."""
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """An episode's limits: ``context.stopping``'s, else the config's ``default_*``."""
 
-    prompt: list[int]
-    response: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # per response token; -1: none/unknown
+    max_turns: int
+    max_context: int
+    max_new: int
 
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.response)
-
-    def ids(self) -> list[int]:
-        return [*self.prompt, *self.response]
-
-    def generated(
-        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
-    ) -> None:
-        self.response.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.mask.extend([1] * len(token_ids))
-        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
-
-    def observed(self, token_ids: Sequence[int]) -> None:
-        self.response.extend(token_ids)
-        self.logprobs.extend([0.0] * len(token_ids))
-        self.mask.extend([0] * len(token_ids))
-        self.versions.extend([UNKNOWN_VERSION] * len(token_ids))
+    @classmethod
+    def of(cls, cfg: ToolAgentConfig, stopping: StoppingCriteria) -> _Limits:
+        return cls(
+            max_turns=stopping.max_turns or cfg.default_max_turns,
+            max_context=stopping.max_context_len or cfg.default_max_context_len,
+            max_new=stopping.max_new_tokens or cfg.default_max_new_tokens,
+        )
 
 
-@dataclass
-class _Counts:
-    tool_calls: int = 0
-    tool_errors: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def error(self, outcome: str) -> None:
-        self.tool_errors += 1
-        key = f"tool_{outcome}"
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+def _turn_params(
+    sampling: Mapping[str, Any], context: EpisodeContext, turn: int, budget: int
+) -> dict[str, Any]:
+    """The turn's sampling params: the episode's, its token budget, its derived seed."""
+    params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
+    base_seed = sampling.get("sampling_seed")
+    if isinstance(base_seed, int):
+        params["sampling_seed"] = derive_turn_seed(
+            base_seed, episode_seed=context.seed, sample_id=context.sample_id, turn=turn
+        )
+    return params
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,41 +341,27 @@ class ToolAgent(EpisodeAgent):
             backend = context.backends.get(self.config.sglang_url)
         except ConfigError as exc:
             raise ConfigError(f"sample {context.sample_id}: {exc}") from exc
-        if not backend.supports_token_ids:
-            raise ConfigError(
-                f"ToolAgent needs a token-level backend, got {type(backend).__name__}"
-            )
+        if not backend.capabilities.token_ids:
+            raise ConfigError(f"ToolAgent needs a backend with token ids, got {backend!r}")
         return backend
 
     async def _loop(
         self, task: Task, context: EpisodeContext, sandbox: Sandbox, backend: ModelBackend
     ) -> AgentResult:
-        cfg = self.config
-        stopping = context.stopping
-        max_turns = stopping.max_turns or cfg.default_max_turns
-        max_context = stopping.max_context_len or cfg.default_max_context_len
-        max_new = stopping.max_new_tokens or cfg.default_max_new_tokens
+        limits = _Limits.of(self.config, context.stopping)
         sampling = context.sampling_params.as_request()
-        base_seed = sampling.get("sampling_seed")
-
         history = self.initial_messages(task)
-        series = _Series(prompt=self.chat.prompt_ids(history))
-        counts = _Counts()
+        series = TokenSeries(prompt=self.chat.prompt_ids(history))
+        counts = ToolCounts()
         turns: list[TurnRecord] = []
         actions: list[TurnAction] = []
         reason: TerminationReason | None = None
-        turn = 0
         while reason is None:
-            room = max_context - len(series)
+            turn = len(turns)
+            room = limits.max_context - len(series)
             if room <= 0:
                 reason = TerminationReason.MAX_CONTEXT
                 break
-            budget = min(max_new, room)
-            params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
-            if isinstance(base_seed, int):
-                params["sampling_seed"] = derive_turn_seed(
-                    base_seed, episode_seed=context.seed, sample_id=context.sample_id, turn=turn
-                )
             started = time.monotonic()
             prompt_len = len(series)
             action = await self._act(
@@ -405,55 +370,80 @@ class ToolAgent(EpisodeAgent):
                     backend=backend,
                     input_ids=series.ids(),
                     history=history,
-                    sampling_params=params,
+                    sampling_params=_turn_params(
+                        sampling, context, turn, min(limits.max_new, room)
+                    ),
                     turn=turn,
                 )
             )
             actions.append(action)
-            gen, ids = action.gen, action.token_ids
-            if action.trained:
-                series.generated(ids, action.logprobs, gen.weight_version)
-            else:  # not the policy's tokens: in the series, out of the loss
-                series.observed(ids)
-            text = self.chat.decode(ids, skip_special_tokens=True)
-            parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
-            names = tuple(call.name for call in parsed.tool_calls)
-
-            if self._answer.search(text):
-                reason = TerminationReason.FINISH
-            elif gen.finish_reason == FinishReason.LENGTH:
-                out_of_room = len(series) >= max_context
-                reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH
-            elif not parsed.tool_calls and not parsed.errors:
-                reason = TerminationReason.FINISH
-            elif turn + 1 >= max_turns:
-                reason = TerminationReason.MAX_TURNS
-            else:
-                tool_messages = await self._run_calls(
-                    parsed.tool_calls, parsed.errors, sandbox, counts
-                )
-                observation = self.chat.observation(history, ids, tool_messages)
-                if len(series) + len(observation.token_ids) >= max_context:
-                    reason = TerminationReason.MAX_CONTEXT
-                else:
-                    series.observed(observation.token_ids)
-                    raw = self.chat.decode(
-                        _without_trailing_special(ids, self.chat), skip_special_tokens=False
-                    )
-                    history = [*history, {"role": "assistant", "content": raw}, *tool_messages]
+            reason, history, names = await self._take(
+                action, turn, series, history, sandbox, counts, limits
+            )
             turns.append(
                 TurnRecord(
                     index=turn,
                     prompt_tokens=prompt_len,
-                    response_tokens=len(ids),
+                    response_tokens=len(action.token_ids),
                     tool_calls=names,
                     elapsed_s=max(0.0, time.monotonic() - started),
-                    finish_reason=str(gen.finish_reason),
-                    weight_version=gen.weight_version,
+                    finish_reason=str(action.gen.finish_reason),
+                    weight_version=action.gen.weight_version,
                 )
             )
-            turn += 1
+        result = self._result(series, turns, counts, reason)
+        return self._finish_result(result, actions, context)
 
+    async def _take(
+        self,
+        action: TurnAction,
+        turn: int,
+        series: TokenSeries,
+        history: list[Message],
+        sandbox: Sandbox,
+        counts: ToolCounts,
+        limits: _Limits,
+    ) -> tuple[TerminationReason | None, list[Message], tuple[str, ...]]:
+        """Append one turn's action to the series and decide by the stop conditions (module
+        docstring): ``(reason or None to go on, the conversation, the tools called)``."""
+        gen, ids = action.gen, action.token_ids
+        if action.trained:
+            series.generated(ids, action.logprobs, gen.weight_version)
+        else:  # not the policy's tokens: in the series, out of the loss
+            series.observed(ids)
+        text = self.chat.decode(ids, skip_special_tokens=True)
+        parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
+        names = tuple(call.name for call in parsed.tool_calls)
+        if self._answer.search(text):
+            return TerminationReason.FINISH, history, names
+        if gen.finish_reason == FinishReason.LENGTH:
+            out_of_room = len(series) >= limits.max_context
+            reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH
+            return reason, history, names
+        if not parsed.tool_calls and not parsed.errors:
+            return TerminationReason.FINISH, history, names
+        if turn + 1 >= limits.max_turns:
+            return TerminationReason.MAX_TURNS, history, names
+        cfg = self.config
+        tool_messages = await run_tool_calls(
+            parsed.tool_calls, parsed.errors, sandbox, counts, tools=cfg.tools,
+            max_calls=cfg.max_tool_calls_per_turn, timeout_s=cfg.tool_timeout_s,
+            max_chars=cfg.max_observation_chars,
+        )  # fmt: skip
+        observation = self.chat.observation(history, ids, tool_messages)
+        if len(series) + len(observation.token_ids) >= limits.max_context:
+            return TerminationReason.MAX_CONTEXT, history, names
+        series.observed(observation.token_ids)
+        raw = self.chat.decode(_without_trailing_special(ids, self.chat), skip_special_tokens=False)
+        return None, [*history, {"role": "assistant", "content": raw}, *tool_messages], names
+
+    def _result(
+        self,
+        series: TokenSeries,
+        turns: list[TurnRecord],
+        counts: ToolCounts,
+        reason: TerminationReason,
+    ) -> AgentResult:
         metrics: dict[str, float] = {
             "n_turns": float(len(turns)),
             "n_tool_calls": float(counts.tool_calls),
@@ -463,7 +453,7 @@ class ToolAgent(EpisodeAgent):
             "observation_tokens": float(len(series.mask) - sum(series.mask)),
         }
         metrics.update({k: float(v) for k, v in counts.outcomes.items()})
-        result = AgentResult(
+        return AgentResult(
             prompt_token_ids=tuple(series.prompt),
             response_token_ids=tuple(series.response),
             response_logprobs=tuple(series.logprobs),
@@ -474,7 +464,6 @@ class ToolAgent(EpisodeAgent):
             metrics=metrics,
             text=self.chat.decode(series.response, skip_special_tokens=False),
         )
-        return self._finish_result(result, actions, context)
 
     async def _act(self, step: TurnInput) -> TurnAction:
         """The action of one turn: the policy's generation on the series so far. A subclass
@@ -512,50 +501,6 @@ class ToolAgent(EpisodeAgent):
                 "token-level backend"
             )
         return gen.token_ids, gen.logprobs
-
-    async def _run_calls(
-        self,
-        calls: Sequence[ToolCall],
-        errors: Sequence[str],
-        sandbox: Sandbox,
-        counts: _Counts,
-    ) -> list[Message]:
-        """One tool message per call (in order), then one per malformed block."""
-        cfg = self.config
-        messages: list[Message] = []
-        for index, call in enumerate(calls):
-            if index >= cfg.max_tool_calls_per_turn:
-                counts.error("invalid_call")
-                messages.append(
-                    _tool_message(
-                        call.name,
-                        f"error: not run, at most {cfg.max_tool_calls_per_turn} tool calls are "
-                        "run per turn",
-                    )
-                )
-                continue
-            try:
-                _tool, command = resolve_call(call, cfg.tools)
-            except ToolCallError as exc:
-                counts.error("invalid_call")
-                messages.append(
-                    _tool_message(call.name, clip_text(f"error: {exc}", cfg.max_observation_chars))
-                )
-                continue
-            counts.tool_calls += 1
-            result = await sandbox.exec(command, timeout_s=cfg.tool_timeout_s)
-            outcome = classify(result)
-            if outcome is not ExecOutcome.OK:
-                counts.error(outcome.value)
-            messages.append(
-                _tool_message(call.name, render_exec(result, limit_chars=cfg.max_observation_chars))
-            )
-        for problem in errors:
-            counts.error("invalid_call")
-            messages.append(
-                _tool_message("invalid", clip_text(f"error: {problem}", cfg.max_observation_chars))
-            )
-        return messages
 
 
 class ToolEpisode(Episode):
@@ -616,10 +561,6 @@ class ToolEpisode(Episode):
                 "after cleanup (no sandbox)"
             )
         return self.sandbox
-
-
-def _tool_message(name: str, content: str) -> Message:
-    return {"role": "tool", "name": name, "content": content}
 
 
 def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:

@@ -1,4 +1,4 @@
-"""The recording proxy's token series: one per task, built call by call (inference-backend §4).
+"""The recording proxy's token series: one per task, built call by call.
 
 A black-box scaffold sends its whole conversation on every ``/v1/chat/completions`` call. The
 ``Recorder`` turns that sequence of calls into the token series the native tool agent would

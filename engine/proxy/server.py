@@ -6,8 +6,10 @@ One proxy per task, on its own free loopback port, started and torn down by ``as
         run_scaffold(base_url=proxy.url + "/v1")     # the scaffold only speaks OpenAI chat
     trajectory = proxy.trajectory()                   # None unless capture stayed valid
 
-Routes (Starlette, served by uvicorn inside the caller's event loop, so it shares the worker's
-pooled ``SGLangBackend``):
+The backend is any ``ModelBackend`` with the ``token_ids`` capability (a ``BackendPool``'s
+``get()``: its calls pass the pool's hooks, the weight sync's gate among them). Routes
+(Starlette, served by uvicorn inside the caller's event loop, so it shares the worker's pooled
+backend):
 
 - ``POST /v1/chat/completions``: the per-call cycle of ``engine.proxy.series`` on the model
   server's token-level ``/generate``; the reply is a ``chat.completion`` (or, with
@@ -18,7 +20,10 @@ pooled ``SGLangBackend``):
 Once capture is off (the append-only guard fired, the server aborted a generation, anything
 unexpected failed, or the call asked for something a single series cannot hold such as
 ``n > 1``), this call and every later one is passed through unchanged to the model server's own
-``/v1/chat/completions``: the scaffold's run completes, and the task yields no token data.
+``/v1/chat/completions`` (inside the backend's ``forwarded_call``, so the pool's hooks
+bracket it as they bracket a generation): the scaffold's run completes, and the task yields no
+token data. A generation still in flight when the proxy stops is aborted on the server where
+the backend has the ``abort`` capability.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.backends.base import ModelBackend
-from engine.backends.sglang import SGLangBackend
 from engine.backends.toolcalls import parse_tool_calls
 from engine.errors import ConfigError
 from engine.proxy.series import AppendOnlyViolation, ProxyTrajectory, Recorder
@@ -89,16 +93,16 @@ class RecordingProxy:
         host: str = "127.0.0.1",
         task_id: str | None = None,
     ) -> None:
-        if not isinstance(backend, SGLangBackend):
+        if not backend.capabilities.token_ids:
             raise ConfigError(
-                f"RecordingProxy needs a token-level SGLangBackend (a BackendPool's get()), "
-                f"got {type(backend).__name__}"
+                f"RecordingProxy needs a backend with the token_ids capability (a BackendPool's "
+                f"get() on an SGLang server), got {backend!r}"
             )
         self.backend = backend
         self.recorder = Recorder(tokenizer)
         self.host = host
         self.task_id = task_id or uuid.uuid4().hex[:12]
-        self.upstream = backend.config.url
+        self.upstream = backend.base_url
         self.calls = 0
         self.passed_through = 0
         self._lock = asyncio.Lock()
@@ -178,9 +182,8 @@ class RecordingProxy:
 
     async def aclose(self) -> None:
         """Stop serving, abort a generation still in flight, release the pass-through client."""
-        if self._rid is not None:
-            with contextlib.suppress(Exception):
-                await self.backend.abort(self._rid)
+        with contextlib.suppress(Exception):
+            await self.abort()
         if self._server is not None and self._serving is not None:
             self._server.should_exit = True
             await self._serving
@@ -194,7 +197,7 @@ class RecordingProxy:
 
     async def abort(self) -> None:
         """Abort the generation in flight, if any (its call then passes through)."""
-        if self._rid is not None:
+        if self._rid is not None and self.backend.capabilities.abort:
             await self.backend.abort(self._rid)
 
     # -- routes -----------------------------------------------------------------------------
@@ -332,14 +335,14 @@ class RecordingProxy:
         client = self._upstream()
         headers = {"content-type": "application/json"}
         if not stream:
-            async with self.backend.gate.turn():  # a generation: the weight sync's gate
+            async with self.backend.forwarded_call():  # a generation: the pool's hooks
                 reply = await client.post("/v1/chat/completions", content=raw, headers=headers)
             return Response(
                 reply.content,
                 status_code=reply.status_code,
                 media_type=reply.headers.get("content-type"),
             )
-        turn = self.backend.gate.turn()  # held until the stream ends
+        turn = self.backend.forwarded_call()  # held until the stream ends
         await turn.__aenter__()
         try:
             upstream = await client.send(

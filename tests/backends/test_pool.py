@@ -164,9 +164,8 @@ async def test_trajectories_over_two_real_servers(tinylm_dir: Path) -> None:
                 used = set()
                 for _ in range(3):  # three turns
                     backend = view.get()
-                    assert isinstance(backend, SGLangBackend)
                     await backend.generate(input_ids=PROMPT, sampling_params=params)
-                    used.add(backend.config.url)
+                    used.add(backend.base_url)
                 return used
 
             used = await asyncio.gather(*(episode(v) for v in views))

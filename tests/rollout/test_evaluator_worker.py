@@ -447,7 +447,7 @@ def test_the_worker_progress_printer_counts_from_batch_reports() -> None:
 def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() -> None:
     from pathlib import Path
 
-    from engine.actors.batch_run import _with_node
+    from engine.actors.attempt_context import with_node
     from engine.agents.base import EpisodeContext
     from engine.domain import SamplingParams, StoppingCriteria
 
@@ -455,7 +455,7 @@ def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() ->
         rollout_id="r1", sample_id="s1", attempt=2, stopping=StoppingCriteria(),
         sampling_params=SamplingParams(), tmp_dir=Path("/tmp/x"), seed=7, dagger_beta=0.5,
     )  # fmt: skip
-    moved = _with_node(ctx, "node-a")
+    moved = with_node(ctx, "node-a")
     assert moved.node == "node-a" and ctx.node is None
     assert moved == EpisodeContext(**{**ctx.__dict__, "node": "node-a"})
 
@@ -490,12 +490,12 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
     for window in (2048, 0):  # entries kept as read, or every one re-read from the index
         config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), task_window=window)
         worker = EvaluatorWorker(log, specs, config)
-        request, tasks = await worker._batch_tasks("r1", ["s3"])
+        request, tasks = await worker.tasks.batch_tasks("r1", ["s3"])
         assert request == folded.request
         assert list(tasks) == ["s3"]  # joined on s2, which is decoded but not kept
-        cached = worker._tasks["r1"]
+        cached = worker.tasks.cache["r1"]
         assert sorted(cached.recent) == (["s0", "s1", "s4", "s5"] if window else [])
-        request, more = await worker._batch_tasks("r1", ["s1", "s4", "missing", "s2"])
+        request, more = await worker.tasks.batch_tasks("r1", ["s1", "s4", "missing", "s2"])
         assert list(more) == ["s1", "s4", "s2"]  # no entry for "missing": left out
         tasks.update(more)
         for sid, ev in tasks.items():

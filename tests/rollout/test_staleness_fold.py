@@ -292,12 +292,11 @@ def test_control_projection_follows_the_highest_published_version() -> None:
 async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server() -> None:
     """The worker's per-turn check: a sample whose earlier turn ran below the floor gets no
     further generation (the server here does not exist: a request would fail otherwise),
-    and the guarded backend is still an SGLangBackend (the recording proxy needs one)."""
-    from engine.actors.batch_run import SampleGuard, _GuardedPool
+    and the guarded backend still has token ids (the recording proxy needs them)."""
     from engine.actors.outcomes import ReportedAbort
+    from engine.actors.sample_guard import SampleGuard
     from engine.backends.base import GenerationResult
     from engine.backends.pool import BackendPool
-    from engine.backends.sglang import SGLangBackend
     from engine.outcomes import TerminationReason
 
     class Watch:  # what the guard reads of the worker's ControlWatch
@@ -308,8 +307,8 @@ async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server()
 
     guard = SampleGuard(_request(max_staleness=1), Watch(), RID, _sid(0), 1)  # type: ignore[arg-type]
     async with BackendPool("http://127.0.0.1:9") as pool:
-        backend = _GuardedPool(pool.bind("k"), guard).get()
-        assert isinstance(backend, SGLangBackend)
+        backend = pool.bind("k", hooks=(guard,)).get()
+        assert backend.capabilities.token_ids
         guard.before_turn()  # nothing generated yet: the sample may start
         guard.record(GenerationResult(text="", token_ids=(1,), logprobs=(-0.1,),
                                       finish_reason="stop", weight_version=1))

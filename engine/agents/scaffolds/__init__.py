@@ -1,7 +1,7 @@
 """Scaffold plug-ins for ``InstalledAgent`` (see ``base`` for the port).
 
 ``MiniSweAgent`` runs the real mini-swe-agent from PyPI; ``OpenHandsRules`` and
-``Terminus2Rules`` are those scaffolds' termination precedence (inference-backend §5).
+``Terminus2Rules`` are those scaffolds' termination precedence.
 """
 
 from engine.agents.scaffolds.base import (

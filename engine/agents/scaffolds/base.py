@@ -14,7 +14,7 @@ supplies only what differs between scaffolds, as plain data in and out:
   ``ScaffoldReport``;
 - ``termination_reason(exit)``: how the run ended, from a pure ``ScaffoldExit``.
 
-Termination classification (inference-backend §5): the base classifier keys off how the process
+Termination classification: the base classifier keys off how the process
 ended (wall clock ran out: ``agent_timeout``; a nonzero exit: ``infra_conn`` when its log says
 the model could not be reached, else ``infra_other``); each scaffold refines the *clean* exit
 from its own report. The rules are pure functions of a ``ScaffoldExit``, so every case is a
@@ -53,7 +53,7 @@ class ScaffoldRun:
     bridge that runs a command in the task's sandbox (``"unix:/path"``). ``instruction`` is the
     task as the scaffold's user sees it. ``max_turns``/``max_new_tokens``/``timeout_s`` come
     from the episode's stopping criteria; ``context_cap`` is the installed-scaffold context cap
-    (131072, inference-backend §2, not the episode's ``max_context_len``).
+    (131072, not the episode's ``max_context_len``).
     """
 
     run_dir: Path
@@ -172,7 +172,7 @@ class Scaffold(abc.ABC):
 
 
 class OpenHandsRules:
-    """OpenHands' termination precedence (inference-backend §5), first match wins.
+    """OpenHands' termination precedence, first match wins.
 
     On a nonzero exit or a kill the base classifier decides. On a clean exit:
 
@@ -224,7 +224,7 @@ class OpenHandsRules:
 
 
 class Terminus2Rules:
-    """Terminus-2's termination (inference-backend §5): a clean exit with a
+    """Terminus-2's termination: a clean exit with a
     ``mark_task_complete`` call is ``finish``, else ``max_turns`` if the step budget was hit,
     else ``finish``; nonzero exits (and kills) defer to the base classifier."""
 

@@ -1,0 +1,84 @@
+"""``BatchTokens``: a batch's local placement tokens, handed out one per running sample.
+
+A batch is admitted with its placement tokens (``BatchAdmitted.token_ids``). Inside the batch
+run each sample takes one (waiting for a free one) before its ``run`` phase and gives it back
+after ``cleanup``. Tokens no remaining sample can use (more held than ``min(unfinished samples,
+concurrency)``) go back to the pool at once; the rest when the batch ends. A batch admitted
+without tokens runs ungated: ``take`` returns None at once.
+
+Tokens freed by samples that end in the same event-loop tick leave in one release, made at
+the end of the tick: after those samples' terminal events (emission order is log order), and
+with one ``TokenReleased`` instead of one per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+__all__ = ["BatchTokens", "Release"]
+
+Release = Callable[[list[str], str], None]
+"""Emits the ``TokenReleased`` of ``(token ids, reason)``."""
+
+
+class BatchTokens:
+    """See the module docstring."""
+
+    def __init__(
+        self, tokens: Sequence[str], *, samples: int, concurrency: int, release: Release
+    ) -> None:
+        self.gated = bool(tokens)
+        self._held: set[str] = set(tokens)
+        self._free: asyncio.Queue[str] = asyncio.Queue()
+        for token in tokens:
+            self._free.put_nowait(token)
+        self._unfinished = samples
+        self._concurrency = concurrency
+        self._emit_release = release
+        self._releasing: list[str] = []
+        self._release_scheduled = False
+
+    async def take(self) -> str | None:
+        """A free token (waiting for one); None when the batch runs ungated."""
+        if not self.gated:
+            return None
+        return await self._free.get()
+
+    def give_back(self, token: str | None) -> None:
+        """A sample ended, holding ``token`` (None: it took none)."""
+        self._unfinished -= 1
+        if token is not None:
+            self._free.put_nowait(token)
+        if self.gated:
+            self.release_surplus("sample_done")
+
+    def release_surplus(self, reason: str) -> None:
+        """Give back free tokens beyond what the unfinished samples can still use (at the
+        end of this event-loop tick)."""
+        needed = min(self._unfinished, self._concurrency)
+        while len(self._held) > needed and not self._free.empty():
+            token = self._free.get_nowait()
+            self._held.discard(token)
+            self._releasing.append(token)
+        if self._releasing and not self._release_scheduled:
+            self._release_scheduled = True
+            asyncio.get_running_loop().call_soon(self.release_now, reason)
+
+    def release_now(self, reason: str) -> None:
+        """Release the tokens ``release_surplus`` set aside, if any."""
+        self._release_scheduled = False
+        tokens, self._releasing = self._releasing, []
+        if tokens:
+            self.release(tokens, reason)
+
+    def release_rest(self) -> None:
+        """The batch is done: release the surplus set aside, then every token still held."""
+        self.release_now("sample_done")
+        if self._held:
+            self.release(sorted(self._held), "batch_done")
+
+    def release(self, token_ids: list[str], reason: str) -> None:
+        for token in token_ids:
+            self._held.discard(token)
+        self._emit_release(token_ids, reason)
