@@ -26,7 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from engine.domain import FrozenModel, check_identifier
 from engine.errors import ConfigError
-from engine.events import RedisSettings
+from engine.events.redis_settings import RedisSettings
 from engine.messages import explain
 
 __all__ = ["ENV_PREFIX", "LogLevel", "Settings", "unknown_variable_message"]
@@ -113,7 +113,7 @@ class Settings(FrozenModel):
         2_000,
         ge=1,
         description="How long a blocking stream read waits for new entries (the Redis socket "
-        "timeout is derived from it, see engine.events.log.RedisSettings).",
+        "timeout is derived from it, see engine.events.redis_settings.RedisSettings).",
     )
     heartbeat_ms: int = Field(
         10_000,

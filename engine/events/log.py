@@ -1,9 +1,11 @@
 """The event log port: typed events on ordered streams, with consumer groups.
 
 :class:`EventLog` is what actors, projections' rebuilds, the client and the operator tools
-talk to; :class:`engine.events.redis_log.RedisEventLog` implements it on Redis Streams
-(built with :func:`engine.events.redis_log.open_log`). The contract suite
-``tests/events/test_log_contract.py`` holds every implementation to it.
+talk to. Two implementations: :class:`engine.events.redis_log.RedisEventLog` on Redis
+Streams (built with :func:`engine.events.redis_log.open_log`), which the engine's processes
+run on, and :class:`engine.events.memory_log.MemoryEventLog`, plain Python in one event
+loop, for tests and embedding. The contract suite ``tests/events/test_log_contract.py``
+holds both to it (and Redis both real and fakeredis).
 
 Contract
 --------
@@ -36,8 +38,11 @@ Contract
   writer may retry after a crash, lands once.
 * Snapshots are opaque bytes stored by name beside the streams. ``trim_before`` drops a
   stream's entries below an id whatever reads it (a stream folded from a snapshot).
+* Blocking reads wait up to ``block_ms`` (None: the log's ``block_ms``) for a new entry and
+  wake as soon as one is appended; ``block_ms=0`` does not block.
 * Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
-  :class:`LogError` (it refused); an implementation translates its own exceptions.
+  :class:`LogError` (it refused); credentials it refuses raise ``ConfigError``. An
+  implementation translates its own exceptions.
 * ``aclose`` releases the connections; the log is unusable afterwards.
 """
 
@@ -245,9 +250,8 @@ class EventLog(Protocol):
         *,
         count: int = 100,
         block_ms: int | None = None,
-        pending: bool = False,
     ) -> list[Envelope]:
-        """New entries for this consumer, or (``pending=True``) its own unacked ones."""
+        """New entries for this consumer (its own unacked ones: ``read_own_pending``)."""
         ...
 
     async def ack(self, stream: str, group: str, *ids: str) -> int: ...
@@ -323,10 +327,6 @@ class EventLog(Protocol):
 
     async def delete_stream(self, stream: str) -> bool:
         """Delete a stream and its consumer groups; whether it existed."""
-        ...
-
-    async def memory_usage(self, key: str) -> int:
-        """Bytes the store holds for ``key`` (0 when absent)."""
         ...
 
     # ------------------------------------------------------------------ snapshots, close

@@ -39,15 +39,14 @@ from typing import IO, Any
 from engine.errors import EngineError, RolloutFailed
 from engine.events import (
     EventLog,
-    RedisSettings,
     RolloutKind,
     RolloutPlanned,
     SampleAborted,
     SampleCompleted,
     StreamNames,
-    open_log,
 )
 from engine.events.ids import EMPTY_ID
+from engine.events.redis_log import RedisSettings, open_log
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
 from engine.ops.progress import Bar
 

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import metrics
 from engine.client import RolloutClient
-from engine.events import EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import EventLog
 from engine.tasks import EVALUATOR_CONFIG
 from tests.redis_server import RedisServer
 
@@ -108,14 +107,6 @@ def test_per_rollout_streams_share_one_label() -> None:
 def _stderr(proc: subprocess.Popen[bytes]) -> str:
     proc.send_signal(signal.SIGTERM)
     return proc.communicate(timeout=60)[1].decode()
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await client.flushall()
-    yield RedisEventLog(client, producer="trainer", block_ms=200)
-    await client.aclose()
 
 
 async def test_a_scheduler_process_serves_its_metrics(
