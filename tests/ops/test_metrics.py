@@ -119,7 +119,7 @@ async def test_a_scheduler_process_serves_its_metrics(
     # to release them: the third waits for admission (the scheduler admits in order).
     layout = {"n0": {"cpu": 4, "memory_gb": 8}}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ops.cli", "scheduler", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "workers", "scheduler", "--redis-url", redis_server.url,
          "--rollout-config", str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATOR_CONFIG),
          "--cluster-layout", json.dumps(layout), "--block-ms", "200"],
         cwd=ROOT, env=env, stderr=subprocess.PIPE,
