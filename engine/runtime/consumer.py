@@ -444,10 +444,6 @@ class GroupConsumer:
         backlog, self._backlog = self._backlog, []
         return [d for d in backlog if d.key not in self._in_flight]
 
-    def unreleased(self) -> list[Delivery]:
-        """Deliveries fetched but neither acked nor released."""
-        return list(self._in_flight.values())
-
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_ms / 1000.0)
