@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "Settings": "engine.settings",
     # the event log
     "EventLog": "engine.events",
+    "MemoryEventLog": "engine.events.memory_log",
     "RedisEventLog": "engine.events.redis_log",
     "RedisSettings": "engine.events.redis_log",
     "StreamNames": "engine.events",
