@@ -92,9 +92,9 @@ class Engine:
     def spawn(self, name: str, module: str, *extra: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         env["PYTHONPATH"] = str(ROOT)
+        env["ROLLOUT_REDIS_URL"] = self.redis.url  # the password stays out of argv (ps)
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *TIMINGS,
-             "--log-level", "WARNING", *extra],
+            [sys.executable, "-m", module, *TIMINGS, "--log-level", "WARNING", *extra],
             cwd=ROOT, env=env,
             stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process
             stderr=subprocess.STDOUT,

@@ -71,7 +71,7 @@ from engine.backends.pool import BackendPool
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
 from engine.errors import EngineError
-from engine.events import EventLog, RedisEventLog, RedisSettings, StreamNames, connect
+from engine.events import EventLog, StreamNames
 from engine.events.catalog import (
     BatchAdmitted,
     BatchSealed,
@@ -86,8 +86,9 @@ from engine.events.catalog import (
     TaskJoined,
     TokenAcquired,
 )
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
-from engine.ops.embedded import start_redis
+from engine.ops.embedded import redact, start_redis
 from engine.projections.placement import budget_tokens
 from engine.projections.samples import scalar_reward, task_of
 from engine.sample import Sample
@@ -241,18 +242,20 @@ def worker_max_batches() -> int:
 def start_engine(stack: Stack, args: argparse.Namespace, model_dir: Path) -> None:
     """The demo's processes (``engine.ops.demo.start_stack``), with ``--max-batches`` explicit."""
     assert stack.redis is not None and stack.server is not None
-    common = ["--redis-url", stack.redis.url]
+    # Stack.spawn hands the processes stack.redis_url in their environment: the admin
+    # password it holds stays out of argv, where ps shows it.
+    stack.redis_url = stack.redis.url
     evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
-    stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
+    stack.spawn("scheduler", ["-m", "workers.scheduler",
                               "--rollout-config", str(ROLLOUT_YAML),
                               "--evaluator-config", str(EVALUATORS),
                               "--scheduler-id", "bench-scheduler"])
     for i in range(args.workers):
-        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
+        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *evaluator,
                                     "--sglang-url", stack.server.url,
                                     "--max-batches", str(args.max_batches),
                                     "--worker-id", f"bench-worker-{i}"])
-    stack.spawn("finalizer", ["-m", "workers.finalizer", *common,
+    stack.spawn("finalizer", ["-m", "workers.finalizer",
                               "--out-dir", str(stack.workdir / "out"),
                               "--worker-id", "bench-finalizer"])
 
@@ -648,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = workdir / "tinylm"
         ensure_model(model_dir, args.train_steps)
         stack.redis = start_redis()
-        say(f"redis     {stack.redis.kind} at {stack.redis.url}")
+        say(f"redis     {stack.redis.kind} at {redact(stack.redis.url)}")
         from engine.ops.tinylm import spawn_server
 
         stack.server = spawn_server(model_dir)

@@ -93,12 +93,14 @@ class EngineArm:
     def spawn(self, name: str, module: str, *extra: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
         env["PYTHONPATH"] = str(ROOT)
+        # The URL holds the admin password: in the environment, unlike argv, other users
+        # cannot read it (ps, /proc/PID/cmdline).
+        env["ROLLOUT_REDIS_URL"] = self.redis.url
         env.update(self.extra_env)
         prof = getattr(self.args, "profile", None)
         wrap = ["-m", "cProfile", "-o", str(Path(prof) / f"{name}.prof")] if prof else []
         self.procs[name] = subprocess.Popen(
-            [sys.executable, *wrap, "-m", module, "--redis-url", self.redis.url,
-             *self.timings, *extra],
+            [sys.executable, *wrap, "-m", module, *self.timings, *extra],
             cwd=ROOT,
             env=env,
             stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process

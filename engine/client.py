@@ -93,7 +93,7 @@ from engine.events.codec import decode
 from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
 from engine.events.log import EventLog, RawEntry
 from engine.events.names import StreamNames
-from engine.events.redis_log import RedisSettings, open_log
+from engine.events.redis_log import open_log
 from engine.projections.lanes import CeChunk, Lane, ce_chunks, plan_ce, request_lane
 from engine.projections.loading import IndexFold, LoadFold
 from engine.projections.policy import PolicyProjection, PolicyState
@@ -108,6 +108,7 @@ from engine.runtime.consumer import Backoff
 from engine.runtime.live import LiveFold
 from engine.runtime.rebuild import gc_paused
 from engine.sample import Sample
+from engine.settings import Settings
 
 __all__ = [
     "TEACHER_ALGORITHMS",
@@ -140,10 +141,20 @@ class RolloutClient:
 
     @classmethod
     def connect(
-        cls, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+        cls,
+        url: str | None = None,
+        *,
+        prefix: str | None = None,
+        block_ms: int = 2000,
+        producer: str = "trainer",
     ) -> RolloutClient:
-        settings = RedisSettings(url=url, block_ms=block_ms)
-        return cls(open_log(settings, names=StreamNames(prefix), producer=producer))
+        """A client on its own connection, configured as every ``rollout`` command is: the
+        URL (default ``ROLLOUT_REDIS_URL``), the prefix (default ``ROLLOUT_STREAM_PREFIX``),
+        the credentials and TLS files from ``ROLLOUT_REDIS_*`` (``engine.settings``)."""
+        settings = Settings.from_env()
+        redis = settings.redis(url=url, block_ms=block_ms)
+        names = StreamNames(settings.stream_prefix if prefix is None else prefix)
+        return cls(open_log(redis, names=names, producer=producer))
 
     async def aclose(self) -> None:
         await self.log.aclose()
@@ -744,8 +755,14 @@ class SyncRolloutClient:
     """The same calls for synchronous code, on a private event loop (not thread-safe)."""
 
     def __init__(
-        self, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+        self,
+        url: str | None = None,
+        *,
+        prefix: str | None = None,
+        block_ms: int = 2000,
+        producer: str = "trainer",
     ) -> None:
+        """See :meth:`RolloutClient.connect` (the settings it reads)."""
         self._runner = asyncio.Runner()
         self._client = self._runner.run(
             _make(url, prefix=prefix, block_ms=block_ms, producer=producer)
@@ -839,5 +856,7 @@ class SyncRefillLoop:
         return self._runner.run(self.loop.publish(version, weights_uri, wait=wait))
 
 
-async def _make(url: str, *, prefix: str, block_ms: int, producer: str) -> RolloutClient:
+async def _make(
+    url: str | None, *, prefix: str | None, block_ms: int, producer: str
+) -> RolloutClient:
     return RolloutClient.connect(url, prefix=prefix, block_ms=block_ms, producer=producer)

@@ -35,7 +35,7 @@ from pydantic.fields import FieldInfo
 
 from engine.domain import FrozenModel, check_identifier
 from engine.errors import ConfigError
-from engine.events import RedisSettings
+from engine.events.redis_settings import RedisSettings
 from engine.messages import explain
 
 __all__ = [

@@ -166,17 +166,23 @@ async def serve_actor(
     """Open the log, build the actor on it and run it until SIGTERM or SIGINT.
 
     Returns the exit status: 0 after a clean stop, 1 when Redis failed (a log error, or an
-    outage longer than ``--outage-limit-s``), logged as ``<what> <consumer>: <error>``. The
-    log is closed either way; other exceptions propagate to the caller.
+    outage longer than ``--outage-limit-s``), 2 when the configuration is wrong (a URL
+    without a scheme, credentials Redis refuses), logged as ``<what> <consumer>: <error>``.
+    The log is closed either way; other exceptions propagate to the caller.
     """
-    log = make_log(settings, producer=consumer)
+    log: EventLog | None = None
     try:
+        log = make_log(settings, producer=consumer)
         actor = build(log)
         stop = install_stop()
         await actor.run(stop)
+    except ConfigError as exc:  # e.g. Redis refused the credentials: no retry can help
+        logger.error("%s %s: %s", what, consumer, exc)
+        return 2
     except (LogError, OutageExceeded) as exc:
         logger.error("%s %s: %s", what, consumer, exc)
         return 1
     finally:
-        await log.aclose()
+        if log is not None:
+            await log.aclose()
     return 0

@@ -130,7 +130,7 @@ async def _serve(parts: _Components) -> int:
             "gated" if parts.layout else "ungated",
         )
         await scheduler.run(stop)
-    except DeadlockError as exc:
+    except (DeadlockError, ConfigError) as exc:  # ConfigError: e.g. refused credentials
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
     except (LogError, OutageExceeded) as exc:

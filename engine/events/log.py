@@ -1,9 +1,11 @@
 """The event log port: typed events on ordered streams, with consumer groups.
 
 :class:`EventLog` is what actors, projections' rebuilds, the client and the operator tools
-talk to; :class:`engine.events.redis_log.RedisEventLog` implements it on Redis Streams
-(built with :func:`engine.events.redis_log.open_log`). The contract suite
-``tests/events/test_log_contract.py`` holds every implementation to it.
+talk to. Two implementations: :class:`engine.events.redis_log.RedisEventLog` on Redis
+Streams (built with :func:`engine.events.redis_log.open_log`), which the engine's processes
+run on, and :class:`engine.events.memory_log.MemoryEventLog`, plain Python in one event
+loop, for tests and embedding. The contract suite ``tests/events/test_log_contract.py``
+holds both to it (and Redis both real and fakeredis).
 
 Contract
 --------
@@ -21,23 +23,23 @@ Contract
   ``dead_lettered``; other readers write nothing. The raw reads (``read_raw``,
   ``tail_raw``) return the stored bytes undecoded and dead-letter nothing (archives and
   viewers).
-* Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
-  consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
-  time of entries still being worked on, so a live worker's batches are not stolen),
-  ``hand_back`` (gives entries back unfinished, claimable at once, without counting a
-  delivery), ``claim_idle`` (entries idle past a window) and ``read_own_pending`` (the
-  consumer's own unacked entries after a restart). Both can check delivery counts: an
-  entry delivered more than ``max_deliveries`` times is dead-lettered instead and handed
-  back to the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
-  pending (owned by the caller) until the caller acks it once the abort is recorded, so a
-  crash in between leaves it to be dead-lettered and aborted again, never forgotten.
+* Consumer groups give at-least-once delivery (the methods say how each counts a delivery
+  and moves an entry's idle time). ``claim_idle`` and ``read_own_pending`` check delivery
+  counts: an entry delivered more than ``max_deliveries`` times is dead-lettered instead
+  and handed back to the caller so it can abort the work it stood for. With
+  ``ack_dead=False`` it stays pending (owned by the caller) until the caller acks it once
+  the abort is recorded, so a crash in between leaves it to be dead-lettered and aborted
+  again, never forgotten.
 * ``append_once`` appends an event only if its marker key was not set before, atomically
   (marker and stream on one cluster slot): a copy that several writers may attempt, or one
   writer may retry after a crash, lands once.
 * Snapshots are opaque bytes stored by name beside the streams. ``trim_before`` drops a
   stream's entries below an id whatever reads it (a stream folded from a snapshot).
+* Blocking reads wait up to ``block_ms`` (None: the log's ``block_ms``) for a new entry and
+  wake as soon as one is appended; ``block_ms=0`` does not block.
 * Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
-  :class:`LogError` (it refused); an implementation translates its own exceptions.
+  :class:`LogError` (it refused); credentials it refuses raise ``ConfigError``. An
+  implementation translates its own exceptions.
 * ``aclose`` releases the connections; the log is unusable afterwards.
 """
 
@@ -245,9 +247,9 @@ class EventLog(Protocol):
         *,
         count: int = 100,
         block_ms: int | None = None,
-        pending: bool = False,
     ) -> list[Envelope]:
-        """New entries for this consumer, or (``pending=True``) its own unacked ones."""
+        """New entries for this consumer, each one delivery (idle from now); its own
+        unacked ones: ``read_own_pending``."""
         ...
 
     async def ack(self, stream: str, group: str, *ids: str) -> int: ...
@@ -255,15 +257,15 @@ class EventLog(Protocol):
     async def keep_alive(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> list[str]:
-        """Reset the idle time of entries this consumer still owns; returns the ids it no
-        longer owns."""
+        """Reset the idle time of entries this consumer still owns (no delivery counted);
+        returns the ids it no longer owns."""
         ...
 
     async def hand_back(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> list[str]:
-        """Give back unfinished entries, claimable at once and without counting a
-        delivery; returns the ids the consumer no longer owned."""
+        """Give back unfinished entries: claimable at once, and the delivery they were on
+        is taken back; returns the ids the consumer no longer owned."""
         ...
 
     async def claim_idle(
@@ -276,7 +278,8 @@ class EventLog(Protocol):
         count: int = 100,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
+        """Take over entries idle past ``min_idle_ms`` (a dead consumer's work), one more
+        delivery each."""
         ...
 
     async def read_own_pending(
@@ -289,8 +292,8 @@ class EventLog(Protocol):
         limit: bool = True,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """This consumer's own unacked entries (a restart resumes them); ``limit`` applies
-        the delivery-count check of :meth:`claim_idle`."""
+        """This consumer's own unacked entries (a restart resumes them), one more delivery
+        each; ``limit`` applies the delivery-count check of :meth:`claim_idle`."""
         ...
 
     async def unread_own_pending(
@@ -323,10 +326,6 @@ class EventLog(Protocol):
 
     async def delete_stream(self, stream: str) -> bool:
         """Delete a stream and its consumer groups; whether it existed."""
-        ...
-
-    async def memory_usage(self, key: str) -> int:
-        """Bytes the store holds for ``key`` (0 when absent)."""
         ...
 
     # ------------------------------------------------------------------ snapshots, close

@@ -18,9 +18,11 @@ On a single Redis the tags are just part of the name.
 from __future__ import annotations
 
 import re
+from binascii import crc_hqx
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, LogError
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -32,6 +34,33 @@ def _check(kind: str, value: str) -> str:
             "(it becomes part of a Redis key)"
         )
     return value
+
+
+CLUSTER_SLOTS = 16384
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster slot of ``key``: CRC16 of its hash tag (the first non-empty
+    ``{...}``), else of the whole key, modulo 16384."""
+    raw = key.encode()
+    start = raw.find(b"{")
+    if start > -1:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1 : end]
+    return crc_hqx(raw, 0) % CLUSTER_SLOTS
+
+
+def check_one_slot(what: str, keys: Sequence[str]) -> None:
+    """Refuse an atomic step over keys of several cluster slots, on any store: a step a
+    cluster would refuse fails on a single Redis and in memory too."""
+    slots = {key: key_slot(key) for key in keys}
+    if len(set(slots.values())) > 1:
+        listed = ", ".join(f"{key} (slot {slot})" for key, slot in slots.items())
+        raise LogError(
+            f"{what}: one atomic step may only touch keys of one cluster slot, got {listed}; "
+            f"give the keys one hash tag (engine.events.names) or split the step"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,12 @@ generated from ``engine.settings`` and default to the ``ROLLOUT_*`` variables):
 
 A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
 
-Processes (each delegates to its own ``main(argv)``, which owns the flags):
-``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
-(``workers.scheduler``), ``sync`` (``workers.sync``, the weight syncer), ``tinylm``
-(``tinylm.cli`` through ``engine.ops.tinylm``, which passes the bundled agents' system
-prompts) and ``demo`` (``engine.ops.demo``).
+Processes (each runs its own ``main(argv)``, which owns the flags): ``worker``,
+``finalizer``, ``capture``, ``scheduler`` and ``sync`` (the weight syncer) are the
+engine's processes, whose entry points the top layer passes in (``workers.cli``, the
+installed ``rollout``); ``tinylm`` (``engine.ops.tinylm``, which passes the bundled agents'
+system prompts) and ``demo`` (``engine.ops.demo``, which starts the processes through the
+``rollout`` entry it is given).
 Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
@@ -31,9 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from engine.errors import ConfigError, EngineError
@@ -44,32 +44,45 @@ from engine.settings import CONNECTION, Flags, Settings
 
 __all__ = ["main"]
 
-# command -> (module, function, what it runs)
-_DELEGATES: dict[str, tuple[str, str, str]] = {
-    "worker": ("workers.evaluator", "main", "an evaluator worker process"),
-    "finalizer": ("workers.finalizer", "main", "a finalizer process"),
-    "capture": ("workers.capture", "main", "a teacher capture process"),
-    "scheduler": ("workers.scheduler", "main", "a scheduler process"),
-    "sync": ("workers.sync", "main", "the weight syncer (quiesce, load, verify, resume)"),
-    "tinylm": ("engine.ops.tinylm", "main", "the tiny SGLang-compatible model (init/serve)"),
-    "demo": ("engine.ops.demo", "main", "a whole rollout on embedded defaults"),
+Entry = Callable[[list[str]], int]
+"""A command's ``main(argv)``: its exit status."""
+
+PROCESS_COMMANDS: dict[str, str] = {
+    "worker": "an evaluator worker process",
+    "finalizer": "a finalizer process",
+    "capture": "a teacher capture process",
+    "scheduler": "a scheduler process",
+    "sync": "the weight syncer (quiesce, load, verify, resume)",
 }
+"""The engine's processes, run by the entry points ``main`` is given (``workers.cli``)."""
+
+_DELEGATES: dict[str, str] = {
+    **PROCESS_COMMANDS,
+    "tinylm": "the tiny SGLang-compatible model (init/serve)",
+    "demo": "a whole rollout on embedded defaults",
+}
+"""Every command whose flags its own ``main`` parses: command -> what it runs."""
 
 
-def _delegate(command: str, argv: list[str]) -> int:
-    module_name, function, what = _DELEGATES[command]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            print(
-                f"error: 'rollout {command}' runs {what} from {module_name}, which is not "
-                f"installed in this version of the engine",
-                file=sys.stderr,
-            )
-            return 1
-        raise
-    entry: Callable[[list[str]], int] = getattr(module, function)
+def _delegate(
+    command: str, argv: list[str], processes: Mapping[str, Entry], rollout: Sequence[str]
+) -> int:
+    if command == "tinylm":
+        from engine.ops.tinylm import main as tinylm
+
+        return int(tinylm(argv) or 0)
+    if command == "demo":
+        from engine.ops.demo import main as demo
+
+        return demo(argv, rollout=rollout)
+    entry = processes.get(command)
+    if entry is None:
+        print(
+            f"error: 'rollout {command}' runs {_DELEGATES[command]}: start it with the "
+            f"rollout command (or python -m workers {command})",
+            file=sys.stderr,
+        )
+        return 2
     return int(entry(argv) or 0)
 
 
@@ -141,7 +154,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="the events reference, generated from the catalog")
     p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
     p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
-    for name, (_module, _fn, what) in _DELEGATES.items():
+    for name, what in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
 
@@ -326,10 +339,18 @@ _COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    processes: Mapping[str, Entry] | None = None,
+    rollout: Sequence[str] = (),
+) -> int:
+    """Run one ``rollout`` command; ``processes`` are the engine's process entry points and
+    ``rollout`` the Python arguments that run this command anew (both from the top layer,
+    ``workers.cli``: without them the process commands and the demo are refused)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
-        return _delegate(args_list[0], args_list[1:])
+        return _delegate(args_list[0], args_list[1:], processes or {}, rollout)
     try:
         settings = Settings.from_env()
     except EngineError as exc:  # a misspelt variable is refused, never silently defaulted

@@ -39,15 +39,14 @@ from typing import IO, Any
 from engine.errors import EngineError, RolloutFailed
 from engine.events import (
     EventLog,
-    RedisSettings,
     RolloutKind,
     RolloutPlanned,
     SampleAborted,
     SampleCompleted,
     StreamNames,
-    open_log,
 )
 from engine.events.ids import EMPTY_ID
+from engine.events.redis_log import RedisSettings, open_log
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
 from engine.ops.progress import Bar
 
@@ -207,7 +206,7 @@ def redis_for(args: argparse.Namespace) -> str | None:
     return None
 
 
-def start_stack(args: argparse.Namespace) -> Stack:
+def start_stack(args: argparse.Namespace, *, rollout: Sequence[str]) -> Stack:
     workdir: Path = args.workdir.resolve()
     for sub in ("logs", "out", "archives"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
@@ -242,17 +241,17 @@ def start_stack(args: argparse.Namespace) -> Stack:
     say(f"policy    tinylm server at {stack.server.url}")
     evaluator = ["--evaluator-config", str(evaluators), "--model-dir", str(model_dir)]
     # The scheduler reads only the evaluator profiles: it needs no model.
-    stack.spawn("scheduler", ["-m", "workers.scheduler",
+    stack.spawn("scheduler", [*rollout, "scheduler",
                               "--rollout-config", str(rollout_yaml),
                               "--evaluator-config", str(evaluators),
                               "--scheduler-id", "demo-scheduler"])
     for i in range(args.workers):
-        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *evaluator,
+        stack.spawn(f"worker-{i}", [*rollout, "worker", *evaluator,
                                     "--sglang-url", stack.server.url,
                                     "--worker-id", f"demo-worker-{i}"])
-    stack.spawn("finalizer", ["-m", "workers.finalizer",
+    stack.spawn("finalizer", [*rollout, "finalizer",
                               "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
-    stack.spawn("sync", ["-m", "workers.sync", "--sglang-url", stack.server.url,
+    stack.spawn("sync", [*rollout, "sync", "--sglang-url", stack.server.url,
                          "--worker-id", "demo-sync"])
     say(f"processes scheduler, {args.workers} evaluator workers, finalizer, weight syncer "
         f"(logs in {workdir / 'logs'})")
@@ -448,14 +447,20 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, rollout: Sequence[str] = ()) -> int:
+    """``rollout demo``; ``rollout``: the Python arguments that run the ``rollout`` command
+    (``workers.cli.ROLLOUT``), through which the demo starts the engine's processes."""
     args = build_parser().parse_args(argv)
+    if not rollout:
+        print("error: the demo starts the engine's processes through the rollout command: "
+              "run it as `rollout demo` (or python -m workers demo)", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     stack: Stack | None = None
     kept = False
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
-        stack = start_stack(args)
+        stack = start_stack(args, rollout=rollout)
         rids = asyncio.run(run(args, stack))
         if args.keep:
             kept = True
@@ -473,7 +478,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.stop()
     say(f"\ndemo finished in {time.monotonic() - t0:.0f}s; every process stopped")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -46,6 +46,7 @@ from typing import Literal
 
 from engine.errors import ConfigError, LogUnavailable
 from engine.events.names import StreamNames
+from engine.events.redis_settings import redact
 
 __all__ = [
     "EmbeddedRedis",
@@ -62,15 +63,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and terminals)."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    return f"{scheme}://{credentials.partition(':')[0]}:***@{host}"
 
 
 @dataclass(frozen=True, slots=True)

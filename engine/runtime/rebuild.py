@@ -7,14 +7,12 @@ so a replay folds exactly what the live actor folded.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
 from typing import TypeVar
 
 import msgpack
 
 from engine.events.log import EventLog
+from engine.events.log_base import gc_paused
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 
@@ -41,19 +39,6 @@ async def rebuild(
     envelopes = await log.read_all(stream, after=folded.position)
     with gc_paused():
         return fold(projection, folded, envelopes, until=until)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while a large, acyclic result is built (a rebuild, a
-    client's load); switched back on afterwards when it was on. Nests."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def save_snapshot(log: EventLog, projection: Snapshottable[S], folded: Folded[S]) -> None:

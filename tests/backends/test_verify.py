@@ -25,7 +25,7 @@ from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.config.evaluators import load_evaluators
 from engine.errors import ConfigError
-from engine.events import RedisEventLog
+from engine.events.redis_log import RedisEventLog
 from engine.outcomes import TerminationReason
 from tests.backends.test_tinylm_weights import perturbed_copy
 from tinylm.process import spawn_server

@@ -94,7 +94,7 @@ def test_engine_commands_are_real_subcommands_with_real_flags(config: dict[str, 
         command = config["services"][name]["command"]
         assert command[0] in _DELEGATES, (name, command)
         helped = subprocess.run(
-            [sys.executable, "-m", "engine.ops.cli", command[0], "--help"],
+            [sys.executable, "-m", "workers", command[0], "--help"],
             capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
             env={k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)},
         )

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.client import RolloutClient
-from engine.events import DeadLetter, RedisSettings, connect, open_log
+from engine.events import DeadLetter
 from engine.events.codec import decode
+from engine.events.redis_log import RedisSettings, connect, open_log
 from engine.ops.embedded import free_port
 from engine.ops.replay import decode_entries, raw_entries, replay_state, replay_to_dir
 from engine.projections.placement import PoolProjection

@@ -12,7 +12,7 @@ untrained, so the teacher's turn is a well-formed tool call and the student's is
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,7 @@ import torch
 
 from engine.backends.sglang import load_tokenizer
 from engine.client import RolloutClient, collate
-from engine.events import EventLog, RedisEventLog, RedisSettings
-from engine.events import connect as redis_connect
+from engine.events import EventLog
 from engine.events.catalog import SampleCompleted
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.ops.tinylm import init_model
@@ -59,14 +58,6 @@ def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
     p = Procs(redis_server.url, tmp_path)
     yield p
     p.stop_all()
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
 
 
 def _digest(batch: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import metrics
 from engine.client import RolloutClient
-from engine.events import EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import EventLog
 from engine.tasks import EVALUATOR_CONFIG
 from tests.redis_server import RedisServer
 
@@ -110,14 +109,6 @@ def _stderr(proc: subprocess.Popen[bytes]) -> str:
     return proc.communicate(timeout=60)[1].decode()
 
 
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await client.flushall()
-    yield RedisEventLog(client, producer="trainer", block_ms=200)
-    await client.aclose()
-
-
 async def test_a_scheduler_process_serves_its_metrics(
     real_log: EventLog, redis_server: RedisServer
 ) -> None:
@@ -128,7 +119,7 @@ async def test_a_scheduler_process_serves_its_metrics(
     # to release them: the third waits for admission (the scheduler admits in order).
     layout = {"n0": {"cpu": 4, "memory_gb": 8}}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ops.cli", "scheduler", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "workers", "scheduler", "--redis-url", redis_server.url,
          "--rollout-config", str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATOR_CONFIG),
          "--cluster-layout", json.dumps(layout), "--block-ms", "200"],
         cwd=ROOT, env=env, stderr=subprocess.PIPE,

@@ -16,10 +16,11 @@ import pytest
 
 from engine.client import RolloutClient
 from engine.errors import DecodeError, RolloutError
-from engine.events import Envelope, RedisEventLog, TaskJoined
+from engine.events import Envelope, TaskJoined
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
 from engine.events.codec import decode, encode
+from engine.events.log import EventLog
 from engine.events.redis_log import FIELD
 from engine.outcomes import SampleStatus
 from engine.projections import samples as samples_module
@@ -29,6 +30,7 @@ from engine.projections.loading import MARK_EVERY, IndexFold, LoadFold, type_nam
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import samples_named, trainer_samples
 from engine.sample import Sample
+from tests.conftest import write_raw
 from tests.projections.rollout_streams import random_stream
 
 STREAM = "rl:{rollout:t}"
@@ -222,15 +224,15 @@ def test_type_name_reads_the_canonical_head_only() -> None:
 # ---------------------------------------------------------------- through the client
 
 
-async def _write(log: RedisEventLog, rollout_id: str, raw: Sequence[bytes]) -> None:
+async def _write(log: EventLog, rollout_id: str, raw: Sequence[bytes]) -> None:
     stream = log.names.rollout(rollout_id)
     for entry_id, r in _ids(raw):
-        await log.redis.xadd(stream, {FIELD: r}, id=entry_id)
+        await write_raw(log, stream, {FIELD: r}, entry_id)
 
 
 @pytest.mark.parametrize("seed", [0, 5, 7, 11, 12, 13, 17, 22])
 async def test_load_and_iter_load_give_the_reference_samples(
-    log: RedisEventLog, seed: int
+    log: EventLog, seed: int
 ) -> None:
     raw = random_stream(seed, n_samples=30)
     rollout_id = f"r{seed}"
@@ -245,7 +247,7 @@ async def test_load_and_iter_load_give_the_reference_samples(
         assert _dumps([s for c in chunks for s in c]) == _dumps(expected)
 
 
-async def test_the_lanes_are_all_covered(log: RedisEventLog) -> None:
+async def test_the_lanes_are_all_covered(log: EventLog) -> None:
     """The seeds above hold every lane (so the client's CE path is exercised too)."""
     lanes = set()
     for seed in [0, 5, 7, 11, 12, 13, 17, 22]:
@@ -260,7 +262,7 @@ _CE_SEEDS = [0, 9, 11, 12, 24, 25, 27, 38, 40, 41, 44, 50]
 
 @pytest.mark.parametrize("seed", _CE_SEEDS)
 async def test_iter_load_streams_the_ce_lane_in_loads_order(
-    log: RedisEventLog, seed: int
+    log: EventLog, seed: int
 ) -> None:
     """The CE lane's sub-samples (planned across the whole rollout, shuffled, over-long
     trajectories dropped: seed 12 sets ``max_seq_len``) come in ``load``'s order, whatever
@@ -283,7 +285,7 @@ async def test_iter_load_streams_the_ce_lane_in_loads_order(
 
 
 async def test_iter_load_of_the_ce_lane_names_a_missing_terminal_first(
-    log: RedisEventLog,
+    log: EventLog,
 ) -> None:
     """A ready event naming a sample with no terminal: the error ``load`` raises, before any
     chunk."""
@@ -298,7 +300,7 @@ async def test_iter_load_of_the_ce_lane_names_a_missing_terminal_first(
     assert got == [] and (type(caught.value).__name__, str(caught.value)) == expected
 
 
-async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> None:
+async def test_iter_load_holds_one_chunk_not_the_rollout(log: EventLog) -> None:
     """Peak memory while iterating in chunks of 50 stays well under a whole ``load``'s: the
     whole load holds every sample (and the page being folded); the chunked one holds the
     per-sample index, one page of raw entries and one chunk."""
@@ -308,7 +310,7 @@ async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> 
 
 
 async def test_iter_load_of_the_ce_lane_holds_the_plan_and_one_chunk(
-    log: RedisEventLog,
+    log: EventLog,
 ) -> None:
     """The CE lane streams too (its plan, then one chunk's parents at a time)."""
     raw = _big_plain_stream(2000, algorithm=sorted(CE_ALGORITHMS)[0])
@@ -317,7 +319,7 @@ async def test_iter_load_of_the_ce_lane_holds_the_plan_and_one_chunk(
     assert iter_peak < load_peak / 10, (iter_peak, load_peak)
 
 
-async def _peaks(log: RedisEventLog, raw: Sequence[bytes]) -> tuple[int, int, int]:
+async def _peaks(log: EventLog, raw: Sequence[bytes]) -> tuple[int, int, int]:
     """The rollout ``raw`` written, loaded whole and then iterated in chunks of 50: how
     many samples each gave (they must agree), ``load``'s traced peak, and ``iter_load``'s
     peak above what was traced before it."""

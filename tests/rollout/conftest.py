@@ -23,8 +23,6 @@ from engine.events import (
     Event,
     EventLog,
     FilterSpec,
-    RedisEventLog,
-    RedisSettings,
     RolloutKind,
     RolloutPlanned,
     RolloutRequested,
@@ -32,12 +30,10 @@ from engine.events import (
     TokenAcquired,
     TokenReleased,
 )
-from engine.events import connect as redis_connect
 from engine.projections.base import fold, start
 from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.rollout import RolloutProjection, RolloutState
-from tests.conftest import ClientFactory
-from tests.redis_server import RedisServer
+from tests.conftest import LogFactory
 from tests.rollout.play import play_scheduler
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -148,12 +144,9 @@ class Engine:
 
 @pytest.fixture
 async def engine(
-    redis_factory: ClientFactory, specs: Mapping[str, EvaluatorBinding]
+    make_log: LogFactory, specs: Mapping[str, EvaluatorBinding]
 ) -> AsyncIterator[Engine]:
-    def make_log() -> EventLog:
-        return RedisEventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)
-
-    eng = Engine(make_log, specs)
+    eng = Engine(lambda: make_log(producer="test", block_ms=BLOCK_MS, max_deliveries=3), specs)
     yield eng
     await eng.close()
 
@@ -257,14 +250,6 @@ def assert_tokens_released_once(ledger: Ledger) -> None:
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
 
 
 class Procs:

@@ -16,14 +16,8 @@ import pytest
 from redis.crc import key_slot
 
 from engine.client import RolloutClient, collate
-from engine.events import (
-    AdmissionClosed,
-    EventLog,
-    RedisEventLog,
-    RedisSettings,
-    SampleCompleted,
-    connect,
-)
+from engine.events import AdmissionClosed, EventLog, SampleCompleted
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops import cli
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
 from tests.rollout.conftest import (

@@ -6,7 +6,6 @@ import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -74,9 +73,8 @@ async def test_a_finalizer_follows_a_bounded_number_of_rollouts(
     while await log.pending_count(control, "finalizers") == 0:
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)  # several block windows: time for a second fetch to happen
-    redis: Any = log.redis
-    pending = await redis.xpending_range(control, "finalizers", "-", "+", 10)
-    assert len(pending) == 1 and pending[0]["consumer"].decode() == "f1"
+    held = await log.unread_own_pending("finalizers", "f1", control)
+    assert len(held.deliveries) == 1 and await log.pending_count(control, "finalizers") == 1
     assert len(finalizer._following) == 1
     # With a worker the rollouts end and the waiting requests are followed one by one.
     engine.start_worker()

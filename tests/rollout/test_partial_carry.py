@@ -29,15 +29,15 @@ from engine.events import (
     EventLog,
     LogProbs,
     Mask,
-    RedisSettings,
     RolloutPlanned,
     RolloutRequested,
     SampleAborted,
     SampleCompleted,
     TokenIds,
 )
-from engine.events import connect as redis_connect
 from engine.events.codec import decode, encode
+from engine.events.redis_log import RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start
 from engine.projections.data_cursor import DataCursorProjection, DataState

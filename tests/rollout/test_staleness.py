@@ -35,13 +35,12 @@ from engine.events import (
     AbortClass,
     EventLog,
     PolicyVersionPublished,
-    RedisEventLog,
-    RedisSettings,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
 )
-from engine.events import connect as redis_connect
+from engine.events.redis_log import RedisEventLog, RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.inspection import status_lines
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start

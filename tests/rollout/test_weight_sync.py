@@ -35,15 +35,14 @@ from engine.events import (
     PolicyVersionActivated,
     QuiesceCompleted,
     QuiesceRequested,
-    RedisEventLog,
-    RedisSettings,
     RolloutRequested,
     SampleCompleted,
     TurnCompleted,
     WorkerParked,
 )
 from engine.events import WeightSyncFailed as WeightSyncFailedEvent
-from engine.events import connect as redis_connect
+from engine.events.redis_log import RedisEventLog, RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.embedded import free_port
 from tests.backends.test_tinylm_weights import perturbed_copy
 from tests.redis_server import RedisServer

@@ -9,14 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis.exceptions import ResponseError
 
 from engine.actors.scheduler import SCHEDULER_GROUP
-from engine.events import Envelope, EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import Envelope, EventLog
 from tests.redis_server import RedisServer
 from tests.scheduler.helpers import (
     EVALUATORS,
@@ -34,14 +34,6 @@ pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await client.flushall()
-    yield RedisEventLog(client, producer="trainer", block_ms=200)
-    await client.aclose()
 
 
 class Processes:
