@@ -53,6 +53,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import secrets
@@ -152,7 +153,9 @@ class RolloutClient:
         URL (default ``ROLLOUT_REDIS_URL``), the prefix (default ``ROLLOUT_STREAM_PREFIX``),
         the credentials and TLS files from ``ROLLOUT_REDIS_*`` (``engine.settings``)."""
         settings = Settings.from_env()
-        redis = settings.redis(url=url, block_ms=block_ms)
+        redis = settings.redis(block_ms=block_ms)
+        if url is not None:
+            redis = dataclasses.replace(redis, url=url)
         names = StreamNames(settings.stream_prefix if prefix is None else prefix)
         return cls(open_log(redis, names=names, producer=producer))
 
