@@ -53,8 +53,8 @@ Contract
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
