@@ -67,3 +67,18 @@ def test_the_list_holds_the_flags_a_supervisor_passes() -> None:
     assert "--grpc-worker-threads" not in FLAGS and "--help" not in FLAGS
     assert all(flag.startswith("--") for flag in FLAGS)
     assert all(n in (0, None, "?", "*", "+") for _, n in FLAGS.values())
+
+
+def test_tinylm_serve_accepts_every_sglang_flag_with_its_arity() -> None:
+    from tinylm.cli import IMPLEMENTED, build_parser, ignored_flags
+
+    parser = build_parser()
+    values = {0: [], None: ["1"], "?": ["1"], "*": ["1", "2"], "+": ["1", "2"]}
+    for flag, (dest, nargs) in FLAGS.items():
+        if dest == "model_path":
+            continue
+        args = parser.parse_args(["serve", "--model-path", "m", flag, *values[nargs]])
+        if dest in IMPLEMENTED:
+            assert getattr(args, dest) is not None, flag
+        else:
+            assert ignored_flags(args) == [dest], flag
