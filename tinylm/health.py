@@ -9,10 +9,10 @@ which serves both health routes, and ``ready``), ``managers/tokenizer_manager.py
   by default (true) it is ``/health_generate``.
 - ``/health_generate`` sends a one-token greedy generation (``input_ids=[0]``, rid
   ``HEALTH_CHECK_<hex>``) the way any request goes: it waits while generation is paused or a
-  weight update holds the model, then runs in the scheduler's batch. Every second it looks
-  whether the scheduler produced anything since the check began (this request's token or any
-  other's: a busy server is healthy without running it) and answers 200, empty, as soon as it
-  has. After ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20) without news it answers
+  weight update holds the model, then runs in the scheduler's batch, unless the scheduler is
+  busy (``Scheduler`` skips it then: its requests' output is the news). Every second it looks
+  whether the scheduler produced anything since the check began and answers 200, empty, as
+  soon as it has. After ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20) without news it answers
   503, empty. So a healthy check takes about one poll (SGLang sleeps a second before the
   first look), and a server paused with nothing running fails its health check.
 - ``/ready`` answers 200 when the server is not shutting down, its last health check did not

@@ -353,14 +353,17 @@ class GenerationScheduler:
 
     def update_weights(
         self, weights: Mapping[str, torch.Tensor], shape: ModelShape, version: str | None
-    ) -> None:
-        """Swap in new weights (and their version, when given) between two forwards."""
+    ) -> bool:
+        """Swap in new weights (and their version, when given) between two forwards; whether
+        the scheduler was idle then, as SGLang's ``flush_cache`` needs it (no request running,
+        none queued unless generation is paused)."""
 
-        def swap() -> None:
+        def swap() -> bool:
             self._runtime.replace_weights(weights, shape)
             self._change_version(version)
+            return not self._running and (self._paused or not self._waiting)
 
-        self.call(swap)
+        return self.call(swap)
 
     def set_weight_version(self, version: str) -> None:
         """Report ``version`` from now on (SGLang's ``/update_weight_version``)."""

@@ -207,7 +207,7 @@ class TinyLMServer:
                 self.tokenizer.decode(list(ids), skip_special_tokens=skip)
             ),
             token_text=self.scheduler.token_text,
-            weight_version=lambda: self.scheduler.weight_version,
+            weight_version=lambda: self.weights.version,
         )
         self._closed = threading.Event()
         self._active = 0
@@ -375,7 +375,11 @@ class TinyLMServer:
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
         try:
-            self.scheduler.submit(request).on_done(self.weights.leave)
+            if self.scheduler.running_rids():
+                # SGLang's scheduler skips the check when busy: its requests carry the news.
+                self.weights.leave()
+            else:
+                self.scheduler.submit(request).on_done(self.weights.leave)
         except (SchedulerClosed, ValueError):
             self.weights.leave()
         return True
@@ -439,7 +443,7 @@ class TinyLMServer:
             "tokenizer_path": str(self.config.model_dir),
             "served_model_name": self.model_name,
             "is_generation": True,
-            "weight_version": self.scheduler.weight_version,
+            "weight_version": self.weights.version,
             "max_context_length": self.scheduler.max_context,
             "max_running_requests": self.config.max_running_requests,
             "logprob_mode": str(self.config.logprob_mode),
@@ -468,7 +472,7 @@ class TinyLMServer:
         return json_response(reply, 200 if ok else 400)
 
     async def _weight_version(self, request: Request) -> Response:
-        return json_response({"weight_version": self.scheduler.weight_version})
+        return json_response({"weight_version": self.weights.version})
 
     async def _set_version(self, request: Request) -> Response:
         """SGLang's ``/update_weight_version`` (``UpdateWeightVersionReqInput``): ``new_version``,
@@ -482,6 +486,7 @@ class TinyLMServer:
         if abort:
             self.scheduler.abort(None)
         await self._admin(self.scheduler.set_weight_version, version)
+        self.weights.version = version
         return json_response(
             {
                 "success": True,
