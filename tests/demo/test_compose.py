@@ -49,7 +49,7 @@ ENGINE = ("scheduler", "evaluator", "capture", "finalizer", "sync", "tinylm")
 
 def test_services_and_profiles(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"redis", "redis-secret", "sglang", "router", *ENGINE}
+    assert set(services) == {"redis", "redis-secret", "model-init", "sglang", "router", *ENGINE}
     assert "--appendonly yes" in " ".join(services["redis"]["command"])
     assert services["sglang"]["profiles"] == ["gpu"]
     assert services["tinylm"]["profiles"] == ["cpu"]
@@ -57,6 +57,11 @@ def test_services_and_profiles(config: dict[str, Any]) -> None:
     assert gpu["capabilities"] == ["gpu"]
     assert services["evaluator"]["deploy"]["replicas"] >= 2
     assert "sglang" in services["tinylm"]["networks"]["default"]["aliases"]
+    # The policy folder is made (or checked) once, in either profile, before its readers start.
+    assert "profiles" not in services["model-init"]
+    for name in ("tinylm", "evaluator", "capture"):
+        needs = services[name]["depends_on"]["model-init"]
+        assert needs["condition"] == "service_completed_successfully", name
 
 
 def test_images_come_from_variables(config: dict[str, Any]) -> None:
@@ -68,7 +73,7 @@ def test_images_come_from_variables(config: dict[str, Any]) -> None:
     local = _config({"REDIS_IMAGE": "rollout-base:abc", "ENGINE_IMAGE": "rollout-engine:abc",
                      "BASE_IMAGE": "rollout-base:abc"})["services"]
     assert local["redis"]["image"] == local["redis-secret"]["image"] == "rollout-base:abc"
-    for name in ENGINE:
+    for name in ("model-init", *ENGINE):
         assert local[name]["image"] == "rollout-engine:abc", name
         assert local[name]["build"]["args"]["BASE_IMAGE"] == "rollout-base:abc", name
 
@@ -108,7 +113,7 @@ def test_redis_needs_the_stacks_generated_password(config: dict[str, Any]) -> No
         assert ("redis-secrets", True) in mounts, (name, service["volumes"])
     evaluator = services["evaluator"]
     assert evaluator["environment"]["ROLLOUT_SANDBOX_REQUIRE_ISOLATION"] == "1"
-    assert "SYS_ADMIN" in evaluator["cap_add"]
+    assert {"SYS_ADMIN", "NET_ADMIN"} <= set(evaluator["cap_add"])  # netns, and its loopback
 
 
 def test_engine_commands_are_real_subcommands_with_real_flags(config: dict[str, Any]) -> None:
