@@ -96,6 +96,7 @@ from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_tasks
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
 
@@ -158,10 +159,9 @@ class _RolloutTasks:
     (``<rollout>:s<k>`` at ordinal ``k``) costs one byte; any other id (a carried sample, a
     hand-written stream) a dict entry. Every ``MARK_EVERY``-th ordinal records the id of the
     stream entry before it, so a batch's entries are re-read with one ranged read per run of
-    nearby ordinals. The entries read last (``window`` of them) are kept as read, so a batch
-    admitted soon after its tasks were read takes them without a second read; a task is
-    decoded when a batch needs it and kept only by that batch's plan. Memory per rollout is
-    the window plus about two bytes per task, whatever the rollout's size."""
+    nearby ordinals. The last ``window`` entries read are kept, so a batch admitted soon
+    after takes them without a second read; a task is decoded when a batch needs it and
+    kept only by its plan: about two bytes a task and the window, whatever the rollout."""
 
     rollout_id: str
     window: int
@@ -420,10 +420,11 @@ class EvaluatorWorker:
             len(ev.sample_ids),
             len(plan.tokens),
         )
+        stream = self.names.rollout(ev.rollout_id)
         return BatchPlan(
             admitted=ev,
             request=state.request,
-            tasks={sid: s.task for sid, s in state.samples.items()},
+            tasks=await read_tasks(self.log, stream, state, plan.run_ids),
             run_ids=plan.run_ids,
             attempts=plan.attempts,
             tokens=plan.tokens,
@@ -432,8 +433,7 @@ class EvaluatorWorker:
         )
 
     async def _fold(self, rollout_id: str) -> RolloutState:
-        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
-        return folded.state
+        return (await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())).state
 
     async def _pool_now(self) -> PoolState:
         """The pool folded up to now (only recoveries and dead letters ask)."""
