@@ -53,7 +53,7 @@ from pathlib import Path
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
 from engine.actors.verify import VerifyTally
-from engine.errors import AppendConflict
+from engine.errors import AppendConflict, LogError
 from engine.events.base import Event
 from engine.events.catalog import (
     CaptureRequested,
@@ -443,8 +443,11 @@ class Finalizer:
         state = f.state
         if state.ready is not None:
             dumps = self.config.dumps
-            if dumps is not None and dumps.armed:
-                write_dumps(await self._read_back(f), dumps)  # never raises: best-effort
+            if dumps is not None and dumps.armed:  # best-effort: a failure is only logged
+                try:
+                    write_dumps(await self._read_back(f), dumps)
+                except LogError as exc:
+                    logger.warning("dumps of rollout %s skipped: %s", rollout_id, exc)
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
                 rollout_id,

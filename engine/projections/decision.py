@@ -64,8 +64,7 @@ def groups_needed(state: RolloutState) -> int | None:
 
 
 def worth_deciding(state: RolloutState) -> bool:
-    """A cheap test, from the counters, that a decision may be due (the finalizer's
-    ``worth_deciding``)."""
+    """A cheap test, from the fold's counters, that a decision may be due."""
     planned = state.planned
     if planned is None:
         return False
@@ -102,8 +101,8 @@ def select_groups(state: RolloutState) -> Selection | None:
     chosen = set(state.completed_groups[:need])
     ordered = state.ordered()
     return Selection(
-        [b for b in ordered if b.group_index in chosen],
-        [b.sample_id for b in ordered if b.group_index not in chosen],
+        [r for r in ordered if r.group_index in chosen],
+        [r.sample_id for r in ordered if r.group_index not in chosen],
     )
 
 
@@ -118,19 +117,19 @@ def stale_split(
     fresh: list[SampleRecord] = []
     stale: list[SampleRecord] = []
     tokens = 0
-    for b in samples:
-        if b.aborted:
-            (stale if b.abort_class is AbortClass.STALE else fresh).append(b)
+    for r in samples:
+        if r.aborted:
+            (stale if r.abort_class is AbortClass.STALE else fresh).append(r)
             continue
-        if not b.completed or not b.n_sampled:
-            fresh.append(b)
+        if not r.completed or not r.n_sampled:
+            fresh.append(r)
             continue
-        low = b.low_version
+        low = r.low_version
         if low < 0 or low < floor:
-            stale.append(b)
-            tokens += b.n_sampled
+            stale.append(r)
+            tokens += r.n_sampled
         else:
-            fresh.append(b)
+            fresh.append(r)
     return fresh, stale, tokens
 
 
@@ -143,19 +142,19 @@ def apply_filters(
     kept = ordered
     if filters.reject_equal_rewards:
         rewards: dict[int, set[float]] = defaultdict(set)
-        for b in ordered:
-            rewards[b.group_index].add(b.reward)
-        kept = [b for b in kept if len(rewards[b.group_index]) > 1]
+        for r in ordered:
+            rewards[r.group_index].add(r.reward)
+        kept = [r for r in kept if len(rewards[r.group_index]) > 1]
     if filters.finish_only:
-        kept = [b for b in kept if b.completed and b.finished]
-    kept_ids = {b.sample_id for b in kept}
-    dropped = [b.sample_id for b in ordered if b.sample_id not in kept_ids]
-    return [b.sample_id for b in kept], dropped
+        kept = [r for r in kept if r.completed and r.finished]
+    kept_ids = {r.sample_id for r in kept}
+    dropped = [r.sample_id for r in ordered if r.sample_id not in kept_ids]
+    return [r.sample_id for r in kept], dropped
 
 
 def _unscored(state: RolloutState, kept: list[str]) -> list[str]:
     return [
-        sid for sid in kept if (b := state.samples[sid]).completed and not b.scored
+        sid for sid in kept if (r := state.samples[sid]).completed and not r.scored
     ]
 
 
@@ -198,17 +197,17 @@ def route(state: RolloutState, kept: list[str], dropped: list[str]) -> Routed:
     plan = plan_ce(
         request,
         (
-            (sid, b.ce or ())
+            (sid, r.ce or ())
             for sid in kept
-            if (b := state.samples.get(sid)) is not None and b.completed
+            if (r := state.samples.get(sid)) is not None and r.completed
         ),
     )
     gone = set(plan.too_long)
     samples = state.samples
 
     def index(sid: str) -> int:
-        b = samples.get(sid)
-        return b.index if b is not None else 0
+        r = samples.get(sid)
+        return r.index if r is not None else 0
 
     return Routed(
         kept=[sid for sid in kept if sid not in gone],
@@ -232,20 +231,20 @@ def ready_metrics(
     """Counts, reward statistics, failure-class counts and per-dataset eval metrics."""
     chosen = state.ordered() if samples is None else samples
     n = len(chosen)
-    completed = [b for b in chosen if b.completed]
+    completed = [r for r in chosen if r.completed]
     out: dict[str, float] = {
         "n_samples": float(n),
         "n_kept": float(len(kept)),
         "n_dropped": float(len(dropped)),
         "n_completed": float(len(completed)),
         "n_aborted": float(n - len(completed)),
-        "reward_mean": sum(b.reward for b in chosen) / n if n else 0.0,
+        "reward_mean": sum(r.reward for r in chosen) / n if n else 0.0,
         "abort_rate": (n - len(completed)) / n if n else 0.0,
         "response_length_mean": (
-            sum(b.response_length for b in completed) / len(completed) if completed else 0.0
+            sum(r.response_length for r in completed) / len(completed) if completed else 0.0
         ),
     }
-    counts = Counter(b.failure_class for b in chosen)
+    counts = Counter(r.failure_class for r in chosen)
     for cls in FailureClass:
         count = counts.get(cls, 0)
         if count or not cls.engine_ended:
@@ -260,16 +259,15 @@ def version_spread(state: RolloutState, kept: list[str]) -> dict[str, int]:
     """Sampled tokens of the kept completed samples per weight version (as strings)."""
     counts: Counter[int] = Counter()
     for sid in kept:
-        b = state.samples.get(sid)
-        if b is None or not b.completed:
+        r = state.samples.get(sid)
+        if r is None or not r.completed:
             continue
-        counts.update(dict(b.versions))
+        counts.update(dict(r.versions))
     return {str(v): counts[v] for v in sorted(counts)}
 
 
 def decide_ready(state: RolloutState, trainer_version: int | None = None) -> RolloutReady | None:
-    """The rollout's ``RolloutReady``, or None while it is not ready (or already decided):
-    the finalizer's ``decide_ready``, from the compact state."""
+    """The rollout's ``RolloutReady``, or None while it is not ready (or already decided)."""
     if state.decided:
         return None
     selection = select_groups(state)
@@ -284,7 +282,7 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
     routed = route(state, kept, dropped)
     kept, dropped = routed.kept, routed.dropped
     chosen = selection.samples
-    n_completed = sum(1 for b in chosen if b.completed)
+    n_completed = sum(1 for r in chosen if r.completed)
     metrics = {**ready_metrics(state, kept, dropped, chosen), **(routed.metrics or {})}
     current = None
     if floor is not None:
@@ -309,7 +307,7 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
         version_tokens=version_spread(state, kept),
         gbs_scale=routed.gbs_scale,
         trainer_version=current,
-        stale_sample_ids=[b.sample_id for b in stale],
+        stale_sample_ids=[r.sample_id for r in stale],
         stale_tokens=stale_tokens,
         tail_sample_ids=selection.tail,
         tail_carried=bool(selection.tail) and request is not None and request.tail == "carry",
@@ -351,21 +349,21 @@ def tail_aborts(state: RolloutState, ready: RolloutReady) -> list[SampleAborted]
         return []
     out: list[SampleAborted] = []
     for sid in ready.tail_sample_ids:
-        b = state.samples[sid]
-        if b.done:
+        r = state.samples[sid]
+        if r.done:
             continue
         out.append(
             SampleAborted(
                 rollout_id=ready.rollout_id,
                 sample_id=sid,
-                attempt=max(b.attempt, 0),
+                attempt=max(r.attempt, 0),
                 abort_class=AbortClass.TAIL_ABORTED,
                 error=(
                     "tail of an over-provisioned rollout: it became ready with "
                     f"{len(ready.sample_ids) + len(ready.dropped_sample_ids)} samples of its "
                     "first whole groups"
                 ),
-                turns=b.turns,
+                turns=r.turns,
             )
         )
     return out

@@ -36,7 +36,7 @@ The state is an accumulator: ``evolve`` updates it in place and returns it (fold
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -222,7 +222,7 @@ class RolloutProjection:
 
     def __init__(self) -> None:
         self._names: dict[str, str] = {}  # one string object per dataset, worker, node, batch
-        self._on: dict[type[Event], Any] = {
+        self._on: dict[type[Event], Callable[[RolloutState, Any, str], None]] = {
             TaskFetched: self._task,
             TaskJoined: self._joined,
             SampleStarted: self._start,
@@ -339,8 +339,7 @@ def _completed(state: RolloutState, ev: SampleCompleted, at: str) -> None:
     r = _opened(state, ev, at)
     if r is None:
         return
-    n_prompt = len(ev.prompt_ids)
-    prompt_len = n_prompt
+    shift = 0  # the stored prompt's tokens, which the event does not carry
     if ev.prompt_key:
         stored = state.prompts.get(ev.prompt_key)
         if stored is None:
@@ -348,7 +347,8 @@ def _completed(state: RolloutState, ev: SampleCompleted, at: str) -> None:
                 f"SampleCompleted {ev.sample_id} (rollout {ev.rollout_id}) refers to prompt "
                 f"{ev.prompt_key!r}, which no earlier PromptStored of the stream holds"
             )
-        r.prompt_at, prompt_len = stored
+        r.prompt_at = stored[0]
+        shift = stored[1] - len(ev.prompt_ids)
     reason = ev.termination_reason
     r.status = ev.status
     r.reason = reason
@@ -359,10 +359,9 @@ def _completed(state: RolloutState, ev: SampleCompleted, at: str) -> None:
     versions = versions_of(ev.loss_mask.data, ev.token_versions.data)
     if versions:
         r.low_version = versions[0][0]
-        r.n_sampled = sum(n for _, n in versions)
+        r.n_sampled = sum(n for _, n in versions) if len(versions) > 1 else versions[0][1]
         r.spread = versions if len(versions) > 1 else None
     if state.ce:
-        shift = prompt_len - n_prompt
         r.ce = tuple(
             replace(c, n_tokens=c.n_tokens + shift) if shift else c for c in ce_chunks(ev)
         )
@@ -474,7 +473,7 @@ def with_prompt(done: SampleCompleted, stored: PromptStored) -> SampleCompleted:
 
 @dataclass(slots=True)
 class ControlState:
-    """What the engine's actors need of ``rl:control`` besides requests (issue 12).
+    """What the engine's actors need of ``rl:control`` besides requests.
 
     ``published``: the highest ``PolicyVersionPublished.version`` (None before any);
     ``tails``: per rollout that became ready with a tail (an over-provisioned rollout), the

@@ -210,7 +210,7 @@ def _sample(**fields: Any) -> Sample:
     JSON label and metadata, finite rewards. When those hold, validation would return every
     value unchanged, so the sample is built from them directly and only the model's own
     invariants run (``_arrays_line_up``). Anything else -- or an invariant that fails --
-    goes through the constructor, which coerces or raises exactly as it always did."""
+    goes through the constructor, which coerces or raises."""
     reward = fields["reward"]
     version = fields["policy_version"]
     ok = (

@@ -394,3 +394,21 @@ def _big_plain_stream(n: int, algorithm: str = "grpo") -> list[bytes]:
         ))
     events.append(RolloutReady(rollout_id="big", sample_ids=[f"big-{i}" for i in range(n)]))
     return [encode(e) for e in events]
+
+
+async def test_reading_back_more_entries_than_a_round_trip_holds_reads_them_all(
+    log: RedisEventLog,
+) -> None:
+    """Every sample's entries of a rollout larger than one read-back round trip (the
+    finalizer's artifacts read them all) come back, each the entry the fold recorded."""
+    from engine.runtime.readback import _READ_BATCH, read_back
+
+    raw = _big_plain_stream(_READ_BATCH // 2 + 100)  # a task and a terminal a sample
+    await _write(log, "many", raw)
+    load = StreamLoad(STREAM, keep=True)
+    load.feed(_ids(raw))
+    state = load.state
+    assert len(wanted(state, state.samples)) > _READ_BATCH
+    rollout = await read_back(log, log.names.rollout("many"), state, state.samples)
+    assert rollout.entries == load.entries
+    assert _dumps(trainer_samples(rollout)) == _dumps(trainer_samples(load.rollout()))
