@@ -1,4 +1,4 @@
-"""The capture worker: force-decodes kept trajectories on the teacher (inference-backend §3 B).
+"""The capture worker: force-decodes kept trajectories on the teacher.
 
 Contract
 --------
@@ -32,13 +32,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.events.arrays import LogProbs, TokenIds
-from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
+from engine.events.catalog import CaptureRequested, RolloutFailed, SampleCompleted, TeacherScored
 from engine.events.log import EventLog
 from engine.projections.lanes import action_mask_of
-from engine.projections.rollout import RolloutProjection, SampleState
+from engine.projections.rollout import RolloutProjection
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_back
 from engine.runtime.rebuild import rebuild
 
 __all__ = [
@@ -154,13 +155,13 @@ class CaptureWorker:
         """Score the request's samples; returns how many were scored now."""
         stream = self.names.rollout(request.rollout_id)
         state = (await rebuild(self.log, stream, RolloutProjection())).state
-        todo = [
-            s
+        ids = [
+            sid
             for sid in request.sample_ids
-            if (s := state.samples.get(sid)) is not None
-            and s.completed is not None
-            and s.teacher is None
+            if (rec := state.samples.get(sid)) is not None and rec.completed and not rec.scored
         ]
+        rollout = await read_back(self.log, stream, state, ids)
+        todo = [rollout.completed(state.samples[sid]) for sid in ids]
         results = await asyncio.gather(
             *(self._score_one(s, request.top_k, causation) for s in todo),
             return_exceptions=True,
@@ -183,9 +184,9 @@ class CaptureWorker:
         self.scored += len(scored)
         return len(scored)
 
-    async def _score_one(self, s: SampleState, top_k: int, causation: str | None) -> TeacherScored:
-        done = s.completed
-        assert done is not None
+    async def _score_one(
+        self, done: SampleCompleted, top_k: int, causation: str | None
+    ) -> TeacherScored:
         prompt = done.prompt_ids.tolist()
         response = done.response_ids.tolist()
         last: Exception | None = None
@@ -193,14 +194,14 @@ class CaptureWorker:
             for attempt in range(1, self.config.max_tries + 1):
                 try:
                     logprobs, top_ids, top_lps = await self.scorer.score(prompt, response, top_k)
-                    return _scored(s, top_k, logprobs, top_ids, top_lps, causation)
+                    return _scored(done, top_k, logprobs, top_ids, top_lps, causation)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     last = exc
                     logger.warning(
                         "teacher scoring of %s failed (try %d of %d): %s",
-                        s.sample_id,
+                        done.sample_id,
                         attempt,
                         self.config.max_tries,
                         exc,
@@ -208,21 +209,19 @@ class CaptureWorker:
                     if attempt < self.config.max_tries:
                         await asyncio.sleep(self.config.retry_pause_s * attempt)
         raise _TeacherFailed(
-            f"teacher scoring of sample {s.sample_id} failed after {self.config.max_tries} "
+            f"teacher scoring of sample {done.sample_id} failed after {self.config.max_tries} "
             f"tries: {type(last).__name__}: {last}"
         )
 
 
 def _scored(
-    s: SampleState,
+    done: SampleCompleted,
     top_k: int,
     logprobs: Sequence[float],
     top_ids: Sequence[Sequence[int]],
     top_lps: Sequence[Sequence[float]],
     causation: str | None,
 ) -> TeacherScored:
-    done = s.completed
-    assert done is not None
     n = len(done.response_ids)
     if len(logprobs) != n:
         raise ValueError(f"teacher returned {len(logprobs)} logprobs for {n} response tokens")

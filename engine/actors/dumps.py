@@ -1,4 +1,4 @@
-"""Analysis dumps of a ready rollout (rollout-engine §5): token-level data for offline tools.
+"""Analysis dumps of a ready rollout: token-level data for offline tools.
 
 Three optional dumps, each armed by its own directory (``DumpConfig``; the finalizer process
 reads them from ``ROLLOUT_DISTILL_DUMP_DIR``, ``ROLLOUT_MIXED_DUMP_DIR`` and
@@ -42,6 +42,7 @@ import torch
 from engine.events.arrays import PackedArray
 from engine.events.catalog import RolloutKind
 from engine.projections.lanes import Lane, request_lane
+from engine.projections.readback import Rollout
 from engine.projections.rollout import RolloutState
 from engine.projections.samples import scalar_reward, trainer_samples
 from engine.sample import Sample
@@ -64,14 +65,15 @@ class DumpConfig:
         return any(d is not None for d in (self.distill_dir, self.mixed_dir, self.student_dir))
 
 
-def write_dumps(state: RolloutState, config: DumpConfig) -> list[Path]:
+def write_dumps(rollout: Rollout, config: DumpConfig) -> list[Path]:
     """Write the dumps ``config`` arms for this ready rollout; returns the files written.
     Never raises: each failure is logged (see the module docstring)."""
+    state = rollout.state
     if not config.armed or state.ready is None or state.request is None:
         return []
     written: list[Path] = []
     try:
-        samples = [s for s in trainer_samples(state) if not s.remove_sample]
+        samples = [s for s in trainer_samples(rollout) if not s.remove_sample]
     except Exception as exc:  # noqa: BLE001 - best-effort by contract
         logger.warning("dumps of rollout %s skipped: %s", state.rollout_id, exc)
         return []

@@ -81,6 +81,7 @@ from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_tasks
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
 
@@ -321,10 +322,11 @@ class EvaluatorWorker:
             len(ev.sample_ids),
             len(plan.tokens),
         )
+        stream = self.names.rollout(ev.rollout_id)
         return BatchPlan(
             admitted=ev,
             request=state.request,
-            tasks={sid: s.task for sid, s in state.samples.items()},
+            tasks=await read_tasks(self.log, stream, state, plan.run_ids),
             run_ids=plan.run_ids,
             attempts=plan.attempts,
             tokens=plan.tokens,
@@ -333,8 +335,7 @@ class EvaluatorWorker:
         )
 
     async def _fold(self, rollout_id: str) -> RolloutState:
-        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
-        return folded.state
+        return (await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())).state
 
     async def _pool_now(self) -> PoolState:
         """The pool folded up to now (only recoveries and dead letters ask)."""

@@ -1,10 +1,11 @@
 """Projections: pure folds of events.
 
-A projection is ``evolve(state, envelope) -> state``: no clock, no randomness, no I/O, and
-the state is never mutated in place (return a new value). Live actors and the replay tool
-fold with the same :func:`fold` (reading the log is :func:`engine.runtime.rebuild.rebuild`'s
-business), so a replay is identical by construction. Nothing in ``engine.projections``
-touches Redis or files.
+A projection is ``evolve(state, envelope) -> state``: no clock, no randomness, no I/O. A
+projection whose state grows with its stream (the rollout fold) updates it in place and
+returns it, so folding stays linear: the fold owns that state. Live actors and the replay
+tool fold with the same :func:`fold` (reading the log is
+:func:`engine.runtime.rebuild.rebuild`'s business), so a replay is identical by
+construction. Nothing in ``engine.projections`` touches Redis or files.
 
 Idempotence: a :class:`Folded` remembers the last stream id it applied; entries at or below
 it are skipped, so a redelivered or re-read entry changes nothing. Domain-level duplicates

@@ -1,11 +1,10 @@
 """Trajectory post-processing lanes: how a finished rollout's samples are shaped for the loss.
 
 The lane is chosen by the request's ``algorithm`` alone (:func:`lane_of`), and the order is
-fixed (rollout-engine §5): **filter** (the finalizer's rejection and finish-only filters) ->
-**route** (this module's :func:`lane_of`) -> **shape** (this module). Every function here is
-pure: it reads the folded :class:`~engine.projections.rollout.RolloutState` and returns
-records, so the finalizer, the trainer's ``load`` and ``rollout replay`` shape a rollout the
-same way, byte for byte.
+fixed: **filter** (the finalizer's rejection and finish-only filters) -> **route** (this
+module's :func:`lane_of`) -> **shape** (this module). Every function here is pure: it reads
+events and returns records, so the finalizer, the trainer's ``load`` and ``rollout replay``
+shape a rollout the same way, byte for byte.
 
 The lanes
 ---------
@@ -39,7 +38,7 @@ The lanes
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -49,7 +48,6 @@ import numpy as np
 from engine.errors import ConfigError
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.catalog import RolloutRequested, SampleCompleted, TeacherScored
-from engine.projections.rollout import RolloutState, SampleState
 
 __all__ = [
     "CE_ALGORITHMS",
@@ -62,15 +60,12 @@ __all__ = [
     "TeacherShape",
     "ce_chunks",
     "ce_order",
-    "ce_plan",
     "plan_ce",
-    "Routed",
     "action_mask_of",
     "lane_of",
     "max_seq_len_of",
     "needs_teacher",
     "request_lane",
-    "route",
     "teacher_shape",
 ]
 
@@ -265,20 +260,6 @@ def ce_order(chunks: Iterable[CeChunk], *, seed: int, iteration: int) -> list[Ce
     return sorted(chunks, key=key)
 
 
-def ce_plan(state: RolloutState, kept: Sequence[str]) -> CePlan:
-    """Expand the kept completed samples (aborted ones have no trajectory to expand): a
-    trajectory whose chunks include one over ``max_seq_len`` is dropped atomically."""
-
-    def expanded() -> Iterator[tuple[str, Sequence[CeChunk]]]:
-        for sid in kept:
-            s: SampleState | None = state.samples.get(sid)
-            done = s.completed if s is not None else None
-            if done is not None:
-                yield sid, ce_chunks(done)
-
-    return plan_ce(state.request, expanded())
-
-
 def plan_ce(
     request: RolloutRequested | None, trajectories: Iterable[tuple[str, Sequence[CeChunk]]]
 ) -> CePlan:
@@ -300,40 +281,3 @@ def plan_ce(
     iteration = request.iteration if request is not None else 0
     ordered = ce_order(chunks, seed=seed, iteration=iteration)
     return CePlan(chunks=tuple(ordered), too_long=tuple(too_long), n_trajectories=n_traj)
-
-
-# ---------------------------------------------------------------- the finalizer's routing
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """What the lane makes of the filtered samples, for ``RolloutReady``."""
-
-    kept: list[str]
-    dropped: list[str]
-    gbs_scale: float = 1.0
-    metrics: dict[str, float] | None = None
-
-
-def route(state: RolloutState, kept: list[str], dropped: list[str]) -> Routed:
-    """Route the filtered samples by the request's algorithm and shape what the ready event
-    records: the CE lane drops over-long trajectories whole (kept order is kept; dropped ids
-    stay in index order) and reports its ``gbs_scale``; the other lanes change nothing here
-    (their shaping happens when the samples are built, :func:`teacher_shape`)."""
-    lane = request_lane(state.request)
-    if lane is not Lane.CE:
-        return Routed(kept=kept, dropped=dropped)
-    plan = ce_plan(state, kept)
-    too_long = set(plan.too_long)
-    index = {sid: s.task.index for sid, s in state.samples.items()}
-    return Routed(
-        kept=[sid for sid in kept if sid not in too_long],
-        dropped=sorted([*dropped, *plan.too_long], key=lambda sid: index.get(sid, 0)),
-        gbs_scale=plan.gbs_scale,
-        metrics={
-            "ce/n_subsamples": float(len(plan.chunks)),
-            "ce/n_trajectories": float(plan.n_trajectories),
-            "ce/n_dropped_too_long": float(len(plan.too_long)),
-            "ce/gbs_scale": plan.gbs_scale,
-        },
-    )

@@ -1,9 +1,9 @@
-"""One sample's outcome, in one record: the per-sample view every reader shares.
+"""One sample's outcome with its diagnostics: the row ``eval_details.jsonl`` lists and the
+evaluator's progress callback hears when a sample ends.
 
-``SampleRow`` is what the summaries count (``summary.json``), what ``eval_details.jsonl``
-lists, what the evaluator's progress callback hears when a sample ends, and where the trainer
-sample (``samples.jsonl``) takes its identity and outcome from. It is derived in one place,
-:func:`sample_row`, from the sample's ``TaskFetched`` and its terminal event:
+It is derived in one place, :func:`sample_row`, from the sample's ``TaskFetched`` and its
+terminal event (a rollout's rows from the fold's records and those entries read back,
+:func:`sample_rows`):
 
 * completed: the reward, the status and termination reason the event carries, its class
   (:meth:`TerminationReason.failure_class`), the response length;
@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
 from engine.outcomes import AbortClass, FailureClass, SampleStatus, TerminationReason
-from engine.projections.rollout import RolloutState, SampleState
+from engine.projections.readback import Rollout
 
-__all__ = ["SampleRow", "row_of", "sample_row", "sample_rows"]
+__all__ = ["SampleRow", "sample_row", "sample_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,35 +140,30 @@ def sample_row(
     return pending
 
 
-def row_of(s: SampleState) -> SampleRow:
-    """The row of a folded sample."""
-    started = s.started
-    return sample_row(
-        s.task,
-        s.terminal,
-        attempt=max(s.attempt, 0),
-        turns=len(s.turns),
-        node=started.node if started is not None else "",
-        batch_id=started.batch_id if started is not None else "",
-    )
-
-
-def sample_rows(state: RolloutState) -> list[SampleRow]:
+def sample_rows(rollout: Rollout) -> list[SampleRow]:
     """Every sample's row, in sample-index order.
 
-    A ready partial rollout's tail samples that had no terminal event when it became ready
-    (issue 12): with ``tail="abort"`` their ``SampleAborted`` (``tail_aborted``) is written
-    in the same step as the ``RolloutReady``, so their rows say so; a carried tail stays
-    ``pending``, its error naming the request stream that takes it over."""
+    A ready partial rollout's tail samples that had no terminal event when it became ready:
+    with ``tail="abort"`` their ``SampleAborted`` (``tail_aborted``) is written in the same
+    step as the ``RolloutReady``, so their rows say so; a carried tail stays ``pending``, its
+    error naming the request stream that takes it over."""
+    state = rollout.state
     ready = state.ready
-    if ready is None or not ready.tail_sample_ids:
-        return [row_of(s) for s in state.ordered()]
-    tail = set(ready.tail_sample_ids)
+    tail = set(ready.tail_sample_ids) if ready is not None else set()
     stream = state.request.request_stream if state.request is not None else None
     rows: list[SampleRow] = []
-    for s in state.ordered():
-        row = row_of(s)
-        if s.sample_id in tail and s.terminal is None:
+    for r in state.ordered():
+        terminal = rollout.terminal(r)
+        row = sample_row(
+            rollout.task(r),
+            terminal,
+            attempt=max(r.attempt, 0),
+            turns=r.turns,
+            node=r.node,
+            batch_id=r.batch_id,
+        )
+        if terminal is None and r.sample_id in tail:
+            assert ready is not None
             if ready.tail_carried:
                 row = replace(row, error=f"carried to the next request of stream {stream!r}")
             else:

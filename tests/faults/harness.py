@@ -444,7 +444,7 @@ async def _check_log(url: str, rids: list[str], out: Path, root: Path,
             envs, _bad = decode_entries(log.names.rollout(rid),
                                         await raw_entries(log, log.names.rollout(rid)))
             state_r = replay_state(envs)
-            if state_r.ready is None:
+            if state_r.state.ready is None:
                 continue  # reported as not ready already
             again = root / "replay" / rid
             replay_to_dir(state_r, again)

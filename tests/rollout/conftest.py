@@ -31,7 +31,7 @@ from engine.events import (
     TokenReleased,
 )
 from engine.projections.base import fold, start
-from engine.projections.decision import DecisionProjection, DecisionState
+from engine.projections.readback import Rollout, in_memory
 from engine.projections.rollout import RolloutProjection, RolloutState
 from tests.conftest import LogFactory
 from tests.rollout.play import play_scheduler
@@ -51,16 +51,17 @@ def envelopes(events: Sequence[Event]) -> list[Envelope]:
 
 
 def rollout_state(events: Sequence[Event]) -> RolloutState:
-    """The rollout projection folded over ``events``: what the finalizer decides from."""
+    """The rollout fold over ``events``: what the finalizer decides from."""
     projection = RolloutProjection()
     return fold(projection, start(projection), envelopes(events)).state
 
 
-def decision_state(events: Sequence[Event]) -> DecisionState:
-    """The compact decision projection folded over ``events``: what the finalizer decides
-    from (``engine.projections.decision``)."""
-    projection = DecisionProjection()
-    return fold(projection, start(projection), envelopes(events)).state
+def rollout_of(events: Sequence[Event]) -> Rollout:
+    """The rollout fold over ``events`` with every entry at hand (what samples, rows and
+    artifacts are built from, as a replay builds them)."""
+    envs = envelopes(events)
+    projection = RolloutProjection()
+    return in_memory(fold(projection, start(projection), envs).state, envs)
 
 
 def plan_events(n_groups: int, per_group: int, request: RolloutRequested) -> list[Event]:
@@ -190,19 +191,32 @@ async def wait_state(
     timeout: float = 30.0,
 ) -> RolloutState:
     """Fold the rollout stream with blocking reads until ``predicate(state)`` holds."""
+    return (await wait_rollout(log, rollout_id, predicate, timeout=timeout)).state
+
+
+async def wait_rollout(
+    log: EventLog,
+    rollout_id: str,
+    predicate: Callable[[RolloutState], bool],
+    *,
+    timeout: float = 30.0,
+) -> Rollout:
+    """:func:`wait_state`, with every entry read kept (to build samples and rows from)."""
     projection = RolloutProjection()
     state = projection.initial()
     position = "0-0"
     stream = log.names.rollout(rollout_id)
+    read: list[Envelope] = []
 
-    async def follow() -> RolloutState:
+    async def follow() -> Rollout:
         nonlocal state, position
         while True:
             envs, position = await log.read_after(stream, position, block_ms=BLOCK_MS)
             for env in envs:
                 state = projection.evolve(state, env)
+            read.extend(envs)
             if predicate(state):
-                return state
+                return in_memory(state, read)
 
     return await asyncio.wait_for(follow(), timeout)
 

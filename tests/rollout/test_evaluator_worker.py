@@ -194,7 +194,7 @@ async def test_tokens_leave_as_soon_as_no_sample_needs_them(
         for env in envs:
             if isinstance(env.event, TokenReleased) and env.event.rollout_id == "r3c":
                 released.extend(env.event.token_ids or [])
-    state = await wait_state(log, "r3c", lambda s: s.n_done == 2, timeout=5)
+    state = await wait_state(log, "r3c", lambda s: s.n_terminal == 2, timeout=5)
     assert state.samples["r3c:s2"].done is False  # still running
     assert len(set(released)) == 2
     stop.set()
@@ -243,7 +243,7 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
 
     def only_hung_left(state: RolloutState) -> bool:
         hung = state.samples.get("r4:s1")
-        return state.n_done == 3 and hung is not None and hung.started is not None
+        return state.n_terminal == 3 and hung is not None and hung.started
 
     await wait_state(log, "r4", only_hung_left)
     stop_a.set()
@@ -302,7 +302,7 @@ async def leave_a_hung_batch(
         log, rollout_id, n_prompts=3,
         script=lambda i: {"hang_attempts": list(hang_attempts)} if i == 0 else {},
     )
-    await wait_state(log, rollout_id, lambda s: s.n_done == 2)
+    await wait_state(log, rollout_id, lambda s: s.n_terminal == 2)
     stop_a.set()
     await asyncio.wait_for(engine.tasks[0], 30)
 
@@ -420,7 +420,7 @@ async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: Eve
     stop.set()
     await asyncio.wait_for(engine.tasks[-1], 30)
     state = await wait_state(log, "r6", _all_done, timeout=1)
-    assert state.n_done == 4
+    assert state.n_terminal == 4
     assert worker.batches_done == 1 and worker.batches_handed_back == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
@@ -468,6 +468,7 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
     from engine.events import RolloutRequested, TaskFetched, TaskJoined
     from engine.events.redis_log import FIELD
     from engine.projections.rollout import RolloutProjection
+    from engine.runtime.readback import read_tasks
     from engine.runtime.rebuild import rebuild
 
     def task(i: int) -> TaskFetched:
@@ -487,6 +488,7 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
     evaluator = next(iter(specs))
     folded = (await rebuild(log, stream, RolloutProjection())).state
     assert folded.request is not None
+    whole = await read_tasks(log, stream, folded, folded.samples)
     for window in (2048, 0):  # entries kept as read, or every one re-read from the index
         config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), task_window=window)
         worker = EvaluatorWorker(log, specs, config)
@@ -499,4 +501,4 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
         assert list(more) == ["s1", "s4", "s2"]  # no entry for "missing": left out
         tasks.update(more)
         for sid, ev in tasks.items():
-            assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream
+            assert ev == whole[sid]  # what the rollout fold makes of the stream

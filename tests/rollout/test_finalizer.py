@@ -292,7 +292,7 @@ async def test_a_stopped_finalizer_returns_while_following_a_rollout(
     await start_rollout(
         log, "r13", n_prompts=2, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
     )
-    await wait_state(log, "r13", lambda s: s.n_done == 1)
+    await wait_state(log, "r13", lambda s: s.n_terminal == 1)
     stop.set()
     done, _ = await asyncio.wait([run], timeout=10)
     assert done, "the finalizer did not stop"

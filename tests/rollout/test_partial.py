@@ -153,7 +153,7 @@ async def test_the_tail_is_aborted_on_the_server_and_recorded(rig: Rig, tmp_path
         assert all(g.finish_reason == FinishReason.ABORT for g in agent.slow_results.values())
         assert await running_rids(client, url) == []
         await client.post(url + "/continue_generation")
-    before, state = await fold_until_ready(log, "part")
+    before, rollout = await fold_until_ready(log, "part")
     assert same_decision(decide_ready(before), ready)
     # recorded with their own reason, in the same step as the RolloutReady
     envs = await log.read_all(log.names.rollout("part"))
@@ -162,7 +162,7 @@ async def test_the_tail_is_aborted_on_the_server_and_recorded(rig: Rig, tmp_path
     assert all(isinstance(e, SampleAborted) and e.abort_class is AbortClass.TAIL_ABORTED
                for e in follow)
     assert [e.sample_id for e in follow if isinstance(e, SampleAborted)] == ["part:s4", "part:s5"]
-    assert "tail 2 aborted" in status_lines(state)[0]
+    assert "tail 2 aborted" in status_lines(rollout.state)[0]
     # replay byte identity
     archive = tmp_path / "part.archive"
     await archive_rollout(log, "part", archive)

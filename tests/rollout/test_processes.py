@@ -44,8 +44,8 @@ def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
 
 def _hung_started(hung: set[str], n_done: int) -> Callable[[RolloutState], bool]:
     def check(state: RolloutState) -> bool:
-        return state.n_done == n_done and all(
-            (s := state.samples.get(sid)) is not None and s.started is not None for sid in hung
+        return state.n_terminal == n_done and all(
+            (s := state.samples.get(sid)) is not None and s.started for sid in hung
         )
 
     return check
