@@ -24,8 +24,8 @@ from engine.events import Envelope, TaskJoined
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
 from engine.events.codec import decode, encode
-from engine.events.log import EventLog
 from engine.events.ids import parse_id
+from engine.events.log import EventLog
 from engine.events.redis_log import FIELD
 from engine.outcomes import SampleStatus
 from engine.projections import samples as samples_module
@@ -399,7 +399,7 @@ def _big_plain_stream(n: int, algorithm: str = "grpo") -> list[bytes]:
 
 
 async def test_reading_back_more_entries_than_a_round_trip_holds_reads_them_all(
-    log: RedisEventLog,
+    log: EventLog,
 ) -> None:
     """Every sample's entries of a rollout larger than one read-back round trip (the
     finalizer's artifacts read them all) come back, each the entry the fold recorded."""
