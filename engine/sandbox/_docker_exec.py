@@ -1,10 +1,9 @@
-"""One ``docker exec`` of a Docker sandbox: its environment, its captured output, the kill by
-marker, its exit status and how its end is classified (``engine.sandbox.docker``).
+"""One ``docker exec`` of a Docker sandbox: environment, captured output, kill, end.
 
 Each exec carries an environment marker (``ROLLOUT_SANDBOX_EXEC=<sandbox id>/<n>``); on
-timeout a second exec kills every process in the container carrying it (it needs ``/bin/sh``,
-``tr`` and ``grep`` in the image). An unrequested SIGKILL (exit 137) is ``memory`` when the
-daemon reported an ``oom`` event for the container while the exec ran (concurrent execs in one
+timeout a second exec kills every process in the container carrying it (the image needs
+``/bin/sh``, ``tr`` and ``grep``). An unrequested SIGKILL (exit 137) is ``memory`` when the
+daemon reported an ``oom`` event for the container during the exec (concurrent execs in one
 sandbox can be confused), otherwise ``SIGKILL``.
 """
 
@@ -78,7 +77,6 @@ def environment(
     marker: str,
     sandbox_id: str,
 ) -> dict[str, str]:
-    """The exec's environment: ``base``, ``HOME``, the caller's ``env`` (checked), the marker."""
     out = dict(base)
     out["HOME"] = home
     for key, value in (env or {}).items():
@@ -131,8 +129,7 @@ async def exit_code(
 async def _oom_killed_between(
     client: Any, container_id: str, since: float, until: float
 ) -> bool | None:
-    """Whether the daemon reported an OOM kill in the container in ``[since, until]``
-    (Docker's ``oom`` event covers every process of the container's memory cgroup);
+    """Whether the daemon reported an ``oom`` event for the container in ``[since, until]``;
     ``None`` when the events cannot be read."""
 
     def run() -> list[Any]:
@@ -157,8 +154,7 @@ async def result(
     container_id: str,
     failure: str | None,
 ) -> ExecResult:
-    """The exec's ``ExecResult``, its end classified (module docstring); ``failure`` is why
-    the sandbox failed during the exec, if it did."""
+    """The exec's result; ``failure`` is why the sandbox failed during it, if it did."""
     stderr = output.text(1)
     diagnostics: dict[str, str] = {}
     oom_killed = False

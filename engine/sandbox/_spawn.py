@@ -1,11 +1,8 @@
 """Worker side of the supervisor (``_init.py``): spawn a command, capture it, wait for it.
 
-:class:`Supervisor` owns one supervisor process, started on first use and started again if it
-died. Replies are read by a daemon thread and handed to the waiting event loop with
-``call_soon_threadsafe``, so one supervisor serves callers on any loop.
-
-:func:`run_command` is one exec: pipes for the three streams and the error pipe, bounded
-capture, the wall clock, and the kill callback on timeout or cancellation.
+:class:`Supervisor` owns one supervisor process, started on first use and again if it died; a
+daemon thread reads its replies and hands them to the waiting loop, so one supervisor serves
+callers on any event loop. :func:`run_command` is one exec.
 """
 
 from __future__ import annotations
@@ -54,14 +51,11 @@ class _Pending:
 
 @dataclass(frozen=True, slots=True)
 class Spawned:
-    pid: int
-    """Leads the command's session and process group."""
-    exited: asyncio.Future[int]
-    """``os.waitstatus_to_exitcode`` of the command: negative when a signal ended it."""
+    pid: int  # leads the command's session and process group
+    exited: asyncio.Future[int]  # os.waitstatus_to_exitcode: negative for a signal
 
 
 class Supervisor:
-    """Client of one supervisor process (see ``_init.py`` for why it exists)."""
 
     def __init__(self, python: str) -> None:
         self._python = python
@@ -252,8 +246,7 @@ class Capture(asyncio.Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    status: int
-    """``os.waitstatus_to_exitcode`` (negative for a signal)."""
+    status: int  # os.waitstatus_to_exitcode: negative for a signal
     stdout: Capture
     stderr: Capture
     timed_out: bool
@@ -320,7 +313,6 @@ class _Pipes:
         self.child_fds.clear()
 
     def close(self) -> None:
-        """Close everything (a command that never started)."""
         for transport in self.transports:
             transport.close()
         self.close_child_ends()
@@ -331,7 +323,6 @@ class _Pipes:
 async def _wait(
     spawned: Spawned, argv: Sequence[str], timeout: float, kill: Callable[[int], Awaitable[None]]
 ) -> tuple[int, bool]:
-    """The command's status and whether it was killed at ``timeout``."""
     try:
         return await asyncio.wait_for(asyncio.shield(spawned.exited), timeout), False
     except TimeoutError:
@@ -359,8 +350,8 @@ async def run_command(
     on_started: Callable[[int], Awaitable[None]],
     kill: Callable[[int], Awaitable[None]],
 ) -> Finished:
-    """Run one command to its end (or kill it at ``timeout``); raise SandboxError when the
-    supervisor could not set it up (the message says why)."""
+    """Run one command to its end, or kill it at ``timeout``; ``SandboxError`` saying why
+    when the supervisor could not set it up."""
     pipes = await _Pipes.open(stdin, max_output_bytes)
     try:
         started = time.monotonic()

@@ -1,26 +1,15 @@
-"""Docker sandbox: one container per sandbox, driven through the docker SDK.
+"""Docker sandbox: one container per sandbox, driven through the docker SDK in threads.
 
-A sandbox is a container that idles (``keepalive``, default ``sleep infinity``, under Docker's
-init so orphans are collected) with the sandbox's labels plus ``rollout.sandbox=1``, no network
-unless configured, ``no-new-privileges``, and these limits:
+A sandbox is an idle container (``keepalive`` under Docker's init, which collects orphans) with
+the sandbox's labels, no network unless configured, ``no-new-privileges``, ``max_procs`` as
+``pids_limit``, ``memory_mb`` as ``mem_limit`` without swap, ``cpu_time_s`` as its
+``RLIMIT_CPU``, ``cpus`` as ``nano_cpus`` and, with ``disk_mb``, a tmpfs working directory.
 
-* ``max_procs`` -> ``pids_limit``; ``memory_mb`` -> ``mem_limit`` (and no swap);
-  ``cpu_time_s`` -> the container's ``RLIMIT_CPU`` ulimit; ``cpus`` (config) -> ``nano_cpus``;
-  ``disk_mb`` -> the working directory is a tmpfs of that size (lost when the container goes).
-
-Commands are ``docker exec`` s (``_docker_exec``: the marker each carries, the kill on
-timeout, the classification of its end). When even the kill cannot run -- a fork bomb holding
-every pid -- the container is killed and the sandbox is marked failed: later calls raise
-``SandboxError`` saying so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a
-file in ``scratch_dir`` that the command's shell opens and unlinks before the command starts.
-SIGXCPU (exit 152) is ``cpu``; otherwise the error text decides, as in the local backend.
-
-Files move with ``get_archive``/``put_archive`` (see ``_docker_files``); a symlink leading out of
-the working directory raises ``SandboxEscape``, as in the local backend.
-
-Every docker call runs in a thread (``asyncio.to_thread``); every docker or connection error is
-translated to ``SandboxError`` at this adapter (``_docker_api``). ``docker`` is imported on
-first use.
+Commands are ``docker exec`` s (``_docker_exec``). When even the kill cannot run (a fork bomb
+holding every pid), the container is killed and the sandbox marked failed: later calls raise
+``SandboxError`` saying so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a file
+in ``scratch_dir`` that the command's shell opens and unlinks before the command starts. Files
+move through the archive endpoints (``_docker_files``).
 """
 
 from __future__ import annotations
@@ -37,9 +26,9 @@ from typing import Any, Literal
 
 from engine.errors import ConfigError, SandboxError
 from engine.sandbox import _docker_exec as _exec
-from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_member, translate
+from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_archive, translate
 from engine.sandbox._docker_files import ArchiveFiles
-from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
+from engine.sandbox._forward import Forwarder, NetnsRef, forward
 from engine.sandbox.base import (
     MANAGED_LABEL,
     SANDBOX_ID_LABEL,
@@ -60,9 +49,9 @@ _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class DockerSandboxConfig:
     """Settings of the Docker backend.
 
-    ``image`` must have ``/bin/sh`` and the ``keepalive`` command; ``user`` is who commands run
-    as (image default when ``None``); ``cpus`` becomes ``nano_cpus`` (``None``: no cap);
-    ``base_url`` picks the daemon (``None``: the environment, as the docker CLI does).
+    ``image`` must have ``/bin/sh`` and the ``keepalive`` command; ``user``: who commands run as
+    (``None``: the image's); ``cpus``: ``None`` is no cap; ``base_url``: the daemon (``None``:
+    from the environment, as the docker CLI does).
     """
 
     image: str
@@ -97,7 +86,7 @@ class DockerSandboxConfig:
 
 
 class DockerSandbox:
-    """A sandbox made by :class:`DockerSandboxProvider` (see the module docstring)."""
+    """A sandbox made by :class:`DockerSandboxProvider`."""
 
     def __init__(
         self,
@@ -212,12 +201,9 @@ class DockerSandbox:
         )
 
     async def _prepare_workdir(self) -> None:
-        """Learn the exec user's uid/gid (file ownership) and give it the working directory.
-
-        The directory is handed over with ``put_archive`` (the daemon extracts as root):
-        under ``no-new-privileges`` a root exec in a container whose user is not root has no
-        capabilities, so ``chown`` from inside would be refused.
-        """
+        """Learn the exec user's uid/gid and hand it the working directory with
+        ``put_archive`` (the daemon extracts as root): under ``no-new-privileges`` a root exec
+        in a non-root container has no capabilities, so ``chown`` inside would be refused."""
         if self._config.user is None:
             return
         ids = await self._quick_exec(["/bin/sh", "-c", "id -u; id -g"], user=self._config.user)
@@ -231,7 +217,7 @@ class DockerSandbox:
         self._owner = (uid, gid)
         mode = 0o1777 if self._limits.disk_mb is not None else 0o755
         name = posixpath.basename(self._workdir)
-        archive = tar_member(name, data=None, mode=mode, owner=self._owner)
+        archive = tar_archive([(name, None, mode)], owner=self._owner)
         await call(
             f"sandbox {self._id}: handing {self._workdir} to uid {uid}",
             self._container.put_archive,
@@ -240,7 +226,6 @@ class DockerSandbox:
         )
 
     async def _quick_exec(self, argv: list[str], *, user: str) -> str:
-        """A short helper command; raises SandboxError when it fails."""
         container = self._container
 
         def run() -> tuple[int, bytes]:
@@ -256,9 +241,8 @@ class DockerSandbox:
         return output.decode("utf-8", "replace")
 
     async def expose(self, endpoint: Endpoint) -> str:
-        """Forward ``127.0.0.1:endpoint.port`` in the container's network namespace to
-        ``endpoint.target``. Needs the daemon on this machine and a root worker: the worker
-        joins the namespace through the container's init pid (``/proc/PID/ns/net``)."""
+        """Needs the daemon on this machine and a root worker: the worker joins the
+        container's network namespace through its init pid."""
         container = self._require_running(f"expose {endpoint.target}")
         try:
             await asyncio.to_thread(container.reload)
@@ -270,14 +254,7 @@ class DockerSandbox:
                 f"{endpoint.target} (the daemon must run on this machine and the worker as "
                 f"root): {exc}"
             ) from exc
-        forwarder = Forwarder(endpoint)
-        listener = await listen_inside(netns, endpoint.port)
-        try:
-            await forwarder.start(listener)
-        except BaseException:
-            listener.close()
-            raise
-        self._forwarders.append(forwarder)
+        self._forwarders.append(await forward(netns, endpoint))
         return f"127.0.0.1:{endpoint.port}"
 
     async def stop(self) -> None:
@@ -316,7 +293,7 @@ class DockerSandbox:
         return self._container
 
     async def _fail(self, reason: str) -> None:
-        """Kill the whole container: the last resort when a command cannot be stopped."""
+        """Kill the whole container: the last resort for a command that cannot be stopped."""
         self._state = "failed"
         self._failure = reason
         try:
@@ -403,10 +380,9 @@ class DockerSandbox:
         )
 
     async def _stage_stdin(self, argv: list[str], stdin: bytes | str, number: int) -> list[str]:
-        """Put stdin in a file the command's shell opens and unlinks before exec'ing it."""
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
         name = f".rollout-stdin-{self._id}-{number}"
-        archive = tar_member(name, data=data, mode=0o600, owner=self._owner)
+        archive = tar_archive([(name, data, 0o600)], owner=self._owner)
         await call(
             f"sandbox {self._id}: staging stdin",
             self._container.put_archive,
@@ -451,23 +427,21 @@ class DockerSandboxProvider:
         self._client_lock = threading.Lock()
 
     def _get_client(self) -> Any:
-        """The SDK client, made on first use (it talks to the daemon: call it in a thread)."""
+        """The SDK client, made on first use (it talks to the daemon: call in a thread)."""
         with self._client_lock:
-            return self._connect()
-
-    def _connect(self) -> Any:
-        if self._client is None:
-            docker = docker_module()
-            try:
-                if self.config.base_url is None:
-                    self._client = docker.from_env(timeout=int(self.config.api_timeout_s))
-                else:
-                    self._client = docker.DockerClient(
-                        base_url=self.config.base_url, timeout=int(self.config.api_timeout_s)
-                    )
-            except (docker.errors.DockerException, OSError) as exc:
-                raise translate("connecting to the docker daemon", exc) from exc
-        return self._client
+            if self._client is None:
+                docker = docker_module()
+                timeout = int(self.config.api_timeout_s)
+                try:
+                    if self.config.base_url is None:
+                        self._client = docker.from_env(timeout=timeout)
+                    else:
+                        self._client = docker.DockerClient(
+                            base_url=self.config.base_url, timeout=timeout
+                        )
+                except (docker.errors.DockerException, OSError) as exc:
+                    raise translate("connecting to the docker daemon", exc) from exc
+            return self._client
 
     async def ping(self) -> None:
         """Raise SandboxError unless the daemon answers and has the configured image."""
