@@ -217,8 +217,7 @@ class Recorder:
             self.ahead = self._ahead(self.chat, self.last)
 
     def _ahead(self, chat: ChatTokens, last: _Reply) -> _Ahead:
-        raw = chat.decode(_without_trailing_special(last.ids, chat), skip_special_tokens=False)
-        return _Ahead(last, chat.closing(self.history), raw)
+        return _Ahead(last, chat.closing(self.history), chat.reply_text(last.ids))
 
     def generated(
         self,
@@ -272,11 +271,3 @@ class Recorder:
             loss_mask=tuple(self.mask),
             turns=tuple(self.turns),
         )
-
-
-def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
-    special = set(getattr(chat.tokenizer, "all_special_ids", []))
-    end = len(ids)
-    while end > 0 and ids[end - 1] in special:
-        end -= 1
-    return ids[:end]

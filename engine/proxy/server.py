@@ -116,8 +116,6 @@ class RecordingProxy:
             ]
         )
 
-    # -- lifecycle --------------------------------------------------------------------------
-
     @property
     def port(self) -> int:
         if not self._port:
@@ -195,8 +193,6 @@ class RecordingProxy:
         """Abort the generation in flight, if any (its call then passes through)."""
         if self._rid is not None and self.backend.capabilities.abort:
             await self.backend.abort(self._rid)
-
-    # -- routes -----------------------------------------------------------------------------
 
     def _upstream(self) -> httpx.AsyncClient:
         """The client for the model server's own OpenAI routes, made on first use: most tasks
