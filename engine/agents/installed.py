@@ -2,42 +2,32 @@
 
 A scaffold (mini-swe-agent, OpenHands, Terminus-2) is a program that only speaks the OpenAI
 chat API. ``InstalledAgent`` runs one per task and owns everything around it; a plug-in
-(``engine.agents.scaffolds``) supplies the commands and termination rules. Per task, in order:
+(``engine.agents.scaffolds``) supplies the commands and termination rules. Per task:
 
-1. **environment**: the sample's sandbox from ``context.sandboxes`` (local or Docker, the same
-   ``Sandbox`` protocol), labelled for the attempt so a dead worker's sandboxes are reaped;
-   the task writes its files into it (``InstalledTask.prepare``);
-2. **proxy** (training): a recording proxy per task, and the scaffold is pointed at it; with
-   ``capture_tokens=False`` (eval) the scaffold talks to the model server directly (the
-   backend's ``base_url``). This one switch turns eval into training;
-3. **install**: the plug-in's check command must succeed on this machine; when it fails and
-   the config allows it (``install=True``) the plug-in's install command runs once per agent
-   and the check is repeated; a scaffold still missing is a ``ConfigError`` saying how to
-   install it;
-4. **run**: the scaffold's process, with its config written into a private run folder, a
-   clean environment (never the worker's: it holds credentials), a wall clock, its own process
-   group; its commands reach the sandbox through the *command bridge*, a Unix socket served
-   here that runs each command with ``Sandbox.exec`` (``engine.agents.scaffold_host``);
-5. **collect** the task's artifact (the files it names, after the run) and the scaffold's
-   trajectory file; **parse** it into a ``ScaffoldReport``; **keep the logs** (the run folder
-   is copied under ``logs_dir`` when one is set);
-6. **classify termination** with the plug-in's rules (an abort class raises, so the worker
-   records the sample as aborted with that class);
-7. **tear down**: the proxy, the bridge and the process group go when ``run`` ends, the
-   sandbox in ``cleanup``; the verifier (``InstalledTask.verify``) runs in ``eval``, in the
-   sandbox the agent edited.
+1. the sample's sandbox from ``context.sandboxes``, labelled for the attempt so a dead
+   worker's sandboxes are reaped, with the task's files (``InstalledTask.prepare``);
+2. in training, a recording proxy the scaffold is pointed at; with ``capture_tokens=False``
+   (eval) the scaffold talks to the backend's ``base_url`` directly. This one switch turns
+   eval into training;
+3. the plug-in's check command must succeed (with ``install=True`` its install command runs
+   once per agent first); a scaffold still missing is a ``ConfigError`` saying how to install;
+4. the scaffold's process, in a private run folder, a clean environment (never the worker's:
+   it holds credentials), a wall clock and its own process group; its commands reach the
+   sandbox through the command bridge (``engine.agents.scaffold_host``);
+5. the task's artifact and the scaffold's trajectory are collected and parsed into a
+   ``ScaffoldReport``; the run folder is copied under ``logs_dir`` when set;
+6. the plug-in classifies the termination (an abort class raises, so the sample is recorded
+   as aborted with it);
+7. proxy, bridge and process group go when ``run`` ends, the sandbox in ``cleanup``; the
+   verifier runs in ``eval``, in the sandbox the agent edited.
 
-The token-level result is the proxy's captured series (``AgentResult`` with ``loss_mask`` and
-logprobs). When capture turned itself off (the scaffold rewrote its history, the server aborted)
-a training episode raises instead of returning a half-valid sample: no token data rather than a
-corrupt one. The context cap of an installed scaffold is fixed at ``INSTALLED_CONTEXT_CAP``
-(131072 tokens), not the episode's ``max_context_len``; a series that reaches it ends as
+The token-level result is the proxy's captured series. When capture turned itself off, a
+training episode raises: no token data rather than a corrupt sample. The context cap is
+``INSTALLED_CONTEXT_CAP``, not the episode's ``max_context_len``; a series reaching it ends as
 ``max_context``.
 
-The recording proxy sits above the agents in the layer map (it imports the chat tokenizer), so
-it is passed in: ``proxy`` is any factory with ``RecordingProxy``'s keyword signature
-(``engine.proxy.RecordingProxy`` itself). The evaluator config wires it
-(``engine/tasks/swe_evaluators.py``).
+The recording proxy sits above the agents in the layer map, so it is passed in: ``proxy`` is
+any factory with ``RecordingProxy``'s keyword signature.
 """
 
 from __future__ import annotations
@@ -54,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
-from engine.agents.base import Episode, EpisodeAgent, EpisodeContext
+from engine.agents.base import Episode, EpisodeAgent, EpisodeContext, episode_labels
 from engine.agents.result import AgentResult, Reward
 from engine.agents.scaffold_host import CommandBridge, base_env, check_command, run_scaffold
 from engine.agents.scaffolds.base import Scaffold, ScaffoldExit, ScaffoldReport, ScaffoldRun
@@ -84,8 +74,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INSTALLED_CONTEXT_CAP = 131072
-"""The context cap of every installed scaffold: fixed, not the episode's ``max_context_len``
-(that one applies to the native agents)."""
 
 
 class CapturedSeries(Protocol):
@@ -158,16 +146,13 @@ class InstalledTask(Protocol):
 class InstalledAgentConfig:
     """How an ``InstalledAgent`` runs its scaffold.
 
-    ``capture_tokens`` is the training switch: the proxy (``proxy``, with the policy's
-    ``tokenizer``) records the series; off, the scaffold talks to ``model_url`` (or the worker's
-    endpoint) directly and the result carries no tokens (eval). A scaffold that rewrites its
-    history cannot be captured (the append-only guard would drop every episode), so that pair
-    is refused here. ``default_*`` stand where ``context.stopping`` leaves a limit unset.
-    ``command_timeout_s`` bounds one scaffold command in the sandbox. ``logs_dir``: where each
-    run's folder (config, scaffold log, trajectory, artifact) is kept, as
-    ``<logs_dir>/<rollout>/<sample>.<attempt>/``; ``None`` keeps them only for the attempt.
-    ``install``: run the scaffold's install command when it is missing (off by default: a
-    worker that installs software mid-rollout is rarely what an operator wants).
+    ``capture_tokens``: the proxy records the series; off, the scaffold talks to
+    ``model_url`` (or the worker's endpoint) and the result carries no tokens. A scaffold that
+    rewrites its history is refused with capture (the append-only guard would drop every
+    episode). ``default_*`` stand where ``context.stopping`` leaves a limit unset.
+    ``command_timeout_s`` bounds one scaffold command. ``logs_dir`` keeps each run's folder as
+    ``<logs_dir>/<rollout>/<sample>.<attempt>/``. ``install`` is off by default: a worker that
+    installs software mid-rollout is rarely what an operator wants.
     """
 
     scaffold: Scaffold
@@ -207,12 +192,9 @@ class InstalledAgentConfig:
 
 
 class InstalledAgent(EpisodeAgent):
-    """Runs ``config.scaffold`` on each task (see the module docstring)."""
-
     def __init__(self, config: InstalledAgentConfig) -> None:
         self.config = config
-        # Whether the scaffold is known to be installed on this machine: a fact about the
-        # worker, not about an episode, so it is shared by all of them.
+        # A fact about the machine, not an episode, so every episode shares it.
         self._installed = False
         self._install_lock = asyncio.Lock()
 
@@ -229,8 +211,10 @@ class InstalledAgent(EpisodeAgent):
             if problem is not None and install is not None:
                 log.info("installing scaffold %s: %s", scaffold.name, " ".join(install))
                 failed = await check_command(install)
-                problem = await check_command(scaffold.check_command()) if failed is None else (
-                    f"its install command failed: {failed}"
+                problem = (
+                    await check_command(scaffold.check_command())
+                    if failed is None
+                    else (f"its install command failed: {failed}")
                 )
             if problem is not None:
                 raise ConfigError(
@@ -245,8 +229,6 @@ class InstalledAgent(EpisodeAgent):
 
 @dataclass
 class _RunRecord:
-    """What one run left, kept on the episode for ``eval`` and diagnostics."""
-
     run: ScaffoldRun
     exit: ScaffoldExit
     reason: TerminationReason
@@ -264,9 +246,6 @@ class InstalledEpisode(Episode):
         self.task = task
         self.sandbox: Sandbox | None = None
         self.record: _RunRecord | None = None
-
-    async def init(self, context: EpisodeContext) -> None:
-        return None
 
     async def run(self, context: EpisodeContext) -> AgentResult:
         backend = await self._prepare(context)
@@ -292,8 +271,7 @@ class InstalledEpisode(Episode):
         return self._result(context, proxy, reason, exit.report)
 
     async def _prepare(self, context: EpisodeContext) -> ModelBackend:
-        """The episode's sandbox, started with the task's files; the scaffold installed; the
-        backend of the scaffold's model endpoint."""
+        """Start the sandbox with the task's files, install the scaffold; its backend."""
         cfg = self.agent.config
         if context.sandboxes is None:
             raise SandboxError(
@@ -305,12 +283,7 @@ class InstalledEpisode(Episode):
                 f"sample {context.sample_id}: the worker has no model endpoint for the scaffold"
             )
         self.sandbox = context.sandboxes.create(
-            labels={
-                "rollout.rollout": context.rollout_id,
-                "rollout.sample": context.sample_id,
-                "rollout.attempt": str(context.attempt),
-            },
-            limits=cfg.sandbox_limits,
+            labels=episode_labels(context), limits=cfg.sandbox_limits
         )
         await self.sandbox.start()
         await cfg.task.prepare(self.task, self.sandbox)
@@ -320,8 +293,6 @@ class InstalledEpisode(Episode):
     async def _run_scaffold(
         self, context: EpisodeContext, backend: ModelBackend
     ) -> tuple[CaptureProxy | None, CommandBridge, ScaffoldRun, ScaffoldExit, float]:
-        """Run the scaffold, behind the recording proxy when tokens are captured; what the
-        run left, parsed, and how long it took."""
         cfg = self.agent.config
         assert self.sandbox is not None
         run_dir = context.tmp_dir / "scaffold"
@@ -365,7 +336,7 @@ class InstalledEpisode(Episode):
                 cwd=run_dir,
                 timeout_s=timeout_s,
             )
-            # The proxy stops with this block: its series is final from here on.
+            # The proxy stops with this block, so its series is final below.
         elapsed = time.monotonic() - began
         exit = ScaffoldExit(
             exit_code=exit_code,
@@ -465,4 +436,3 @@ def _abort_error(
     if reason is TerminationReason.INFRA_SANDBOX:
         return SandboxError(f"{message}; sandbox failures: {bridge.sandbox_failures[:3]}")
     return AgentError(message)
-

@@ -37,10 +37,9 @@ class CommandBridge:
     """Runs the scaffold's commands in the sandbox: a Unix socket in a private (0700) folder.
 
     One connection per command: a JSON line ``{"command", "timeout", "env"}`` in, a JSON line
-    ``{"output", "returncode", "exception_info"}`` out (stdout then stderr, as a shell shows
-    them). A command that fails in the sandbox (nonzero exit, a limit, its wall clock) is an
-    answer; a sandbox that fails (``SandboxError``) is answered with ``returncode -1`` and
-    recorded in ``sandbox_failures``, so the episode can say the sandbox, not the model, failed.
+    ``{"output", "returncode", "exception_info"}`` out. A command that fails in the sandbox is
+    an answer; a sandbox that fails is answered with ``returncode -1`` and recorded in
+    ``sandbox_failures``, so the episode can say the sandbox, not the model, failed.
     """
 
     def __init__(self, sandbox: Sandbox, *, command_timeout_s: float) -> None:
@@ -165,9 +164,7 @@ def base_env(run_dir: Path | None) -> dict[str, str]:
 async def run_scaffold(
     argv: Any, *, env: Mapping[str, str], cwd: Path, timeout_s: float
 ) -> tuple[int | None, bool, str]:
-    """Run the scaffold in its own process group; ``(exit code, timed out, log tail)``.
-
-    Killed with its whole group on the wall clock, on cancellation or on any error here."""
+    """Run the scaffold in its own process group; ``(exit code, timed out, log tail)``."""
     log_path = cwd / "scaffold.log"
     with open(log_path, "wb") as out:
         proc = await asyncio.create_subprocess_exec(
@@ -186,14 +183,11 @@ async def run_scaffold(
         except TimeoutError:
             timed_out = True
     finally:
+        # The whole group goes, also what an exited scaffold left behind in it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if proc.returncode is None or timed_out:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
                 await asyncio.shield(proc.wait())
-        else:
-            # The scaffold is gone; anything it left behind in its group goes too.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
     tail = log_path.read_bytes()[-_LOG_TAIL:].decode(errors="replace")
     return (None if timed_out else proc.returncode), timed_out, tail

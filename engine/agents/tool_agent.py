@@ -1,65 +1,34 @@
 """``ToolAgent``: a native token-level multi-turn tool agent.
 
-One episode, for one sample:
+One episode, for one sample: ``init`` opens and starts the episode's sandbox (labelled for the
+attempt); ``run`` renders the conversation (system prompt, tools, the task's prompt) into the
+prompt token ids, then loops: generate on the whole series; append the generated ids
+*verbatim* with ``loss_mask`` 1 and the server's logprobs; parse ``<tool_call>`` blocks; run
+each call in the sandbox; append the observation increment (``chat_tokens``) with
+``loss_mask`` 0 and logprob 0.0. ``eval`` hands the finished episode to the configured
+``Verifier`` (the agent knows no task type); ``cleanup`` stops the sandbox, whatever happened.
 
-- ``init`` opens the episode's sandbox through ``context.sandboxes`` with the labels
-  ``rollout.rollout`` / ``rollout.sample`` / ``rollout.attempt`` (the evaluator's labelled
-  provider adds the worker and batch labels), and starts it;
-- ``run`` renders the conversation (system prompt, tools, the task's prompt) with the
-  tokenizer's chat template into the prompt token ids, then loops: generate on the whole token
-  series so far; append the generated token ids *verbatim* with ``loss_mask`` 1 and the
-  server's logprobs; parse ``<tool_call>`` blocks out of the generated text; run each call in
-  the sandbox; append the observation increment (``chat_tokens.py`` says how it is computed
-  and where it may deviate from a full re-render) with ``loss_mask`` 0 and logprob ``0.0``;
-- ``eval`` hands the finished episode (result, the last generated turn's text, the sandbox) to
-  the configured ``Verifier``; the agent itself knows no task type. ``build_agents``
-  builds one agent per task type, each with its verifier (``engine.tasks``);
-- ``cleanup`` stops the sandbox, whatever happened before.
+Stop conditions, checked after each generation in this order:
 
-Stop conditions, checked after each generation in this order (``TerminationReason``):
-
-1. the generated text holds a final answer (``answer_pattern``, ``<answer>...</answer>``):
-   ``finish``;
-2. the generation hit its token budget (``finish_reason == "length"``): ``max_context`` when
-   that budget was what was left of ``max_context_len``, else ``length``;
+1. the text holds a final answer (``answer_pattern``): ``finish``;
+2. the generation hit its token budget: ``max_context`` when that budget was what was left of
+   ``max_context_len``, else ``length``;
 3. no tool call and no malformed tool-call block: ``finish``;
-4. this was turn ``max_turns``: ``max_turns`` (the calls of the last turn are not run, since
-   nothing could read their output);
-5. the observation would leave no room for another generated token within
-   ``max_context_len``: ``max_context`` (the observation is not appended).
+4. this was turn ``max_turns``: ``max_turns`` (its calls are not run: nothing would read them);
+5. the observation would leave no room for another token within ``max_context_len``:
+   ``max_context`` (the observation is not appended).
 
-Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``. Every turn,
-the terminating one included, gets a ``TurnRecord``. Limits missing from
-``context.stopping`` fall back to the config's ``default_*``; ``timeout_s`` is enforced by
-the evaluator, which cancels the episode (a cancelled sandbox command is killed).
+Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``; every turn gets
+a ``TurnRecord``; ``timeout_s`` is the evaluator's (it cancels the episode). When the sampling
+params set ``sampling_seed``, each turn gets a seed derived from it, ``context.seed``, the
+sample id and the turn, so a group's samples and turns differ and a re-run attempt reproduces
+its episode; without it no seed is sent (not every SGLang deployment accepts one).
 
-Sampling: ``context.sampling_params`` are sent as given plus the turn's ``max_new_tokens``.
-When they set ``sampling_seed``, each turn is sent a seed derived from it, the episode's
-``context.seed`` (the evaluator's per-sample seed), the sample id and the turn index: the
-samples of a group differ, turns differ, and a re-run attempt reproduces its episode exactly.
-Without ``sampling_seed`` no seed is sent (not every SGLang deployment accepts one).
-
-Failures: what the *model* gets wrong (unknown tool, bad arguments, malformed block, a command
-that fails or hits a sandbox limit) becomes an observation and is counted in the metrics;
-what the *infrastructure* gets wrong raises and aborts the sample: an aborted generation
-(``GenerationAborted``), a reply without token ids or with an unknown finish reason
-(``BackendProtocolError``), transport errors (``BackendError``), a failed sandbox
-(``SandboxError``), a chat template that cannot be extended token-exactly (``AgentError``).
-
-Metrics: ``n_turns``, ``n_tool_calls`` (calls run), ``n_tool_errors`` (calls that were
-invalid or did not end cleanly), ``response_tokens``, ``generated_tokens``,
-``observation_tokens``, and ``tool_<outcome>`` counts for each non-clean outcome
-(``tool_nonzero_exit``, ``tool_timeout``, ``tool_pids_limit``, ``tool_memory_limit``,
-``tool_cpu_limit``, ``tool_disk_limit``, ``tool_signaled``, ``tool_invalid_call``).
-
-State: ``ToolAgent`` holds what every episode shares (config, tokenizer, chat template,
-verifier); its ``ToolEpisode`` (one per attempt) carries the sandbox from ``init`` to
-``cleanup``, and everything else lives in ``run``'s locals.
-
-Ports: the model backend comes from the worker's ``context.backends`` (the endpoint
-``ToolAgentConfig.sglang_url``, else the worker's default) and must have the ``token_ids``
-capability; the sandbox provider is the worker's ``context.sandboxes``. The agent builds and
-closes neither.
+What the *model* gets wrong (unknown tool, bad arguments, a failing command) becomes an
+observation and a ``tool_<outcome>`` metric; what the *infrastructure* gets wrong raises and
+aborts the sample: ``GenerationAborted``, ``BackendProtocolError`` (no token ids, an error
+finish), ``BackendError``, ``SandboxError``, ``AgentError`` (a template that cannot be
+extended token-exactly).
 """
 
 from __future__ import annotations
@@ -82,6 +51,7 @@ from engine.agents.base import (
     EpisodeContext,
     Reward,
     TurnRecord,
+    episode_labels,
 )
 from engine.agents.chat_tokens import ChatTokens, Message, TokenSeries
 from engine.agents.tools import PythonTool, SandboxTool, ToolCounts, run_tool_calls
@@ -119,16 +89,13 @@ logger = logging.getLogger(__name__)
 class ToolAgentConfig:
     """What a ``ToolAgent`` offers the model and how it talks to the server and the sandbox.
 
-    ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat template
-    (or pass ``tokenizer=`` to ``ToolAgent``). ``sglang_url``: the model endpoint episodes
-    generate on, taken from the worker's ``context.backends`` (``None``: the worker's default
-    endpoint); its backend must support token ids.
-    ``answer_pattern``: a regex whose match in a generation ends the episode as ``finish``.
-    ``sandbox_limits``: per-episode sandbox limits (``None``: the provider's defaults).
-    ``tool_timeout_s``: wall clock per tool call (capped by the sandbox's limits).
-    ``max_observation_chars``: each tool output is clipped to about this many characters.
-    ``max_tool_calls_per_turn``: calls beyond it get an error observation instead of running.
-    ``default_*``: limits used where ``context.stopping`` leaves one unset.
+    ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat
+    template (or pass ``tokenizer=``). ``sglang_url``: the endpoint in ``context.backends``
+    (``None``: the worker's default). ``answer_pattern``: a regex whose match ends the episode
+    as ``finish``. ``tool_timeout_s``: wall clock per call (capped by the sandbox's limits).
+    ``max_observation_chars``: each tool output is clipped to about this. Calls past
+    ``max_tool_calls_per_turn`` get an error observation. ``default_*`` stand where
+    ``context.stopping`` leaves a limit unset.
     """
 
     tools: tuple[SandboxTool, ...] = (PythonTool(),)
@@ -185,8 +152,8 @@ class Verdict:
     detail: Mapping[str, JsonValue] = field(default_factory=dict)
 
     def as_reward(self) -> dict[str, float]:
-        """``{"score": score}`` plus the numeric and boolean detail entries as floats (the
-        evaluator's reward dict holds floats only; text detail goes to the log)."""
+        """``{"score": score}`` plus the numeric and boolean detail entries as floats (a reward
+        dict holds floats only; text detail goes to the log)."""
         reward = {"score": float(self.score)}
         for key, value in self.detail.items():
             if isinstance(value, bool | int | float) and key != "score":
@@ -209,15 +176,6 @@ class Verifier(Protocol):
     async def verify(self, task: Task, episode: FinishedEpisode) -> Verdict: ...
 
 
-def episode_labels(context: EpisodeContext) -> dict[str, str]:
-    """The labels an episode's sandbox carries, so a worker can reap a dead one's sandboxes."""
-    return {
-        "rollout.rollout": context.rollout_id,
-        "rollout.sample": context.sample_id,
-        "rollout.attempt": str(context.attempt),
-    }
-
-
 def derive_turn_seed(base: int, *, episode_seed: int, sample_id: str, turn: int) -> int:
     """The sampling seed of one turn: a function of its arguments only, in 0..2**31-1."""
     key = f"{base}\0{episode_seed}\0{sample_id}\0{turn}".encode()
@@ -238,8 +196,6 @@ def last_generation(result: AgentResult) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class _Limits:
-    """An episode's limits: ``context.stopping``'s, else the config's ``default_*``."""
-
     max_turns: int
     max_context: int
     max_new: int
@@ -256,7 +212,6 @@ class _Limits:
 def _turn_params(
     sampling: Mapping[str, Any], context: EpisodeContext, turn: int, budget: int
 ) -> dict[str, Any]:
-    """The turn's sampling params: the episode's, its token budget, its derived seed."""
     params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
     base_seed = sampling.get("sampling_seed")
     if isinstance(base_seed, int):
@@ -268,8 +223,7 @@ def _turn_params(
 
 @dataclass(frozen=True, slots=True)
 class TurnInput:
-    """What ``ToolAgent._act`` decides one turn from: the token series so far, the
-    conversation as messages, the turn's sampling parameters (with its token budget)."""
+    """What ``ToolAgent._act`` decides one turn from."""
 
     context: EpisodeContext
     backend: ModelBackend
@@ -281,10 +235,9 @@ class TurnInput:
 
 @dataclass(frozen=True, slots=True)
 class TurnAction:
-    """One turn's action as token ids of the policy's tokenizer. ``trained``: the policy
-    generated them (``loss_mask`` 1, with their logprobs); otherwise they enter the series with
-    ``loss_mask`` 0 and logprob 0.0 (e.g. a teacher's action). ``gen`` carries the finish
-    reason the stop conditions read."""
+    """One turn's action as token ids of the policy's tokenizer. Untrained ones (a teacher's)
+    enter the series with ``loss_mask`` 0 and logprob 0.0; ``gen`` carries the finish reason
+    the stop conditions read."""
 
     gen: GenerationResult
     token_ids: tuple[int, ...]
@@ -294,8 +247,6 @@ class TurnAction:
 
 
 class ToolAgent(EpisodeAgent):
-    """The native tool agent (see the module docstring): what its episodes share."""
-
     def __init__(
         self, config: ToolAgentConfig, *, verifier: Verifier, tokenizer: Any | None = None
     ) -> None:
@@ -404,8 +355,8 @@ class ToolAgent(EpisodeAgent):
         counts: ToolCounts,
         limits: _Limits,
     ) -> tuple[TerminationReason | None, list[Message], tuple[str, ...]]:
-        """Append one turn's action to the series and decide by the stop conditions (module
-        docstring): ``(reason or None to go on, the conversation, the tools called)``."""
+        """Append one turn's action and apply the stop conditions: ``(reason or None to go on,
+        the conversation, the tools called)``."""
         gen, ids = action.gen, action.token_ids
         if action.trained:
             series.generated(ids, action.logprobs, gen.weight_version)
@@ -434,7 +385,7 @@ class ToolAgent(EpisodeAgent):
         if len(series) + len(observation.token_ids) >= limits.max_context:
             return TerminationReason.MAX_CONTEXT, history, names
         series.observed(observation.token_ids)
-        raw = self.chat.decode(_without_trailing_special(ids, self.chat), skip_special_tokens=False)
+        raw = self.chat.reply_text(ids)
         return None, [*history, {"role": "assistant", "content": raw}, *tool_messages], names
 
     def _result(
@@ -466,8 +417,7 @@ class ToolAgent(EpisodeAgent):
         )
 
     async def _act(self, step: TurnInput) -> TurnAction:
-        """The action of one turn: the policy's generation on the series so far. A subclass
-        may act otherwise (e.g. a teacher's action, ``engine.agents.dagger``)."""
+        """The policy's generation on the series so far; a subclass may act otherwise."""
         gen = await step.backend.generate(
             input_ids=step.input_ids, sampling_params=step.sampling_params
         )
@@ -481,8 +431,7 @@ class ToolAgent(EpisodeAgent):
     def _finish_result(
         self, result: AgentResult, actions: Sequence[TurnAction], context: EpisodeContext
     ) -> AgentResult:
-        """The episode's result, given every turn's action in order; a subclass may annotate
-        it. This one returns it unchanged."""
+        """The result, given every turn's action in order; a subclass may annotate it."""
         return result
 
     def _checked(
@@ -504,8 +453,6 @@ class ToolAgent(EpisodeAgent):
 
 
 class ToolEpisode(Episode):
-    """One attempt of a ``ToolAgent``: the task and, from ``init`` to ``cleanup``, its sandbox."""
-
     def __init__(self, agent: ToolAgent, task: Task) -> None:
         self.agent = agent
         self.task = task
@@ -561,11 +508,3 @@ class ToolEpisode(Episode):
                 "after cleanup (no sandbox)"
             )
         return self.sandbox
-
-
-def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
-    special = set(getattr(chat.tokenizer, "all_special_ids", []))
-    end = len(ids)
-    while end > 0 and ids[end - 1] in special:
-        end -= 1
-    return ids[:end]

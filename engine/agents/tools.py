@@ -1,26 +1,14 @@
 """Sandbox tools of the native tool agent: their schemas, their commands, their observations.
 
-A ``SandboxTool`` turns one model-written tool call into one sandbox command:
-
-- ``python`` (argument ``code``) runs ``<python> -c <code>`` as an argv, so no shell quoting is
-  involved and the program sees the sandbox's working directory as its cwd;
-- ``shell`` (argument ``cmd``) runs ``cmd`` under ``/bin/sh -c`` in the working directory.
-
-Their schemas are the OpenAI function format the chat template renders into the system turn
-(the wording is the one the tinylm corpus trains on, so the reference model sees familiar text).
+A ``SandboxTool`` turns one model-written call into one sandbox command: ``python`` (argument
+``code``) runs ``<python> -c <code>`` as an argv, so no shell quoting is involved; ``shell``
+(argument ``cmd``) runs under ``/bin/sh -c`` in the working directory. Their schema wording is
+the one the tinylm corpus trains on, so the reference model sees familiar text.
 
 Everything the *model* can get wrong is a ``ToolCallError`` (unknown tool, arguments that are
-not a JSON object, a missing or empty argument, a NUL byte a command line cannot carry): the
-agent turns it into an error observation, never into an aborted sample. Failures of the
-sandbox itself stay ``SandboxError`` and propagate.
-
-``render_exec`` writes what a command did as the observation text: its stdout, its stderr, and
-one bracketed line for anything but a clean exit, named by ``engine.sandbox.classify`` (exit
-code, wall-clock timeout, CPU/memory/process/disk limit, signal, truncated output).
-
-``run_tool_calls`` runs one turn's calls in the sandbox: one tool message per call, in order
-(a call past ``max_calls`` or one that cannot be resolved gets an error message instead of
-running), then one per malformed block; ``ToolCounts`` counts what ran and what went wrong.
+not a JSON object, a missing or empty argument, a NUL byte): the agent shows it as an error
+observation, never aborts the sample for it. Failures of the sandbox itself stay
+``SandboxError`` and propagate.
 """
 
 from __future__ import annotations
@@ -166,8 +154,8 @@ _LIMIT_WORDS = {
 
 
 def render_exec(result: ExecResult, *, limit_chars: int) -> str:
-    """The observation text for one command (see the module docstring); the output is clipped
-    to about ``limit_chars`` characters, the status line after it never is."""
+    """The observation text for one command: stdout, stderr, and a bracketed line for anything
+    but a clean exit. The output is clipped to about ``limit_chars``, the status line never."""
     parts = [result.stdout.rstrip("\n")] if result.stdout.strip() else []
     if result.stderr.strip():
         parts.append(result.stderr.rstrip("\n"))
@@ -218,7 +206,8 @@ async def run_tool_calls(
     timeout_s: float,
     max_chars: int,
 ) -> list[Message]:
-    """One tool message per call (in order), then one per malformed block (module docstring)."""
+    """One tool message per call, in order (a call past ``max_calls`` or one that cannot be
+    resolved gets an error message instead of running), then one per malformed block."""
     messages: list[Message] = []
     for index, call in enumerate(calls):
         if index >= max_calls:

@@ -1,14 +1,12 @@
 """Whole samples from the fold's records: which entries to read back, and reading them.
 
-The fold (:mod:`engine.projections.rollout`) keeps, per sample, the entry ids of what the
-whole sample is built from. A :class:`Rollout` is the fold together with those entries,
-read back by id (:func:`wanted` names them, :func:`ranges` groups them into a few range
-reads; ``engine.runtime.readback`` does the reading, ``rollout replay`` takes them from the
-archive in memory). Everything that needs a sample's events -- the trainer's samples, the
-artifacts, the dumps, teacher capture, a worker's recovery -- goes through it.
+The fold (:mod:`engine.projections.rollout`) keeps, per sample, the entry ids a whole sample
+is built from. A :class:`Rollout` is the fold with those entries read back by id
+(:func:`wanted` names them, :func:`ranges` groups them into few range reads; the I/O is
+``engine.runtime.readback``'s). Everything that needs a sample's events goes through it.
 
-An entry that is not the one the fold recorded there (missing, not decodable, of another
-type or sample: the stream changed between the fold and the read) is an error naming it.
+An entry that is not the one the fold recorded there (missing, of another type or sample: the
+stream changed between the fold and the read) is a ``RolloutError`` naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from engine.errors import RolloutError
 from engine.events.base import Envelope, Event
@@ -38,8 +35,6 @@ from engine.projections.rollout import (
 )
 
 __all__ = ["Rollout", "in_memory", "ranges", "wanted"]
-
-E = TypeVar("E", bound=Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +128,9 @@ def wanted(
 
 
 def ranges(state: RolloutState, ids: Sequence[str], *, gap: int = 0) -> list[tuple[str, str]]:
-    """Inclusive ``(first, last)`` id ranges that hold the entries ``ids`` (in stream order):
-    an id at most ``gap`` marks past the one before it (0: between the same two marks, at
-    most ``MARK_EVERY`` folded entries apart) shares its range, since reading a few entries
-    more beats another range."""
+    """Inclusive ``(first, last)`` id ranges holding ``ids`` (in stream order). An id at most
+    ``gap`` marks past the one before shares its range: reading a few entries more beats
+    another range read."""
     marks = state.marks
     out: list[tuple[str, str]] = []
     first = last = ""

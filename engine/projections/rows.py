@@ -1,16 +1,12 @@
 """One sample's outcome with its diagnostics: the row ``eval_details.jsonl`` lists and the
-evaluator's progress callback hears when a sample ends.
+evaluator's progress callback hears, derived once, by :func:`sample_row`:
 
-It is derived in one place, :func:`sample_row`, from the sample's ``TaskFetched`` and its
-terminal event (a rollout's rows from the fold's records and those entries read back,
-:func:`sample_rows`):
-
-* completed: the reward, the status and termination reason the event carries, its class
-  (:meth:`TerminationReason.failure_class`), the response length;
-* aborted: reward 0, status ``aborted``, the abort class as the termination reason (its
-  :attr:`AbortClass.reason`) and the failure class, the agent's own reason and diagnostics;
-* not terminal (a summary of a rollout still running): status ``pending``, counted as
-  ``infra_other`` with error ``"no terminal event"`` so per-dataset totals always add up.
+* completed: the event's reward, status and termination reason, its failure class, the
+  response length;
+* aborted: reward 0, status ``aborted``, the abort class's reason and failure class, the
+  agent's own reason and diagnostics;
+* not terminal: status ``pending``, counted as ``infra_other`` with error
+  ``"no terminal event"`` so per-dataset totals always add up.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ __all__ = ["SampleRow", "sample_row", "sample_rows"]
 
 @dataclass(frozen=True, slots=True)
 class SampleRow:
-    """One sample's outcome (see the module docstring)."""
-
     rollout_id: str
     sample_id: str
     index: int
@@ -74,9 +68,8 @@ def sample_row(
     node: str = "",
     batch_id: str = "",
 ) -> SampleRow:
-    """The row of one sample. ``attempt``, ``turns`` and ``node`` are what is known besides
-    the terminal event (the current attempt, the turns recorded, where it started); an abort
-    carries its own. ``task`` is None only when the sample's ``TaskFetched`` is missing."""
+    """``attempt``, ``turns`` and ``node`` are what is known besides the terminal event (an
+    abort carries its own); ``task`` is None only when the sample's ``TaskFetched`` is missing."""
     if task is not None:
         sample_id, rollout_id = task.sample_id, task.rollout_id
     elif terminal is not None:
@@ -141,12 +134,9 @@ def sample_row(
 
 
 def sample_rows(rollout: Rollout) -> list[SampleRow]:
-    """Every sample's row, in sample-index order.
-
-    A ready partial rollout's tail samples that had no terminal event when it became ready:
-    with ``tail="abort"`` their ``SampleAborted`` (``tail_aborted``) is written in the same
-    step as the ``RolloutReady``, so their rows say so; a carried tail stays ``pending``, its
-    error naming the request stream that takes it over."""
+    """Every sample's row, in sample-index order. A ready rollout's tail samples without a
+    terminal event read ``tail_aborted``, or, when the tail is carried, stay ``pending`` with
+    an error naming the request stream that takes it over."""
     state = rollout.state
     ready = state.ready
     tail = set(ready.tail_sample_ids) if ready is not None else set()

@@ -1,26 +1,20 @@
 """From events to the domain: a ``TaskFetched`` to its ``Task``, and a ready rollout's
 samples for the trainer.
 
-``trainer_samples(rollout)`` is the one way samples are rebuilt from the log: from the fold's
-records and the entries read back for them (:class:`~engine.projections.readback.Rollout`).
-The trainer client's ``load``, ``iter_load`` (chunk by chunk, :func:`samples_named`) and
-``rollout replay`` all call it, so they agree by construction.
+:func:`trainer_samples` is the one way samples are rebuilt from the log (the client's ``load``
+and ``iter_load`` and ``rollout replay`` all call it, so they agree by construction):
 
-* The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
-* A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
-  reward, shaped by the request's lane (:mod:`engine.projections.lanes`): with teacher
-  logprobs captured (``TeacherScored``, the per-token lanes) it carries ``teacher_log_probs``,
-  the teacher's top-K ids and logprobs, the action mask and the is-teacher mask, and its
-  ``loss_mask`` becomes the action mask (the loss sees exactly the student-emitted tokens);
-  the mixed lane writes the +1.0 sentinel at teacher positions and trains those too. The CE
-  lane gives, instead of the trajectories, their SFT sub-samples in the iteration's shuffled
-  order (``sample_id`` ``<id>/ce<j>``).
-* An aborted sample becomes ``Sample.masked_dummy`` (two zero tokens, zero loss mask,
-  ``remove_sample``, reward 0) keeping its index, group, prompt and the agent's own reason.
-* ``RolloutReady.dummy`` (filters emptied the rollout) gives exactly one masked dummy.
+* the samples ``RolloutReady.sample_ids`` names, in that order (training order);
+* a completed sample carries its tokens, loss mask, rollout logprobs and reward, shaped by the
+  request's lane (:mod:`engine.projections.lanes`): with ``TeacherScored`` it carries the
+  teacher's logprobs, top-K, action and is-teacher masks, and its loss mask becomes the action
+  mask; the CE lane gives instead the SFT sub-samples in the rollout's shuffled order
+  (``sample_id`` ``<id>/ce<j>``);
+* an aborted sample becomes ``Sample.masked_dummy`` keeping its index, group, prompt and the
+  agent's own reason; ``RolloutReady.dummy`` gives exactly one masked dummy.
 
-A reward given as a dict of named scores keeps the dict on the sample; its scalar (for
-``SampleCompleted.reward`` and collation) is the ``"score"`` entry (:func:`scalar_reward`).
+A reward given as a dict of named scores stays a dict on the sample; its scalar is the
+``"score"`` entry (:func:`scalar_reward`).
 """
 
 from __future__ import annotations
@@ -90,11 +84,7 @@ def task_of(ev: TaskFetched) -> Task:
         ) from None
 
 
-
-
 def _metadata(ev: TaskFetched) -> dict[str, Any]:
-    """A sample's metadata: the dataset's metadata keys, the prompt's line (as
-    ``_source_line``, where it always was), its task type and dataset."""
     if ev.source_line is None:
         return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
     return {
@@ -113,13 +103,11 @@ def sample_of(
     policy_version: int | None = None,
     lane: Lane = Lane.PLAIN,
 ) -> Sample:
-    """The trainer's view of one sample from its task, its first terminal event (a stored
-    prompt filled in) and its teacher scoring (see the module docstring)."""
+    """The trainer's view of one sample from its task, first terminal event and teacher
+    scoring."""
     done = terminal if isinstance(terminal, SampleCompleted) else None
     if done is None:
-        # Identity and outcome as the sample's row (``rows.sample_row``) has them: an abort's
-        # class names the reason, the agent's own reason is kept; a sample with no terminal
-        # event has neither.
+        # As ``rows.sample_row``: an abort's class names the reason, the agent's own is kept.
         aborted = terminal if isinstance(terminal, SampleAborted) else None
         dummy = Sample.masked_dummy(
             reason=aborted.abort_class.reason if aborted is not None else None,
@@ -201,16 +189,12 @@ def _score(value: object) -> bool:
 
 
 def _sample(**fields: Any) -> Sample:
-    """``Sample(**fields)`` without running pydantic again over values validated on their
-    way in (validating a rollout's samples field by field was a third of its load).
+    """``Sample(**fields)`` without validating again values the events already validated.
 
-    ``sample_of`` passes the event's arrays (the exact packed classes), enums and strings,
-    which validation returns unchanged; what the events do not constrain as ``Sample``
-    does is checked here: counts >= 0 that are ints (not bools), a string prompt, a flat
-    JSON label and metadata, finite rewards. When those hold, validation would return every
-    value unchanged, so the sample is built from them directly and only the model's own
-    invariants run (``_arrays_line_up``). Anything else -- or an invariant that fails --
-    goes through the constructor, which coerces or raises."""
+    What the events do not constrain as ``Sample`` does is checked here (non-negative int
+    counts, a string prompt, flat JSON label and metadata, finite rewards); when it holds,
+    validation would return every value unchanged, so only ``_arrays_line_up`` runs. Anything
+    else goes through the constructor, which coerces or raises."""
     reward = fields["reward"]
     version = fields["policy_version"]
     ok = (
@@ -249,10 +233,8 @@ def _sample(**fields: Any) -> Sample:
 
 
 def ce_sample(done: SampleCompleted, chunk: CeChunk, parent: Sample) -> Sample:
-    """One SFT sub-sample of a completed trajectory (the CE lane; see
-    :func:`engine.projections.lanes.ce_chunks`): the prompt and the first ``chunk.end``
-    response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``. ``parent``
-    is the trajectory's sample."""
+    """One CE-lane SFT sub-sample of the trajectory ``parent``: the prompt and the first
+    ``chunk.end`` response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``."""
     end = chunk.end
     teacher = done.teacher_mask.numpy()[:end]
     loss = np.zeros(end, dtype=np.uint8)
@@ -286,9 +268,8 @@ def ce_sample(done: SampleCompleted, chunk: CeChunk, parent: Sample) -> Sample:
 
 
 def trainer_samples(rollout: Rollout) -> list[Sample]:
-    """The samples ``RolloutReady`` names, in its order; raises if the rollout is not ready
-    or names a sample with no terminal event. ``rollout`` holds the entries of every sample
-    the ready event names."""
+    """The samples ``RolloutReady`` names, in its order; raises ``RolloutError`` if the
+    rollout is not ready or names a sample with no terminal event."""
     state = rollout.state
     ready = state.ready
     if ready is None:
@@ -300,8 +281,7 @@ def trainer_samples(rollout: Rollout) -> list[Sample]:
     if lane is not Lane.CE:
         return samples_named(rollout, ids, lane)
     check_terminal(state.samples, state.rollout_id, ids)
-    # The SFT sub-samples are shuffled across the whole rollout: planned over every
-    # trajectory, then built (each parent once).
+    # SFT sub-samples are shuffled across the whole rollout, so they are planned first.
     chunks = ce_plan(rollout, ids).chunks
     if not chunks:
         return [Sample.masked_dummy(policy_version=ready.policy_version)]
@@ -322,8 +302,7 @@ def ce_plan(rollout: Rollout, kept: Sequence[str]) -> CePlan:
 
 
 def ce_samples(rollout: Rollout, chunks: Sequence[CeChunk]) -> list[Sample]:
-    """The SFT sub-samples of ``chunks`` (a CE plan's, in its order), each parent trajectory
-    built once; ``rollout`` holds the entries of their parents."""
+    """The SFT sub-samples of a CE plan's ``chunks``, in order, each parent built once."""
     parents: dict[str, tuple[SampleCompleted, Sample]] = {}
     out: list[Sample] = []
     for c in chunks:
@@ -339,9 +318,8 @@ def ce_samples(rollout: Rollout, chunks: Sequence[CeChunk]) -> list[Sample]:
 
 
 def samples_named(rollout: Rollout, ids: Sequence[str], lane: Lane) -> list[Sample]:
-    """The samples of ``ids``, in that order, shaped by ``lane`` (not the CE lane, whose
-    sub-samples are planned over the whole rollout); raises naming the first id that has no
-    terminal event, before building any."""
+    """The samples of ``ids``, in that order, shaped by ``lane`` (not CE); raises naming the
+    first id with no terminal event, before building any."""
     samples = rollout.state.samples
     check_terminal(samples, rollout.state.rollout_id, ids)
     out: list[Sample] = []

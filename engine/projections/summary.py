@@ -1,42 +1,18 @@
 """Summaries of a finished rollout: failure classes, eval metrics and the eval artifacts.
 
-Everything here is a pure function of a folded rollout (no clock, no I/O): ``summary.json``
-reads the fold's records alone, the other artifacts the entries read back for them
-(:class:`~engine.projections.readback.Rollout`). The artifacts are computed as bytes
-(:func:`render_artifacts`) and written by
-:func:`engine.actors.artifacts.write_artifacts`, which the live finalizer and ``rollout replay``
-both call, so they produce the same bytes from the same events. Output bytes are
-deterministic: keys sorted, compact separators, floats rounded to 6 decimals (:func:`dumps`),
-rows in sample-index order.
+Everything here is a pure function of a folded rollout: ``summary.json`` reads the fold's
+records alone, the other artifacts the entries read back for them. The artifacts are rendered
+as bytes (:func:`render_artifacts`) and written by :func:`engine.actors.artifacts.write_artifacts`,
+which the live finalizer and ``rollout replay`` both call, so both produce the same bytes.
+Output is deterministic: keys sorted, compact separators, floats rounded to 6 decimals, rows in
+sample-index order.
 
-Failure classes (seeds: ``classify_termination(reward, reason)``; the derivation lives with
-the outcome family in :mod:`engine.outcomes`). Every sample falls in exactly one of eight
-classes, read off its record (:class:`~engine.projections.rollout.SampleRecord`); the first
-matching rule wins:
-
-=====================  =====================================================================
-class                  rule
-=====================  =====================================================================
-``agent_timeout``      the sample was aborted as ``agent_timeout`` (episode window elapsed)
-``infra_conn``         aborted as ``infra_conn`` (model server unreachable / aborted)
-``infra_sandbox``      aborted as ``infra_sandbox`` (the sandbox failed)
-``infra_other``        aborted as ``infra_other`` (anything else, dead-lettered deliveries)
-``success``            not aborted and ``reward > 0``
-``truncated_turns``    ended by ``max_turns`` with ``reward <= 0``
-``truncated_context``  ended by ``max_context`` or ``length`` with ``reward <= 0``
-``wrong_answer``       any other ending with ``reward <= 0`` (a clean ``finish`` included)
-=====================  =====================================================================
-
-A sample counts as *correct* when its class is ``success``. Per dataset, ``accuracy`` is
-the fraction of correct samples and, for datasets whose prompts have more than one sample,
-``pass@k`` is the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts
-(``n`` samples of the prompt, ``c`` correct), for k = 1, 2, 4, ... up to the smallest ``n``.
-It is computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which never forms a large binomial.
-
-Artifacts (:func:`render_artifacts`): ``summary.json`` (per-dataset class counts and
-metrics, per-task list), ``eval_details.jsonl`` (one line per sample),
-``placement.jsonl`` (one line per turn: node and GPU) and ``samples.jsonl`` (the trainer's
-samples as :func:`engine.projections.samples.trainer_samples` builds them).
+Every sample falls in exactly one failure class (:meth:`engine.outcomes.FailureClass.of`, the
+seeds' ``classify_termination``); it is correct when its class is ``success``. Per dataset,
+``accuracy`` is the fraction correct and, where prompts have more than one sample, ``pass@k``
+is the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts, for k = 1, 2, 4, ...
+up to the smallest ``n``, computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` so that no large
+binomial is formed.
 """
 
 from __future__ import annotations
@@ -125,8 +101,7 @@ def _by_dataset(rows: Iterable[SampleRecord]) -> dict[str, list[SampleRecord]]:
 
 
 def rows_metrics(rows: Sequence[SampleRecord], *, prefix: str = "eval") -> dict[str, float]:
-    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1)
-    of the samples ``rows`` (index order)."""
+    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1)."""
     out: dict[str, float] = {}
     for name, ds_rows in _by_dataset(rows).items():
         for key, value in _dataset_metrics(ds_rows).items():
@@ -162,10 +137,8 @@ def dumps(obj: Any) -> str:
 
 
 def build_summary(rollout: Rollout) -> dict[str, Any]:
-    """``summary.json``: per-dataset counts per class and metrics, and the per-task list,
-    from the fold's records (index order). A ready partial rollout's tail samples with no
-    terminal event count as ``tail_aborted`` when the tail was aborted (their aborts are
-    written in the same step as the ``RolloutReady``)."""
+    """``summary.json``: per-dataset counts per class and metrics, and the per-task list. A
+    ready rollout's aborted tail samples with no terminal event count as ``tail_aborted``."""
     state = rollout.state
     rows = state.ordered()
     request, ready = state.request, state.ready
@@ -205,8 +178,7 @@ def build_summary(rollout: Rollout) -> dict[str, Any]:
             for r in rows
         ],
     }
-    # Staleness and partial-rollout sections, present only for a request that uses them
-    # (a rollout without them summarizes in the bytes it always had).
+    # Present only for a request that uses them, so other summaries keep their bytes.
     if request is not None and request.max_staleness is not None:
         out["staleness"] = {
             "max_staleness": request.max_staleness,
@@ -222,7 +194,7 @@ def build_summary(rollout: Rollout) -> dict[str, Any]:
             "tail": request.tail,
             "tail_samples": len(ready.tail_sample_ids) if ready is not None else None,
         }
-    # The verification boundary's figures (engine/actors/verify.py), when it re-scored any.
+    # The verification boundary's figures, when it re-scored any.
     checks = {k[7:]: v for k, v in (ready.metrics if ready else {}).items() if k[:7] == "verify/"}
     if checks:
         out["verify"] = checks
@@ -307,8 +279,7 @@ def _jsonl(records: Iterable[Any]) -> bytes:
 
 
 def artifact_entries(state: RolloutState) -> list[str]:
-    """The entry ids the artifacts of ``state`` are built from (every sample's, turns too),
-    for the reader to read back."""
+    """The entry ids the artifacts of ``state`` are built from (every sample's, turns too)."""
     return wanted(state, state.samples, turns=True)
 
 

@@ -1,6 +1,5 @@
-"""The placement pool: the fold of ``rl:pool`` (``pool``) and the pure placement decisions
-taken on its state (``allocation``). Both are pure: no I/O, and a decision never modifies
-the state it reads; the scheduler records the grants it decides as ``TokenAcquired``."""
+"""The placement pool: the fold of ``rl:pool`` (``pool``) and the pure decisions taken on
+its state (``allocation``); the scheduler records the grants it decides as ``TokenAcquired``."""
 
 from engine.projections.placement import allocation, pool
 from engine.projections.placement.allocation import *  # noqa: F403

@@ -1,30 +1,16 @@
 """Placement decisions on a folded pool: pure functions, the state is never modified.
 
-``try_acquire_batch(state, budget, per_sample, max_tokens)`` takes tokens one ``per_sample``
-at a time until the evaluator's ``budget`` is spent or ``max_tokens`` (the batch's sample
-count) is reached, so a batch needs exactly ``n = min(budget_tokens(budget, per_sample),
-max_tokens)`` tokens. "Spending the budget" is field by field: ``gpu``, ``cpu`` and
-``memory_gb`` of the budget pay for as many per-sample amounts as they cover (a field the
-sample does not use never limits), and ``concurrency`` too (each token is one sample running
-at once, so a budget with ``concurrency=c`` pays for at most ``c`` tokens). Every one of the
-``n`` tokens must be placed or none is: on the first token that fits nowhere the result is
-``None`` and nothing is taken (all-or-nothing; the batch waits instead of half-committing).
+A batch needs ``n = min(budget_tokens(budget, per_sample), max_tokens)`` tokens: each of the
+budget's ``gpu``, ``cpu``, ``memory_gb`` and ``concurrency`` pays for as many per-sample
+amounts as it covers (a field the sample does not use never limits). All ``n`` are placed or
+none is: the batch waits rather than half-commits.
 
-Each token goes to the node with the most free GPU capacity (ties: most free CPU, then
-memory, then layout order) among those it fits on; cross-node batches are normal. On a node a
-fractional sample (``0 < gpu <= 1``) best-fits: it takes the GPU whose remaining capacity is
-the smallest that still covers it (each GPU has capacity 1.0, so ``gpu=0.33`` packs three per
-GPU); a sample of ``k >= 2`` whole GPUs takes ``k`` completely free GPUs of one node; a
-``gpu=0`` sample gates on CPU and memory alone.
-
-Ungated pools admit everything: the grants carry no resources and ``node=""``. Tokens are
-named ``f"{token_prefix}:t{i}"`` (``i`` counts from 0 within the batch) whether gated or not;
-the scheduler uses the batch id as the prefix, so token ids are unique across the pool.
-
-``max_tokens_for(state, per_sample)`` is how many such tokens the declared pool can ever hold
-at once (on an empty pool): per node the minimum over GPU slots (``floor(1/gpu)`` per GPU, or
-``floor(gpus/k)`` for whole GPUs), ``floor(cpu/cpu)`` and ``floor(memory/memory)``, summed
-over nodes. ``UNBOUNDED`` when nothing gates (ungated pool, or an all-zero sample).
+Each token goes to the node with the most free GPU capacity (ties: most free CPU, then memory,
+then layout order) it fits on. On a node a fractional sample (``0 < gpu <= 1``) takes the GPU
+with the least remaining capacity that still covers it (``gpu=0.33`` packs three per GPU); a
+sample of ``k >= 2`` GPUs takes ``k`` free GPUs of one node; a ``gpu=0`` sample gates on CPU
+and memory alone. Ungated pools admit everything with ``node=""``. Tokens are named
+``f"{token_prefix}:t{i}"``; the scheduler's prefix is the batch id, so ids are unique.
 """
 
 from __future__ import annotations
@@ -52,7 +38,6 @@ UNBOUNDED = sys.maxsize
 
 
 def budget_tokens(budget: Resource, per_sample: Resource) -> int:
-    """How many ``per_sample`` tokens the evaluator's ``budget`` pays for (see module doc)."""
     limits = [budget.concurrency // per_sample.concurrency]
     for have, need in (
         (budget.gpu, per_sample.gpu),
@@ -65,7 +50,6 @@ def budget_tokens(budget: Resource, per_sample: Resource) -> int:
 
 
 def _node_slots(decl: NodeDecl, per_sample: Resource) -> int:
-    """Tokens of ``per_sample`` an empty node holds (``UNBOUNDED`` if nothing limits)."""
     limits: list[int] = []
     gpu = per_sample.gpu
     if gpu > 0:
@@ -81,7 +65,8 @@ def _node_slots(decl: NodeDecl, per_sample: Resource) -> int:
 
 
 def max_tokens_for(state: PoolState, per_sample: Resource) -> int:
-    """How many ``per_sample`` tokens the declared pool can ever hold at once."""
+    """How many ``per_sample`` tokens the declared pool can ever hold at once, summed over
+    nodes; ``UNBOUNDED`` when nothing gates (ungated pool, or an all-zero sample)."""
     if not state.gated:
         return UNBOUNDED
     total = 0
@@ -95,8 +80,6 @@ def max_tokens_for(state: PoolState, per_sample: Resource) -> int:
 
 @dataclass(slots=True)
 class _Free:
-    """Scratch copy of one node's free capacity while a batch is being placed."""
-
     name: str
     order: int
     cpu: float
@@ -154,11 +137,9 @@ _GRANT_FIELDS = frozenset(TokenGrant.model_fields)
 
 
 def _grant(token_id: str, node: str, shares: list[GpuShare], per_sample: Resource) -> TokenGrant:
-    """``TokenGrant(token_id=..., node=..., gpus=shares, cpu=..., memory_gb=...)`` for the
-    batch's hot loop (a token per sample). Every value already has its field's exact type
-    -- strings, a fresh list of validated ``GpuShare``, the validated resource's floats --
-    so the instance is filled in as ``model_construct`` would, without the validator; equal
-    to the validated one, fields set included. Anything else is validated."""
+    """``TokenGrant(...)`` without the validator, for the per-sample hot loop: every value
+    already has its field's exact type, so the result equals the validated one. Anything
+    else is validated."""
     cpu, memory = per_sample.cpu, per_sample.memory_gb
     if type(cpu) is not float or type(memory) is not float or type(node) is not str:
         return TokenGrant(token_id=token_id, node=node, gpus=shares, cpu=cpu, memory_gb=memory)
@@ -180,12 +161,10 @@ def try_acquire_batch(
     *,
     token_prefix: str = "batch",
 ) -> list[TokenGrant] | None:
-    """All-or-nothing placement of ``min(budget_tokens, max_tokens)`` tokens, or ``None``.
-
-    Pure: ``state`` is not modified; the caller records the grants as a ``TokenAcquired``.
-    Raises ``PlacementError`` when the budget pays for no token at all (a configuration the
-    start-up deadlock check refuses) and ``ValueError`` for ``max_tokens < 1``.
-    """
+    """All-or-nothing placement of ``min(budget_tokens, max_tokens)`` tokens, or ``None``;
+    the caller records the grants as a ``TokenAcquired``. Raises ``PlacementError`` when the
+    budget pays for no token (the start-up deadlock check refuses that configuration) and
+    ``ValueError`` for ``max_tokens < 1``."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     affordable = budget_tokens(budget, per_sample)
@@ -197,8 +176,7 @@ def try_acquire_batch(
     n = min(affordable, max_tokens)
     if not state.gated:
         return [TokenGrant(token_id=f"{token_prefix}:t{i}", node="") for i in range(n)]
-    # Nodes in placement preference (the fold keeps the order); only the nodes a token
-    # lands on get a scratch copy, and only they move in the order.
+    # Only the nodes a token lands on get a scratch copy, and only they move in the order.
     order = list(state.order)
     scratch: dict[str, _Free] = {}
     grants: list[TokenGrant] = []

@@ -1,41 +1,27 @@
 """The placement pool as folded from ``rl:pool``: a pure projection, snapshottable.
 
-* ``PoolDeclared`` replaces the node set. Tokens already held stay held and are re-counted
-  against the new nodes (a token on a node that is gone counts against nothing); a
-  declaration with no nodes means "no layout": the pool is *ungated*. Before any declaration
-  the pool is ungated too.
-* ``TokenAcquired`` takes the listed tokens' capacity. A second ``TokenAcquired`` for a batch
-  that has ever acquired (same ``(rollout_id, batch_id)``) is a duplicate and ignored, so a
-  batch is placed at most once; ``acquired`` remembers every such batch, which is what a
-  resuming scheduler asks ("does this batch already have tokens?").
-* ``TokenReleased`` gives back the listed tokens the batch still holds or, with
-  ``token_ids=None``, every token it still holds. Unknown batches, unknown tokens and
-  repeated releases are ignored, so releasing is idempotent.
-* ``BatchLeased`` records that a worker took the batch over under a newer lease (the work
-  entry's delivery count); a later ``TokenReleased`` with an older ``lease`` is a late write
-  of a previous holder and is ignored (fencing): its tokens are still in use by the new
-  holder. A release with lease 0 and no ``BatchLeased`` before it is an ordinary release.
-* ``AdmissionClosed`` records that the scheduler admitted the rollout's last batch. From
-  then on every batch of the rollout answers ``has_acquired`` (a resumed request admits
-  nothing more), a ``TokenAcquired`` for it is ignored, and the fold *forgets* each of its
-  batches once the batch holds no token: its ``acquired`` key and lease go. So the record of
-  admitted batches holds the batches of rollouts still being admitted plus the batches still
-  holding tokens, and ``closed`` one id per rollout. Forgetting never changes a decision: a
-  forgotten batch holds nothing, and a late release or lease for it is ignored as it would
-  be after its last release.
-* The fold applies acquisitions as written, even ones that do not fit: it records what
-  happened, and ``over_allocation`` reports any node, GPU, CPU or memory over capacity (the
-  invariant every prefix of the stream must satisfy).
+* ``PoolDeclared`` replaces the node set; held tokens stay held and are re-counted against
+  the new nodes (one on a node that is gone counts against nothing). No declaration, or one
+  with no nodes, means an *ungated* pool.
+* ``TokenAcquired`` takes the listed tokens' capacity. A second one for a batch that has ever
+  acquired is a duplicate and ignored, so a batch is placed at most once; ``acquired``
+  answers a resuming scheduler's "does this batch already have tokens?".
+* ``TokenReleased`` gives back the listed tokens (all, with ``token_ids=None``) the batch
+  still holds; unknown batches or tokens and repeated releases are ignored (idempotent).
+* ``BatchLeased`` fences: a later release with an older ``lease`` is a late write of a
+  previous holder and is ignored, its tokens being in use by the new holder.
+* ``AdmissionClosed``: every batch of the rollout then answers ``has_acquired``, further
+  acquisitions are ignored, and each batch is forgotten once it holds no token, so the record
+  stays bounded. Forgetting never changes a decision: a late release or lease for a forgotten
+  batch is ignored as it would be after its last release.
+* Acquisitions are applied as written, even ones that do not fit: the fold records what
+  happened, and ``over_allocation`` reports any capacity exceeded (the invariant every prefix
+  of the stream must satisfy).
 
-``evolve`` updates the state in place and returns it, so folding a long pool history stays
-linear; take ``copy()`` before keeping a state that a later fold would extend. Held tokens are
-compact ``Held`` tuples and the fold keeps the nodes' placement order, so a decision
-(``allocation``) costs O(tokens x nodes) whatever the pool holds.
-
-``dump`` / ``load`` turn a state into plain msgpack-able values and back, so a reader starts
-from a stored snapshot and folds only the tail (``engine.runtime.live.LiveFold``), which lets
-retention trim ``rl:pool`` below a snapshot. ``engine.runtime.rebuild.pool_at`` folds the
-stream up to an event id and ``render_pool`` prints the state as a table.
+``evolve`` updates the state in place (take ``copy()`` before keeping one). Held tokens are
+compact ``Held`` tuples and the fold keeps the nodes' placement order, so a decision costs
+O(tokens x nodes) whatever the pool holds. ``dump`` / ``load`` let a reader start from a stored
+snapshot and fold only the tail, which lets retention trim ``rl:pool`` below it.
 """
 
 from __future__ import annotations
@@ -81,8 +67,8 @@ NodeKey = tuple[float, float, float, int]
 
 
 class Held(NamedTuple):
-    """A held token, compactly: a 100k-token pool keeps no pydantic objects alive (they
-    would cost memory and every garbage-collector pass)."""
+    """A held token without pydantic objects, which a large pool would pay for in memory
+    and in every garbage-collector pass."""
 
     node: str
     gpus: tuple[tuple[int, float], ...]
@@ -110,11 +96,9 @@ class Held(NamedTuple):
 
 @dataclass(slots=True)
 class NodeUsage:
-    """One declared node and what the held tokens use of it.
-
-    Usage returns to exactly zero when the last holder of a GPU (or of the node) releases,
-    so float rounding never leaves a pool short after a full cycle.
-    """
+    """One declared node and what the held tokens use of it. Usage returns to exactly zero
+    when the last holder of a GPU (or node) releases, so float rounding never leaves a pool
+    short after a full cycle."""
 
     decl: NodeDecl
     order: int
@@ -199,8 +183,6 @@ class NodeUsage:
 
 @dataclass(slots=True)
 class PoolState:
-    """The pool as folded from ``rl:pool``; see the module docstring for the rules."""
-
     declared: PoolDeclared | None = None
     nodes: dict[str, NodeUsage] = field(default_factory=dict)
     held: dict[BatchKey, dict[str, Held]] = field(default_factory=dict)
@@ -209,8 +191,7 @@ class PoolState:
     closed: set[str] = field(default_factory=set)  # rollouts whose admission is closed
     fenced: int = 0  # releases ignored as late writes of a previous holder
     events: int = 0
-    # Nodes sorted by placement preference, kept current by the fold so that a decision
-    # does not re-sort the whole cluster.
+    # Nodes by placement preference, kept current so that a decision does not re-sort.
     order: list[tuple[NodeKey, str]] = field(default_factory=list)
 
     @property
@@ -228,11 +209,9 @@ class PoolState:
         return (rollout_id, batch_id) in self.acquired or rollout_id in self.closed
 
     def is_closed(self, rollout_id: str) -> bool:
-        """Whether ``AdmissionClosed`` was recorded for the rollout."""
         return rollout_id in self.closed
 
     def held_by(self, rollout_id: str, batch_id: str) -> dict[str, TokenGrant]:
-        """The tokens the batch still holds, as grants."""
         tokens = self.held.get((rollout_id, batch_id), {})
         return {token_id: held.grant(token_id) for token_id, held in tokens.items()}
 
@@ -279,8 +258,6 @@ class PoolState:
 
 
 class PoolProjection:
-    """Folds ``rl:pool`` into a :class:`PoolState`; snapshottable (module docstring)."""
-
     name = "pool"
 
     def initial(self) -> PoolState:
@@ -322,16 +299,14 @@ def _declare(state: PoolState, ev: PoolDeclared) -> None:
 
 
 def _touch(state: PoolState, node: NodeUsage, before: NodeKey) -> None:
-    """Move ``node`` to its new place in ``state.order`` after its usage changed."""
     order = state.order
     del order[bisect.bisect_left(order, (before, node.name))]
     bisect.insort(order, (node.key, node.name))
 
 
 def _reorder(state: PoolState, before: dict[str, NodeKey]) -> None:
-    """Re-place every node in ``before`` (its key before a whole event's grants changed
-    it): one move per node and event instead of one per token -- a batch's 256 tokens
-    usually land on one node."""
+    """Re-place every node of ``before`` (its key before the event): one move per node and
+    event rather than per token, since a batch's tokens usually land on one node."""
     for name, key in before.items():
         _touch(state, state.nodes[name], key)
 
@@ -458,8 +433,7 @@ def _dump(state: PoolState) -> dict[str, Any]:
 
 
 def _load(doc: Any) -> PoolState:
-    """The state ``_dump`` wrote: held tokens, node usage (re-counted from the tokens), the
-    record of admitted batches, leases and closed rollouts."""
+    """The state ``_dump`` wrote; node usage is re-counted from the held tokens."""
     if not isinstance(doc, dict) or doc.get("v") != _SNAPSHOT_VERSION:
         found = doc.get("v") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"pool snapshot: version {found!r}, expected {_SNAPSHOT_VERSION}")
@@ -483,14 +457,14 @@ def _load(doc: Any) -> PoolState:
 
 
 def pool_of(declaration: PoolDeclared) -> PoolState:
-    """A fresh pool with ``declaration`` and nothing held (what a layout alone provides)."""
+    """A fresh pool with ``declaration`` and nothing held."""
     state = PoolState()
     _declare(state, declaration)
     return state
 
 
 def fold_all(envelopes: Iterable[Envelope]) -> PoolState:
-    """Fold envelopes into a fresh state (a convenience for tests and tools)."""
+    """Fold envelopes into a fresh state."""
     projection = PoolProjection()
     state = projection.initial()
     for env in envelopes:
