@@ -1,31 +1,11 @@
 """The ``rollout`` command.
 
-Log tools (talk to Redis; their settings flags, ``--redis-url`` and ``--prefix`` for all, are
-generated from ``engine.settings`` and default to the ``ROLLOUT_*`` variables):
-
-* ``rollout replay ID [--from FILE] [--out DIR]`` -- rebuild a rollout's samples, summary,
-  eval details and placement log from the log (or an archive file), byte-identical to the
-  files the live finalizer wrote;
-* ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
-* ``rollout retention --store DIR [--keep-s S] [--every S]`` -- trim the shared streams below
-  what every group acked; archive finished rollouts to DIR, then delete their streams;
-* ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
-* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
-* ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
-* ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
-* ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
-* ``rollout env [--markdown]`` -- every ``ROLLOUT_*`` variable with its type, default, flag and
-  meaning (``--markdown``: the table of docs/configuration.md).
-
-A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
-
-Processes (each runs its own ``main(argv)``, which owns the flags): ``worker``,
-``finalizer``, ``capture``, ``scheduler`` and ``sync`` (the weight syncer) are the
-engine's processes, whose entry points the top layer passes in (``workers.cli``, the
-installed ``rollout``); ``tinylm`` (``engine.ops.tinylm``, which passes the bundled agents'
-system prompts) and ``demo`` (``engine.ops.demo``, which starts the processes through the
-``rollout`` entry it is given).
-Exit status: 0 ok, 1 the operation failed, 2 bad usage.
+Log tools (``replay``, ``archive``, ``retention``, ``tail``, ``status``, ``pool``, ``top``)
+take settings flags generated from ``engine.settings``; ``events`` and ``env`` print the
+generated references. A misspelt ``ROLLOUT_*`` variable is refused naming its close
+matches. Process commands parse their own flags: the engine's processes run through the
+entry points the top layer passes in (``workers.cli``), ``tinylm`` and ``demo`` from
+``engine.ops``. Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -54,14 +34,12 @@ PROCESS_COMMANDS: dict[str, str] = {
     "scheduler": "a scheduler process",
     "sync": "the weight syncer (quiesce, load, verify, resume)",
 }
-"""The engine's processes, run by the entry points ``main`` is given (``workers.cli``)."""
 
 _DELEGATES: dict[str, str] = {
     **PROCESS_COMMANDS,
     "tinylm": "the tiny SGLang-compatible model (init/serve)",
     "demo": "a whole rollout on embedded defaults",
 }
-"""Every command whose flags its own ``main`` parses: command -> what it runs."""
 
 
 def _delegate(
@@ -87,7 +65,6 @@ def _delegate(
 
 
 def _stream_id(text: str) -> str:
-    """An argparse type: a stream id ``<ms>-<seq>`` (or a bare ``<ms>``)."""
     ms, dash, seq = text.partition("-")
     if not ms.isdigit() or (dash and not seq.isdigit()):
         raise argparse.ArgumentTypeError(
@@ -99,7 +76,6 @@ def _stream_id(text: str) -> str:
 
 
 LOG_TOOL = Flags(CONNECTION)
-"""The settings of every log tool: the Redis URL and the stream prefix."""
 
 _FLAGS = {
     "retention": Flags(
@@ -107,7 +83,6 @@ _FLAGS = {
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
 }
-"""Commands that take more settings than ``LOG_TOOL``."""
 
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
@@ -160,7 +135,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
 
 
 def _log(settings: Settings, block_ms: int = 2000) -> EventLog:
-    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL may be a flag.
+    # Credentials and TLS files come from ROLLOUT_REDIS_*, never argv.
     return open_log(
         settings.redis(block_ms=block_ms),
         names=StreamNames(settings.stream_prefix),
@@ -345,9 +320,9 @@ def main(
     processes: Mapping[str, Entry] | None = None,
     rollout: Sequence[str] = (),
 ) -> int:
-    """Run one ``rollout`` command; ``processes`` are the engine's process entry points and
-    ``rollout`` the Python arguments that run this command anew (both from the top layer,
-    ``workers.cli``: without them the process commands and the demo are refused)."""
+    """Run one ``rollout`` command. ``processes`` (the engine's process entry points) and
+    ``rollout`` (the arguments that run this command anew) come from the top layer,
+    ``workers.cli``; without them the process commands and the demo are refused."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
         return _delegate(args_list[0], args_list[1:], processes or {}, rollout)

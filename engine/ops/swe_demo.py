@@ -1,11 +1,8 @@
 """``rollout demo --task swe``: the pieces the demo swaps in for the SWE-style task.
 
-The stack is the demo's own (Redis, a tinylm server, a scheduler, workers, a finalizer); with
-``--task swe`` it runs the bundled ``swe`` task (``engine/tasks/swe_rollout.yaml``) with
-mini-swe-agent through the recording proxy (``engine/tasks/swe_evaluators.py``), on a tinylm
-taught mini-swe-agent's reply format (``engine.tasks.swe_format``), and shows one captured
-trajectory token by token: each generated reply (``loss_mask`` 1, with its logprobs) and each
-observation (``loss_mask`` 0) as the trainer receives them.
+The bundled ``swe`` task runs mini-swe-agent through the recording proxy on a tinylm
+taught mini-swe-agent's reply format; the demo then shows one captured trajectory as the
+trainer receives it, each reply (``loss_mask`` 1, with logprobs) and observation (0).
 """
 
 from __future__ import annotations
