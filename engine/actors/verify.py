@@ -1,24 +1,19 @@
 """The verification boundary on the rollout path: re-score a fraction of completed samples.
 
 RL trains on the logprobs recorded while sampling; if the server's sampling and scoring
-paths disagree (a temperature folded into the logprobs, a differing kernel, re-tokenised
-tokens), every importance ratio is wrong and nothing else notices. So:
+paths disagree (a temperature folded in, a differing kernel, re-tokenised tokens), every
+importance ratio is wrong and nothing else notices. So:
 
-* ``selected``: the ``verify_fraction`` knob (else ``ROLLOUT_VERIFY_FRACTION``, default 0)
-  picks samples by a hash of their id, the same on every run and on replay.
-* ``verify_result`` (worker side, after the agent's ``eval``, on the trajectory's server):
-  one prefill of ``prompt + response``; each sampled token (loss mask 1, not a DAgger
-  teacher token) of the server's current weight version is compared with its re-scored
-  logprob, tokens of another version only counted. A sample with none left, or whose
-  re-score cannot run, is skipped with the reason, never failed: the check must not abort
-  training samples. Its ``SampleVerified`` precedes the ``SampleCompleted``, so a
-  finalizer has folded it before the sample is terminal.
-* ``VerifyTally`` (finalizer side): a check past its threshold fails the rollout naming the
-  sample, position, delta and threshold; otherwise ``RolloutReady.metrics`` gets
-  ``verify/*`` figures when some sample was selected.
-
-The threshold (``verify_threshold`` knob, ``ROLLOUT_VERIFY_THRESHOLD``) defaults to
-``DEFAULT_THRESHOLD``; docs/sglang.md says how it was chosen.
+* ``selected`` picks samples by a hash of their id (``verify_fraction`` knob, else
+  ``ROLLOUT_VERIFY_FRACTION``, default 0): the same ones on every run and on replay.
+* ``verify_result`` (worker side, on the trajectory's server) re-scores ``prompt +
+  response`` in one prefill and compares each sampled token of the server's current weight
+  version (tokens of another only counted). A sample with none left, or whose re-score
+  cannot run, is skipped with the reason, never failed. Its ``SampleVerified`` precedes the
+  ``SampleCompleted``, so a finalizer has folded it before the sample is terminal.
+* ``VerifyTally`` (finalizer side) fails the rollout on a check past its threshold
+  (``verify_threshold`` knob, ``ROLLOUT_VERIFY_THRESHOLD``, default ``DEFAULT_THRESHOLD``,
+  chosen as docs/sglang.md says), else adds ``verify/*`` to ``RolloutReady.metrics``.
 """
 
 from __future__ import annotations
@@ -41,8 +36,14 @@ from engine.errors import ConfigError
 from engine.events.catalog import RolloutFailed, SampleVerified
 
 __all__ = [
-    "DEFAULT_THRESHOLD", "FRACTION_KNOB", "THRESHOLD_KNOB", "VerifyPolicy", "VerifyTally",
-    "check_servers", "selected", "verify_result",
+    "DEFAULT_THRESHOLD",
+    "FRACTION_KNOB",
+    "THRESHOLD_KNOB",
+    "VerifyPolicy",
+    "VerifyTally",
+    "check_servers",
+    "selected",
+    "verify_result",
 ]
 
 logger = logging.getLogger(__name__)

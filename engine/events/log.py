@@ -85,7 +85,6 @@ class EventLog(Protocol):
         causation: Envelope | str | None = None,
     ) -> list[str]:
         """Append many events (to one or several streams) in one round trip, in order."""
-        ...
 
     async def append_if_last(
         self,
@@ -99,7 +98,6 @@ class EventLog(Protocol):
         """Append iff the stream's last id is ``expected_last`` (``0-0``: empty), with
         ``also`` in the same atomic step (keys of one cluster slot, else ``LogError``);
         the ids of ``events``, then of ``also``."""
-        ...
 
     async def append_once(
         self,
@@ -112,15 +110,12 @@ class EventLog(Protocol):
     ) -> str | None:
         """Append ``event`` and set ``marker`` (``names.once(...)``, expiring after
         ``ttl_s``) atomically unless it is set; the id, or None when it was."""
-        ...
 
     async def last_id(self, stream: str) -> str:
         """The stream's last id (``0-0`` when empty or missing)."""
-        ...
 
     async def first_id(self, stream: str) -> str:
         """The stream's first id (``0-0`` when empty or missing)."""
-        ...
 
     # ------------------------------------------------------------------ reading
 
@@ -134,7 +129,6 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> list[Envelope]:
         """Entries with ``start <= id <= end`` (``(id``: exclusive)."""
-        ...
 
     async def read_all(
         self,
@@ -145,7 +139,6 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> list[Envelope]:
         """Every entry after ``after`` (None: from the start)."""
-        ...
 
     async def tail(
         self,
@@ -156,7 +149,6 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> list[Envelope]:
         """Blocking read of entries after each stream's position (``$``: only new ones)."""
-        ...
 
     async def read_after(
         self,
@@ -169,7 +161,6 @@ class EventLog(Protocol):
     ) -> tuple[list[Envelope], str]:
         """Blocking read of one stream past ``after``: the envelopes and the position to
         continue from (past dead-lettered entries too)."""
-        ...
 
     def subscribe(
         self,
@@ -180,30 +171,25 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> AsyncIterator[Envelope]:
         """Yield every event appended after ``after``, forever (cancel to stop)."""
-        ...
 
     async def read_raw(
         self, stream: str, *, after: str | None = None, page: int = 2000, limit: int | None = None
     ) -> list[RawEntry]:
         """The first ``limit`` (None: all) entries after ``after``, undecoded."""
-        ...
 
     async def tail_raw(
         self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
     ) -> list[RawStreamEntry]:
         """Blocking read past each stream's position, undecoded."""
-        ...
 
     async def read_raw_ranges(
         self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
     ) -> list[list[RawEntry]]:
         """For each ``(start, end, count)``: at most ``count`` (None: all) entries of
         that range, undecoded; one round trip."""
-        ...
 
     async def list_streams(self, pattern: str) -> list[str]:
         """Names of the existing streams matching the glob ``pattern``, sorted."""
-        ...
 
     async def stream_length(self, stream: str) -> int: ...
 
@@ -211,7 +197,6 @@ class EventLog(Protocol):
 
     async def ensure_group(self, stream: str, group: str, *, start: str = "0") -> None:
         """Create the group (and the stream) if missing; an existing group is kept."""
-        ...
 
     async def read_group(
         self,
@@ -223,7 +208,6 @@ class EventLog(Protocol):
         block_ms: int | None = None,
     ) -> list[Envelope]:
         """New entries for this consumer, each one delivery (idle from now)."""
-        ...
 
     async def ack(self, stream: str, group: str, *ids: str) -> int: ...
 
@@ -232,14 +216,12 @@ class EventLog(Protocol):
     ) -> list[str]:
         """Reset the idle time of entries this consumer still owns (no delivery counted);
         returns the ids it no longer owns."""
-        ...
 
     async def hand_back(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> list[str]:
         """Make unfinished entries claimable at once, taking back the delivery they were
         on; returns the ids the consumer no longer owned."""
-        ...
 
     async def claim_idle(
         self,
@@ -252,7 +234,6 @@ class EventLog(Protocol):
         ack_dead: bool = True,
     ) -> ClaimResult:
         """Take over entries idle past ``min_idle_ms``, one more delivery each."""
-        ...
 
     async def read_own_pending(
         self,
@@ -266,21 +247,18 @@ class EventLog(Protocol):
     ) -> ClaimResult:
         """This consumer's unacked entries, one more delivery each; ``limit`` applies
         the delivery-count check of :meth:`claim_idle`."""
-        ...
 
     async def unread_own_pending(
         self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
     ) -> ClaimResult:
         """This consumer's pending entries but ``skip``, without counting a delivery (for
         a group read whose reply was lost); ``deliveries`` holds each one's count."""
-        ...
 
     async def pending_count(self, stream: str, group: str) -> int: ...
 
     async def group_consumers(self, stream: str, group: str) -> dict[str, int]:
         """Each consumer of the group and its idle ms (since its last read, claim or
         keep-alive); empty when the stream or group is missing."""
-        ...
 
     async def trim_acked(
         self, stream: str, *, before: str | None = None, require: Collection[str] = ()
@@ -288,16 +266,13 @@ class EventLog(Protocol):
         """Trim entries every group has acked (never below a pending or undelivered one);
         with ``before``, keep that id and every later one too; nothing while a group named
         in ``require`` does not exist."""
-        ...
 
     async def trim_before(self, stream: str, keep_from: str) -> int:
         """Delete the entries below ``keep_from`` whoever reads them; how many (for a
         stream folded from a snapshot, ``rl:pool``)."""
-        ...
 
     async def delete_stream(self, stream: str) -> bool:
         """Delete a stream and its consumer groups; whether it existed."""
-        ...
 
     # ------------------------------------------------------------------ snapshots, close
 

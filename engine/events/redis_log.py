@@ -11,7 +11,7 @@ each slot concurrently and merges the replies.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from engine.errors import AppendConflict
@@ -20,7 +20,7 @@ from engine.events.base import Envelope, Event
 from engine.events.codec import encode
 from engine.events.ids import EMPTY_ID, exclusive, format_id, id_after, parse_id
 from engine.events.log import RawEntry, RawStreamEntry
-from engine.events.log_base import FIELD, _s, gc_paused
+from engine.events.log_base import FIELD, Row, _s, gc_paused
 from engine.events.names import StreamNames, check_one_slot, key_slot
 from engine.events.redis_connect import RedisClient, connect
 from engine.events.redis_groups import RedisGroups, _rows_of
@@ -158,18 +158,27 @@ class RedisEventLog(RedisGroups):
         dead_letter: bool = False,
     ) -> list[Envelope]:
         out: list[Envelope] = []
-        cursor = after
         with gc_paused():
-            while True:
-                start = "-" if cursor is None else exclusive(cursor)
-                with self._io(f"XRANGE {stream}"):
-                    rows = await self._r.xrange(stream, start, "+", count=page)
-                if not rows:
-                    return out
+            async for rows in self._pages(stream, after, page):
                 out.extend(await self._decode_rows(stream, rows, dead_letter=dead_letter))
-                cursor = _s(rows[-1][0])
-                if len(rows) < page:
-                    return out
+        return out
+
+    async def _pages(
+        self, stream: str, after: str | None, page: int, limit: int | None = None
+    ) -> AsyncIterator[list[Row]]:
+        """XRANGE past ``after`` a page at a time, at most ``limit`` rows in all."""
+        cursor, n = after, 0
+        while True:
+            start = "-" if cursor is None else exclusive(cursor)
+            count = page if limit is None else min(page, limit - n)
+            with self._io(f"XRANGE {stream}"):
+                rows = await self._r.xrange(stream, start, "+", count=count)
+            if rows:
+                yield rows
+            n += len(rows)
+            if len(rows) < count or (limit is not None and n >= limit):
+                return
+            cursor = _s(rows[-1][0])
 
     async def tail(
         self,
@@ -181,9 +190,7 @@ class RedisEventLog(RedisGroups):
     ) -> list[Envelope]:
         out: list[Envelope] = []
         for raw_stream, rows in await self._xread(positions, count=count, block_ms=block_ms):
-            out.extend(
-                await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter)
-            )
+            out.extend(await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter))
         return out
 
     async def _xread(
@@ -234,18 +241,11 @@ class RedisEventLog(RedisGroups):
     ) -> list[RawEntry]:
         if limit is not None and limit < 1:
             raise ValueError(f"read_raw: limit must be at least 1, got {limit}")
-        out: list[RawEntry] = []
-        cursor = after
-        while True:
-            start = "-" if cursor is None else exclusive(cursor)
-            count = page if limit is None else min(page, limit - len(out))
-            with self._io(f"XRANGE {stream}"):
-                rows = await self._r.xrange(stream, start, "+", count=count)
-            for raw_id, fields in rows:
-                out.append((_s(raw_id), bytes(fields.get(FIELD, b""))))
-            if len(rows) < count or (limit is not None and len(out) >= limit):
-                return out
-            cursor = out[-1][0]
+        return [
+            (_s(raw_id), bytes(fields.get(FIELD, b"")))
+            async for rows in self._pages(stream, after, page, limit)
+            for raw_id, fields in rows
+        ]
 
     async def read_raw_ranges(
         self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
@@ -353,4 +353,3 @@ def open_log(
         max_deliveries=max_deliveries,
         block_ms=settings.block_ms,
     )
-

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from engine.errors import ConfigError, EngineError
@@ -107,8 +108,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "retention",
         "trim acked shared streams; archive finished rollouts to files, then delete them",
     )
-    p.add_argument("--every", type=float, default=None,
-                   help="repeat every this many seconds (default: one pass, then exit)")
+    p.add_argument(
+        "--every",
+        type=float,
+        default=None,
+        help="repeat every this many seconds (default: one pass, then exit)",
+    )
     p = command("tail", "print live events")
     p.add_argument("--rollout", help="only this rollout's events (and its stream)")
     p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
@@ -117,15 +122,17 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p = command("status", "a rollout's progress")
     p.add_argument("rollout_id", metavar="ID")
     p = command("pool", "the placement pool now, or as it was at a past event (time travel)")
-    p.add_argument("--at", metavar="ID", type=_stream_id,
-                   help="an rl:pool event id (default: the latest)")
+    p.add_argument(
+        "--at", metavar="ID", type=_stream_id, help="an rl:pool event id (default: the latest)"
+    )
     p = command("top", "a live view of rollouts, pool use, workers and lag")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
     p = sub.add_parser("env", help="every ROLLOUT_* variable: type, default, flag, meaning")
-    p.add_argument("--markdown", action="store_true",
-                   help="as the Markdown table of docs/configuration.md")
+    p.add_argument(
+        "--markdown", action="store_true", help="as the Markdown table of docs/configuration.md"
+    )
     p = sub.add_parser("events", help="the events reference, generated from the catalog")
     p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
     p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
@@ -134,13 +141,18 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     return parser
 
 
-def _log(settings: Settings, block_ms: int = 2000) -> EventLog:
+@contextlib.asynccontextmanager
+async def _log(settings: Settings, block_ms: int = 2000) -> AsyncIterator[EventLog]:
     # Credentials and TLS files come from ROLLOUT_REDIS_*, never argv.
-    return open_log(
+    log = open_log(
         settings.redis(block_ms=block_ms),
         names=StreamNames(settings.stream_prefix),
         producer="cli",
     )
+    try:
+        yield log
+    finally:
+        await log.aclose()
 
 
 async def _replay(settings: Settings, args: argparse.Namespace) -> int:
@@ -163,12 +175,9 @@ async def _replay(settings: Settings, args: argparse.Namespace) -> int:
             return 2
         stream, entries = archive.stream, archive.entries
     else:
-        log = _log(settings)
-        try:
+        async with _log(settings) as log:
             stream = log.names.rollout(args.rollout_id)
             entries = await raw_entries(log, stream)
-        finally:
-            await log.aclose()
         if not entries:
             print(f"error: no events for rollout {args.rollout_id} in {stream}", file=sys.stderr)
             return 1
@@ -186,11 +195,8 @@ async def _replay(settings: Settings, args: argparse.Namespace) -> int:
 async def _archive(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import archive_rollout
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         n = await archive_rollout(log, args.rollout_id, args.out)
-    finally:
-        await log.aclose()
     print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
     return 0
 
@@ -199,14 +205,15 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.retention import retention_pass
 
     if settings.retention_store is None:
-        print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
-              file=sys.stderr)
+        print(
+            "error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
+            file=sys.stderr,
+        )
         return 2
     if args.every is not None and args.every <= 0:
         print(f"error: --every must be positive, got {args.every}", file=sys.stderr)
         return 2
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         while True:
             report = await retention_pass(
                 log, settings.retention_store, keep_s=settings.retention_keep_s
@@ -215,17 +222,14 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
             if args.every is None:
                 return 0
             await asyncio.sleep(args.every)
-    finally:
-        await log.aclose()
 
 
 async def _tail(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import tail
 
-    log = _log(settings, block_ms=1000)
-    names = log.names
-    streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
-    try:
+    async with _log(settings, block_ms=1000) as log:
+        names = log.names
+        streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
         if not args.stream:
             streams.extend(await log.list_streams(names.work_pattern))
         if args.rollout:
@@ -238,8 +242,6 @@ async def _tail(settings: Settings, args: argparse.Namespace) -> int:
             from_start=args.from_start,
             count=args.count,
         )
-    finally:
-        await log.aclose()
     return 0
 
 
@@ -249,12 +251,9 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         stream = log.names.rollout(args.rollout_id)
         envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
-    finally:
-        await log.aclose()
     if not envelopes:
         print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
         return 1
@@ -269,11 +268,8 @@ async def _pool(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.placement import render_pool
     from engine.runtime.rebuild import pool_at
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         folded = await pool_at(log, until=args.at)
-    finally:
-        await log.aclose()
     print(render_pool(folded))
     return 0
 
@@ -295,11 +291,8 @@ def _events(args: argparse.Namespace) -> int:
 async def _top(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.top import run_top
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
-    finally:
-        await log.aclose()
     return 0
 
 

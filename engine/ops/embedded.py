@@ -1,17 +1,15 @@
 """An embedded Redis for the demo, the benches and the tests: authenticated by default.
 
-``start_redis()`` runs a real ``redis-server`` on a free loopback port (persistence off,
-its own temp dir) when the binary exists, else fakeredis's TCP server in a thread; either
-way ``stop()`` leaves no process or thread behind.
+``start_redis()`` runs a real ``redis-server`` on a free loopback port (persistence off)
+when the binary exists, else fakeredis's TCP server in a thread; ``stop()`` leaves no
+process or thread behind.
 
 Security: a real server gets fresh passwords, never on a command line (SHA-256 hashes in a
-``0600`` config file in a ``0700`` folder), for three ACL users: ``default`` (``url``, the
-admin), ``engine`` (``engine_url``: every command but ``@dangerous`` ones, on the stack's
-prefix only) and ``trainer`` (``trainer_url``: append to the control stream, read the
-prefix). A URL carries its password: pass it in the environment (``ROLLOUT_REDIS_URL``),
-never argv, which every local user can read. ``tls=`` serves TLS only. The fakeredis
-fallback authenticates nobody (``authenticated`` is False, the demo warns): anyone who can
-reach its loopback port has full access; sandboxes in their own network namespace cannot.
+``0600`` config in a ``0700`` folder), for ACL users ``default`` (the admin), ``engine``
+(no ``@dangerous`` command, the stack's prefix only) and ``trainer`` (append to the control
+stream, read the prefix). A URL carries its password: pass it in the environment, never
+argv, which every local user can read. The fakeredis fallback authenticates nobody
+(``authenticated`` is False): anyone who reaches its loopback port has full access.
 """
 
 from __future__ import annotations
@@ -35,7 +33,12 @@ from engine.events.names import StreamNames
 from engine.events.redis_settings import redact
 
 __all__ = [
-    "EmbeddedRedis", "RedisTls", "free_port", "redact", "start_fake_redis", "start_redis",
+    "EmbeddedRedis",
+    "RedisTls",
+    "free_port",
+    "redact",
+    "start_fake_redis",
+    "start_redis",
     "start_redis_server",
 ]
 
@@ -171,7 +174,11 @@ def _acl_rules(prefix: str) -> dict[str, str]:
 
 
 def _write_config(
-    workdir: str, port: int, prefix: str, passwords: dict[str, str], tls: RedisTls | None,
+    workdir: str,
+    port: int,
+    prefix: str,
+    passwords: dict[str, str],
+    tls: RedisTls | None,
     appendonly: bool,
 ) -> str:
     lines = [

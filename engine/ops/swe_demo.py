@@ -27,9 +27,7 @@ SWE_TRAIN_STEPS = 200
 """Format-training steps of the demo's SWE model (about a minute on 2 free cores)."""
 
 
-def ensure_swe_model(
-    model_dir: Path, train_steps: int | None, say: Callable[[str], None]
-) -> None:
+def ensure_swe_model(model_dir: Path, train_steps: int | None, say: Callable[[str], None]) -> None:
     """Build the format-trained tinylm once; later runs reuse it."""
     if (model_dir / "config.json").is_file():
         say(f"model     tinylm (mini-swe-agent format) at {model_dir} (built earlier)")
