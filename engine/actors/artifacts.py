@@ -1,10 +1,8 @@
 """Write a rollout's artifacts to a directory: the one function the live finalizer and
 ``rollout replay`` both call, so a replay writes the live run's files by construction.
 
-The content is computed by the pure :func:`engine.projections.summary.render_artifacts` from
-the fold and the entries read back for it (name -> bytes); this module only puts those bytes
-on disk, each file atomically (a temporary file in the same directory, then a rename), so a
-reader never sees half a file.
+The bytes come from the pure :func:`engine.projections.summary.render_artifacts`; each file
+is written atomically, so a reader never sees half of one.
 """
 
 from __future__ import annotations

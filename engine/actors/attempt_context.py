@@ -1,10 +1,5 @@
-"""The ``EpisodeContext`` of one attempt, and its private temporary directory.
-
-A ``BatchRun`` builds one context per attempt (``attempt_context``) on the hot path, so it
-skips what ``EpisodeContext(...)`` would repeat per field, and copies it once more when the
-attempt's placement token names a node (``with_node``). The attempt's ``tmp_dir`` is a path
-inside the batch's directory, reserved when the episode first reads it (``LazyTmp``); the
-batch run removes both the attempt's and the batch's directory when they are done.
+"""The ``EpisodeContext`` of one attempt, built on the hot path without what
+``EpisodeContext(...)`` repeats per field, and its private temporary directory.
 """
 
 from __future__ import annotations
@@ -30,12 +25,10 @@ def with_node(ctx: EpisodeContext, node: str) -> EpisodeContext:
 
 
 class LazyTmp:
-    """An attempt's ``tmp_dir``: a path reserved (not created) inside the batch's directory
-    when the episode first reads it. Neither exists until an agent makes its own
-    (``ctx.tmp_dir.mkdir(parents=True)``); most episodes never do (then no path is built and
-    nothing is removed after cleanup), so a worker killed mid-batch leaves no empty
-    directory behind. The batch's name carries a random part, and ``BatchRun.run`` removes
-    it. ``path`` is None until read; copies of the attempt's context share the holder."""
+    """An attempt's ``tmp_dir``: a path inside the batch's directory, named on first read
+    and never created here (an agent makes it if it needs one), so most episodes build no
+    path and a worker killed mid-batch leaves no empty directory. ``path`` is None until
+    read; copies of the attempt's context share the holder."""
 
     __slots__ = ("_batch", "_sample_id", "_attempt", "path")
 
@@ -58,9 +51,8 @@ class LazyTmp:
 
 
 class AttemptContext(EpisodeContext):
-    """The ``EpisodeContext`` a ``BatchRun`` builds per attempt: the same fields, with
-    ``tmp_dir`` made on first read (:class:`LazyTmp`). Built by :func:`attempt_context`;
-    ``dataclasses.replace`` of one (which passes ``tmp_dir``) works as on the base class."""
+    """An ``EpisodeContext`` whose ``tmp_dir`` is named on first read (:class:`LazyTmp`);
+    ``dataclasses.replace`` works as on the base class."""
 
     @property
     def tmp_dir(self) -> Path:
@@ -76,8 +68,8 @@ class AttemptContext(EpisodeContext):
 
 
 def attempt_context(**fields: Any) -> AttemptContext:
-    """An :class:`AttemptContext` of ``fields`` (every field but ``tmp_dir``, plus the
-    ``_tmp`` holder), checked like ``EpisodeContext(...)`` without its per-field setattr."""
+    """An :class:`AttemptContext` of ``fields`` (all but ``tmp_dir``, plus the ``_tmp``
+    holder), checked like ``EpisodeContext(...)``."""
     ctx = _new(AttemptContext)
     ctx.__dict__.update(fields)
     ctx.__post_init__()
@@ -93,7 +85,7 @@ def _attempt_dir(batch: Path, sample_id: str, attempt: int) -> Path:
 
 
 def _safe(name: str) -> str:
-    if _PLAIN.fullmatch(name):  # the usual sample id: nothing to replace (one C pass)
+    if _PLAIN.fullmatch(name):  # the usual sample id: one C pass, nothing to replace
         return name
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 

@@ -1,14 +1,11 @@
-"""``BatchTokens``: a batch's local placement tokens, handed out one per running sample.
+"""``BatchTokens``: a batch's placement tokens (``BatchAdmitted.token_ids``), one per
+running sample.
 
-A batch is admitted with its placement tokens (``BatchAdmitted.token_ids``). Inside the batch
-run each sample takes one (waiting for a free one) before its ``run`` phase and gives it back
-after ``cleanup``. Tokens no remaining sample can use (more held than ``min(unfinished samples,
-concurrency)``) go back to the pool at once; the rest when the batch ends. A batch admitted
-without tokens runs ungated: ``take`` returns None at once.
-
-Tokens freed by samples that end in the same event-loop tick leave in one release, made at
-the end of the tick: after those samples' terminal events (emission order is log order), and
-with one ``TokenReleased`` instead of one per sample.
+A sample takes one (waiting for a free one) before its ``run`` phase and gives it back
+after ``cleanup``. Tokens no remaining sample can use (more than ``min(unfinished,
+concurrency)``) go back to the pool at once, the rest when the batch ends; a batch without
+tokens runs ungated. Tokens freed in one event-loop tick leave in one ``TokenReleased`` at
+its end, after those samples' terminal events.
 """
 
 from __future__ import annotations
@@ -23,8 +20,6 @@ Release = Callable[[list[str], str], None]
 
 
 class BatchTokens:
-    """See the module docstring."""
-
     def __init__(
         self, tokens: Sequence[str], *, samples: int, concurrency: int, release: Release
     ) -> None:
@@ -54,8 +49,7 @@ class BatchTokens:
             self.release_surplus("sample_done")
 
     def release_surplus(self, reason: str) -> None:
-        """Give back free tokens beyond what the unfinished samples can still use (at the
-        end of this event-loop tick)."""
+        """Release, at the end of this tick, free tokens the unfinished samples cannot use."""
         needed = min(self._unfinished, self._concurrency)
         while len(self._held) > needed and not self._free.empty():
             token = self._free.get_nowait()
@@ -66,14 +60,13 @@ class BatchTokens:
             asyncio.get_running_loop().call_soon(self.release_now, reason)
 
     def release_now(self, reason: str) -> None:
-        """Release the tokens ``release_surplus`` set aside, if any."""
         self._release_scheduled = False
         tokens, self._releasing = self._releasing, []
         if tokens:
             self.release(tokens, reason)
 
     def release_rest(self) -> None:
-        """The batch is done: release the surplus set aside, then every token still held."""
+        """The batch is done: release every token still held."""
         self.release_now("sample_done")
         if self._held:
             self.release(sorted(self._held), "batch_done")

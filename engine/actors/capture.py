@@ -2,23 +2,18 @@
 
 Contract
 --------
-* Input: ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture``
-  (written by the finalizer once every sample of a per-token-loss rollout is terminal).
-* For each named sample that is completed and not yet scored, the teacher force-decodes
-  ``prompt_ids + response_ids`` (:class:`TeacherScorer`) and the worker appends
-  ``TeacherScored`` to the rollout stream: the teacher's logprob of every response token,
-  its top-K ids and logprobs (flattened row-major, K per position) and the action mask
-  (student action tokens only: the loss mask without the DAgger rollin's teacher tokens),
-  for the attempt that produced the trajectory. The lane shaping (the mixed lane's
-  sentinel) happens when the samples are built, ``engine.projections.lanes``. Samples are
-  scored concurrently, up to ``concurrency`` at once.
-* A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
-  failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
-  to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.
-* It runs on the actor runtime (``engine.runtime.loop.serve``), one request at a time; a
-  stop hands the request in progress back.
-* The entry is acked only after its events are in Redis; a redelivered request skips the
-  samples already scored, so a crash costs at most the scoring in flight.
+* Input: ``CaptureRequested`` on ``rl:capture`` (group ``capture``), from the finalizer
+  once every sample of a per-token-loss rollout is terminal.
+* Each named sample completed and not yet scored is force-decoded (``prompt_ids +
+  response_ids``, up to ``concurrency`` at once) and gets a ``TeacherScored`` on the
+  rollout stream: the teacher's logprob of every response token, its top-K ids and
+  logprobs (row-major, K per position) and the action mask (the loss mask without DAgger
+  teacher tokens). Lane shaping happens when samples are built (``engine.projections.lanes``).
+* A call is tried ``max_tries`` times with a growing pause; a persistent failure sends
+  ``RolloutFailed`` to the rollout stream and ``rl:control``, and the request is acked.
+* One request at a time on the actor runtime; a stop hands the one in progress back. The
+  entry is acked once its events are written, and a redelivery skips the samples already
+  scored, so a crash costs at most the scoring in flight.
 """
 
 from __future__ import annotations
@@ -42,13 +37,7 @@ from engine.runtime.loop import serve
 from engine.runtime.readback import read_back
 from engine.runtime.rebuild import rebuild
 
-__all__ = [
-    "BackendScorer",
-    "CaptureConfig",
-    "CaptureWorker",
-    "TeacherScorer",
-    "TeacherScores",
-]
+__all__ = ["BackendScorer", "CaptureConfig", "CaptureWorker", "TeacherScorer", "TeacherScores"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +48,6 @@ TeacherScores = tuple[Sequence[float], Sequence[Sequence[int]], Sequence[Sequenc
 
 
 class TeacherScorer(Protocol):
-    """Force-decodes one trajectory on the teacher."""
 
     async def score(
         self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int
@@ -77,8 +65,7 @@ class _ForceDecoder(Protocol):
 
 
 class BackendScorer:
-    """Adapts ``engine.backends.teacher.TeacherBackend`` (``score_response``) to
-    :class:`TeacherScorer`."""
+    """:class:`TeacherScorer` on ``engine.backends.teacher.TeacherBackend``."""
 
     def __init__(self, backend: _ForceDecoder) -> None:
         self.backend = backend
@@ -110,8 +97,6 @@ class _TeacherFailed(Exception):
 
 
 class CaptureWorker:
-    """See the module docstring."""
-
     def __init__(self, log: EventLog, scorer: TeacherScorer, config: CaptureConfig) -> None:
         self.log = log
         self.names = log.names
@@ -129,12 +114,9 @@ class CaptureWorker:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._sem = asyncio.Semaphore(config.concurrency)
-        self.scored = 0
-        self.failed_rollouts = 0
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve capture requests one at a time until ``stop`` (the one in progress is
-        then handed back)."""
+        """Serve capture requests until ``stop``."""
         try:
             await serve(
                 self.consumer,
@@ -178,10 +160,8 @@ class CaptureWorker:
                 rollout_id=request.rollout_id, reason=reason, causation=causation
             )
             self.sink.emit([(stream, failed), (self.names.control, failed)])
-            self.failed_rollouts += 1
             logger.error("rollout %s failed: %s", request.rollout_id, reason)
         await self.sink.flush()
-        self.scored += len(scored)
         return len(scored)
 
     async def _score_one(

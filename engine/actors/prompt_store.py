@@ -1,8 +1,5 @@
-"""``PromptStore``: a group's prompt tokens stored once per rollout.
-
-With the worker's store, prompt tokens are stored once per rollout and prompt
-(``PromptStored``, emitted before the first sample that refers to it) and each
-``SampleCompleted`` carries only its ``prompt_key``: the n samples of a group share one.
+"""``PromptStore``: a group's prompt tokens stored once per rollout (``PromptStored``), each
+``SampleCompleted`` carrying only its ``prompt_key``.
 """
 
 from __future__ import annotations
@@ -17,15 +14,13 @@ __all__ = ["PromptStore"]
 
 
 class PromptStore:
-    """Which prompts this process has stored (``PromptStored``) per rollout, so a group's
-    n samples carry a reference to one copy instead of n.
+    """Which prompts this process has stored per rollout.
 
-    A prompt is marked stored when its event is emitted: the sink writes in emit order and
-    keeps failed writes at the head of its queue, so the ``PromptStored`` is in the log
-    before any event that refers to it. Another process keeps its own marks and may store
+    A prompt is marked stored when its event is emitted: the sink writes in emit order, so
+    the ``PromptStored`` precedes every event that refers to it. Another process may store
     the same prompt again; the fold keeps the first. Prompts of at most ``inline_bytes``
-    bytes stay inline (a reference would not be smaller). The marks are bounded
-    (``max_keys``, oldest forgotten first: a forgotten prompt is just stored again).
+    stay inline (a reference would not be smaller); at most ``max_keys`` marks are kept,
+    the oldest forgotten first (a forgotten prompt is stored again).
     """
 
     def __init__(self, *, inline_bytes: int = 64, max_keys: int = 65_536) -> None:

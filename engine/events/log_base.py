@@ -1,14 +1,9 @@
-"""What every :class:`~engine.events.log.EventLog` implementation shares: how an event is
-encoded for a stream, how stored entries are decoded, and the dead-letter rules.
+"""What every :class:`~engine.events.log.EventLog` implementation shares, so they cannot
+drift apart: encoding, decoding stored entries, and the dead-letter rules.
 
-An entry is stored as a mapping with one field, :data:`FIELD`, holding the encoded event
-(``codec.py``), exactly as Redis holds it. Reading one back either yields an
-:class:`Envelope` or, when it does not decode, a dead letter: written once per entry by the
-stream's owner (a consumer-group read, or a read with ``dead_letter=True``), skipped with one
-warning by every other reader. An implementation supplies the store operations
-(:meth:`LogBase._write_letters`, :meth:`LogBase.ack`, :meth:`LogBase.read_after`,
-:meth:`LogBase.last_id`); the rules live here once, so the memory log and the Redis adapter
-cannot drift apart.
+An entry is a mapping with one field, :data:`FIELD`, holding the encoded event. One that
+does not decode is dead-lettered by the stream's owner and skipped, with one warning, by
+every other reader. An implementation supplies the abstract store operations.
 """
 
 from __future__ import annotations
@@ -37,20 +32,14 @@ HAND_BACK_IDLE_MS = 10**10
 logger = logging.getLogger(__name__)
 
 Row = tuple[Any, Any]
-"""A stored entry as a store hands it back: ``(id, fields)``, the id as bytes or str, the
-fields a mapping (``None``: the entry was deleted while pending)."""
+"""``(id as bytes or str, fields)``; fields None: the entry was deleted while pending."""
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while a large, acyclic result is built (reading and
-    decoding events, a rebuild, a client's load); switched back on afterwards when it was
-    on. Nests.
-
-    Reading allocates a dozen acyclic objects per event, freed by reference counting, and
-    the reader usually keeps them: collections during the read only re-traverse the growing
-    result (decoding 10,000 SampleCompleted events: 16.8 us/event with the collector, 9.2
-    without)."""
+    """Pause the cyclic collector while a large acyclic result is built (a read, a
+    rebuild, a client's load); nests. Collections meanwhile would only re-traverse the
+    growing result, whose objects reference counting frees anyway."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -186,9 +175,8 @@ class LogBase(ABC):
         *,
         ack_dead: bool,
     ) -> ClaimResult:
-        """Entries claimed or re-read, with ``times`` (each one's delivery count): those
-        delivered more than ``max_deliveries`` times are dead-lettered (acked unless
-        ``ack_dead=False``) and returned as dead, the others decoded."""
+        """Dead-letter the rows delivered more than ``max_deliveries`` times (``times``)
+        and return them as dead; decode the others."""
         result = ClaimResult()
         over: list[Row] = []
         keep: list[Row] = []
@@ -223,8 +211,7 @@ class LogBase(ABC):
         block_ms: int | None = None,
         dead_letter: bool = False,
     ) -> AsyncIterator[Envelope]:
-        """Yield every event appended after ``after``, forever (cancel to stop). Positions
-        advance over stored ids, so a dead-lettered entry is not read twice."""
+        """Positions advance over stored ids, so a dead-lettered entry is not read twice."""
         position = await self.last_id(stream) if after == "$" else after
         block = block_ms or self.block_ms
         while True:

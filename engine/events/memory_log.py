@@ -1,15 +1,10 @@
 """The event log in memory: plain Python on one event loop, for tests and embedding.
 
-:class:`MemoryStore` holds what a Redis server would (streams with their consumer groups,
-append-once markers, the dead-letter seen-set, snapshots); each :class:`MemoryEventLog` on
-it is one process's view, so tests start several "processes" on one store as they would on
-one Redis. The semantics are Redis's, held equal by the contract suite
-(``tests/events/test_log_contract.py``): ids ``<ms>-<seq>`` from the wall clock and growing
-within a stream, entries stored as their encoded bytes (reads decode, and dead-letter what
-does not decode), blocking reads that wake on an append, and consumer groups that count
-deliveries and idle time per entry as XREADGROUP, XAUTOCLAIM and XCLAIM do. Atomic steps
-are atomic because nothing here awaits in the middle of one; a step over keys of several
-cluster slots is refused as on Redis, so a test in memory catches it too.
+:class:`MemoryStore` holds what one Redis server would; each :class:`MemoryEventLog` on it
+is one process's view. The semantics are Redis's (ids from the wall clock, encoded entries,
+deliveries and idle times counted as XREADGROUP, XAUTOCLAIM and XCLAIM do), held equal by
+``tests/events/test_log_contract.py``. A step is atomic because nothing awaits inside it;
+a step over keys of several cluster slots is refused, as on a cluster.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from engine.errors import AppendConflict, LogError
 from engine.events.base import Envelope, Event
 from engine.events.ids import EMPTY_ID, MAX_SEQ, format_id, id_after, parse_id
 from engine.events.log import ClaimResult, EventLog, RawEntry, RawStreamEntry
-from engine.events.log_base import FIELD, HAND_BACK_IDLE_MS, LogBase, Row, gc_paused
+from engine.events.log_base import FIELD, HAND_BACK_IDLE_MS, LogBase, Row
 from engine.events.names import StreamNames, check_one_slot
 
 __all__ = ["MemoryEventLog", "MemoryStore"]
@@ -133,8 +128,8 @@ class MemoryStore:
 
     async def wait(self, read: Callable[[], T], block_ms: int) -> T:
         """``read()`` until it finds something or ``block_ms`` have passed (0: once). It
-        yields to the loop first, as the round trip of a read on Redis does: other tasks
-        (a stop, a writer) run in between, as they would beside a real read."""
+        yields to the loop first, as a round trip to Redis would, so a stop or a writer
+        can run in between."""
         await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + block_ms / 1000.0
@@ -153,9 +148,7 @@ class MemoryStore:
 
 
 class MemoryEventLog(LogBase):
-    """The :class:`~engine.events.log.EventLog` port in memory (see the module docstring).
-
-    ``store``: the store to share with other logs (None: a new one)."""
+    """The :class:`~engine.events.log.EventLog` port on ``store`` (None: a new one)."""
 
     def __init__(
         self,
@@ -177,9 +170,8 @@ class MemoryEventLog(LogBase):
     def append_fields(
         self, stream: str, fields: Mapping[bytes, bytes], entry_id: str | None = None
     ) -> str:
-        """Store an entry as given, undecoded (at ``entry_id``, which must be above the
-        stream's last id): what a foreign or broken writer would leave, or an archive's
-        entries at their recorded ids (for tests)."""
+        """Store ``fields`` undecoded at ``entry_id`` (above the stream's last id): for
+        tests, a broken writer's entry or an archive's at its recorded id."""
         return self.store.add(stream, dict(fields), entry_id)
 
     async def append(
@@ -275,15 +267,14 @@ class MemoryEventLog(LogBase):
         page: int = 2000,
         dead_letter: bool = False,
     ) -> list[Envelope]:
-        with gc_paused():
-            rows = self._after(stream, after or EMPTY_ID)
-            return await self._decode_rows(stream, rows, dead_letter=dead_letter)
+        rows = self._after(stream, after or EMPTY_ID)
+        return await self._decode_rows(stream, rows, dead_letter=dead_letter)
 
     async def _tail_rows(
         self, positions: Mapping[str, str], block_ms: int | None, count: int
     ) -> list[tuple[str, list[Row]]]:
-        """XREAD: each stream's entries past its position (``$``: past its last entry now),
-        at most ``count`` each, waiting up to ``block_ms`` for the first of them."""
+        """XREAD: at most ``count`` entries of each stream past its position (``$``: its
+        last entry now), waiting up to ``block_ms``."""
         fixed = {
             s: (format_id(*self._streams[s].last) if s in self._streams else EMPTY_ID)
             if p == "$" else p
@@ -412,8 +403,8 @@ class MemoryEventLog(LogBase):
     def _owned(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> tuple[list[_Pending], list[str]]:
-        """The pending records of ``ids`` this consumer owns, and the ids it does not; an
-        entry gone from the stream is dropped from the pending list (as XCLAIM does)."""
+        """The pending records of ``ids`` this consumer owns, and the ids it does not;
+        an entry gone from the stream leaves the pending list (as XCLAIM does)."""
         st, g = self._group(stream, group)
         g.seen_ms[consumer] = _now_ms()
         owned: list[_Pending] = []

@@ -1,21 +1,14 @@
 """The Redis client the log talks through, and the one place redis errors become ours.
 
-redis-py pitfall: a blocking read longer than ``socket_timeout`` times out at the socket and
-is retried by the client forever. :func:`connect` therefore derives the socket timeout from
-the longest block time and disables blind retries, so a non-idempotent XADD is never
-silently sent twice.
+:func:`connect` makes the socket timeout outlive the longest blocking read (redis-py would
+time out and retry such a read forever) and disables blind retries, so a non-idempotent
+XADD is never sent twice. A pooled connection idle for ``health_check_s`` is pinged first
+and, when that PING finds it dead (Redis restarted), reconnected once: only the PING is
+retried, and a consumer does not count a stale connection against its work.
 
-A pooled connection left over from before a Redis restart is dead. Without a check the next
-command sent on it fails (once per connection), and a consumer would count that transport
-error against the work it was doing. :func:`connect` therefore pings a connection that has
-been idle for ``health_check_s`` before using it and, when the ping fails for want of a
-connection, reconnects once and pings again: only the PING is retried, never the command,
-so nothing is sent twice. A PING refused for want of credentials is not retried.
-
-Credentials are configuration, not an outage: a refused login (no password, a wrong one, an
-unknown user) raises :class:`~engine.errors.ConfigError` naming the user and the server at
-once, where a transport error raises :class:`~engine.errors.LogUnavailable`, which callers
-ride out.
+A refused login is configuration, not an outage: :class:`~engine.errors.ConfigError`
+naming the user and server, where transport errors raise
+:class:`~engine.errors.LogUnavailable`, which callers ride out.
 """
 
 from __future__ import annotations
@@ -43,15 +36,9 @@ _AUTH_ERRORS = (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsEr
 
 
 def connect(settings: RedisSettings) -> RedisClient:
-    """A client whose socket timeout outlives every BLOCK, that never retries a command
-    blindly, and that replaces a dead pooled connection before using it (module doc).
-
-    On a cluster, redirections (MOVED, ASK) are followed, which is safe (the node that
-    answers with one did not run the command); a connection error is not retried: it
-    surfaces as ``LogUnavailable`` and the caller's backoff rides it out, as on one Redis.
-    The reconnect-on-failed-ping of a single Redis's pool is not installed on a cluster's
-    node pools: there a dead pooled connection costs one ``LogUnavailable`` (retried).
-    """
+    """A client as the module docstring says. On a cluster, redirections (MOVED, ASK)
+    are followed (the redirecting node did not run the command); the node pools do not
+    reconnect on a failed PING, so a dead pooled connection costs one ``LogUnavailable``."""
     options: dict[str, Any] = dict(
         socket_timeout=settings.socket_timeout_s,
         socket_connect_timeout=settings.connect_timeout_s,
@@ -82,12 +69,9 @@ _RECONNECTING: dict[type[Any], type[Any]] = {}
 
 
 def _reconnecting(base: type[Any]) -> type[Any]:
-    """``base`` (plain or TLS, whichever the URL chose) whose health check reconnects once
-    when its PING fails for want of a connection: a PING is idempotent, the command after it
-    is sent only once. The reconnect's own handshake runs its health check too, so the
-    check does not reconnect again while one is under way (each nested attempt would start
-    another), and a PING the server refuses for want of credentials is an error, not a
-    dead connection."""
+    """``base`` (plain or TLS) whose health check reconnects once when its PING finds no
+    connection. The reconnect's handshake runs the check too, so it does not nest; a PING
+    refused for credentials is an error, not a dead connection."""
     cls = _RECONNECTING.get(base)
     if cls is None:
 
@@ -119,8 +103,7 @@ def _reconnecting(base: type[Any]) -> type[Any]:
 
 def endpoint_of(client: RedisClient) -> str:
     """Who the client connects as and where, for messages: ``user 'engine' at
-    127.0.0.1:6379`` (the URL's user when it names one, else the settings', else
-    ``default``)."""
+    127.0.0.1:6379``."""
     if isinstance(client, RedisCluster):
         kwargs = client.nodes_manager.connection_kwargs
         where = ", ".join(client.nodes_manager.startup_nodes) or "the cluster"
@@ -131,7 +114,6 @@ def endpoint_of(client: RedisClient) -> str:
 
 
 def _auth_failure(exc: BaseException) -> BaseException | None:
-    """The login refusal behind ``exc`` (itself or a cause), if there is one."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, _AUTH_ERRORS):
@@ -142,7 +124,7 @@ def _auth_failure(exc: BaseException) -> BaseException | None:
 
 @contextmanager
 def translate(what: str, endpoint: str) -> Iterator[None]:
-    """Run a redis call, its exceptions raised as the engine's (module doc)."""
+    """Run a redis call, its exceptions raised as the engine's."""
     try:
         yield
     except rexc.RedisError as exc:
@@ -173,16 +155,10 @@ def translate(what: str, endpoint: str) -> Iterator[None]:
 
 
 def _reraise_swallowed_cancel() -> None:
-    """Raise ``CancelledError`` if this task was cancelled but a redis call swallowed it.
-
-    redis-py sends every command under ``asyncio.wait_for`` (the socket timeout), and on
-    Python 3.11 ``wait_for`` returns normally when the cancellation lands just as the
-    send completes (fixed in 3.12). The task then runs on with the cancellation request
-    still counted (``Task.cancelling()``): a reader looping over the log would run on after
-    its stop, and a trainer's ``wait_for(wait_ready(...))`` would outlive its timeout.
-    Every log call ends here, so a swallowed cancellation takes effect as soon as the call
-    it hit returns.
-    """
+    """Raise ``CancelledError`` if this task was cancelled but a redis call swallowed it:
+    on Python 3.11 the ``asyncio.wait_for`` redis-py sends under returns normally when
+    the cancellation lands as the send completes, and the task would run on past its stop
+    (or a caller's timeout). Every log call ends here."""
     try:
         task = asyncio.current_task()
     except RuntimeError:  # no running loop

@@ -1,17 +1,13 @@
 """The consumer-group half of the Redis log: delivery, acks, leases, claims, dead letters.
 
-Redis counts an entry's deliveries (XREADGROUP, XCLAIM, XAUTOCLAIM each add one) and its
-idle time (since its last delivery or a JUSTID claim). The port's rules on top:
-``keep_alive`` and ``hand_back`` first check that the consumer still owns the entry, in
-one script with the refresh (a plain XCLAIM would take back an entry another consumer had
-rightly claimed from a stalled one, and both would run the same work); a hand-back also
-takes back the delivery it would otherwise count. Claims and re-reads check the delivery
-count against ``max_deliveries`` (``LogBase._split_deliveries``).
+``keep_alive`` and ``hand_back`` check that the consumer still owns an entry in the same
+script as the refresh: a plain XCLAIM would take back an entry another consumer had rightly
+claimed from a stalled one, and both would run the same work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -30,16 +26,15 @@ __all__ = ["RedisGroups"]
 
 
 def _missing(exc: LogError) -> bool:
-    """A refusal because the stream or the group does not exist (yet)."""
     text = str(exc).lower()
     return "nogroup" in text or "no such key" in text
 
 
-def _group_rows(reply: Any) -> Iterator[tuple[Any, list[Row]]]:
-    """``(stream, rows)`` of an XREADGROUP reply, RESP2 or RESP3 shaped."""
+def _rows_of(reply: Any) -> list[tuple[Any, list[Row]]]:
+    """``(stream, rows)`` pairs of an XREAD or XREADGROUP reply, RESP2 or RESP3 shaped."""
     if isinstance(reply, dict):
-        return ((k, v[0] if v else []) for k, v in reply.items())
-    return ((k, v) for k, v in (reply or []))
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
+    return list(reply or [])
 
 
 class RedisGroups(LogBase):
@@ -58,8 +53,8 @@ class RedisGroups(LogBase):
             names=names, producer=producer, max_deliveries=max_deliveries, block_ms=block_ms
         )
         self.redis = redis
-        # redis-py's stubs for stream replies are inexact (unions of bytes/str/None per
-        # field); replies are checked where they are decoded, so calls go through Any.
+        # redis-py's stubs for stream replies are inexact; replies are checked where
+        # they are decoded.
         self._r: Any = redis
         self.endpoint = endpoint_of(redis)
         self.cluster = isinstance(redis, RedisCluster)
@@ -70,7 +65,6 @@ class RedisGroups(LogBase):
         self._once = self._r.register_script(lua.ONCE)
 
     def _io(self, what: str) -> AbstractContextManager[None]:
-        """A redis call doing ``what``, its errors translated (``redis_connect.translate``)."""
         return translate(what, self.endpoint)
 
     async def ensure_group(self, stream: str, group: str, *, start: str = "0") -> None:
@@ -96,7 +90,7 @@ class RedisGroups(LogBase):
                 group, consumer, dict.fromkeys(streams, ">"), count=count, block=block or None
             )
         out: list[Envelope] = []
-        for raw_stream, rows in _group_rows(result):
+        for raw_stream, rows in _rows_of(result):
             out.extend(await self._decode_rows(_s(raw_stream), rows, group=group))
         return out
 
@@ -164,10 +158,10 @@ class RedisGroups(LogBase):
         limit: bool = True,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """Re-reading them counts a delivery (XREADGROUP from 0)."""
+        """Re-reading counts a delivery (XREADGROUP from 0)."""
         with self._io(f"XREADGROUP {group} (pending)"):
             result = await self._r.xreadgroup(group, consumer, {stream: "0"}, count=count)
-        rows = [row for _stream, part in _group_rows(result) for row in part]
+        rows = [row for _stream, part in _rows_of(result) for row in part]
         if not limit:
             return ClaimResult(entries=await self._decode_rows(stream, rows, group=group))
         return await self._check_deliveries(stream, group, rows, ack_dead=ack_dead)

@@ -1,27 +1,17 @@
-"""The event log on Redis Streams (redis-py asyncio): the implementation of the
-:class:`engine.events.log.EventLog` port that the engine's processes run on.
+"""The event log on Redis Streams (redis-py asyncio): the
+:class:`engine.events.log.EventLog` the engine's processes run on.
 
-Storage: each stream entry has one field ``e`` holding the msgpack event (``codec.py``);
-the Redis stream id is the event's position and identity. Every atomic step is one Lua
-script on one cluster slot (``redis_scripts.py``): compare-and-append, append-once, the
-dead letter with its seen-set, keep-alive and hand-back. Snapshots are plain keys named by
-``StreamNames.snapshot``. The consumer-group half of the port is in ``redis_groups.py``;
-the client, its settings and the translation of redis errors into the engine's
-(``LogUnavailable``, ``LogError``, ``ConfigError`` for refused credentials) are in
-``redis_connect.py`` and ``redis_settings.py``.
-
-Redis Cluster: a ``redis+cluster://`` (or ``rediss+cluster://``) URL, or
-``RedisSettings(cluster=True)``, connects through ``redis.asyncio.cluster.RedisCluster``
-with the URL's host as the seed node. ``append_if_last`` refuses keys of different slots on
-any Redis (so a single-node test catches a step that a cluster would refuse). A blocking
-read of streams on several slots (``rollout tail``) reads each slot's streams concurrently
-and merges the replies.
+Each entry has one field ``e``, the encoded event; every atomic step is one Lua script on
+one cluster slot (``redis_scripts.py``); snapshots are plain keys. The consumer-group
+methods are in ``redis_groups.py``, the client and error translation in
+``redis_connect.py``. On a Redis Cluster a blocking read of streams on several slots reads
+each slot concurrently and merges the replies.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from engine.errors import AppendConflict
@@ -30,28 +20,18 @@ from engine.events.base import Envelope, Event
 from engine.events.codec import encode
 from engine.events.ids import EMPTY_ID, exclusive, format_id, id_after, parse_id
 from engine.events.log import RawEntry, RawStreamEntry
-from engine.events.log_base import FIELD, _s, gc_paused
+from engine.events.log_base import FIELD, Row, _s, gc_paused
 from engine.events.names import StreamNames, check_one_slot, key_slot
 from engine.events.redis_connect import RedisClient, connect
-from engine.events.redis_groups import RedisGroups
+from engine.events.redis_groups import RedisGroups, _rows_of
 from engine.events.redis_settings import RedisSettings
 
 __all__ = ["FIELD", "RedisClient", "RedisEventLog", "RedisSettings", "connect", "open_log"]
 
 
-def _rows_of(reply: Any) -> list[tuple[Any, Any]]:
-    """``(stream, rows)`` pairs of an XREAD reply, RESP2 or RESP3 shaped."""
-    if isinstance(reply, dict):  # RESP3 shape
-        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in reply.items()]
-    return list(reply or [])
-
-
 class RedisEventLog(RedisGroups):
-    """The :class:`~engine.events.log.EventLog` port on Redis Streams.
-
-    ``redis`` is the client it talks through and closes in :meth:`aclose`; it is public
-    only so tests of this adapter can look at what Redis holds (pending owners, groups).
-    """
+    """The :class:`~engine.events.log.EventLog` port on Redis Streams. ``redis``, the
+    client it closes in :meth:`aclose`, is public for this adapter's tests only."""
 
     # ------------------------------------------------------------------ writing
 
@@ -73,10 +53,8 @@ class RedisEventLog(RedisGroups):
             return []
         ref = causation.ref if isinstance(causation, Envelope) else causation
         producer = self.producer or None
-        # Consecutive events to one stream form a run; a run goes as one script call (one
-        # key: atomic per stream, cluster-safe), a single event as a plain XADD. The runs
-        # travel in one pipeline, in order. An event that fails to encode raises here,
-        # before anything is sent.
+        # A run of events to one stream is one script call (one key: cluster-safe), a
+        # single event a plain XADD; all in one pipeline, encoded before anything is sent.
         runs: list[tuple[str, list[bytes]]] = []
         for stream, ev in items:
             data = encode(ev, producer=None if ev.producer else producer, causation=ref)
@@ -87,9 +65,7 @@ class RedisEventLog(RedisGroups):
         with self._io(f"pipelined XADD of {len(items)} events"):
             async with self._r.pipeline(transaction=False) as pipe:
                 for stream, datas in runs:
-                    if len(datas) == 1:
-                        # straight through execute_command: redis-py's xadd() helper
-                        # rebuilds its argument list per call
+                    if len(datas) == 1:  # xadd() would rebuild its argument list per call
                         pipe.execute_command("XADD", stream, "*", FIELD, datas[0])
                     else:  # EVAL, not EVALSHA: nothing to load first or after a restart
                         pipe.execute_command("EVAL", lua.APPEND, 1, stream, *datas)
@@ -111,9 +87,6 @@ class RedisEventLog(RedisGroups):
         also: Sequence[tuple[str, Event]] = (),
         causation: Envelope | str | None = None,
     ) -> list[str]:
-        """Append atomically iff the stream's last id is ``expected_last`` (``0-0``: empty),
-        with the follow-ups ``also`` in the same script. All keys must hash to one cluster
-        slot (share a hash tag), on any Redis: ``LogError`` names them otherwise."""
         batch = [events] if isinstance(events, Event) else list(events)
         if not batch:
             raise ValueError("append_if_last needs at least one event")
@@ -184,20 +157,28 @@ class RedisEventLog(RedisGroups):
         page: int = 2000,
         dead_letter: bool = False,
     ) -> list[Envelope]:
-        """Paging through, with the cyclic collector paused for the whole read."""
         out: list[Envelope] = []
-        cursor = after
         with gc_paused():
-            while True:
-                start = "-" if cursor is None else exclusive(cursor)
-                with self._io(f"XRANGE {stream}"):
-                    rows = await self._r.xrange(stream, start, "+", count=page)
-                if not rows:
-                    return out
+            async for rows in self._pages(stream, after, page):
                 out.extend(await self._decode_rows(stream, rows, dead_letter=dead_letter))
-                cursor = _s(rows[-1][0])
-                if len(rows) < page:
-                    return out
+        return out
+
+    async def _pages(
+        self, stream: str, after: str | None, page: int, limit: int | None = None
+    ) -> AsyncIterator[list[Row]]:
+        """XRANGE past ``after`` a page at a time, at most ``limit`` rows in all."""
+        cursor, n = after, 0
+        while True:
+            start = "-" if cursor is None else exclusive(cursor)
+            count = page if limit is None else min(page, limit - n)
+            with self._io(f"XRANGE {stream}"):
+                rows = await self._r.xrange(stream, start, "+", count=count)
+            if rows:
+                yield rows
+            n += len(rows)
+            if len(rows) < count or (limit is not None and n >= limit):
+                return
+            cursor = _s(rows[-1][0])
 
     async def tail(
         self,
@@ -209,16 +190,13 @@ class RedisEventLog(RedisGroups):
     ) -> list[Envelope]:
         out: list[Envelope] = []
         for raw_stream, rows in await self._xread(positions, count=count, block_ms=block_ms):
-            out.extend(
-                await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter)
-            )
+            out.extend(await self._decode_rows(_s(raw_stream), rows, dead_letter=dead_letter))
         return out
 
     async def _xread(
         self, positions: Mapping[str, str], *, count: int, block_ms: int | None
     ) -> list[tuple[Any, Any]]:
-        """XREAD of several streams (``block_ms=0``: without blocking): one command, or on
-        a cluster one per slot (each blocking, concurrently), the replies merged."""
+        """One XREAD, or on a cluster one per slot, concurrently, the replies merged."""
         block = self.block_ms if block_ms is None else block_ms
         groups: dict[int, dict[str, str]] = {}
         if self.cluster:
@@ -250,7 +228,7 @@ class RedisEventLog(RedisGroups):
             result = await self._r.xread({stream: after}, count=count, block=block or None)
         position = after
         out: list[Envelope] = []
-        for _raw_stream, rows in result or []:
+        for _raw_stream, rows in _rows_of(result):
             if rows:
                 position = _s(rows[-1][0])
                 out.extend(await self._decode_rows(stream, rows, dead_letter=dead_letter))
@@ -261,26 +239,17 @@ class RedisEventLog(RedisGroups):
     async def read_raw(
         self, stream: str, *, after: str | None = None, page: int = 2000, limit: int | None = None
     ) -> list[RawEntry]:
-        """An entry without the event field reads as empty bytes."""
         if limit is not None and limit < 1:
             raise ValueError(f"read_raw: limit must be at least 1, got {limit}")
-        out: list[RawEntry] = []
-        cursor = after
-        while True:
-            start = "-" if cursor is None else exclusive(cursor)
-            count = page if limit is None else min(page, limit - len(out))
-            with self._io(f"XRANGE {stream}"):
-                rows = await self._r.xrange(stream, start, "+", count=count)
-            for raw_id, fields in rows:
-                out.append((_s(raw_id), bytes(fields.get(FIELD, b""))))
-            if len(rows) < count or (limit is not None and len(out) >= limit):
-                return out
-            cursor = out[-1][0]
+        return [
+            (_s(raw_id), bytes(fields.get(FIELD, b"")))
+            async for rows in self._pages(stream, after, page, limit)
+            for raw_id, fields in rows
+        ]
 
     async def read_raw_ranges(
         self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
     ) -> list[list[RawEntry]]:
-        """Every range in one pipelined round trip."""
         if not ranges:
             return []
         with self._io(f"XRANGE {stream} ({len(ranges)} ranges)"):
@@ -350,8 +319,7 @@ class RedisEventLog(RedisGroups):
             return bool(await self._r.delete(stream))
 
     async def memory_usage(self, key: str) -> int:
-        """Bytes Redis holds for ``key`` (all of it sampled; 0 when absent). Not part of
-        the port: for the memory bench, which measures Redis."""
+        """Bytes Redis holds for ``key`` (0 when absent); not part of the port."""
         with self._io(f"MEMORY USAGE {key}"):
             n = await self._r.memory_usage(key, samples=0)
         return int(n or 0)
@@ -377,8 +345,7 @@ def open_log(
     producer: str = "",
     max_deliveries: int = 5,
 ) -> RedisEventLog:
-    """A log on a new client built by :func:`connect` (blocking reads of
-    ``settings.block_ms``); :meth:`RedisEventLog.aclose` closes it."""
+    """A log on a new client built by :func:`connect`; its ``aclose`` closes it."""
     return RedisEventLog(
         connect(settings),
         names=names,
@@ -386,4 +353,3 @@ def open_log(
         max_deliveries=max_deliveries,
         block_ms=settings.block_ms,
     )
-

@@ -1,17 +1,10 @@
-"""The Lua scripts behind the log's atomic steps on Redis (each touches one cluster slot).
+"""The Lua scripts behind the log's atomic steps on Redis, each on one cluster slot.
 
-The adapter registers them once (sent by SHA, loaded again when Redis answers NOSCRIPT);
-``APPEND`` goes with EVAL inside a pipeline, where there is nothing to load first.
+They are registered (sent by SHA); ``APPEND`` goes by EVAL inside a pipeline, where there
+is nothing to load first.
 """
 
-__all__ = [
-    "APPEND",
-    "CAS",
-    "DEAD_LETTER",
-    "HAND_BACK",
-    "KEEP_ALIVE",
-    "ONCE",
-]
+__all__ = ["APPEND", "CAS", "DEAD_LETTER", "HAND_BACK", "KEEP_ALIVE", "ONCE"]
 
 # KEYS[1] guarded stream, KEYS[2..] streams of the follow-up appends; ARGV[1] expected last
 # id, ARGV[2] n guarded events, ARGV[3..] encoded guarded events then follow-up events (one
@@ -50,8 +43,7 @@ return lost
 
 
 # KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] idle ms, ARGV[4..] entry ids.
-# For each entry the consumer still owns: mark it idle for ARGV[3] ms (claimable at once)
-# and take back the delivery its hand-back would otherwise count (RETRYCOUNT n - 1).
+# Each entry the consumer still owns is made idle (claimable at once), its delivery taken back.
 HAND_BACK = """
 local lost = {}
 for i = 4, #ARGV do
@@ -68,9 +60,8 @@ end
 return lost
 """
 
-# KEYS[1] stream; ARGV[1..] encoded events. Appends them in order (one entry each) and
-# returns their ids: one command for a run of events to one stream, instead of one XADD per
-# event (a pipelined XADD costs the client ~8 us to pack and parse, this ~0.5 us an event).
+# KEYS[1] stream; ARGV[1..] encoded events, appended in order; returns their ids. One
+# command per run of events, where a pipelined XADD per event costs the client far more.
 APPEND = """
 local out = {}
 for i = 1, #ARGV do
@@ -80,8 +71,7 @@ return out
 """
 
 # KEYS[1] the dead-letter stream, KEYS[2] the set of entries already dead-lettered; ARGV in
-# pairs: "stream@id", the encoded DeadLetter. Appends only letters for entries not yet in
-# the set; returns how many it appended.
+# pairs ("stream@id", encoded DeadLetter). Appends the letters not yet in the set; how many.
 DEAD_LETTER = """
 local n = 0
 for i = 1, #ARGV, 2 do

@@ -1,8 +1,7 @@
 """How to reach the Redis that holds the log: URL, credentials, TLS, cluster, time-outs.
 
-Plain data, checked when built (a bad URL fails here, naming ``--redis-url`` /
-``ROLLOUT_REDIS_URL``, not at the first command); importing it loads no Redis client, so the
-settings module and every layer below the composition roots can name it.
+Plain data checked when built (a bad URL fails here, not at the first command); it imports
+no Redis client, so every layer can name it.
 """
 
 from __future__ import annotations
@@ -31,16 +30,11 @@ def redact(url: str) -> str:
 class RedisSettings:
     """Connection settings; ``socket_timeout`` always exceeds the longest blocking read.
 
-    Credentials: those of the URL (``redis://user:password@host:port/db``) when it has
-    them, else ``username``/``password``. TLS: a ``rediss://`` URL; ``tls_ca_file`` is the
-    CA that signed the server's certificate (unset: the system's), ``tls_cert_file`` +
-    ``tls_key_file`` a client certificate for servers that ask for one. The server's
-    certificate is always verified; the TLS knobs on a ``redis://`` URL are refused.
-
-    Cluster: ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) or
-    ``cluster=True`` with a plain URL; the host is any node of the cluster (the others are
-    discovered). A cluster has no numbered databases: a URL naming one other than 0 is
-    refused.
+    Credentials: the URL's (``redis://user:password@host:port/db``), else
+    ``username``/``password``. TLS: a ``rediss://`` URL, the server's certificate always
+    verified against ``tls_ca_file`` (unset: the system's CAs); ``tls_cert_file`` +
+    ``tls_key_file``: a client certificate. Cluster: ``redis+cluster://host:port``
+    (``rediss+cluster://``) or ``cluster=True``, the host any node, database 0 only.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -95,7 +89,6 @@ class RedisSettings:
 
     @property
     def is_cluster(self) -> bool:
-        """Whether the URL or ``cluster`` asks for a Redis Cluster."""
         return self.cluster or self.url.partition("://")[0] in _CLUSTER_SCHEMES
 
     @property
@@ -104,6 +97,6 @@ class RedisSettings:
 
     @property
     def client_url(self) -> str:
-        """The URL as redis-py takes it (the ``+cluster`` of the scheme left out)."""
+        """The URL without the scheme's ``+cluster``, as redis-py takes it."""
         scheme, sep, rest = self.url.partition("://")
         return f"{_CLUSTER_SCHEMES.get(scheme, scheme)}{sep}{rest}"

@@ -1,39 +1,20 @@
 """The ``rollout`` command.
 
-Log tools (talk to Redis; their settings flags, ``--redis-url`` and ``--prefix`` for all, are
-generated from ``engine.settings`` and default to the ``ROLLOUT_*`` variables):
-
-* ``rollout replay ID [--from FILE] [--out DIR]`` -- rebuild a rollout's samples, summary,
-  eval details and placement log from the log (or an archive file), byte-identical to the
-  files the live finalizer wrote;
-* ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
-* ``rollout retention --store DIR [--keep-s S] [--every S]`` -- trim the shared streams below
-  what every group acked; archive finished rollouts to DIR, then delete their streams;
-* ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
-* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
-* ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
-* ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
-* ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
-* ``rollout env [--markdown]`` -- every ``ROLLOUT_*`` variable with its type, default, flag and
-  meaning (``--markdown``: the table of docs/configuration.md).
-
-A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
-
-Processes (each runs its own ``main(argv)``, which owns the flags): ``worker``,
-``finalizer``, ``capture``, ``scheduler`` and ``sync`` (the weight syncer) are the
-engine's processes, whose entry points the top layer passes in (``workers.cli``, the
-installed ``rollout``); ``tinylm`` (``engine.ops.tinylm``, which passes the bundled agents'
-system prompts) and ``demo`` (``engine.ops.demo``, which starts the processes through the
-``rollout`` entry it is given).
-Exit status: 0 ok, 1 the operation failed, 2 bad usage.
+Log tools (``replay``, ``archive``, ``retention``, ``tail``, ``status``, ``pool``, ``top``)
+take settings flags generated from ``engine.settings``; ``events`` and ``env`` print the
+generated references. A misspelt ``ROLLOUT_*`` variable is refused naming its close
+matches. Process commands parse their own flags: the engine's processes run through the
+entry points the top layer passes in (``workers.cli``), ``tinylm`` and ``demo`` from
+``engine.ops``. Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 from engine.errors import ConfigError, EngineError
@@ -54,14 +35,12 @@ PROCESS_COMMANDS: dict[str, str] = {
     "scheduler": "a scheduler process",
     "sync": "the weight syncer (quiesce, load, verify, resume)",
 }
-"""The engine's processes, run by the entry points ``main`` is given (``workers.cli``)."""
 
 _DELEGATES: dict[str, str] = {
     **PROCESS_COMMANDS,
     "tinylm": "the tiny SGLang-compatible model (init/serve)",
     "demo": "a whole rollout on embedded defaults",
 }
-"""Every command whose flags its own ``main`` parses: command -> what it runs."""
 
 
 def _delegate(
@@ -87,7 +66,6 @@ def _delegate(
 
 
 def _stream_id(text: str) -> str:
-    """An argparse type: a stream id ``<ms>-<seq>`` (or a bare ``<ms>``)."""
     ms, dash, seq = text.partition("-")
     if not ms.isdigit() or (dash and not seq.isdigit()):
         raise argparse.ArgumentTypeError(
@@ -99,7 +77,6 @@ def _stream_id(text: str) -> str:
 
 
 LOG_TOOL = Flags(CONNECTION)
-"""The settings of every log tool: the Redis URL and the stream prefix."""
 
 _FLAGS = {
     "retention": Flags(
@@ -107,7 +84,6 @@ _FLAGS = {
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
 }
-"""Commands that take more settings than ``LOG_TOOL``."""
 
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
@@ -132,8 +108,12 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "retention",
         "trim acked shared streams; archive finished rollouts to files, then delete them",
     )
-    p.add_argument("--every", type=float, default=None,
-                   help="repeat every this many seconds (default: one pass, then exit)")
+    p.add_argument(
+        "--every",
+        type=float,
+        default=None,
+        help="repeat every this many seconds (default: one pass, then exit)",
+    )
     p = command("tail", "print live events")
     p.add_argument("--rollout", help="only this rollout's events (and its stream)")
     p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
@@ -142,15 +122,17 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p = command("status", "a rollout's progress")
     p.add_argument("rollout_id", metavar="ID")
     p = command("pool", "the placement pool now, or as it was at a past event (time travel)")
-    p.add_argument("--at", metavar="ID", type=_stream_id,
-                   help="an rl:pool event id (default: the latest)")
+    p.add_argument(
+        "--at", metavar="ID", type=_stream_id, help="an rl:pool event id (default: the latest)"
+    )
     p = command("top", "a live view of rollouts, pool use, workers and lag")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
     p = sub.add_parser("env", help="every ROLLOUT_* variable: type, default, flag, meaning")
-    p.add_argument("--markdown", action="store_true",
-                   help="as the Markdown table of docs/configuration.md")
+    p.add_argument(
+        "--markdown", action="store_true", help="as the Markdown table of docs/configuration.md"
+    )
     p = sub.add_parser("events", help="the events reference, generated from the catalog")
     p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
     p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
@@ -159,13 +141,18 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     return parser
 
 
-def _log(settings: Settings, block_ms: int = 2000) -> EventLog:
-    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL may be a flag.
-    return open_log(
+@contextlib.asynccontextmanager
+async def _log(settings: Settings, block_ms: int = 2000) -> AsyncIterator[EventLog]:
+    # Credentials and TLS files come from ROLLOUT_REDIS_*, never argv.
+    log = open_log(
         settings.redis(block_ms=block_ms),
         names=StreamNames(settings.stream_prefix),
         producer="cli",
     )
+    try:
+        yield log
+    finally:
+        await log.aclose()
 
 
 async def _replay(settings: Settings, args: argparse.Namespace) -> int:
@@ -188,12 +175,9 @@ async def _replay(settings: Settings, args: argparse.Namespace) -> int:
             return 2
         stream, entries = archive.stream, archive.entries
     else:
-        log = _log(settings)
-        try:
+        async with _log(settings) as log:
             stream = log.names.rollout(args.rollout_id)
             entries = await raw_entries(log, stream)
-        finally:
-            await log.aclose()
         if not entries:
             print(f"error: no events for rollout {args.rollout_id} in {stream}", file=sys.stderr)
             return 1
@@ -211,11 +195,8 @@ async def _replay(settings: Settings, args: argparse.Namespace) -> int:
 async def _archive(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import archive_rollout
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         n = await archive_rollout(log, args.rollout_id, args.out)
-    finally:
-        await log.aclose()
     print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
     return 0
 
@@ -224,14 +205,15 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.retention import retention_pass
 
     if settings.retention_store is None:
-        print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
-              file=sys.stderr)
+        print(
+            "error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
+            file=sys.stderr,
+        )
         return 2
     if args.every is not None and args.every <= 0:
         print(f"error: --every must be positive, got {args.every}", file=sys.stderr)
         return 2
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         while True:
             report = await retention_pass(
                 log, settings.retention_store, keep_s=settings.retention_keep_s
@@ -240,17 +222,14 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
             if args.every is None:
                 return 0
             await asyncio.sleep(args.every)
-    finally:
-        await log.aclose()
 
 
 async def _tail(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import tail
 
-    log = _log(settings, block_ms=1000)
-    names = log.names
-    streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
-    try:
+    async with _log(settings, block_ms=1000) as log:
+        names = log.names
+        streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
         if not args.stream:
             streams.extend(await log.list_streams(names.work_pattern))
         if args.rollout:
@@ -263,8 +242,6 @@ async def _tail(settings: Settings, args: argparse.Namespace) -> int:
             from_start=args.from_start,
             count=args.count,
         )
-    finally:
-        await log.aclose()
     return 0
 
 
@@ -274,12 +251,9 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         stream = log.names.rollout(args.rollout_id)
         envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
-    finally:
-        await log.aclose()
     if not envelopes:
         print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
         return 1
@@ -294,11 +268,8 @@ async def _pool(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.placement import render_pool
     from engine.runtime.rebuild import pool_at
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         folded = await pool_at(log, until=args.at)
-    finally:
-        await log.aclose()
     print(render_pool(folded))
     return 0
 
@@ -320,11 +291,8 @@ def _events(args: argparse.Namespace) -> int:
 async def _top(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.top import run_top
 
-    log = _log(settings)
-    try:
+    async with _log(settings) as log:
         await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
-    finally:
-        await log.aclose()
     return 0
 
 
@@ -345,9 +313,9 @@ def main(
     processes: Mapping[str, Entry] | None = None,
     rollout: Sequence[str] = (),
 ) -> int:
-    """Run one ``rollout`` command; ``processes`` are the engine's process entry points and
-    ``rollout`` the Python arguments that run this command anew (both from the top layer,
-    ``workers.cli``: without them the process commands and the demo are refused)."""
+    """Run one ``rollout`` command. ``processes`` (the engine's process entry points) and
+    ``rollout`` (the arguments that run this command anew) come from the top layer,
+    ``workers.cli``; without them the process commands and the demo are refused."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
         return _delegate(args_list[0], args_list[1:], processes or {}, rollout)

@@ -1,17 +1,9 @@
-"""Archive a rollout's stream to a file and replay a rollout from the log or an archive.
+"""Archive a rollout's stream to a file (format: :mod:`engine.runtime.archive`) and replay
+a rollout from the log or an archive.
 
-Archive format (``rollout archive ID --out FILE``; written and read by
-:mod:`engine.runtime.archive`): a sequence of msgpack values. The first
-is a header map ``{"format": "rollout-archive", "version": 1, "stream": <stream name>,
-"rollout_id": <id>, "count": <entries>}``; each following value is a two-element array
-``[<stream id>, <raw event bytes>]``, in stream order, exactly as stored in Redis (an entry
-that does not decode is archived as it is and skipped on replay, as a live reader would).
-
-Replay folds the entries with the rollout fold up to and including the first
-``RolloutReady`` -- the state the live finalizer wrote its artifacts from -- takes the
-entries its records name from the stream in memory, and writes the artifacts with
-:func:`engine.actors.artifacts.write_artifacts`, so the files are byte-identical to the
-live run's.
+Replay folds the stream up to and including the first ``RolloutReady`` (the state the live
+finalizer wrote from) and writes the artifacts with the finalizer's own
+:func:`engine.actors.artifacts.write_artifacts`, so the files are byte-identical.
 """
 
 from __future__ import annotations
@@ -46,7 +38,6 @@ __all__ = [
 
 
 async def raw_entries(log: EventLog, stream: str, *, page: int = 2000) -> list[RawEntry]:
-    """Every entry of ``stream`` as ``(id, raw bytes)``, undecoded."""
     return await log.read_raw(stream, page=page)
 
 
@@ -60,7 +51,7 @@ async def archive_rollout(log: EventLog, rollout_id: str, path: str | os.PathLik
 
 
 def decode_entries(stream: str, entries: Iterable[RawEntry]) -> tuple[list[Envelope], int]:
-    """Decode raw entries; returns the envelopes and how many did not decode."""
+    """The envelopes of the entries, and how many did not decode."""
     out: list[Envelope] = []
     bad = 0
     for entry_id, raw in entries:
@@ -81,7 +72,7 @@ def replay_state(envelopes: Iterable[Envelope]) -> Rollout:
 
 
 def replay_to_dir(rollout: Rollout, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write the artifacts of a replayed rollout (the same function the finalizer uses)."""
+    """Write the artifacts of a replayed rollout; ``RolloutError`` if it is not ready."""
     state = rollout.state
     if state.ready is None:
         raise RolloutError(
