@@ -72,8 +72,10 @@ from engine.agents.chat_tokens import ChatTokens
 from engine.backends.base import ModelBackend
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import load_tokenizer
-from engine.ops.tinylm import init_model, spawn_server
+from engine.ops.processes import Processes
+from engine.ops.tinylm import init_model
 from engine.proxy import RecordingProxy
+from workers.cli import ROLLOUT
 
 
 def opening(i: int) -> list[dict[str, Any]]:
@@ -379,12 +381,13 @@ def main() -> None:
     parser.add_argument("--swe-train-steps", type=int, default=200)
     args = parser.parse_args()
     result: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp), rollout=ROLLOUT) as procs:
         model = Path(tmp) / "model"
         if args.rounds > 0:
             init_model(model, seed=0, train_steps=0)
-            with spawn_server(model, extra_args=["--max-running-requests", "16"]) as server:
-                result = asyncio.run(bench(server.url, model, args))
+            server = procs.serve_tinylm("tinylm", model, "--max-running-requests", "16")
+            result = asyncio.run(bench(server.url, model, args))
+            procs.terminate("tinylm")
         if args.scaffold_episodes > 0:
             import importlib.util
 
@@ -398,8 +401,8 @@ def main() -> None:
                 if swe_model is None:
                     swe_model = Path(tmp) / "swe-model"
                     init_swe_model(swe_model, steps=args.swe_train_steps)
-                with spawn_server(swe_model) as server:
-                    result |= asyncio.run(scaffold_episodes(server.url, swe_model, args))
+                server = procs.serve_tinylm("tinylm-swe", swe_model)
+                result |= asyncio.run(scaffold_episodes(server.url, swe_model, args))
     print(json.dumps(result))
 
 
