@@ -3,7 +3,7 @@
 ``Planner.plan(request, data)`` decides everything the scheduler writes before admission:
 
 * **fetch**: a training request takes ``n_prompts`` prompts (``ceil(n_prompts *
-  overprovision)`` for an over-provisioned request, issue 12) from a ``MultiDataSource`` over
+  overprovision)`` for an over-provisioned request) from a ``MultiDataSource`` over
   the configured training datasets (or the subset named in ``request.datasets``), starting at
   the cursor folded from ``rl:data`` for that dataset set, or, for the first rollout over it,
   at ``source.start(request.seed)``: the shuffle seed comes from the request, never from
