@@ -23,7 +23,8 @@ disagree with the others::
 Events carry these enums (``SampleCompleted.status`` / ``termination_reason``,
 ``SampleAborted.abort_class`` / ``agent_reason``); on the wire they are their string values,
 and a value outside the family does not decode (the entry is dead-lettered). This module
-imports nothing from the engine, so the domain and the events can both use it. """
+imports nothing from the engine, so the domain and the events can both use it.
+"""
 
 from __future__ import annotations
 
