@@ -269,7 +269,7 @@ async def _tail(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from engine.ops.inspection import status_lines
+    from engine.ops.inspection import last_stall, status_lines
     from engine.ops.replay import decode_entries, raw_entries
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
@@ -285,7 +285,7 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
         return 1
     projection = RolloutProjection()
     state = fold(projection, start(projection), envelopes).state
-    for line in status_lines(state):
+    for line in status_lines(state, last_stall(envelopes)):
         print(line)
     return 0
 
