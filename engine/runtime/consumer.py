@@ -358,9 +358,12 @@ class GroupConsumer:
                 ack_dead=self.ack_dead,
             )
             for env in result.entries:
-                if (env.stream, env.id) in self._in_flight:
+                key = (env.stream, env.id)
+                if key in self._in_flight:
                     continue
-                self._left.discard((env.stream, env.id))
+                self._left.discard(key)
+                # A copy read earlier (its heartbeat failed for a window): the claim is newer.
+                self._backlog = [d for d in self._backlog if d.key != key]
                 times = result.deliveries.get(env.id, 2)
                 self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
             self._hold_dead(result.dead)
