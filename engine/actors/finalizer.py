@@ -99,7 +99,7 @@ from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
 from engine.runtime.readback import read_entries, read_tasks
-from engine.runtime.retention import RetentionGroups, retention_pass
+from engine.runtime.retention import DEAD_MAX, RetentionGroups, retention_pass
 
 __all__ = [
     "Finalizer",
@@ -143,6 +143,7 @@ class RetentionConfig:
     keep_s: float
     groups: RetentionGroups
     every_s: float = 60.0
+    dead_max: int = DEAD_MAX
 
     def __post_init__(self) -> None:
         if self.keep_s < 0:
@@ -272,7 +273,8 @@ class Finalizer:
                 return
             try:
                 report = await retention_pass(
-                    self.log, retention.store, keep_s=retention.keep_s, groups=retention.groups
+                    self.log, retention.store, keep_s=retention.keep_s,
+                    groups=retention.groups, dead_max=retention.dead_max,
                 )
             except Exception as exc:  # Redis away, a full disk: try again next tick
                 logger.warning("retention pass failed: %s", exc)

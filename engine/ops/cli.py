@@ -103,7 +103,7 @@ LOG_TOOL = Flags(CONNECTION)
 
 _FLAGS = {
     "retention": Flags(
-        (*CONNECTION, "retention_store", "retention_keep_s"),
+        (*CONNECTION, "retention_store", "retention_keep_s", "retention_dead_max"),
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
 }
@@ -234,7 +234,8 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     try:
         while True:
             report = await retention_pass(
-                log, settings.retention_store, keep_s=settings.retention_keep_s
+                log, settings.retention_store, keep_s=settings.retention_keep_s,
+                dead_max=settings.retention_dead_max,
             )
             print(report.summary(), flush=True)
             if args.every is None:

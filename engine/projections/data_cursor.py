@@ -15,17 +15,22 @@ A cursor mapping that does not validate as a ``DataCursor`` is skipped (the roll
 counts as planned), so a bad entry can never crash a scheduler's fold.
 
 Like the other accumulator projections, ``evolve`` updates the state in place and returns it.
+The projection is snapshottable (``dump`` / ``load``): a reader starts from the stored
+snapshot and folds the tail, so retention trims ``rl:data`` below it. A snapshot keeps the
+tails no rollout has taken over (a taken tail is never asked for again).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
 from engine.data_source import DataCursor
 from engine.events.base import Envelope
 from engine.events.catalog import DataCursorAdvanced, RolloutKind, TailCarried
+from engine.events.codec import decode, encode
 
 __all__ = ["DataCursorProjection", "DataState"]
 
@@ -34,7 +39,7 @@ __all__ = ["DataCursorProjection", "DataState"]
 class DataState:
     cursors: dict[tuple[str, ...], DataCursor] = field(default_factory=dict)
     rollouts: dict[str, DataCursorAdvanced] = field(default_factory=dict)
-    # Carried tails (issue 12), by the rollout they come from, in log order, and the
+    # Carried tails, by the rollout they come from, in log order, and the
     # rollouts whose tail a later rollout took over (its ``DataCursorAdvanced.carried``).
     tails: dict[str, TailCarried] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
@@ -66,6 +71,25 @@ class DataCursorProjection:
 
     def initial(self) -> DataState:
         return DataState()
+
+    def dump(self, state: DataState) -> dict[str, Any]:
+        return {
+            "cursors": [c.model_dump(mode="json") for c in state.cursors.values()],
+            "rollouts": [encode(ev) for ev in state.rollouts.values()],
+            "tails": [encode(t) for t in state.tails.values() if t.rollout_id not in state.taken],
+            "taken": sorted(state.taken),
+        }
+
+    def load(self, data: Any) -> DataState:
+        cursors = [DataCursor.model_validate(c) for c in data["cursors"]]
+        rollouts = [decode(raw) for raw in data["rollouts"]]
+        tails = [decode(raw) for raw in data["tails"]]
+        return DataState(
+            cursors={c.datasets: c for c in cursors},
+            rollouts={ev.rollout_id: ev for ev in rollouts if isinstance(ev, DataCursorAdvanced)},
+            tails={t.rollout_id: t for t in tails if isinstance(t, TailCarried)},
+            taken=set(data["taken"]),
+        )
 
     def evolve(self, state: DataState, env: Envelope) -> DataState:
         ev = env.event
