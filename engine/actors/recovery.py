@@ -19,12 +19,13 @@ that kept nothing alive for a whole idle window: it died, or it stalled and stop
 its next heartbeat. The pool then tells whether the claim is still the newest: a
 ``BatchLeased`` with a higher lease than ours means another worker took the batch over after
 us (this delivery is a stale copy); the plan is then ``superseded`` and runs and reaps
-nothing, so the live holder's sandboxes are never reaped under it. The caller appends
-``BatchLeased`` before it
-folds the pool and then the rollout stream, in that order: every release that got in
-before the lease was written by a holder whose samples' terminal events are already in the
-rollout stream (a sample's release follows its terminal event), so the samples to re-run
-never outnumber what the held tokens can serve; releases after it are fenced off.
+nothing, so the live holder's sandboxes are never reaped under it.
+
+The caller appends ``BatchLeased`` before it folds the pool and then the rollout stream, in
+that order: every release that got in before the lease was written by a holder whose
+samples' terminal events are already in the rollout stream (a sample's release follows its
+terminal event), so the samples to re-run never outnumber what the held tokens can serve;
+releases after it are fenced off.
 :func:`dead_letter_events` aborts the same samples as ``infra_other`` (phase
 ``delivery``) and releases what the batch still holds; repeating it after a crash
 repeats events the folds ignore.
