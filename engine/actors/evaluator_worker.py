@@ -40,7 +40,10 @@ Contract
   it ran under, and the pool ignores releases of an older lease. Attempts are numbered
   ``max(previous + 1, lease)``, so a re-run never reuses an attempt a previous holder may
   still write. When the heartbeat finds the batch claimed by another worker (this one
-  stalled past the idle window), its run here is cancelled.
+  stalled past the idle window), its run here is cancelled (its episodes clean up their
+  own sandboxes); a batch waiting for a slot is kept alive like a running one, and one
+  found claimed never runs here. A recovery whose pool shows a newer lease than its own
+  (a stale copy) runs and reaps nothing (:mod:`engine.actors.recovery`).
 * Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` and steers
   its backend pool's ``TurnGate`` (the pool's first hook): while a sync is open or the engine
   is poisoned no model call starts (calls in flight finish), so trajectories wait at a turn
@@ -80,7 +83,7 @@ from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
-from engine.runtime.loop import serve
+from engine.runtime.loop import LeaseLost, serve
 from engine.runtime.readback import read_tasks
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
@@ -305,6 +308,11 @@ class EvaluatorWorker:
         pool = await self._pool_now()  # the pool first, then the rollout (see recovery)
         state = await self._fold(ev.rollout_id)
         plan = plan_recovery(state, pool, ev, lease=d.deliveries)
+        if plan.superseded:
+            raise LeaseLost(
+                f"batch {ev.batch_id} was taken over under a newer lease than delivery "
+                f"{d.deliveries}; not running it here"
+            )
         if plan.run_ids and ev.token_ids and not plan.tokens:
             logger.warning(
                 "batch %s: %d samples to re-run but every token was released; running ungated",

@@ -36,9 +36,13 @@ Contract
   built from the fold up to and including the ``RolloutReady`` and its records' entries
   read back -- what ``rollout replay`` builds them from, so the bytes are identical. The
   dumps take the same samples.
-* With ``retention``, every ``retention.every_s`` seconds it runs a retention pass
-  (:func:`engine.runtime.retention.retention_pass`: acked entries trimmed, finished
-  rollouts archived, verified and deleted); a failed pass is retried at the next tick.
+* With ``stall_window_s``, a rollout whose stream gets no new entry for that long gets a
+  ``RolloutStalled`` naming what it waits for (:mod:`engine.actors.stall`), again every
+  window while it stays stalled.
+* With ``retention`` (the process's default), every ``retention.every_s`` seconds it runs a
+  retention pass (:func:`engine.runtime.retention.retention_pass`: acked entries trimmed,
+  finished rollouts archived, verified and deleted, the pool and the data cursor trimmed
+  below their snapshots, dead letters trimmed); a failed pass is retried at the next tick.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
+from engine.actors.stall import StallWatch
 from engine.actors.verify import VerifyTally
 from engine.errors import AppendConflict, LogError
 from engine.events.base import Event
@@ -93,7 +99,7 @@ from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
 from engine.runtime.readback import read_entries, read_tasks
-from engine.runtime.retention import RetentionGroups, retention_pass
+from engine.runtime.retention import DEAD_MAX, RetentionGroups, retention_pass
 
 __all__ = [
     "Finalizer",
@@ -137,6 +143,7 @@ class RetentionConfig:
     keep_s: float
     groups: RetentionGroups
     every_s: float = 60.0
+    dead_max: int = DEAD_MAX
 
     def __post_init__(self) -> None:
         if self.keep_s < 0:
@@ -160,6 +167,7 @@ class FinalizerConfig:
     group: str = GROUP
     outage_limit_s: float | None = 300.0
     retention: RetentionConfig | None = None
+    stall_window_s: float | None = None  # None: no stall diagnostics (engine.actors.stall)
 
 
 Outcome = RolloutReady | RolloutFailed
@@ -210,6 +218,7 @@ class Finalizer:
         config: FinalizerConfig,
         *,
         on_ready: Callable[[RolloutReady], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log = log
         self.names = log.names
@@ -230,6 +239,8 @@ class Finalizer:
         # rl:control as far as staleness bounds need it (the trainer's current version).
         self._control = LiveFold(log, self.names.control, ControlProjection())
         self.retention_passes = 0
+        window = config.stall_window_s
+        self._stalls = StallWatch(log, window, clock=clock) if window is not None else None
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Follow requested rollouts until ``stop``; unfinished ones are handed back."""
@@ -262,7 +273,8 @@ class Finalizer:
                 return
             try:
                 report = await retention_pass(
-                    self.log, retention.store, keep_s=retention.keep_s, groups=retention.groups
+                    self.log, retention.store, keep_s=retention.keep_s,
+                    groups=retention.groups, dead_max=retention.dead_max,
                 )
             except Exception as exc:  # Redis away, a full disk: try again next tick
                 logger.warning("retention pass failed: %s", exc)
@@ -331,7 +343,11 @@ class Finalizer:
                     await self._append(f, [failed], (self.names.control, failed))
                 elif not f.state.decided and worth_deciding(f.state):
                     await self._decide(f)
+                if self._stalls is not None and not f.state.decided:
+                    await self._stalls.check(f.stream, f.state)
         finally:
+            if self._stalls is not None:
+                self._stalls.forget(rollout_id)
             if relay is not None:
                 relay.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

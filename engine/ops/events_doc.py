@@ -79,6 +79,9 @@ ROUTES: dict[str, Route] = {
     "RolloutFailed": Route("`rl:{rollout:ID}` and `rl:control`",
                            "the scheduler, the finalizer or a capture worker",
                            "the trainer (`wait_ready` raises with the reason)"),
+    "RolloutStalled": Route("`rl:{rollout:ID}`", "the finalizer following the rollout (no "
+                            "new entry for `--stall-window-s`)", "`rollout status`, "
+                            "`rollout tail`, operators (no fold decides from it)"),
     "DeadLetter": Route("`rl:dead`", "the log adapter (an entry past `max_deliveries`, or "
                         "one that does not decode)", "operators (`rollout tail`)"),
     "PolicyVersionPublished": Route("`rl:control`", "the trainer (`publish_version`)",

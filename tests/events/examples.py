@@ -24,6 +24,7 @@ from engine.events import (
     RolloutPlanned,
     RolloutReady,
     RolloutRequested,
+    RolloutStalled,
     SampleAborted,
     SampleCompleted,
     SampleStarted,
@@ -96,4 +97,6 @@ def example_events() -> list[Event]:
         ]),
         DeadLetter(source_stream="rl:control", source_id="1-0", raw=b"\x00\xff",
                    error="garbage"),
+        RolloutStalled(rollout_id="r1", idle_s=300.5, waiting_for=["2 samples running on w1 (2)"],
+                       not_started=1, running={"w1": 2}, consumers={"w2": 1500}),
     ]
