@@ -12,6 +12,7 @@ from engine.events.catalog import __all__ as _catalog_all
 from engine.events.codec import decode, encode
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
+from engine.events.registry import ServerRegistered, ServerRetired
 
 __all__ = [
     "ClaimResult",
@@ -30,4 +31,6 @@ __all__ = [
     "registered_types",
     "upcaster",
     *_catalog_all,
+    "ServerRegistered",
+    "ServerRetired",
 ]
