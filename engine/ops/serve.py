@@ -41,7 +41,14 @@ from engine.projections.policy import PolicyProjection, PolicyState
 from engine.runtime.live import LiveFold
 from tinylm.sglang_server_args import FLAGS, SGLANG_VERSION
 
-__all__ = ["ServeConfig", "Supervisor", "check_server_args", "server_argv"]
+__all__ = [
+    "ServeConfig",
+    "Supervisor",
+    "active_weights",
+    "check_server_args",
+    "restart_wait",
+    "server_argv",
+]
 
 logger = logging.getLogger("engine.serve")
 
@@ -91,6 +98,11 @@ def server_argv(
     if version is not None:
         tail += ["--weight-version", str(version)]
     return [*head, *tail, *args]
+
+
+def restart_wait(failures: int, first_s: float, cap_s: float) -> float:
+    """The wait before restarting a server that failed ``failures`` times in a row."""
+    return float(min(first_s * 2 ** (failures - 1), cap_s))
 
 
 def active_weights(state: PolicyState, base: Path) -> tuple[int, str]:
@@ -173,9 +185,7 @@ class Supervisor:
             return
         if server.retry_at is None:
             server.failures += 1
-            wait = min(
-                self.config.backoff_s * 2 ** (server.failures - 1), self.config.backoff_max_s
-            )
+            wait = restart_wait(server.failures, self.config.backoff_s, self.config.backoff_max_s)
             server.retry_at = now + wait
             logger.warning(
                 "%s (%s) exited with status %s; restarting in %.1fs",

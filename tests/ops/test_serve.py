@@ -20,10 +20,13 @@ from engine.events.catalog import PolicyVersionActivated, PolicyVersionPublished
 from engine.events.log import EventLog
 from engine.events.registry import ServerRegistered, ServerRetired
 from engine.ops.processes import Processes
-from engine.ops.serve import check_server_args, server_argv
+from engine.ops.serve import active_weights, check_server_args, restart_wait, server_argv
 from engine.projections.base import fold, start
+from engine.projections.policy import PolicyState
 from engine.projections.registry import RegistryProjection, registered_servers
+from engine.settings import Settings
 from tests.redis_server import RedisServer
+from workers._common import discover_servers
 from workers.cli import ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +84,24 @@ def test_an_sglang_server_is_launch_server_with_the_model_port_and_version() -> 
         "--port",
         "5",
     ]
+
+
+def test_restarts_back_off_exponentially_up_to_the_cap() -> None:
+    assert [restart_wait(n, 0.5, 5.0) for n in range(1, 7)] == [0.5, 1, 2, 4, 5, 5]
+
+
+def test_servers_start_from_the_active_version_folder_or_the_base_model() -> None:
+    base = Path("/models/base")
+    assert active_weights(PolicyState(), base) == (0, "/models/base")
+    active = PolicyVersionActivated(version=3, servers=[], weights_uri="file:///ckpt/v3")
+    assert active_weights(PolicyState(activated=active), base) == (3, "/ckpt/v3")
+
+
+def test_servers_from_the_log_and_from_flags_are_refused_together() -> None:
+    both = Settings(servers_from_log=True, sglang_url="http://a:1")
+    with pytest.raises(ConfigError, match="ROLLOUT_SERVERS_FROM_LOG and --sglang-url"):
+        discover_servers(both)
+    assert discover_servers(Settings(sglang_url="http://a:1")).sglang_url == "http://a:1"
 
 
 def test_the_registry_keeps_each_endpoint_last_registration_until_retired() -> None:
