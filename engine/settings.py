@@ -297,6 +297,10 @@ class Settings(FrozenModel):
         "policy", description="What rollout serve's servers serve (a teacher stays at --model)."
     )
     serve_host: str = Field("127.0.0.1", description="Address rollout serve's servers bind.")
+    serve_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of rollout serve's first server, the next ones "
+        "counting up (unset: free ports); kept across restarts either way.",
+    )
     serve_args: str | None = Field(
         None, description="SGLang server arguments for every server (shell words; checked "
         "against SGLang's ServerArgs at start), before those after `--`.",

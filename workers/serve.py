@@ -39,6 +39,7 @@ FLAGS = Flags(
         "serve_count",
         "serve_role",
         "serve_host",
+        "serve_port",
         "serve_args",
         "serve_backoff_s",
         "serve_backoff_max_s",
@@ -51,6 +52,7 @@ FLAGS = Flags(
         "serve_count": "--count",
         "serve_role": "--role",
         "serve_host": "--host",
+        "serve_port": "--port",
     },
 )
 
@@ -91,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         role=settings.serve_role,
         supervisor=consumer,
         host=settings.serve_host,
+        port=settings.serve_port,
         args=server_args,
         backoff_s=settings.serve_backoff_s,
         backoff_max_s=settings.serve_backoff_max_s,

@@ -120,6 +120,7 @@ class ServeConfig:
     role: ServerRole
     supervisor: str
     host: str = "127.0.0.1"
+    port: int | None = None
     args: tuple[str, ...] = ()
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -148,7 +149,7 @@ class Supervisor:
         shown = config.host if config.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.servers = []
         for i in range(config.count):
-            port = free_port()
+            port = free_port() if config.port is None else config.port + i
             self.servers.append(_Server(f"{config.role}-{i}", f"http://{shown}:{port}", port))
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TypeVar
@@ -20,7 +21,14 @@ from engine.events.catalog import PolicyVersionActivated, PolicyVersionPublished
 from engine.events.log import EventLog
 from engine.events.registry import ServerRegistered, ServerRetired
 from engine.ops.processes import Processes
-from engine.ops.serve import active_weights, check_server_args, restart_wait, server_argv
+from engine.ops.serve import (
+    ServeConfig,
+    Supervisor,
+    active_weights,
+    check_server_args,
+    restart_wait,
+    server_argv,
+)
 from engine.projections.base import fold, start
 from engine.projections.policy import PolicyState
 from engine.projections.registry import RegistryProjection, registered_servers
@@ -102,6 +110,21 @@ def test_servers_from_the_log_and_from_flags_are_refused_together() -> None:
     with pytest.raises(ConfigError, match="ROLLOUT_SERVERS_FROM_LOG and --sglang-url"):
         discover_servers(both)
     assert discover_servers(Settings(sglang_url="http://a:1")).sglang_url == "http://a:1"
+
+
+def test_fixed_ports_count_up_from_the_first(log: EventLog, tmp_path: Path) -> None:
+    config = ServeConfig(
+        backend="tinylm",
+        model=tmp_path,
+        count=3,
+        role="policy",
+        supervisor="s",
+        host="0.0.0.0",
+        port=31000,
+    )
+    urls = [s.url for s in Supervisor(log, Processes(tmp_path, rollout=ROLLOUT), config).servers]
+    host = socket.gethostname()
+    assert urls == [f"http://{host}:{p}" for p in (31000, 31001, 31002)]
 
 
 def test_the_registry_keeps_each_endpoint_last_registration_until_retired() -> None:
