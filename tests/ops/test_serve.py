@@ -185,6 +185,25 @@ def _generates(url: str) -> bool:
 
 
 @pytest.mark.redis_server
+async def test_discovery_names_the_missing_supervisor_when_none_registered(
+    real_log: EventLog, redis_server: RedisServer
+) -> None:
+    settings = Settings(redis_url=redis_server.url, servers_from_log=True, outage_limit_s=0.5)
+    with pytest.raises(ConfigError, match="no policy server registered on rl:control"):
+        await asyncio.to_thread(discover_servers, settings)
+    await real_log.append(
+        real_log.names.control,
+        ServerRegistered(endpoint="http://a:1", backend="sglang", supervisor="s", weight_version=0),
+    )
+    await real_log.append(
+        real_log.names.control,
+        ServerRegistered(endpoint="http://t:1", role="teacher", backend="sglang", supervisor="s"),
+    )
+    found = await asyncio.to_thread(discover_servers, settings)
+    assert found.sglang_url == "http://a:1"
+
+
+@pytest.mark.redis_server
 @pytest.mark.slow
 async def test_serve_restarts_a_killed_server_at_the_active_version_and_retires_on_sigterm(
     real_log: EventLog, redis_server: RedisServer, tinylm_dir: Path, tmp_path: Path
@@ -208,6 +227,7 @@ async def test_serve_restarts_a_killed_server_at_the_active_version_and_retires_
         first = await _registrations(real_log, 2)
         urls = [r.endpoint for r in first]
         assert len(set(urls)) == 2 and all(r.weight_version == 0 for r in first)
+        assert {(r.role, r.backend) for r in first} == {("policy", "tinylm")}
         for url in urls:
             assert _model_info(url)["weight_version"] == "0" and _generates(url)
 
