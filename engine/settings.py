@@ -309,6 +309,36 @@ class Settings(FrozenModel):
         description="A worker silent on its work streams for longer is not waited for by a "
         "sync (unset: the claim window).",
     )
+    # -- rollout serve ----------------------------------------------------------------------
+    serve_backend: Literal["tinylm", "sglang"] = Field(
+        "tinylm", description="What rollout serve runs: tinylm on CPU or SGLang's launch_server."
+    )
+    serve_count: int = Field(1, ge=1, description="Model servers rollout serve starts.")
+    serve_role: Literal["policy", "teacher"] = Field(
+        "policy", description="What rollout serve's servers serve (a teacher stays at --model)."
+    )
+    serve_host: str = Field("127.0.0.1", description="Address rollout serve's servers bind.")
+    serve_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of rollout serve's first server, the next ones "
+        "counting up (unset: free ports); kept across restarts either way.",
+    )
+    serve_args: str | None = Field(
+        None, description="SGLang server arguments for every server (shell words; checked "
+        "against SGLang's ServerArgs at start), before those after `--`.",
+    )
+    serve_backoff_s: float = Field(
+        1.0, gt=0, description="First wait before restarting a server that exited; doubles."
+    )
+    serve_backoff_max_s: float = Field(
+        30.0, gt=0, description="Cap of the restart wait; a server up this long starts over."
+    )
+    serve_log_dir: Path | None = Field(
+        None, description="Folder of the servers' logs (<name>.log; unset: a new temporary one)."
+    )
+    servers_from_log: bool = Field(
+        False, description="Workers and the syncer take the policy servers registered on "
+        "rl:control by rollout serve instead of --sglang-url.",
+    )
 
     @field_validator("stream_prefix")
     @classmethod

@@ -14,6 +14,7 @@ from engine.events.codec import decode, encode
 from engine.events.diagnostics import RolloutStalled
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
+from engine.events.registry import ServerRegistered, ServerRetired
 
 __all__ = [
     "ClaimResult",
@@ -33,4 +34,6 @@ __all__ = [
     "registered_types",
     "upcaster",
     *_catalog_all,
+    "ServerRegistered",
+    "ServerRetired",
 ]

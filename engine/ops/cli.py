@@ -34,6 +34,7 @@ PROCESS_COMMANDS: dict[str, str] = {
     "capture": "a teacher capture process",
     "scheduler": "a scheduler process",
     "sync": "the weight syncer (quiesce, load, verify, resume)",
+    "serve": "model servers kept at the active policy version, registered on rl:control",
 }
 
 _DELEGATES: dict[str, str] = {

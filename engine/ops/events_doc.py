@@ -93,6 +93,10 @@ ROUTES: dict[str, Route] = {
     "QuiesceCompleted": Route("`rl:control`", "the weight syncer", "operators"),
     "PolicyVersionActivated": Route("`rl:control`", "the weight syncer",
                                     "schedulers and workers (resume), `wait_version_active`"),
+    "ServerRegistered": Route("`rl:control`", "`rollout serve`, each time a server answers",
+                              "workers and the syncer with `ROLLOUT_SERVERS_FROM_LOG`"),
+    "ServerRetired": Route("`rl:control`", "`rollout serve`, stopping its servers",
+                           "workers and the syncer with `ROLLOUT_SERVERS_FROM_LOG`"),
     "WeightSyncFailed": Route("`rl:control`", "the weight syncer",
                               "workers keep generation stopped; `wait_ready` and "
                               "`wait_version_active` raise the error"),
