@@ -33,7 +33,7 @@ compact ``Held`` tuples and the fold keeps the nodes' placement order, so a deci
 (``allocation``) costs O(tokens x nodes) whatever the pool holds.
 
 ``dump`` / ``load`` turn a state into plain msgpack-able values and back, so a reader starts
-from a stored snapshot and folds only the tail (``engine.runtime.live.LiveFold``), which lets
+from a stored snapshot and folds only the tail (``engine.runtime.follower.Follower``), which lets
 retention trim ``rl:pool`` below a snapshot. ``engine.runtime.rebuild.pool_at`` folds the
 stream up to an event id and ``render_pool`` prints the state as a table.
 """
