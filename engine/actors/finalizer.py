@@ -388,9 +388,14 @@ class Finalizer:
             )
             task = asyncio.create_task(self._copy(relay, stream, wanted))
             self._relays.add(task)
-            task.add_done_callback(self._relays.discard)
+            task.add_done_callback(self._relay_ended)
             relays.append(relay)
         return relays
+
+    def _relay_ended(self, task: asyncio.Task[None]) -> None:
+        self._relays.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("relaying carried samples failed: %r", error)
 
     async def _copy(self, relay: Follower[None], stream: str, wanted: set[str]) -> None:
         while not relay.closed:

@@ -233,11 +233,12 @@ class WeightSyncer:
         config: SyncConfig,
         *,
         admin: AdminFactory | None = None,
+        control: Follower[ControlState] | None = None,
     ) -> None:
         self.log = log
         self.config = config
         self._admin = admin or (lambda url: ServerAdmin(url, admin_key=config.admin_key))
-        self.control = Follower(
+        self.control = control or Follower(
             log, log.names.control, ControlProjection(), block_ms=config.block_ms,
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
