@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ async def test_a_waiter_misses_no_change(log: EventLog) -> None:
 
 async def test_an_outage_backs_off_and_the_fold_resumes_where_it_was(log: EventLog) -> None:
     flaky = Flaky(log)
-    ids = Follower(flaky, S, Ids(), backoff=Backoff(first_s=0.01, max_s=0.02))  # type: ignore[arg-type]
+    ids = Follower(flaky, S, Ids(), backoff=Backoff(first_s=0.01, max_s=0.02))
     first = await log.append(S, publish(1))
     async with following(asyncio.Event(), ids):
         await asyncio.wait_for(ids.wait_for(lambda s: s == (first,)), _WAIT_S)
@@ -119,7 +120,7 @@ async def test_past_the_outage_limit_a_follower_raises_outage_exceeded(log: Even
     flaky = Flaky(log)
     flaky.down = True
     control = Follower(
-        flaky, S, ControlProjection(),  # type: ignore[arg-type]
+        flaky, S, ControlProjection(),
         backoff=Backoff(first_s=0.01, max_s=0.02, limit_s=0.1),
     )
     stop = asyncio.Event()
@@ -165,26 +166,57 @@ async def test_a_fold_stops_at_the_entry_until_names(log: EventLog) -> None:
     assert await control.read() == []  # done: nothing more is folded
 
 
-async def test_a_follower_rides_out_a_redis_restart(tmp_path: Path) -> None:
-    """A real outage: redis-server stopped and started again in place (AOF); the follower
-    resumes at its position."""
+@pytest.fixture
+async def restartable(tmp_path: Path) -> AsyncIterator[tuple[RestartableRedis, RedisEventLog]]:
+    """A redis-server a test may stop and start again in place (AOF), and a log on it."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server binary not installed")
     server = RestartableRedis(tmp_path)
     server.start()
     log = RedisEventLog(connect(RedisSettings(url=server.url, block_ms=100)), block_ms=100)
     try:
-        ids = Follower(log, S, Ids(), backoff=Backoff(first_s=0.05, max_s=0.2))
-        first = await log.append(S, publish(1))
-        async with following(asyncio.Event(), ids):
-            await asyncio.wait_for(ids.wait_for(lambda s: s == (first,)), _WAIT_S)
-            await asyncio.to_thread(server.stop)
-            while not ids.backoff.failing:
-                await asyncio.sleep(0.02)
-            await asyncio.to_thread(server.start)
-            second = await log.append(S, publish(2))
-            state = await asyncio.wait_for(ids.wait_for(lambda s: len(s) > 1), 30)
-        assert state == (first, second)
+        yield server, log
     finally:
         await log.aclose()
         server.stop()
+
+
+async def test_a_follower_rides_out_a_redis_restart(
+    restartable: tuple[RestartableRedis, RedisEventLog],
+) -> None:
+    """A real outage: redis-server stopped and started again in place; the follower
+    resumes at its position."""
+    server, log = restartable
+    ids = Follower(log, S, Ids(), backoff=Backoff(first_s=0.05, max_s=0.2))
+    first = await log.append(S, publish(1))
+    async with following(asyncio.Event(), ids):
+        await asyncio.wait_for(ids.wait_for(lambda s: s == (first,)), _WAIT_S)
+        await asyncio.to_thread(server.stop)
+        while not ids.backoff.failing:
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(server.start)
+        second = await log.append(S, publish(2))
+        state = await asyncio.wait_for(ids.wait_for(lambda s: len(s) > 1), 30)
+    assert state == (first, second)
+
+
+async def test_a_follower_gives_up_on_a_redis_server_gone_past_the_limit(
+    restartable: tuple[RestartableRedis, RedisEventLog],
+) -> None:
+    """redis-server stopped and not started again: the follower backs off, then raises
+    ``OutageExceeded`` once the outage is longer than its limit, and a waiter on it does not
+    wait on: it hears that the follower is closed, or reads itself and gives up too."""
+    server, log = restartable
+    control = Follower(
+        log, S, ControlProjection(), backoff=Backoff(first_s=0.05, max_s=0.1, limit_s=0.5)
+    )
+    await log.append(S, publish(1))
+    with pytest.raises(OutageExceeded, match="outage limit of 0.5 s"):
+        async with following(asyncio.Event(), control) as halt:
+            await asyncio.wait_for(control.wait_for(lambda s: s.published == 1), _WAIT_S)
+            waiter = asyncio.create_task(control.wait_for(lambda s: s.published == 2))
+            await asyncio.to_thread(server.stop)
+            await asyncio.wait_for(halt.wait(), 30)  # the follower ended: halt
+    with pytest.raises((FollowerClosed, OutageExceeded)):
+        await asyncio.wait_for(waiter, _WAIT_S)
+    assert control.state.published == 1

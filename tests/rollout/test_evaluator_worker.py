@@ -534,7 +534,7 @@ async def test_a_control_outage_past_the_limit_ends_the_worker_with_outage_excee
     evaluator = next(iter(specs))
     config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), block_ms=50,
                           outage_limit_s=0.3)
-    worker = EvaluatorWorker(away, specs, config)  # type: ignore[arg-type]
+    worker = EvaluatorWorker(away, specs, config)
     stop = asyncio.Event()
     with pytest.raises(OutageExceeded, match="outage limit of 0.3 s"):
         await asyncio.wait_for(worker.run(stop), 30)

@@ -38,7 +38,7 @@ async def test_the_pool_watch_backs_off_through_an_outage_and_keeps_folding(
     log: RedisEventLog,
 ) -> None:
     flaky = _Flaky(log, failures=3)
-    gate = PoolGate(flaky, backoff=Backoff(first_s=0.01, max_s=0.02))  # type: ignore[arg-type]
+    gate = PoolGate(flaky, backoff=Backoff(first_s=0.01, max_s=0.02))
     watch = asyncio.create_task(gate.pool.run())
     decl = PoolDeclared(nodes=[NodeDecl(node="n0", gpus=[0], cpu=4, memory_gb=8)])
     await log.append(log.names.pool, decl)
@@ -56,7 +56,7 @@ async def test_the_pool_watch_backs_off_through_an_outage_and_keeps_folding(
 
 
 async def test_close_cuts_a_backoff_pause_short(log: RedisEventLog) -> None:
-    gate = PoolGate(_Flaky(log, failures=10**6), backoff=Backoff(first_s=60, max_s=60))  # type: ignore[arg-type]
+    gate = PoolGate(_Flaky(log, failures=10**6), backoff=Backoff(first_s=60, max_s=60))
     watch = asyncio.create_task(gate.pool.run())
     await asyncio.sleep(0.05)  # now in its first 60 s pause
     gate.close()
