@@ -28,7 +28,7 @@ from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
 from engine.projections.registry import RegistryProjection, registered_servers
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower
 from engine.settings import Flags, Settings
 
 __all__ = [
@@ -132,7 +132,7 @@ def discover_servers(settings: Settings) -> Settings:
 async def _registered(settings: Settings) -> list[str]:
     log = make_log(settings, producer=consumer_name(settings, "discover"))
     try:
-        servers = LiveFold(log, log.names.control, RegistryProjection())
+        servers = Follower(log, log.names.control, RegistryProjection())
         deadline = time.monotonic() + settings.outage_limit_s
         while True:
             await servers.refresh()

@@ -32,10 +32,10 @@ from engine.actors.planning import admission_wait
 from engine.events.catalog import BatchSealed
 from engine.events.diagnostics import RolloutStalled
 from engine.events.log import EventLog
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
-from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.rollout import RolloutState
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower
 
 __all__ = ["StallWatch", "decide_stall"]
 
@@ -43,7 +43,7 @@ __all__ = ["StallWatch", "decide_stall"]
 def decide_stall(
     state: RolloutState,
     pool: PoolState,
-    policy: PolicyState,
+    policy: ControlState,
     consumers: Mapping[str, Mapping[str, int]],
     *,
     idle_s: float,
@@ -103,7 +103,7 @@ def decide_stall(
     )
 
 
-def _admission_cause(state: RolloutState, pool: PoolState, policy: PolicyState) -> str:
+def _admission_cause(state: RolloutState, pool: PoolState, policy: ControlState) -> str:
     """What the scheduler's admission of the rollout waits on."""
     if policy.failure is not None:
         return (f"generation is poisoned by the failed weight sync of version "
@@ -138,8 +138,8 @@ class StallWatch:
         self.window_s = window_s
         self.clock = clock
         self.group = group
-        self._pool = LiveFold(log, log.names.pool, PoolProjection())
-        self._policy = LiveFold(log, log.names.control, PolicyProjection())
+        self._pool = Follower(log, log.names.pool, PoolProjection())
+        self._policy = Follower(log, log.names.control, ControlProjection())
         self._lock = asyncio.Lock()  # one refresh of the shared folds at a time
         # per rollout: entries seen (less its own reports), when that last grew, last report
         self._seen: dict[str, tuple[int, float, float | None, int]] = {}

@@ -37,8 +37,8 @@ from engine.events.registry import ServerRegistered, ServerRetired, ServerRole
 from engine.ops.embedded import free_port
 from engine.ops.processes import Processes
 from engine.ops.tinylm import RL_SERVER_ENV
-from engine.projections.policy import PolicyProjection, PolicyState
-from engine.runtime.live import LiveFold
+from engine.projections.control import ControlProjection, ControlState
+from engine.runtime.follower import Follower
 from tinylm.sglang_server_args import FLAGS, SGLANG_VERSION
 
 __all__ = [
@@ -105,7 +105,7 @@ def restart_wait(failures: int, first_s: float, cap_s: float) -> float:
     return float(min(first_s * 2 ** (failures - 1), cap_s))
 
 
-def active_weights(state: PolicyState, base: Path) -> tuple[int, str]:
+def active_weights(state: ControlState, base: Path) -> tuple[int, str]:
     """The active policy version and its folder; version 0 and ``base`` before any."""
     if state.activated is None:
         return 0, str(base)
@@ -145,7 +145,7 @@ class Supervisor:
         self.log = log
         self.processes = processes
         self.config = config
-        self._policy = LiveFold(log, log.names.control, PolicyProjection())
+        self._policy = Follower(log, log.names.control, ControlProjection())
         shown = config.host if config.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.servers = []
         for i in range(config.count):

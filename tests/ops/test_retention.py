@@ -27,7 +27,7 @@ from engine.ops.replay import (
 )
 from engine.ops.retention import archive_path, retention_pass
 from engine.projections.data_cursor import DataCursorProjection
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower
 from engine.runtime.rebuild import rebuild
 from engine.settings import Settings
 from tests.conftest import write_raw
@@ -240,7 +240,7 @@ async def test_rl_data_is_trimmed_below_its_snapshot_and_a_resumed_scheduler_fol
     assert report.trimmed[data] == len(first)
     assert [e.event.rollout_id for e in await log.read_all(data)] == ["r3"]  # type: ignore[attr-defined]
     # A scheduler starting now folds the snapshot and the tail into the same state.
-    resumed = LiveFold(log, data, DataCursorProjection(), owner=True)
+    resumed = Follower(log, data, DataCursorProjection(), owner=True)
     await resumed.refresh()
     assert resumed.state.cursors == whole.cursors
     assert resumed.state.rollouts == whole.rollouts

@@ -30,7 +30,7 @@ from engine.ops.serve import (
     server_argv,
 )
 from engine.projections.base import fold, start
-from engine.projections.policy import PolicyState
+from engine.projections.control import ControlState
 from engine.projections.registry import RegistryProjection, registered_servers
 from engine.settings import Settings
 from tests.redis_server import RedisServer
@@ -100,9 +100,9 @@ def test_restarts_back_off_exponentially_up_to_the_cap() -> None:
 
 def test_servers_start_from_the_active_version_folder_or_the_base_model() -> None:
     base = Path("/models/base")
-    assert active_weights(PolicyState(), base) == (0, "/models/base")
+    assert active_weights(ControlState(), base) == (0, "/models/base")
     active = PolicyVersionActivated(version=3, servers=[], weights_uri="file:///ckpt/v3")
-    assert active_weights(PolicyState(activated=active), base) == (3, "/ckpt/v3")
+    assert active_weights(ControlState(activated=active), base) == (3, "/ckpt/v3")
 
 
 def test_servers_from_the_log_and_from_flags_are_refused_together() -> None:

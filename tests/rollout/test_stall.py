@@ -25,8 +25,8 @@ from engine.events import (
 )
 from engine.events.catalog import AbortClass
 from engine.ops.inspection import last_stall, status_lines
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
-from engine.projections.policy import PolicyProjection, PolicyState
 from engine.projections.rollout import RolloutState
 from tests.rollout.conftest import envelopes, rollout_state, start_rollout
 from tests.rollout.play import plan_events
@@ -50,8 +50,8 @@ def pool(*events: Event) -> PoolState:
     return state
 
 
-def policy(*events: Event) -> PolicyState:
-    projection = PolicyProjection()
+def policy(*events: Event) -> ControlState:
+    projection = ControlProjection()
     state = projection.initial()
     for env in envelopes(list(events)):
         state = projection.evolve(state, env)
@@ -71,7 +71,7 @@ def aborted(i: int) -> SampleAborted:
 def stall(
     state: RolloutState,
     pool_state: PoolState | None = None,
-    policy_state: PolicyState | None = None,
+    policy_state: ControlState | None = None,
     consumers: dict[str, dict[str, int]] | None = None,
     *,
     idle_s: float = 90.0,
