@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from engine.events import EventLog, SampleAborted, SampleCompleted, SampleStarted
-from tests.redis_server import RedisServer
-from tests.rollout.conftest import FIXTURES, Procs, events_of, start_rollout, wait_state
+from engine.ops.processes import Processes
+from tests.rollout.conftest import FIXTURES, events_of, start_rollout, wait_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 
 CONFIG = FIXTURES / "lease_evaluators.py"
 GROUP = "evaluators"
-
-
-@pytest.fixture
-def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(redis_server.url, tmp_path)
-    yield p
-    p.stop_all()
 
 
 @pytest.fixture
@@ -66,17 +59,17 @@ async def _admit(log: EventLog, name: str, hold: Path) -> None:
 
 
 async def test_a_batch_waiting_for_a_slot_is_neither_claimed_nor_run_twice(
-    real_log: EventLog, procs: Procs, sandbox_root: Path, tmp_path: Path
+    real_log: EventLog, procs: Processes, sandbox_root: Path, tmp_path: Path
 ) -> None:
     # Given two workers, each serving both evaluators with one slot: each read one batch of
     # each evaluator at once, runs the hanging one and keeps the other waiting for its slot,
     log = real_log
     holds = {w: tmp_path / f"hold-{w}" for w in ("A", "B")}
-    args = ["--evaluator-config", str(CONFIG), "--evaluators", "hang,wait", "--max-batches", "1",
-            "--sandbox", "local", "--sandbox-root", str(sandbox_root)]
+    settings = {"evaluator_config": CONFIG, "evaluators": "hang,wait", "max_batches": 1,
+                "sandbox": "local", "sandbox_root": sandbox_root}
     for w in ("A", "B"):
         await _admit(log, w, holds[w])
-        procs.spawn(f"w{w}", "workers.evaluator", "--worker-id", f"w{w}", *args)
+        procs.start(f"w{w}", "worker", settings={"worker_id": f"w{w}", **settings})
         await _holds(log, f"w{w}")
     # when the hang outlasts the claim window (1 s) twice over, and the servers come back
     # one after the other, wB's first (its claim round would find wA's waiting batch, the
