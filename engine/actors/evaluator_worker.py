@@ -41,6 +41,13 @@ Contract
   ``max(previous + 1, lease)``, so a re-run never reuses an attempt a previous holder may
   still write. When the heartbeat finds the batch claimed by another worker (this one
   stalled past the idle window), its run here is cancelled.
+* Model servers (``engine/backends/health.py``): the worker runs its pool's health probes,
+  starts from the servers' state on ``rl:control`` and appends each change it sees there
+  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/servers.py``); a server
+  comes back only at the active policy version. A model-server failure is retried (the turn,
+  else the attempt) within each sample's ``model_retries``; a sample whose budget is spent is
+  aborted naming the servers tried, and a rollout whose samples waited past the outage limit
+  with every server down fails (``engine/actors/batch_run.py``).
 * Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` and steers
   its backend pool's ``TurnGate`` (the pool's first hook): while a sync is open or the engine
   is poisoned no model call starts (calls in flight finish), so trajectories wait at a turn
@@ -70,11 +77,13 @@ from engine.actors.verify import VerifyPolicy, check_servers
 from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.gate import TurnGate
+from engine.backends.health import HealthChange, ServerState
 from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, BatchLeased
 from engine.events.log import DeadEntry, EventLog
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
@@ -110,6 +119,8 @@ class WorkerConfig:
     group: str = GROUP
     outage_limit_s: float | None = 300.0
     verify: VerifyPolicy = VerifyPolicy()
+    model_retries: int = 4
+    retry_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.evaluator_ids:
@@ -167,6 +178,8 @@ class EvaluatorWorker:
             tmp_root=config.tmp_root,
             cleanup_timeout_s=config.cleanup_timeout_s,
             verify=config.verify,
+            model_retries=config.model_retries,
+            retry_backoff_s=config.retry_backoff_s,
         )
         self.tasks = TaskReader(
             log, window=config.task_window, rollouts=config.task_cache_rollouts
@@ -196,6 +209,9 @@ class EvaluatorWorker:
         )
         # rl:control for the staleness bound and the tails of over-provisioned rollouts.
         self.control_watch = ControlWatch(log)
+        if backends is not None:  # servers are readmitted at the active version only
+            backends.health.expected = lambda: self.quiesce.watch.state.active_version
+            backends.health.listen(self._server_changed)
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -209,9 +225,13 @@ class EvaluatorWorker:
         watching = asyncio.create_task(self.control_watch.run(stop))
         done = asyncio.Event()
         following: asyncio.Task[None] | None = None
+        probing: asyncio.Task[None] | None = None
         try:
             await self.quiesce.start(self.consumer.backoff)  # a sync may be open already
             following = asyncio.create_task(self.quiesce.run(done, Backoff()))
+            if self._backends is not None:  # the fleet as the log has it, then our probes
+                self._backends.health.adopt(self.quiesce.watch.state.servers)
+                probing = asyncio.create_task(self._backends.health.run(done))
             served = await serve(
                 self.consumer,
                 stop,
@@ -226,9 +246,25 @@ class EvaluatorWorker:
         finally:
             done.set()
             watching.cancel()
-            if following is not None:
-                await asyncio.gather(following, return_exceptions=True)
+            waits = [t for t in (following, probing) if t is not None]
+            await asyncio.gather(*waits, return_exceptions=True)
             await self.sink.aclose()
+
+    def _server_changed(self, change: HealthChange) -> None:
+        """A policy server changed state here: say so on ``rl:control``."""
+        worker = self.config.worker_id
+        event: Event
+        if change.state is ServerState.UP:
+            event = ServerUp(endpoint=change.endpoint, worker=worker,
+                             weight_version=change.version)
+        elif change.state is ServerState.DOWN:
+            event = ServerDown(endpoint=change.endpoint, worker=worker, reason=change.reason)
+        else:
+            assert change.expected is not None
+            event = ServerStale(endpoint=change.endpoint, worker=worker,
+                                weight_version=change.version, active=change.expected,
+                                reason=change.reason)  # fmt: skip
+        self.sink.emit([(self.names.control, event)])
 
     # ------------------------------------------------------------------ one batch
 

@@ -12,6 +12,7 @@ from engine.events.catalog import __all__ as _catalog_all
 from engine.events.codec import decode, encode
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = [
     "ClaimResult",
@@ -22,6 +23,9 @@ __all__ = [
     "LogProbs",
     "Mask",
     "PackedArray",
+    "ServerDown",
+    "ServerStale",
+    "ServerUp",
     "StreamNames",
     "TokenIds",
     "decode",

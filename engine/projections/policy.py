@@ -17,13 +17,17 @@ The fold keeps:
   *poisoned*: nothing generates until a later sync succeeds.
 
 Generation may run only when no sync is open and the engine is not poisoned
-(``generation_stopped``). The state is a frozen value; ``evolve`` returns a new one.
+(``generation_stopped``). The fold also keeps each policy server's last word from any worker
+(``servers``: ``ServerUp`` / ``ServerDown`` / ``ServerStale``, ``engine/events/servers.py``):
+while every server it knows of is down or stale, nothing may be admitted (``may_generate``),
+and a worker starts from it. The state is a frozen value; ``evolve`` returns a new one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from engine.events.base import Envelope
 from engine.events.catalog import (
@@ -34,6 +38,7 @@ from engine.events.catalog import (
     WeightSyncFailed,
     WorkerParked,
 )
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = ["PolicyProjection", "PolicyState"]
 
@@ -52,6 +57,7 @@ class PolicyState:
     activated_id: str | None = None
     failure: WeightSyncFailed | None = None
     failure_id: str | None = None
+    servers: Mapping[str, str] = field(default_factory=dict)  # endpoint -> up / down / stale
 
     @property
     def active_version(self) -> int | None:
@@ -74,21 +80,35 @@ class PolicyState:
             return False
         return self.active_version is None or self.active_version < version
 
+    @property
+    def servers_down(self) -> bool:
+        """Every policy server the log has heard of is down or stale (none heard of: no)."""
+        return bool(self.servers) and "up" not in self.servers.values()
+
     def may_generate(self, version: int = 0) -> bool:
-        """No sync open, not poisoned, and ``version`` needs no sync."""
-        return not self.generation_stopped and not self.needs_sync(version)
+        """No sync open, not poisoned, ``version`` needs no sync, and a server is up."""
+        return (
+            not self.generation_stopped and not self.needs_sync(version) and not self.servers_down
+        )
 
     def why_stopped(self) -> str:
         if self.quiesce is not None:
             return f"weight sync to version {self.quiesce.version} in progress"
         if self.failure is not None:
             return f"weight sync to version {self.failure.version} failed: {self.failure.error}"
+        if self.servers_down:
+            return "every policy server is down: " + ", ".join(
+                f"{url} ({state})" for url, state in sorted(self.servers.items())
+            )
         return ""
 
     def current_version(self, requested: int = 0) -> int:
         """The trainer's current version: the highest published one, or ``requested`` when
         higher."""
         return max(requested, self.published if self.published is not None else requested)
+
+
+_SAID = {"ServerUp": "up", "ServerDown": "down", "ServerStale": "stale"}
 
 
 class PolicyProjection:
@@ -125,6 +145,11 @@ class PolicyProjection:
                 state, activated=ev, activated_id=env.id, failure=None, failure_id=None,
                 quiesce=None, quiesce_id=None, parked=frozenset(), quiesce_done=None,
             )
+        if isinstance(ev, ServerUp | ServerDown | ServerStale):
+            said = _SAID[ev.type]
+            if state.servers.get(ev.endpoint) == said:
+                return state
+            return replace(state, servers={**state.servers, ev.endpoint: said})
         if isinstance(ev, WeightSyncFailed):
             return replace(
                 state, failure=ev, failure_id=env.id,
