@@ -74,12 +74,15 @@ from engine.actors.sandbox_labels import LabelledProvider, sandbox_labels
 from engine.actors.verify import VerifyPolicy, selected, verify_result
 from engine.agents.base import AgentResult, Episode, EpisodeContext, Reward, noop_phase
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.health import RetryBudget
 from engine.backends.pool import BackendPool
 from engine.domain import Task
-from engine.errors import AgentError
+from engine.errors import AgentError, ServersDown
 from engine.events.base import Event
 from engine.events.catalog import (
+    AbortClass,
     BatchAdmitted,
+    RolloutFailed,
     RolloutKind,
     RolloutRequested,
     SampleAborted,
@@ -121,6 +124,8 @@ class EpisodeSettings:
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
     verify: VerifyPolicy = VerifyPolicy()  # re-scoring of completed samples (actors/verify.py)
+    model_retries: int = 4  # a sample's retries of model-server failures (RetryBudget)
+    retry_backoff_s: float = 0.5
 
 
 OnTaskDone = Callable[[SampleRow], None]
@@ -221,6 +226,7 @@ class BatchRun:
         self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
+        self._failed = False  # this run failed the rollout (every policy server down)
         # The metric children this batch records into, looked up once per batch instead of
         # twice per sample (prometheus-client's ``labels()`` hashes and locks every call).
         evaluator = spec.evaluator_id
@@ -266,28 +272,64 @@ class BatchRun:
 
     async def _sample(self, sample_id: str) -> None:
         attempt = self.plan.attempts.get(sample_id, 1)
-        rec = Attempt()
+        settings = self._settings
+        budget = (
+            RetryBudget(tries=settings.model_retries, backoff_s=settings.retry_backoff_s)
+            if self._backends is not None
+            else None
+        )
         token: str | None = None
         outcome: list[Event]
         in_flight = self._in_flight
         in_flight.inc()
         try:
-            outcome, token = await self._episode(sample_id, attempt, rec)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failure outside any phase (bad task data)
-            outcome = [self._aborted(sample_id, attempt, rec, exc)]
+            while True:
+                rec = Attempt()
+                try:
+                    outcome, token, failure = await self._episode(sample_id, attempt, rec, budget)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a failure outside any phase (bad task data)
+                    outcome, failure = [self._aborted(sample_id, attempt, rec, exc)], exc
+                if not _rerun(outcome[-1], failure, budget):
+                    break
+                assert budget is not None
+                self._tokens.give_back(token)  # the next attempt takes one again
+                token = None
+                self.aborted -= 1
+                metrics.MODEL_RETRIES.labels("attempt").inc()
+                logger.warning("sample %s attempt %d: a model server failed it (%s); re-run",
+                               sample_id, attempt, budget.last)
+                await asyncio.sleep(budget.pause_s())
+                attempt += 1
         finally:
             in_flight.dec()
         done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
         self._done_metric[done].inc()
+        if failure is not None and _caused_by(failure, ServersDown):
+            self._fail_rollout(failure)
         self._emit(outcome)
         self._tokens.give_back(token)
         self._report(sample_id, attempt, rec, outcome[-1])
 
+    def _fail_rollout(self, failure: BaseException) -> None:
+        """Every policy server stayed down past the outage limit: the rollout fails (before
+        its samples' aborts in its stream, so no decision is made from them)."""
+        if self._failed:
+            return
+        self._failed = True
+        rollout_id = self.plan.admitted.rollout_id
+        failed = RolloutFailed(
+            rollout_id=rollout_id,
+            reason=f"worker {self._settings.worker_id}: {failure}",
+            causation=self.plan.causation,
+        )
+        self._emit([failed], self._names.control)
+        self._emit([failed])
+
     async def _episode(
-        self, sample_id: str, attempt: int, rec: Attempt
-    ) -> tuple[list[Event], str | None]:
+        self, sample_id: str, attempt: int, rec: Attempt, budget: RetryBudget | None
+    ) -> tuple[list[Event], str | None, BaseException | None]:
         ev = self.plan.tasks.get(sample_id)
         if ev is None:
             raise AgentError(
@@ -307,7 +349,7 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            held = self._hold(ev, sample_id, attempt, guard)
+            held = self._hold(ev, sample_id, attempt, guard, budget)
             try:
                 await self._phases(episode, task, sample_id, attempt, held, guard, rec)
             except asyncio.CancelledError:
@@ -316,18 +358,26 @@ class BatchRun:
                 held.fail(exc, rec.phase)
             finally:
                 await self._cleanup(episode, held, rec)
-        return self._outcome(task, sample_id, attempt, held, rec), held.token
+        outcome = self._outcome(task, sample_id, attempt, held, rec, budget)
+        return outcome, held.token, held.failure
 
     def _hold(
-        self, ev: TaskFetched, sample_id: str, attempt: int, guard: SampleGuard | None
+        self,
+        ev: TaskFetched,
+        sample_id: str,
+        attempt: int,
+        guard: SampleGuard | None,
+        budget: RetryBudget | None,
     ) -> _Held:
         """The attempt's directory, bound view of the pool and context."""
         tmp = LazyTmp(self._batch_tmp, sample_id, attempt)
-        # One trajectory, one policy server (BackendPool.bind), released after cleanup.
+        # One trajectory, one policy server while it is up (BackendPool.bind), released
+        # after cleanup; its generations are named SAMPLE/aATTEMPT/tN.
         backends = (
             self._backends.bind(
-                f"{ev.rollout_id}/{sample_id}/{attempt}",
+                f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
+                budget=budget,
             )
             if self._backends is not None
             else None
@@ -410,7 +460,13 @@ class BatchRun:
                 held.backends.release()
 
     def _outcome(
-        self, task: Task, sample_id: str, attempt: int, held: _Held, rec: Attempt
+        self,
+        task: Task,
+        sample_id: str,
+        attempt: int,
+        held: _Held,
+        rec: Attempt,
+        budget: RetryBudget | None,
     ) -> list[Event]:
         if held.failure is None and held.result is not None:
             try:
@@ -422,7 +478,11 @@ class BatchRun:
                 held.fail(exc, "eval")
         assert held.failure is not None
         rec.phase = held.phase
-        return [self._aborted(sample_id, attempt, rec, held.failure)]
+        note = ""
+        if budget is not None and budget.spent:
+            note = budget.describe()
+            metrics.RETRY_BUDGETS_SPENT.inc()
+        return [self._aborted(sample_id, attempt, rec, held.failure, note)]
 
     async def _run_and_eval(
         self,
@@ -516,7 +576,7 @@ class BatchRun:
         return events
 
     def _aborted(
-        self, sample_id: str, attempt: int, rec: Attempt, exc: BaseException
+        self, sample_id: str, attempt: int, rec: Attempt, exc: BaseException, note: str = ""
     ) -> SampleAborted:
         self.aborted += 1
         return aborted_event(
@@ -526,6 +586,7 @@ class BatchRun:
             rec=rec,
             exc=exc,
             causation=self.plan.causation,
+            note=note,
         )
 
     def _report(self, sample_id: str, attempt: int, rec: Attempt, terminal: Event) -> None:
@@ -560,6 +621,33 @@ class BatchRun:
                 attempt=attempt,
             ),
         )
+
+
+_RERUN = frozenset({AbortClass.INFRA_CONN, AbortClass.INFRA_OTHER})
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None:
+            return False
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _rerun(terminal: Event, failure: BaseException | None, budget: RetryBudget | None) -> bool:
+    """Whether an attempt is run again: it aborted after a model-server failure reached its
+    agent, and the sample's budget has a retry left (taken here)."""
+    if budget is None or not budget.reached_caller or not isinstance(terminal, SampleAborted):
+        return False
+    if terminal.abort_class not in _RERUN or (
+        failure is not None and _caused_by(failure, ServersDown)
+    ):
+        return False
+    budget.reached_caller = False
+    return budget.take(None, f"attempt ended as {terminal.abort_class.value}: {terminal.error}")
 
 
 def sample_seed(request_seed: int, index: int) -> int:

@@ -223,14 +223,18 @@ def aborted_event(
     rec: Attempt,
     exc: BaseException,
     causation: str | None,
+    note: str = "",
 ) -> SampleAborted:
-    """The ``SampleAborted`` of an attempt that ended with ``exc`` in ``rec.phase``."""
+    """The ``SampleAborted`` of an attempt that ended with ``exc`` in ``rec.phase``; ``note``
+    (the spent retry budget and the servers tried) is added to its error."""
     if isinstance(exc, ReportedAbort):
         abort_class = AbortClass(exc.reason.value)
         error = f"the agent ended the episode with {exc.reason.value}"
     else:
         abort_class = classify_abort(exc)
         error = describe_exception(exc)
+    if note:
+        error = f"{error}; {note}"
     return SampleAborted(
         rollout_id=rollout_id,
         sample_id=sample_id,
