@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 DONE_EVENT = b"data: [DONE]"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +264,9 @@ class JSONClient:
         on) and else ``ServerStalled``. A stream cut off (the server died, the connection was
         reset) is ``BackendUnavailable``; an ``{"error": ...}`` event is ``BackendHTTPError``."""
         url = self.base_url + path
-        response = await self._send("POST", path, payload, stream=True)
+        # a server that stops before its headers stalls the call as surely as one mid-stream
+        response = await _watched(self._send("POST", path, payload, stream=True),
+                                  url, silence_s, alive)  # fmt: skip
         try:
             if not response.is_success:
                 await response.aread()
@@ -300,6 +303,26 @@ class JSONClient:
             ) from exc
 
 
+async def _watched(step: Awaitable[T], url: str, silence_s: float,
+                   alive: Callable[[], Awaitable[bool]]) -> T:  # fmt: skip
+    """``step``'s result; each ``silence_s`` without it, ``alive()`` decides whether to wait
+    on (True) or give it up as ``ServerStalled``."""
+    task = asyncio.ensure_future(step)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=silence_s)
+            if done:
+                return task.result()
+            if not await alive():
+                raise ServerStalled(
+                    f"POST {url}: no event for {silence_s:g} s and the server failed its "
+                    "health check: the generation is stalled"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _last_event(
     chunks: AsyncIterator[bytes],
     url: str,
@@ -313,23 +336,10 @@ async def _last_event(
     last: bytes | None = None
     it = chunks.__aiter__()
     while True:
-        read = asyncio.ensure_future(it.__anext__())
         try:
-            while True:
-                done, _ = await asyncio.wait((read,), timeout=silence_s)
-                if done:
-                    break
-                if not await alive():
-                    raise ServerStalled(
-                        f"POST {url}: no event for {silence_s:g} s and the server failed its "
-                        "health check: the generation is stalled"
-                    )
-            piece = read.result()
+            piece = await _watched(it.__anext__(), url, silence_s, alive)
         except StopAsyncIteration:
             break
-        finally:
-            if not read.done():
-                read.cancel()
         buffer += piece
         end = buffer.rfind(b"\n\n")
         if end < 0:

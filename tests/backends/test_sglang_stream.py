@@ -128,6 +128,24 @@ async def test_a_silent_stream_whose_server_fails_its_health_check_is_a_stall() 
     await backend.aclose()
 
 
+async def test_a_server_that_stops_before_its_headers_stalls_the_call_too() -> None:
+    """A stopped process still accepts connections (the kernel's backlog): the call then
+    waits for headers that never come, and that wait is watched like the stream's."""
+
+    class Headless(Scripted):
+        async def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/generate":
+                await asyncio.Event().wait()  # never answers
+            return await super().__call__(request)
+
+    server = Headless([], [])
+    backend = scripted_backend(server, stall_s=0.2)
+    with pytest.raises(ServerStalled, match=r"no event for 0.2 s"):
+        await backend.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    assert server.health_checks == 1
+    await backend.aclose()
+
+
 async def test_a_silent_stream_of_a_healthy_server_waits_on_and_completes() -> None:
     server = Scripted(_events(PARTIAL), [*_events(FINAL), b"data: [DONE]\n\n"], health=200)
     backend = scripted_backend(server, stall_s=0.05)
