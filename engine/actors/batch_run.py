@@ -1,44 +1,37 @@
 """A batch run: one admitted batch's episodes, run and recorded as events.
 
 One ``BatchRun`` is built per batch delivery, drains the batch and is discarded. It holds no
-domain logic: the binding's ``BaseAgent`` owns each episode, one ``Episode`` per attempt
-(``agent.episode(task)``), and gets the worker's ports through its ``EpisodeContext``
-(``engine.actors.attempt_context``): the backend pool bound to the attempt (one policy server
-per trajectory; for a guarded sample, ``engine.actors.sample_guard``, with the attempt's guard
-as a hook around each generation) and the sandbox provider, labelled for the attempt
-(``engine.actors.sandbox_labels``).
+domain logic: the binding's ``BaseAgent`` owns each episode, one ``Episode`` per attempt, and
+gets the worker's ports through its ``EpisodeContext`` (``engine.actors.attempt_context``):
+the backend pool bound to the attempt (one policy server per trajectory; a guarded sample's
+``SampleGuard`` as a hook around each generation) and the sandbox provider, labelled for the
+attempt (``engine.actors.sandbox_labels``). Per sample, in this order:
 
-Per sample, in this order:
-
-1. the batch's ``asyncio.Semaphore`` (``profile.resource.concurrency``) is taken and spans
-   ``init -> run -> eval -> cleanup``;
+1. the batch's semaphore (``profile.resource.concurrency``) is taken, for init to cleanup;
 2. ``init`` runs before any placement token is held;
-3. one *local placement token* -- one of the batch's ``token_ids``, handed out one per
-   running sample -- is taken (a sample waits for a free one) and held through ``run``,
-   ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted once it is held;
-4. ``cleanup`` always runs once ``init`` was entered, even after a failure; afterwards the
-   attempt's ``tmp_dir`` (a path reserved inside a per-batch directory, which the agent
-   creates if it needs one) is removed;
-5. the outcome is emitted: one ``TurnCompleted`` per ``AgentResult.turns`` entry, then
-   ``SampleCompleted`` -- or ``SampleAborted`` when anything raised. With a
-   ``PromptStore`` (the worker's, ``engine.actors.prompt_store``) a group's prompt tokens are
-   stored once and each ``SampleCompleted`` refers to them;
-6. the token goes back to the batch (``engine.actors.batch_tokens``: surplus tokens are
-   released at once with ``TokenReleased`` on the pool, the rest when the batch ends).
+3. one *local placement token* (one of the batch's ``token_ids``) is taken and held through
+   ``run``, ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted then;
+4. ``cleanup`` always runs once ``init`` was entered; then the attempt's ``tmp_dir`` (inside
+   a per-batch directory, created only if the agent asks for it) is removed;
+5. the outcome is emitted: one ``TurnCompleted`` per turn, then ``SampleCompleted`` -- or
+   ``SampleAborted``. With a ``PromptStore`` (``engine.actors.prompt_store``) a group's
+   prompt tokens are stored once and each ``SampleCompleted`` refers to them;
+6. the token goes back (``engine.actors.batch_tokens``: surplus tokens are released at once
+   with ``TokenReleased``, the rest when the batch ends).
 
-Failure semantics: any exception, in any phase, aborts the sample (``SampleAborted``:
-``classify_abort`` class, the agent's own termination reason when it had one, phase,
-elapsed time vs the episode window, node, turns); the trainer then sees a masked dummy. The
-episode window is ``StoppingCriteria.timeout_s`` of the sample's ``TaskFetched`` and covers
-init, run and eval (not the wait for a token); when it elapses the phase is cancelled and
-the sample is aborted as ``agent_timeout``. An agent that *returns* an abort reason
-(``infra_*``, ``agent_timeout``) is aborted the same way. A training rollout needs response
-tokens with logprobs; a result without them is aborted as ``infra_other``.
-
-Cancellation (shutdown past the grace period) is not a failure: a cancelled sample emits
-nothing, keeps its token with the batch, and is re-run by the worker that claims the batch.
-
-The outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
+Failure semantics: any exception, in any phase, aborts the attempt (``SampleAborted``:
+``classify_abort`` class, the agent's own termination reason when it had one, phase, elapsed
+time vs the episode window, node, turns). A model-server failure that reached the agent is no
+outcome: the sample runs again as a new attempt while its ``RetryBudget`` lasts (a failed
+turn is retried by the pool first, ``engine.backends.pool``); a spent budget is named in the
+abort, and a sample that waited past the outage limit with every policy server down fails
+its rollout (``RolloutFailed``). The episode window is ``StoppingCriteria.timeout_s`` of the
+``TaskFetched`` and covers init, run and eval (not the wait for a token); when it elapses the
+sample is aborted as ``agent_timeout``, as when the agent *returns* an abort reason. A
+training rollout needs response tokens with logprobs; a result without them is
+``infra_other``. Cancellation (shutdown past the grace period) is no failure: the sample
+emits nothing, keeps its token with the batch, and is re-run by the worker that claims it.
+Outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
 
 Events go through an ``EventSink`` (the worker's group-commit appender): emitting never
 waits for Redis, order is preserved, and the worker flushes before it acks the batch.
@@ -65,7 +58,9 @@ from engine.actors.outcomes import (
     Attempt,
     ReportedAbort,
     aborted_event,
+    caused_by,
     completed_events,
+    rerun_attempt,
     started_event,
 )
 from engine.actors.prompt_store import PromptStore
@@ -80,7 +75,6 @@ from engine.domain import Task
 from engine.errors import AgentError, ServersDown
 from engine.events.base import Event
 from engine.events.catalog import (
-    AbortClass,
     BatchAdmitted,
     RolloutFailed,
     RolloutKind,
@@ -222,11 +216,12 @@ class BatchRun:
         # become unusable while they run: only those are guarded (engine.actors.sample_guard).
         self._guarded = watch is not None and request is not None and (
             request.max_staleness is not None or request.n_planned_prompts > request.n_prompts
-        )
+        )  # fmt: skip
         self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
         self._failed = False  # this run failed the rollout (every policy server down)
+        self._budgets: dict[str, RetryBudget] = {}  # per running sample
         # The metric children this batch records into, looked up once per batch instead of
         # twice per sample (prometheus-client's ``labels()`` hashes and locks every call).
         evaluator = spec.evaluator_id
@@ -253,31 +248,22 @@ class BatchRun:
         self._sink.emit([(target, ev) for ev in events])
 
     def _release(self, token_ids: list[str], reason: str) -> None:
-        ad = self.plan.admitted
-        self._emit(
-            [
-                TokenReleased(
-                    rollout_id=ad.rollout_id,
-                    batch_id=ad.batch_id,
-                    token_ids=token_ids,
-                    reason=reason,
-                    causation=self.plan.causation,
-                    lease=self.plan.lease,
-                )
-            ],
-            self._names.pool,
-        )
+        ad, plan = self.plan.admitted, self.plan
+        released = TokenReleased(
+            rollout_id=ad.rollout_id, batch_id=ad.batch_id, token_ids=token_ids, reason=reason,
+            causation=plan.causation, lease=plan.lease,
+        )  # fmt: skip
+        self._emit([released], self._names.pool)
 
     # ------------------------------------------------------------------ sample
 
     async def _sample(self, sample_id: str) -> None:
         attempt = self.plan.attempts.get(sample_id, 1)
-        settings = self._settings
-        budget = (
-            RetryBudget(tries=settings.model_retries, backoff_s=settings.retry_backoff_s)
-            if self._backends is not None
-            else None
-        )
+        budget = None
+        if self._backends is not None:  # model-server failures are retried (RetryBudget)
+            budget = self._budgets[sample_id] = RetryBudget(
+                tries=self._settings.model_retries, backoff_s=self._settings.retry_backoff_s
+            )
         token: str | None = None
         outcome: list[Event]
         in_flight = self._in_flight
@@ -286,27 +272,27 @@ class BatchRun:
             while True:
                 rec = Attempt()
                 try:
-                    outcome, token, failure = await self._episode(sample_id, attempt, rec, budget)
+                    outcome, token, failure = await self._episode(sample_id, attempt, rec)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # a failure outside any phase (bad task data)
                     outcome, failure = [self._aborted(sample_id, attempt, rec, exc)], exc
-                if not _rerun(outcome[-1], failure, budget):
+                if budget is None or not rerun_attempt(outcome[-1], failure, budget):
                     break
-                assert budget is not None
                 self._tokens.give_back(token)  # the next attempt takes one again
                 token = None
                 self.aborted -= 1
                 metrics.MODEL_RETRIES.labels("attempt").inc()
                 logger.warning("sample %s attempt %d: a model server failed it (%s); re-run",
-                               sample_id, attempt, budget.last)
+                               sample_id, attempt, budget.last)  # fmt: skip
                 await asyncio.sleep(budget.pause_s())
                 attempt += 1
         finally:
             in_flight.dec()
+            self._budgets.pop(sample_id, None)
         done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
         self._done_metric[done].inc()
-        if failure is not None and _caused_by(failure, ServersDown):
+        if failure is not None and caused_by(failure, ServersDown):
             self._fail_rollout(failure)
         self._emit(outcome)
         self._tokens.give_back(token)
@@ -315,20 +301,17 @@ class BatchRun:
     def _fail_rollout(self, failure: BaseException) -> None:
         """Every policy server stayed down past the outage limit: the rollout fails (before
         its samples' aborts in its stream, so no decision is made from them)."""
-        if self._failed:
-            return
-        self._failed = True
-        rollout_id = self.plan.admitted.rollout_id
-        failed = RolloutFailed(
-            rollout_id=rollout_id,
-            reason=f"worker {self._settings.worker_id}: {failure}",
-            causation=self.plan.causation,
-        )
-        self._emit([failed], self._names.control)
-        self._emit([failed])
+        if not self._failed:
+            self._failed = True
+            reason = f"worker {self._settings.worker_id}: {failure}"
+            ad = self.plan.admitted
+            failed = RolloutFailed(rollout_id=ad.rollout_id, reason=reason,
+                                   causation=self.plan.causation)  # fmt: skip
+            self._emit([failed], self._names.control)
+            self._emit([failed])
 
     async def _episode(
-        self, sample_id: str, attempt: int, rec: Attempt, budget: RetryBudget | None
+        self, sample_id: str, attempt: int, rec: Attempt
     ) -> tuple[list[Event], str | None, BaseException | None]:
         ev = self.plan.tasks.get(sample_id)
         if ev is None:
@@ -349,7 +332,7 @@ class BatchRun:
         async with self._sem:
             if guard is not None:
                 guard.before_turn()  # it may have waited for the semaphore
-            held = self._hold(ev, sample_id, attempt, guard, budget)
+            held = self._hold(ev, sample_id, attempt, guard)
             try:
                 await self._phases(episode, task, sample_id, attempt, held, guard, rec)
             except asyncio.CancelledError:
@@ -358,16 +341,11 @@ class BatchRun:
                 held.fail(exc, rec.phase)
             finally:
                 await self._cleanup(episode, held, rec)
-        outcome = self._outcome(task, sample_id, attempt, held, rec, budget)
+        outcome = self._outcome(task, sample_id, attempt, held, rec)
         return outcome, held.token, held.failure
 
     def _hold(
-        self,
-        ev: TaskFetched,
-        sample_id: str,
-        attempt: int,
-        guard: SampleGuard | None,
-        budget: RetryBudget | None,
+        self, ev: TaskFetched, sample_id: str, attempt: int, guard: SampleGuard | None
     ) -> _Held:
         """The attempt's directory, bound view of the pool and context."""
         tmp = LazyTmp(self._batch_tmp, sample_id, attempt)
@@ -377,7 +355,7 @@ class BatchRun:
             self._backends.bind(
                 f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
-                budget=budget,
+                budget=self._budgets.get(sample_id),
             )
             if self._backends is not None
             else None
@@ -460,13 +438,7 @@ class BatchRun:
                 held.backends.release()
 
     def _outcome(
-        self,
-        task: Task,
-        sample_id: str,
-        attempt: int,
-        held: _Held,
-        rec: Attempt,
-        budget: RetryBudget | None,
+        self, task: Task, sample_id: str, attempt: int, held: _Held, rec: Attempt
     ) -> list[Event]:
         if held.failure is None and held.result is not None:
             try:
@@ -478,7 +450,7 @@ class BatchRun:
                 held.fail(exc, "eval")
         assert held.failure is not None
         rec.phase = held.phase
-        note = ""
+        note, budget = "", self._budgets.get(sample_id)
         if budget is not None and budget.spent:
             note = budget.describe()
             metrics.RETRY_BUDGETS_SPENT.inc()
@@ -515,9 +487,7 @@ class BatchRun:
             if guard is None:
                 result = await episode.run(ctx)
             else:
-                result = await guard.supervise(
-                    episode.run(ctx), abort_grace_s=self._abort_grace_s
-                )
+                result = await guard.supervise(episode.run(ctx), abort_grace_s=self._abort_grace_s)
         finally:
             rec.used_s += clock() - start
         rec.turns = len(result.turns)
@@ -580,27 +550,18 @@ class BatchRun:
     ) -> SampleAborted:
         self.aborted += 1
         return aborted_event(
-            rollout_id=self.plan.admitted.rollout_id,
-            sample_id=sample_id,
-            attempt=attempt,
-            rec=rec,
-            exc=exc,
-            causation=self.plan.causation,
-            note=note,
-        )
+            rollout_id=self.plan.admitted.rollout_id, sample_id=sample_id, attempt=attempt,
+            rec=rec, exc=exc, causation=self.plan.causation, note=note,
+        )  # fmt: skip
 
     def _report(self, sample_id: str, attempt: int, rec: Attempt, terminal: Event) -> None:
         if self._on_task_done is None:
             return
         assert isinstance(terminal, SampleCompleted | SampleAborted)
         outcome = sample_row(
-            self.plan.tasks.get(sample_id),
-            terminal,
-            attempt=attempt,
-            turns=rec.turns,
-            node=rec.node,
-            batch_id=self.plan.admitted.batch_id,
-        )
+            self.plan.tasks.get(sample_id), terminal, attempt=attempt, turns=rec.turns,
+            node=rec.node, batch_id=self.plan.admitted.batch_id,
+        )  # fmt: skip
         try:
             self._on_task_done(outcome)
         except Exception:  # a progress printer must never fail a sample
@@ -611,43 +572,12 @@ class BatchRun:
     def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandboxes is None:
             return None
-        return LabelledProvider(
-            self._sandboxes,
-            sandbox_labels(
-                worker=self._settings.worker_id,
-                rollout_id=self.plan.admitted.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-            ),
-        )
-
-
-_RERUN = frozenset({AbortClass.INFRA_CONN, AbortClass.INFRA_OTHER})
-
-
-def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
-    seen: BaseException | None = exc
-    for _ in range(16):
-        if seen is None:
-            return False
-        if isinstance(seen, kind):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _rerun(terminal: Event, failure: BaseException | None, budget: RetryBudget | None) -> bool:
-    """Whether an attempt is run again: it aborted after a model-server failure reached its
-    agent, and the sample's budget has a retry left (taken here)."""
-    if budget is None or not budget.reached_caller or not isinstance(terminal, SampleAborted):
-        return False
-    if terminal.abort_class not in _RERUN or (
-        failure is not None and _caused_by(failure, ServersDown)
-    ):
-        return False
-    budget.reached_caller = False
-    return budget.take(None, f"attempt ended as {terminal.abort_class.value}: {terminal.error}")
+        ad = self.plan.admitted
+        labels = sandbox_labels(
+            worker=self._settings.worker_id, rollout_id=ad.rollout_id, batch_id=ad.batch_id,
+            sample_id=sample_id, attempt=attempt,
+        )  # fmt: skip
+        return LabelledProvider(self._sandboxes, labels)
 
 
 def sample_seed(request_seed: int, index: int) -> int:
