@@ -136,6 +136,7 @@ class SGLangBackend(ModelBackend):
         self.base_url = config.url
         self._http = JSONClient(base_url=config.url, settings=config.http, transport=transport)
         self._generate_url = config.url + "/generate"
+        self._health_check: asyncio.Future[bool] | None = None  # shared by silent streams
 
     # -- tokenizer ---------------------------------------------------------------------------
 
@@ -269,6 +270,14 @@ class SGLangBackend(ModelBackend):
         return parse_generate_reply(body, url=self._generate_url, logprobs=True)
 
     async def _answers_health(self) -> bool:
+        """Whether the server answers ``/health_generate`` within ``health_timeout_s``: one
+        check at a time, shared by every call that went silent meanwhile."""
+        check = self._health_check
+        if check is None or check.done():
+            check = self._health_check = asyncio.ensure_future(self._check_health())
+        return await asyncio.shield(check)
+
+    async def _check_health(self) -> bool:
         try:
             async with asyncio.timeout(self.config.health_timeout_s):
                 await self.health(generate=True)
@@ -386,4 +395,6 @@ class SGLangBackend(ModelBackend):
         await self._http.get("/health_generate" if generate else "/health")
 
     async def aclose(self) -> None:
+        if self._health_check is not None:
+            self._health_check.cancel()
         await self._http.aclose()

@@ -97,10 +97,12 @@ class Scripted:
         self.health = health
         self.resume = asyncio.Event()
         self.health_checks = 0
+        self.health_delay_s = 0.0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health_generate":
             self.health_checks += 1
+            await asyncio.sleep(self.health_delay_s)
             return httpx.Response(self.health)
 
         async def body() -> AsyncIterator[bytes]:
@@ -142,6 +144,18 @@ async def test_a_server_that_stops_before_its_headers_stalls_the_call_too() -> N
     backend = scripted_backend(server, stall_s=0.2)
     with pytest.raises(ServerStalled, match=r"no event for 0.2 s"):
         await backend.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    assert server.health_checks == 1
+    await backend.aclose()
+
+
+async def test_silent_streams_of_one_server_share_one_health_check() -> None:
+    server = Scripted(_events(PARTIAL), [])
+    server.health_delay_s = 0.5  # every stream falls silent while the one check runs
+    backend = scripted_backend(server, stall_s=0.2)
+    params = {"max_new_tokens": 2}
+    calls = [backend.generate(input_ids=[1, 2, i], sampling_params=params) for i in range(8)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, ServerStalled) for r in results), results
     assert server.health_checks == 1
     await backend.aclose()
 
