@@ -22,6 +22,10 @@ evaluator id, the URL, what was expected and what was found.
     │   └── DeadlockError           a spec needs more tokens than the pool can ever give
     ├── BackendError
     │   ├── BackendUnavailable      connection refused, DNS, timeouts
+    │   │   ├── ServerStalled       a streamed generation made no progress for stall_s
+    │   │   └── ReplyCutOff         the connection closed before the reply was whole (also a
+    │   │                           BackendProtocolError)
+    │   ├── ServersDown             every policy server stayed down past the outage limit
     │   ├── BackendHTTPError        a non-2xx answer (carries URL and status)
     │   ├── BackendProtocolError    a reply that does not have the documented shape
     │   └── GenerationAborted       the server aborted the request
@@ -106,6 +110,25 @@ class BackendUnavailable(BackendError):
     """The model server could not be reached (refused, reset, timed out)."""
 
 
+class ServerStalled(BackendUnavailable):
+    """A streamed generation received nothing for ``stall_s`` and the server failed its
+    health check: the call was given up (and its request aborted on the server)."""
+
+
+class BackendProtocolError(BackendError):
+    """The model server's reply does not have the documented shape."""
+
+
+class ReplyCutOff(BackendUnavailable, BackendProtocolError):
+    """The server closed the connection before its reply was whole (it died, or the
+    connection was reset): a malformed reply to its reader, a lost connection to a retry."""
+
+
+class ServersDown(BackendError):
+    """Every policy server of a worker stayed down longer than the outage limit; the
+    rollouts waiting for one fail (not retried: no server is left to retry on)."""
+
+
 class BackendHTTPError(BackendError):
     """The model server answered with a non-success status."""
 
@@ -114,10 +137,6 @@ class BackendHTTPError(BackendError):
         self.url = url
         self.status = status
         self.body = body
-
-
-class BackendProtocolError(BackendError):
-    """The model server's reply does not have the documented shape."""
 
 
 class GenerationAborted(BackendError):

@@ -28,8 +28,14 @@ What each metric counts (labels in brackets):
   was handed in this process (the time it waited in the stream); ``rollout_deliveries_total``
   [group, stream, redelivered]: entries handed to the actor;
 - ``rollout_dead_letters_total`` [group]: entries this process moved to ``rl:dead``;
-- ``rollout_redis_errors_total`` [operation]: failed reads, acks and stream follows (each
-  is retried after a backoff).
+- ``rollout_redis_errors_total`` [operation]: failed reads, acks and stream follows (each is
+  retried after a backoff);
+- ``rollout_model_server_up`` [endpoint]: 1 while this worker gives the policy server turns,
+  0 while it is down or stale; ``rollout_model_server_changes_total`` [endpoint, state]:
+  changes this worker saw (to ``up`` / ``down`` / ``stale``);
+- ``rollout_model_retries_total`` [how]: model-server failures retried, a turn sent again
+  (``turn``) or an attempt re-run (``attempt``); ``rollout_retry_budgets_spent_total``:
+  samples aborted with their retry budget spent.
 
 Per-rollout streams (``rl:{rollout:ID}``) are labelled ``rl:{rollout}`` so label sets stay
 bounded.
@@ -59,12 +65,16 @@ __all__ = [
     "CONSUMER_LAG",
     "DEAD_LETTERS",
     "DELIVERIES",
+    "MODEL_RETRIES",
     "MetricsServer",
     "POOL",
     "POOL_FIGURES",
     "REDIS_ERRORS",
+    "RETRY_BUDGETS_SPENT",
     "SAMPLES_DONE",
     "SAMPLES_IN_FLIGHT",
+    "SERVER_CHANGES",
+    "SERVER_UP",
     "app",
     "delivered",
     "serve",
@@ -106,6 +116,25 @@ REDIS_ERRORS = Counter(
     "rollout_redis_errors",
     "Redis operations that failed (retried after a backoff).",
     ["operation"],
+)
+SERVER_UP = Gauge(
+    "rollout_model_server_up",
+    "1 while this worker gives a policy server turns, 0 while it is down or stale.",
+    ["endpoint"],
+)
+SERVER_CHANGES = Counter(
+    "rollout_model_server_changes",
+    "Times this worker saw a policy server change state (to up, down or stale).",
+    ["endpoint", "state"],
+)
+MODEL_RETRIES = Counter(
+    "rollout_model_retries",
+    "Model-server failures retried: a turn sent again (turn) or an attempt re-run (attempt).",
+    ["how"],
+)
+RETRY_BUDGETS_SPENT = Counter(
+    "rollout_retry_budgets_spent",
+    "Samples aborted because their retry budget was spent on model-server failures.",
 )
 
 POOL_FIGURES = (

@@ -178,6 +178,24 @@ class Settings(FrozenModel):
         description="The policy's model servers or router, comma-separated (the flag may be "
         "repeated); each trajectory stays on one. rollout sync loads weights on them.",
     )
+    stall_s: float = Field(
+        20.0,
+        gt=0,
+        description="A policy generation (streamed) that receives nothing for this long, from "
+        "a server that then fails /health_generate, is stalled: aborted and retried elsewhere.",
+    )
+    model_retries: int = Field(
+        4,
+        ge=0,
+        description="Retries per sample of model-server failures (a turn sent again or the "
+        "attempt re-run); past them the sample is aborted naming the servers tried.",
+    )
+    model_retry_backoff_s: float = Field(
+        0.5,
+        ge=0,
+        description="Pause before a sample's first model-server retry; it doubles per retry "
+        "(at most 10 s).",
+    )
     model_dir: Path | None = Field(
         None,
         description="The policy's Hugging Face folder (tokenizer, chat template), handed to "

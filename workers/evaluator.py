@@ -41,7 +41,9 @@ from typing import Any
 from engine.actors.evaluator_worker import BatchReport, EvaluatorWorker, WorkerConfig
 from engine.actors.verify import VerifyPolicy
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.base import ModelBackend
 from engine.backends.pool import BackendPool, parse_urls
+from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.config.evaluators import load_evaluators
 from engine.domain import Resource
@@ -52,14 +54,17 @@ from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import PROCESS, Flags, Settings
 from workers._common import consumer_name, discover_servers, serve_actor, settings_parser, start
 
-__all__ = ["FLAGS", "Progress", "build_parser", "docker_config", "main", "teacher_port"]
+__all__ = [
+    "FLAGS", "Progress", "build_parser", "docker_config", "main", "policy_pool", "teacher_port"
+]
 
 logger = logging.getLogger("workers.evaluator")
 
 
 FLAGS = Flags((
     *PROCESS, "max_deliveries", "evaluator_config", "evaluators", "max_batches", "grace_s",
-    "sglang_url", "model_dir", "teacher_url", "teacher_tokenizer", "tmp_dir", "verify_fraction",
+    "sglang_url", "stall_s", "model_retries", "model_retry_backoff_s", "model_dir",
+    "teacher_url", "teacher_tokenizer", "tmp_dir", "verify_fraction",
     "verify_threshold", "sandbox", "docker_image", "docker_network", "docker_cpus",
     "sandbox_root", "sandbox_require_isolation", "quiet", "servers_from_log",
 ))
@@ -202,6 +207,8 @@ async def _serve(
         verify=VerifyPolicy(
             fraction=settings.verify_fraction, threshold=settings.verify_threshold
         ),
+        model_retries=settings.model_retries,
+        retry_backoff_s=settings.model_retry_backoff_s,
     )
     logger.info("worker %s serving %s", worker_id, ", ".join(ids))
     try:
@@ -244,6 +251,16 @@ def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
     args.sglang_urls = urls
     args.sglang_url = urls[0] if len(urls) == 1 else None
     return urls
+
+
+def policy_pool(urls: Sequence[str], settings: Settings) -> BackendPool:
+    """The worker's pool of policy servers: streamed generations watched for ``--stall-s``,
+    and turns that wait for a server for at most ``--outage-limit-s``."""
+
+    def build(url: str) -> ModelBackend:
+        return SGLangBackend(config=SGLangConfig(url=url, stall_s=settings.stall_s))
+
+    return BackendPool(urls, build=build, outage_limit_s=settings.outage_limit_s)
 
 
 def teacher_port(settings: Settings) -> TeacherBackend | None:
@@ -289,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             require_isolation=settings.sandbox_require_isolation,
             docker=docker,
         )
-        backends = BackendPool(args.sglang_urls)
+        backends = policy_pool(args.sglang_urls, settings)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

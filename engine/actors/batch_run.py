@@ -1,44 +1,37 @@
 """A batch run: one admitted batch's episodes, run and recorded as events.
 
 One ``BatchRun`` is built per batch delivery, drains the batch and is discarded. It holds no
-domain logic: the binding's ``BaseAgent`` owns each episode, one ``Episode`` per attempt
-(``agent.episode(task)``), and gets the worker's ports through its ``EpisodeContext``
-(``engine.actors.attempt_context``): the backend pool bound to the attempt (one policy server
-per trajectory; for a guarded sample, ``engine.actors.sample_guard``, with the attempt's guard
-as a hook around each generation) and the sandbox provider, labelled for the attempt
-(``engine.actors.sandbox_labels``).
+domain logic: the binding's ``BaseAgent`` owns each episode, one ``Episode`` per attempt, and
+gets the worker's ports through its ``EpisodeContext`` (``engine.actors.attempt_context``):
+the backend pool bound to the attempt (one policy server per trajectory; a guarded sample's
+``SampleGuard`` as a hook around each generation) and the sandbox provider, labelled for the
+attempt (``engine.actors.sandbox_labels``). Per sample, in this order:
 
-Per sample, in this order:
-
-1. the batch's ``asyncio.Semaphore`` (``profile.resource.concurrency``) is taken and spans
-   ``init -> run -> eval -> cleanup``;
+1. the batch's semaphore (``profile.resource.concurrency``) is taken, for init to cleanup;
 2. ``init`` runs before any placement token is held;
-3. one *local placement token* -- one of the batch's ``token_ids``, handed out one per
-   running sample -- is taken (a sample waits for a free one) and held through ``run``,
-   ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted once it is held;
-4. ``cleanup`` always runs once ``init`` was entered, even after a failure; afterwards the
-   attempt's ``tmp_dir`` (a path reserved inside a per-batch directory, which the agent
-   creates if it needs one) is removed;
-5. the outcome is emitted: one ``TurnCompleted`` per ``AgentResult.turns`` entry, then
-   ``SampleCompleted`` -- or ``SampleAborted`` when anything raised. With a
-   ``PromptStore`` (the worker's, ``engine.actors.prompt_store``) a group's prompt tokens are
-   stored once and each ``SampleCompleted`` refers to them;
-6. the token goes back to the batch (``engine.actors.batch_tokens``: surplus tokens are
-   released at once with ``TokenReleased`` on the pool, the rest when the batch ends).
+3. one *local placement token* (one of the batch's ``token_ids``) is taken and held through
+   ``run``, ``eval`` and ``cleanup``; ``SampleStarted`` (attempt, node) is emitted then;
+4. ``cleanup`` always runs once ``init`` was entered; then the attempt's ``tmp_dir`` (inside
+   a per-batch directory, created only if the agent asks for it) is removed;
+5. the outcome is emitted: one ``TurnCompleted`` per turn, then ``SampleCompleted`` -- or
+   ``SampleAborted``. With a ``PromptStore`` (``engine.actors.prompt_store``) a group's
+   prompt tokens are stored once and each ``SampleCompleted`` refers to them;
+6. the token goes back (``engine.actors.batch_tokens``: surplus tokens are released at once
+   with ``TokenReleased``, the rest when the batch ends).
 
-Failure semantics: any exception, in any phase, aborts the sample (``SampleAborted``:
-``classify_abort`` class, the agent's own termination reason when it had one, phase,
-elapsed time vs the episode window, node, turns); the trainer then sees a masked dummy. The
-episode window is ``StoppingCriteria.timeout_s`` of the sample's ``TaskFetched`` and covers
-init, run and eval (not the wait for a token); when it elapses the phase is cancelled and
-the sample is aborted as ``agent_timeout``. An agent that *returns* an abort reason
-(``infra_*``, ``agent_timeout``) is aborted the same way. A training rollout needs response
-tokens with logprobs; a result without them is aborted as ``infra_other``.
-
-Cancellation (shutdown past the grace period) is not a failure: a cancelled sample emits
-nothing, keeps its token with the batch, and is re-run by the worker that claims the batch.
-
-The outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
+Failure semantics: any exception, in any phase, aborts the attempt (``SampleAborted``:
+``classify_abort`` class, the agent's own termination reason when it had one, phase, elapsed
+time vs the episode window, node, turns). A model-server failure that reached the agent is no
+outcome: the sample runs again as a new attempt while its ``RetryBudget`` lasts (a failed
+turn is retried by the pool first, ``engine.backends.pool``); a spent budget is named in the
+abort, and a sample that waited past the outage limit with every policy server down fails
+its rollout (``RolloutFailed``). The episode window is ``StoppingCriteria.timeout_s`` of the
+``TaskFetched`` and covers init, run and eval (not the wait for a token); when it elapses the
+sample is aborted as ``agent_timeout``, as when the agent *returns* an abort reason. A
+training rollout needs response tokens with logprobs; a result without them is
+``infra_other``. Cancellation (shutdown past the grace period) is no failure: the sample
+emits nothing, keeps its token with the batch, and is re-run by the worker that claims it.
+Outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
 
 Events go through an ``EventSink`` (the worker's group-commit appender): emitting never
 waits for Redis, order is preserved, and the worker flushes before it acks the batch.
@@ -64,7 +57,9 @@ from engine.actors.outcomes import (
     Attempt,
     ReportedAbort,
     aborted_event,
+    caused_by,
     completed_events,
+    rerun_attempt,
     started_event,
 )
 from engine.actors.prompt_store import PromptStore
@@ -73,12 +68,14 @@ from engine.actors.sandbox_labels import LabelledProvider, sandbox_labels
 from engine.actors.verify import VerifyPolicy, selected, verify_result
 from engine.agents.base import AgentResult, Episode, EpisodeContext, Reward, noop_phase
 from engine.agents.binding import EvaluatorBinding
+from engine.backends.health import RetryBudget
 from engine.backends.pool import BackendPool
 from engine.domain import Task
-from engine.errors import AgentError
+from engine.errors import AgentError, ServersDown
 from engine.events.base import Event
 from engine.events.catalog import (
     BatchAdmitted,
+    RolloutFailed,
     RolloutKind,
     RolloutRequested,
     SampleAborted,
@@ -122,6 +119,8 @@ class EpisodeSettings:
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
     verify: VerifyPolicy = VerifyPolicy()  # re-scoring of completed samples (actors/verify.py)
+    model_retries: int = 4  # a sample's retries of model-server failures (RetryBudget)
+    retry_backoff_s: float = 0.5
 
 
 OnTaskDone = Callable[[SampleRow], None]
@@ -218,10 +217,12 @@ class BatchRun:
         # become unusable while they run: only those are guarded (engine.actors.sample_guard).
         self._guarded = control is not None and request is not None and (
             request.max_staleness is not None or request.n_planned_prompts > request.n_prompts
-        )
+        )  # fmt: skip
         self._verify = settings.verify.for_request(knobs)
         self.completed = 0
         self.aborted = 0
+        self._failed = False  # this run failed the rollout (every policy server down)
+        self._budgets: dict[str, RetryBudget] = {}  # per running sample
         # The metric children this batch records into, looked up once per batch instead of
         # twice per sample (prometheus-client's ``labels()`` hashes and locks every call).
         evaluator = spec.evaluator_id
@@ -248,47 +249,71 @@ class BatchRun:
         self._sink.emit([(target, ev) for ev in events])
 
     def _release(self, token_ids: list[str], reason: str) -> None:
-        ad = self.plan.admitted
-        self._emit(
-            [
-                TokenReleased(
-                    rollout_id=ad.rollout_id,
-                    batch_id=ad.batch_id,
-                    token_ids=token_ids,
-                    reason=reason,
-                    causation=self.plan.causation,
-                    lease=self.plan.lease,
-                )
-            ],
-            self._names.pool,
-        )
+        ad, plan = self.plan.admitted, self.plan
+        released = TokenReleased(
+            rollout_id=ad.rollout_id, batch_id=ad.batch_id, token_ids=token_ids, reason=reason,
+            causation=plan.causation, lease=plan.lease,
+        )  # fmt: skip
+        self._emit([released], self._names.pool)
 
     # ------------------------------------------------------------------ sample
 
     async def _sample(self, sample_id: str) -> None:
         attempt = self.plan.attempts.get(sample_id, 1)
-        rec = Attempt()
+        budget = None
+        if self._backends is not None:  # model-server failures are retried (RetryBudget)
+            budget = self._budgets[sample_id] = RetryBudget(
+                tries=self._settings.model_retries, backoff_s=self._settings.retry_backoff_s
+            )
         token: str | None = None
         outcome: list[Event]
         in_flight = self._in_flight
         in_flight.inc()
         try:
-            outcome, token = await self._episode(sample_id, attempt, rec)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failure outside any phase (bad task data)
-            outcome = [self._aborted(sample_id, attempt, rec, exc)]
+            while True:
+                rec = Attempt()
+                try:
+                    outcome, token, failure = await self._episode(sample_id, attempt, rec)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a failure outside any phase (bad task data)
+                    outcome, failure = [self._aborted(sample_id, attempt, rec, exc)], exc
+                if budget is None or not rerun_attempt(outcome[-1], failure, budget):
+                    break
+                self._tokens.give_back(token)  # the next attempt takes one again
+                token = None
+                self.aborted -= 1
+                metrics.MODEL_RETRIES.labels("attempt").inc()
+                logger.warning("sample %s attempt %d: a model server failed it (%s); re-run",
+                               sample_id, attempt, budget.last)  # fmt: skip
+                await asyncio.sleep(budget.pause_s())
+                attempt += 1
         finally:
             in_flight.dec()
+            self._budgets.pop(sample_id, None)
         done = "completed" if isinstance(outcome[-1], SampleCompleted) else "aborted"
         self._done_metric[done].inc()
+        if failure is not None and caused_by(failure, ServersDown):
+            self._fail_rollout(failure)
         self._emit(outcome)
         self._tokens.give_back(token)
         self._report(sample_id, attempt, rec, outcome[-1])
 
+    def _fail_rollout(self, failure: BaseException) -> None:
+        """Every policy server stayed down past the outage limit: the rollout fails (before
+        its samples' aborts in its stream, so no decision is made from them)."""
+        if not self._failed:
+            self._failed = True
+            reason = f"worker {self._settings.worker_id}: {failure}"
+            ad = self.plan.admitted
+            failed = RolloutFailed(rollout_id=ad.rollout_id, reason=reason,
+                                   causation=self.plan.causation)  # fmt: skip
+            self._emit([failed], self._names.control)
+            self._emit([failed])
+
     async def _episode(
         self, sample_id: str, attempt: int, rec: Attempt
-    ) -> tuple[list[Event], str | None]:
+    ) -> tuple[list[Event], str | None, BaseException | None]:
         ev = self.plan.tasks.get(sample_id)
         if ev is None:
             raise AgentError(
@@ -317,18 +342,21 @@ class BatchRun:
                 held.fail(exc, rec.phase)
             finally:
                 await self._cleanup(episode, held, rec)
-        return self._outcome(task, sample_id, attempt, held, rec), held.token
+        outcome = self._outcome(task, sample_id, attempt, held, rec)
+        return outcome, held.token, held.failure
 
     def _hold(
         self, ev: TaskFetched, sample_id: str, attempt: int, guard: SampleGuard | None
     ) -> _Held:
         """The attempt's directory, bound view of the pool and context."""
         tmp = LazyTmp(self._batch_tmp, sample_id, attempt)
-        # One trajectory, one policy server (BackendPool.bind), released after cleanup.
+        # One trajectory, one policy server while it is up (BackendPool.bind), released
+        # after cleanup; its generations are named SAMPLE/aATTEMPT/tN.
         backends = (
             self._backends.bind(
-                f"{ev.rollout_id}/{sample_id}/{attempt}",
+                f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
+                budget=self._budgets.get(sample_id),
             )
             if self._backends is not None
             else None
@@ -423,7 +451,11 @@ class BatchRun:
                 held.fail(exc, "eval")
         assert held.failure is not None
         rec.phase = held.phase
-        return [self._aborted(sample_id, attempt, rec, held.failure)]
+        note, budget = "", self._budgets.get(sample_id)
+        if budget is not None and budget.spent:
+            note = budget.describe()
+            metrics.RETRY_BUDGETS_SPENT.inc()
+        return [self._aborted(sample_id, attempt, rec, held.failure, note)]
 
     async def _run_and_eval(
         self,
@@ -456,9 +488,7 @@ class BatchRun:
             if guard is None:
                 result = await episode.run(ctx)
             else:
-                result = await guard.supervise(
-                    episode.run(ctx), abort_grace_s=self._abort_grace_s
-                )
+                result = await guard.supervise(episode.run(ctx), abort_grace_s=self._abort_grace_s)
         finally:
             rec.used_s += clock() - start
         rec.turns = len(result.turns)
@@ -517,30 +547,22 @@ class BatchRun:
         return events
 
     def _aborted(
-        self, sample_id: str, attempt: int, rec: Attempt, exc: BaseException
+        self, sample_id: str, attempt: int, rec: Attempt, exc: BaseException, note: str = ""
     ) -> SampleAborted:
         self.aborted += 1
         return aborted_event(
-            rollout_id=self.plan.admitted.rollout_id,
-            sample_id=sample_id,
-            attempt=attempt,
-            rec=rec,
-            exc=exc,
-            causation=self.plan.causation,
-        )
+            rollout_id=self.plan.admitted.rollout_id, sample_id=sample_id, attempt=attempt,
+            rec=rec, exc=exc, causation=self.plan.causation, note=note,
+        )  # fmt: skip
 
     def _report(self, sample_id: str, attempt: int, rec: Attempt, terminal: Event) -> None:
         if self._on_task_done is None:
             return
         assert isinstance(terminal, SampleCompleted | SampleAborted)
         outcome = sample_row(
-            self.plan.tasks.get(sample_id),
-            terminal,
-            attempt=attempt,
-            turns=rec.turns,
-            node=rec.node,
-            batch_id=self.plan.admitted.batch_id,
-        )
+            self.plan.tasks.get(sample_id), terminal, attempt=attempt, turns=rec.turns,
+            node=rec.node, batch_id=self.plan.admitted.batch_id,
+        )  # fmt: skip
         try:
             self._on_task_done(outcome)
         except Exception:  # a progress printer must never fail a sample
@@ -551,16 +573,12 @@ class BatchRun:
     def _labelled_sandboxes(self, sample_id: str, attempt: int) -> LabelledProvider | None:
         if self._sandboxes is None:
             return None
-        return LabelledProvider(
-            self._sandboxes,
-            sandbox_labels(
-                worker=self._settings.worker_id,
-                rollout_id=self.plan.admitted.rollout_id,
-                batch_id=self.plan.admitted.batch_id,
-                sample_id=sample_id,
-                attempt=attempt,
-            ),
-        )
+        ad = self.plan.admitted
+        labels = sandbox_labels(
+            worker=self._settings.worker_id, rollout_id=ad.rollout_id, batch_id=ad.batch_id,
+            sample_id=sample_id, attempt=attempt,
+        )  # fmt: skip
+        return LabelledProvider(self._sandboxes, labels)
 
 
 def sample_seed(request_seed: int, index: int) -> int:

@@ -44,6 +44,13 @@ Contract
   own sandboxes); a batch waiting for a slot is kept alive like a running one, and one
   found claimed never runs here. A recovery whose pool shows a newer lease than its own
   (a stale copy) runs and reaps nothing (:mod:`engine.actors.recovery`).
+* Model servers (``engine/backends/health.py``): the worker runs its pool's health probes,
+  starts from the servers' state on ``rl:control`` and appends each change it sees there
+  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/servers.py``); a server
+  comes back only at the active policy version. A model-server failure is retried (the turn,
+  else the attempt) within each sample's ``model_retries``; a sample whose budget is spent is
+  aborted naming the servers tried, and a rollout whose samples waited past the outage limit
+  with every server down fails (``engine/actors/batch_run.py``).
 * Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` (one
   follower, which its batches' sample guards read too; past the outage limit it ends the
   process with ``OutageExceeded``) and steers its backend pool's ``TurnGate`` (the pool's
@@ -73,11 +80,13 @@ from engine.actors.verify import VerifyPolicy, check_servers
 from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.gate import TurnGate
+from engine.backends.health import HealthChange, ServerState
 from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, BatchLeased
 from engine.events.log import DeadEntry, EventLog
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
@@ -114,6 +123,8 @@ class WorkerConfig:
     group: str = GROUP
     outage_limit_s: float | None = 300.0
     verify: VerifyPolicy = VerifyPolicy()
+    model_retries: int = 4
+    retry_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.evaluator_ids:
@@ -172,6 +183,8 @@ class EvaluatorWorker:
             tmp_root=config.tmp_root,
             cleanup_timeout_s=config.cleanup_timeout_s,
             verify=config.verify,
+            model_retries=config.model_retries,
+            retry_backoff_s=config.retry_backoff_s,
         )
         self.tasks = TaskReader(
             log, window=config.task_window, rollouts=config.task_cache_rollouts
@@ -205,6 +218,9 @@ class EvaluatorWorker:
             worker_id=config.worker_id,
             control=self.control,
         )
+        if backends is not None:  # servers are readmitted at the active version only
+            backends.health.expected = lambda: self.control.state.active_version
+            backends.health.listen(self._server_changed)
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -216,8 +232,13 @@ class EvaluatorWorker:
         await check_servers(self._backends, threshold=self.config.verify.threshold)
         stop = stop or asyncio.Event()
         steering: asyncio.Task[None] | None = None
+        probing: asyncio.Task[None] | None = None
+        done = asyncio.Event()
         try:
             await self.quiesce.start(self.consumer.backoff)  # a sync may be open already
+            if self._backends is not None:  # the fleet as the log has it, then our probes
+                self._backends.health.adopt(self.control.state.servers)
+                probing = asyncio.create_task(self._backends.health.run(done))
             async with following(stop, self.control) as halt:
                 steering = asyncio.create_task(self.quiesce.run())
                 served = await serve(
@@ -232,9 +253,26 @@ class EvaluatorWorker:
                 )
             self.batches_handed_back += served.handed_back
         finally:
-            if steering is not None:  # ends once the follower is closed
-                await asyncio.gather(steering, return_exceptions=True)
+            done.set()
+            waits = [t for t in (steering, probing) if t is not None]
+            await asyncio.gather(*waits, return_exceptions=True)  # end with the follower
             await self.sink.aclose()
+
+    def _server_changed(self, change: HealthChange) -> None:
+        """A policy server changed state here: say so on ``rl:control``."""
+        worker = self.config.worker_id
+        event: Event
+        if change.state is ServerState.UP:
+            event = ServerUp(endpoint=change.endpoint, worker=worker,
+                             weight_version=change.version)
+        elif change.state is ServerState.DOWN:
+            event = ServerDown(endpoint=change.endpoint, worker=worker, reason=change.reason)
+        else:
+            assert change.expected is not None
+            event = ServerStale(endpoint=change.endpoint, worker=worker,
+                                weight_version=change.version, active=change.expected,
+                                reason=change.reason)  # fmt: skip
+        self.sink.emit([(self.names.control, event)])
 
     # ------------------------------------------------------------------ one batch
 

@@ -8,7 +8,9 @@ when the episode ends, exactly one of these decides what goes to the log:
   ``SampleCompleted`` (the reward scalarised; a reward that is neither a float nor a dict of
   floats raises ``AgentError``, which the caller turns into an abort in phase ``eval``);
 * :func:`aborted_event` -- ``SampleAborted`` with the abort class (the agent's own reason
-  when it returned one, :func:`classify_abort` otherwise) and the attempt's diagnostics.
+  when it returned one, :func:`classify_abort` otherwise) and the attempt's diagnostics;
+  unless :func:`rerun_attempt` says a model-server failure reached the agent with retries
+  left: then the sample runs again as a new attempt.
 
 What the progress callback hears about a terminal event is the one per-sample view,
 :func:`engine.projections.rows.sample_row`.
@@ -24,8 +26,9 @@ from typing import Any
 
 from engine.actors.aborts import classify_abort, describe_exception
 from engine.agents.base import AgentResult, Reward
+from engine.backends.health import RetryBudget
 from engine.domain import TerminationReason
-from engine.errors import AgentError
+from engine.errors import AgentError, ServersDown
 from engine.events.arrays import Mask, TokenIds
 from engine.events.base import Event
 from engine.events.catalog import (
@@ -42,7 +45,9 @@ __all__ = [
     "Attempt",
     "ReportedAbort",
     "aborted_event",
+    "caused_by",
     "completed_events",
+    "rerun_attempt",
     "started_event",
 ]
 
@@ -223,14 +228,18 @@ def aborted_event(
     rec: Attempt,
     exc: BaseException,
     causation: str | None,
+    note: str = "",
 ) -> SampleAborted:
-    """The ``SampleAborted`` of an attempt that ended with ``exc`` in ``rec.phase``."""
+    """The ``SampleAborted`` of an attempt that ended with ``exc`` in ``rec.phase``; ``note``
+    (the spent retry budget and the servers tried) is added to its error."""
     if isinstance(exc, ReportedAbort):
         abort_class = AbortClass(exc.reason.value)
         error = f"the agent ended the episode with {exc.reason.value}"
     else:
         abort_class = classify_abort(exc)
         error = describe_exception(exc)
+    if note:
+        error = f"{error}; {note}"
     return SampleAborted(
         rollout_id=rollout_id,
         sample_id=sample_id,
@@ -255,3 +264,30 @@ def _agent_reason_of(exc: BaseException) -> TerminationReason | None:
         return TerminationReason(reason) if isinstance(reason, str) else None
     except ValueError:  # not a reason of the family: nothing to report
         return None
+
+
+_RERUN = frozenset({AbortClass.INFRA_CONN, AbortClass.INFRA_OTHER})
+
+
+def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """``exc`` or one of its causes or contexts is a ``kind``."""
+    seen: BaseException | None = exc
+    for _ in range(16):
+        if seen is None or isinstance(seen, kind):
+            return seen is not None
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def rerun_attempt(terminal: Event, failure: BaseException | None, budget: RetryBudget) -> bool:
+    """Whether an aborted attempt is run again: a model-server failure reached its agent
+    (``budget.reached_caller``; not every server down past the outage limit), and the
+    sample's budget has a retry left (taken here)."""
+    if not budget.reached_caller or not isinstance(terminal, SampleAborted):
+        return False
+    if terminal.abort_class not in _RERUN or (
+        failure is not None and caused_by(failure, ServersDown)
+    ):
+        return False
+    budget.reached_caller = False
+    return budget.take(None, f"attempt ended as {terminal.abort_class.value}: {terminal.error}")

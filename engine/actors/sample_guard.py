@@ -11,9 +11,11 @@ backend's class:
   bound (the trainer's current version minus ``max_staleness``; a turn of unknown version
   never meets a bound), or anything of a sample in the aborted tail of a rollout that became
   ready. ``ended`` is then the reason, which wins over whatever the agent made of the refusal;
-- it names each generation with a rid under the attempt's prefix, and keeps the servers that
-  can abort by rid, so one ``/abort_request`` per server (rids match by prefix) reaches all of
-  the attempt's generations;
+- it keeps each generation in flight by its rid (the attempt's view of the pool names every
+  call, ``engine/backends/pool.py``) and the server it runs on, so that ending the attempt
+  aborts each one by its exact rid: SGLang 0.5.23 with one tokenizer worker drops an abort
+  whose rid no request holds exactly (``TokenizerManager.abort_request``), so a prefix
+  would reach nothing;
 - after each generation it records the weight version the server reported.
 
 ``supervise`` runs the attempt's ``run`` phase and ends it when the sample falls into the
@@ -57,11 +59,11 @@ class SampleGuard:
         self.control = control  # the worker's follower of rl:control
         self.rollout_id = rollout_id
         self.sample_id = sample_id
-        self.rid_prefix = f"{sample_id}/a{attempt}/"
+        self.attempt = attempt
         self.oldest: int | None = None  # oldest weight version a turn ran on (-1: unknown)
         self.turns = 0
         self.ended: TerminationReason | None = None
-        self.servers: list[ModelBackend] = []  # where it generated, with the abort capability
+        self.in_flight: dict[str, ModelBackend] = {}  # rid -> its server (abort capability)
 
     def floor(self) -> int | None:
         published = self.control.state.published if self.control is not None else None
@@ -96,36 +98,32 @@ class SampleGuard:
         if self.oldest is None or version < self.oldest:
             self.oldest = version
 
-    def next_rid(self) -> str:
-        return f"{self.rid_prefix}t{self.turns}"
-
     # -- the hook of the attempt's backends ----------------------------------------------------
 
     async def before(self, call: ModelCall) -> None:
         if call.kind is not CallKind.GENERATE:
             return  # a re-score or a pass-through is no turn of the policy
         self.before_turn()
-        if call.rid is None:
-            call.rid = self.next_rid()
-        server = call.backend
-        if server.capabilities.abort and server not in self.servers:
-            self.servers.append(server)
+        if call.rid is not None and call.backend.capabilities.abort:
+            self.in_flight[call.rid] = call.backend
 
     def after(
         self, call: ModelCall, result: GenerationResult | None, error: BaseException | None
     ) -> None:
+        if call.rid is not None:
+            self.in_flight.pop(call.rid, None)
         if result is not None:
             self.record(result)
 
     # -- the run phase -------------------------------------------------------------------------
 
     async def abort_on_servers(self) -> None:
-        """``/abort_request`` for the attempt's rid prefix on every server it generated on."""
-        for server in self.servers:
+        """``/abort_request`` for each generation in flight, by its exact rid, on its server."""
+        for rid, server in list(self.in_flight.items()):
             try:
-                await server.abort(self.rid_prefix)
+                await server.abort(rid)
             except Exception as exc:  # the generation ends on its own then
-                logger.warning("abort of %s on a model server failed: %s", self.rid_prefix, exc)
+                logger.warning("abort of %s on %r failed: %s", rid, server, exc)
 
     async def supervise(
         self, run: Coroutine[Any, Any, AgentResult], *, abort_grace_s: float
@@ -166,7 +164,7 @@ class SampleGuard:
 
     async def _end_tail(self, task: asyncio.Future[AgentResult], grace_s: float) -> None:
         self.ended = TerminationReason.TAIL_ABORTED
-        if self.servers:  # let the aborted generations end the run itself
+        if self.in_flight:  # let the aborted generations end the run itself
             await self.abort_on_servers()
             await asyncio.wait({task}, timeout=grace_s)
         if not task.done():

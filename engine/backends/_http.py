@@ -10,8 +10,12 @@ here, naming the URL:
 - anything after the request may have been sent (read timeout, reset, server gone) is **not**
   retried (a ``/generate`` POST the server already ran would run twice) and raises
   ``BackendUnavailable``;
-- a reply that is not valid HTTP, is cut short, or whose body is not JSON:
-  ``BackendProtocolError``;
+- a reply that is not valid HTTP or whose body is not JSON: ``BackendProtocolError``; one cut
+  short (the server closed the connection first) is ``ReplyCutOff``, also a
+  ``BackendUnavailable`` (a lost connection, retried upstream);
+- a server-sent event stream (``post_events``, SGLang's streamed ``/generate``): any bytes
+  are progress, and a stream silent for ``silence_s`` whose server then fails its health check
+  is ``ServerStalled``; a stream cut off is ``BackendUnavailable``;
 - a non-2xx status: ``BackendHTTPError`` (carries URL, status and the body). A client built with
   a ``StatusRetry`` first retries a 429 or 5xx reply (``OpenAIBackend`` does: hosted APIs answer
   rate limits and overload that way and expect a retry): it waits what ``Retry-After`` asks
@@ -25,9 +29,9 @@ import email.utils
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -37,6 +41,8 @@ from engine.errors import (
     BackendProtocolError,
     BackendUnavailable,
     ConfigError,
+    ReplyCutOff,
+    ServerStalled,
 )
 
 __all__ = ["HTTPSettings", "JSONClient", "StatusRetry", "check_base_url", "retry_after_s"]
@@ -44,6 +50,8 @@ __all__ = ["HTTPSettings", "JSONClient", "StatusRetry", "check_base_url", "retry
 log = logging.getLogger(__name__)
 
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+DONE_EVENT = b"data: [DONE]"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,17 +205,16 @@ class JSONClient:
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def _send(self, method: str, path: str, payload: Any) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, payload: Any, *, stream: bool = False
+    ) -> httpx.Response:
         url = self.base_url + path
         client = self._get_client()
+        request = client.build_request(method, url, json=payload if method == "POST" else None)
         attempts = self.settings.connect_retries + 1
         for attempt in range(attempts):
             try:
-                if method == "POST":
-                    response = await client.post(url, json=payload)
-                else:
-                    response = await client.get(url)
-                break
+                return await client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing was sent, so trying again cannot run the request twice.
                 if attempt + 1 == attempts:
@@ -216,25 +223,70 @@ class JSONClient:
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
                 await asyncio.sleep(self.settings.retry_backoff_s * (2**attempt))
-            except httpx.TimeoutException as exc:
-                raise BackendUnavailable(
-                    f"{method} {url}: {type(exc).__name__} (timeouts: read "
-                    f"{self.settings.read_timeout_s}s, write {self.settings.write_timeout_s}s, "
-                    f"pool {self.settings.pool_timeout_s}s); not retried because the server may "
-                    "already have run the request"
-                ) from exc
-            except (httpx.RemoteProtocolError, httpx.DecodingError) as exc:
-                raise BackendProtocolError(
-                    f"{method} {url}: the reply is not well-formed HTTP or was cut short: {exc}"
-                ) from exc
-            except httpx.TransportError as exc:
-                raise BackendUnavailable(
-                    f"{method} {url}: connection failed during the request: "
-                    f"{type(exc).__name__}: {exc}; not retried"
-                ) from exc
-            except httpx.HTTPError as exc:  # pragma: no cover - every transport error is above
-                raise BackendError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
-        return response
+            except httpx.HTTPError as exc:
+                raise self._failed(method, url, exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, method: str, url: str, exc: httpx.HTTPError) -> BackendError:
+        """Our error for an httpx failure after the request may have been sent (not retried:
+        a ``/generate`` the server already ran would run twice)."""
+        if isinstance(exc, httpx.TimeoutException):
+            return BackendUnavailable(
+                f"{method} {url}: {type(exc).__name__} (timeouts: read "
+                f"{self.settings.read_timeout_s}s, write {self.settings.write_timeout_s}s, "
+                f"pool {self.settings.pool_timeout_s}s); not retried because the server may "
+                "already have run the request"
+            )
+        if isinstance(exc, httpx.RemoteProtocolError):
+            return ReplyCutOff(
+                f"{method} {url}: the reply is not well-formed HTTP or was cut short: {exc}"
+            )
+        if isinstance(exc, httpx.DecodingError):
+            return BackendProtocolError(f"{method} {url}: the reply does not decode: {exc}")
+        if isinstance(exc, httpx.TransportError):
+            return BackendUnavailable(
+                f"{method} {url}: connection failed during the request: "
+                f"{type(exc).__name__}: {exc}; not retried"
+            )
+        return BackendError(f"{method} {url}: {type(exc).__name__}: {exc}")  # pragma: no cover
+
+    async def post_events(
+        self,
+        path: str,
+        payload: Any,
+        *,
+        silence_s: float,
+        alive: Callable[[], Awaitable[bool]],
+    ) -> Any:
+        """POST ``payload`` for a server-sent event stream (``data: <json>`` events, then
+        ``data: [DONE]``); the last event before ``[DONE]``, decoded. Any bytes from the
+        server are progress: after ``silence_s`` without any, ``alive()`` decides (True: wait
+        on) and else ``ServerStalled``. A stream cut off (the server died, the connection was
+        reset) is ``BackendUnavailable``; an ``{"error": ...}`` event is ``BackendHTTPError``."""
+        url = self.base_url + path
+        # a server that stops before its headers stalls the call as surely as one mid-stream
+        response = await _watched(self._send("POST", path, payload, stream=True),
+                                  url, silence_s, alive)  # fmt: skip
+        try:
+            if not response.is_success:
+                await response.aread()
+                raise BackendHTTPError(url, response.status_code, response.text)
+            last = await _last_event(response.aiter_bytes(), url, silence_s, alive)
+        except httpx.HTTPError as exc:
+            cut = BackendUnavailable(f"POST {url}: the event stream was cut off: {exc!r}")
+            raise cut from exc
+        finally:
+            await response.aclose()
+        try:
+            body = json.loads(last)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BackendProtocolError(
+                f"POST {url}: the last event is not JSON ({exc}): {last[:200]!r}"
+            ) from exc
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict):
+            raise BackendHTTPError(url, int(error.get("code") or 400), str(error.get("message")))
+        return body
 
     def _decode(self, method: str, response: httpx.Response) -> Any:
         url = str(response.request.url)
@@ -249,3 +301,55 @@ class JSONClient:
                 f"{method} {url}: HTTP {response.status_code} reply is not JSON ({exc}): "
                 f"{response.text[:200]!r}"
             ) from exc
+
+
+async def _watched(step: Awaitable[T], url: str, silence_s: float,
+                   alive: Callable[[], Awaitable[bool]]) -> T:  # fmt: skip
+    """``step``'s result; each ``silence_s`` without it, ``alive()`` decides whether to wait
+    on (True) or give it up as ``ServerStalled``."""
+    task = asyncio.ensure_future(step)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=silence_s)
+            if done:
+                return task.result()
+            if not await alive():
+                raise ServerStalled(
+                    f"POST {url}: no event for {silence_s:g} s and the server failed its "
+                    "health check: the generation is stalled"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _last_event(
+    chunks: AsyncIterator[bytes],
+    url: str,
+    silence_s: float,
+    alive: Callable[[], Awaitable[bool]],
+) -> bytes:
+    """The payload of the last ``data:`` event of a stream before ``[DONE]`` (see
+    ``JSONClient.post_events``); earlier events are only found, never decoded. A stream
+    that ends without ``[DONE]`` was cut off."""
+    buffer = b""
+    last: bytes | None = None
+    it = chunks.__aiter__()
+    while True:
+        try:
+            piece = await _watched(it.__anext__(), url, silence_s, alive)
+        except StopAsyncIteration:
+            break
+        buffer += piece
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            continue
+        events, buffer = buffer[:end], buffer[end + 2 :]
+        for event in events.split(b"\n\n"):
+            if event == DONE_EVENT and last is not None:
+                return last
+            if event.startswith(b"data: "):
+                last = event[6:]
+    raise BackendUnavailable(
+        f"POST {url}: the event stream ended before its last event (data: [DONE])"
+    )

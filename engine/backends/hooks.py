@@ -25,7 +25,7 @@ object per ``get`` of a guarded view, one ``ModelCall`` per call) and owns nothi
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -84,10 +84,27 @@ class HookedBackend(ModelBackend):
         sampling_params: Mapping[str, Any],
         rid: str | None = None,
     ) -> GenerationResult:
-        call = ModelCall(CallKind.GENERATE, self._url, self._inner, rid)
+        return await self._generate(
+            self._url, self._inner, input_ids=input_ids, messages=messages, tools=tools,
+            sampling_params=sampling_params, rid=rid,
+        )  # fmt: skip
+
+    async def _generate(
+        self,
+        url: str,
+        inner: ModelBackend,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+        rid: str | None = None,
+    ) -> GenerationResult:
+        """One ``generate`` on endpoint ``url`` (its backend ``inner``) through the hooks."""
+        call = ModelCall(CallKind.GENERATE, url, inner, rid)
         entered = await self._before(call)
         try:
-            result = await self._inner.generate(
+            result = await inner.generate(
                 input_ids=input_ids,
                 messages=messages,
                 tools=tools,
@@ -103,21 +120,32 @@ class HookedBackend(ModelBackend):
     async def score(
         self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
     ) -> ForceDecodeScore:
-        call = ModelCall(CallKind.SCORE, self._url, self._inner, None)
+        return await self._score(self._url, self._inner, prompt_ids, response_ids, top_logprobs_num)
+
+    async def _score(
+        self,
+        url: str,
+        inner: ModelBackend,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        top_logprobs_num: int,
+    ) -> ForceDecodeScore:
+        call = ModelCall(CallKind.SCORE, url, inner, None)
         entered = await self._before(call)
         try:
-            score = await self._inner.score(
-                prompt_ids, response_ids, top_logprobs_num=top_logprobs_num
-            )
+            score = await inner.score(prompt_ids, response_ids, top_logprobs_num=top_logprobs_num)
         except BaseException as exc:
             self._after(call, entered, None, exc)
             raise
         self._after(call, entered, None, None)
         return score
 
+    def forwarded_call(self) -> AbstractAsyncContextManager[None]:
+        return self._forward(self._url, self._inner)
+
     @asynccontextmanager
-    async def forwarded_call(self) -> AsyncIterator[None]:
-        call = ModelCall(CallKind.FORWARD, self._url, self._inner, None)
+    async def _forward(self, url: str, inner: ModelBackend) -> AsyncIterator[None]:
+        call = ModelCall(CallKind.FORWARD, url, inner, None)
         entered = await self._before(call)
         try:
             yield

@@ -19,8 +19,9 @@ down) one per episode.
   ends the view's trajectory (the evaluator calls it after ``cleanup``). ``get(key=...)`` on the
   pool itself does the same for a caller that manages its own keys (``release(key)`` after).
   With one server, or with an explicit ``url``, nothing is balanced.
-- The default ``build`` is a token-level ``SGLangBackend`` without a tokenizer: token-level
-  callers send ``input_ids`` and read ``token_ids`` back, so the pool needs no model folder.
+- The default ``build`` is a token-level, streaming ``SGLangBackend`` without a tokenizer:
+  token-level callers send ``input_ids`` and read ``token_ids`` back, so the pool needs no
+  model folder.
   Any ``ModelBackend`` may be built instead; callers ask its ``capabilities``.
 - Like the backends it holds, a pool belongs to one event loop (the worker's).
 - Hooks (``engine/backends/hooks.py``): ``get`` hands out each endpoint's backend wrapped in a
@@ -32,6 +33,25 @@ down) one per episode.
   ``bind(key, hooks=...)`` gives a view's calls on the policy's servers hooks of their own
   (the attempt's ``SampleGuard``), run before the pool's; calls to another endpoint (a
   teacher, a judge) pass the pool's hooks only.
+- Health (``engine/backends/health.py``): the pool's second hook is ``health``, one tracker of
+  the policy's servers shared by every view. A server that is not up gets no new trajectory,
+  and a trajectory placed on it moves to the up server with the fewest trajectories at its
+  next call: turns are token ids, so nothing ties a trajectory to a server but its prefix
+  cache. While no server is up, a view's calls wait for one (``ServersDown`` past the outage
+  limit).
+- Retries: a view's ``get()`` is a ``RoutedBackend``. It names each generate call
+  ``KEY/tN`` (a new N per call, so an abort reaches exactly one request), and with a
+  ``RetryBudget`` (``bind(key, budget=...)``, one per sample) it retries a token-level
+  generate (``input_ids``, a backend with the abort capability, no rid of the caller's) that
+  failed for the server's sake: could not connect, was cut off or stalled
+  (``BackendUnavailable``), came back aborted by the server, or was served at a weight
+  version other than the active one. The turn runs again from the same tokens on a server
+  that is up, after a pause (``RetryBudget.pause_s``); the request of a call that raised is
+  aborted by its rid where it may still run. A call that returned nothing to the agent
+  recorded no turn, so nothing is recorded twice. When a retry is refused by a hook (the
+  sample ended meanwhile) the aborted result stands; when the budget is spent, or a failed
+  call is of another kind (chat, a forwarded pass-through), the failure goes to the agent
+  and ``budget.reached_caller`` says so: the attempt is then re-run (``batch_run``).
 
 A router (``sglang-router``) in front of the servers is the other way to run several: give the
 worker the router's URL as its one endpoint, and the router keeps a conversation's requests on
@@ -40,14 +60,20 @@ one server with its own cache-aware policy (see docs/sglang.md).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from types import TracebackType
+from typing import Any
 
+from engine import metrics
 from engine.backends._http import check_base_url
-from engine.backends.base import ModelBackend
+from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
 from engine.backends.gate import TurnGate
+from engine.backends.health import RetryBudget, ServerHealth, infra_failure
 from engine.backends.hooks import CallHook, HookedBackend
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
@@ -61,13 +87,21 @@ __all__ = [
     "sglang_backend",
 ]
 
+logger = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_S = 5.0
+
 BackendBuilder = Callable[[str], ModelBackend]
 """Builds the backend of one endpoint from its base URL (called once per endpoint)."""
 
 
+DEFAULT_STALL_S = 20.0
+
+
 def sglang_backend(url: str) -> ModelBackend:
-    """The default builder: a token-level ``SGLangBackend`` on ``url``."""
-    return SGLangBackend(config=SGLangConfig(url=url))
+    """The default builder: a token-level ``SGLangBackend`` on ``url`` whose generations
+    stream and are watched for stalls (``DEFAULT_STALL_S``)."""
+    return SGLangBackend(config=SGLangConfig(url=url, stall_s=DEFAULT_STALL_S))
 
 
 def parse_urls(urls: str | Sequence[str] | None, *, what: str = "--sglang-url") -> tuple[str, ...]:
@@ -95,10 +129,15 @@ def _rank(key: str, url: str) -> bytes:
 
 
 class _Shared:
-    """What the pool and its bound views share: the backends and the trajectory placement."""
+    """What the pool and its bound views share: the backends, the servers' health and the
+    trajectory placement."""
 
     def __init__(
-        self, urls: tuple[str, ...], build: BackendBuilder, hooks: Sequence[CallHook]
+        self,
+        urls: tuple[str, ...],
+        build: BackendBuilder,
+        hooks: Sequence[CallHook],
+        outage_limit_s: float | None,
     ) -> None:
         self.urls = urls
         self.build = build
@@ -108,20 +147,177 @@ class _Shared:
         self.placed: dict[str, str] = {}
         self.live: Counter[str] = Counter()
         self.gate = TurnGate()
-        self.hooks: tuple[CallHook, ...] = (self.gate, *hooks)
+        self.health = ServerHealth(urls, self.backend, self.gate, outage_limit_s=outage_limit_s)
+        self.hooks: tuple[CallHook, ...] = (self.gate, self.health, *hooks)
+        self.aborting: set[asyncio.Task[None]] = set()
+
+    def backend(self, url: str) -> ModelBackend:
+        backend = self.backends.get(url)
+        if backend is None:
+            if self.closed:
+                raise BackendUnavailable(
+                    "the worker's backend pool is closed (the worker is stopping); no new "
+                    "generations"
+                )
+            backend = self.backends[url] = self.build(url)
+        return backend
 
     def place(self, key: str) -> str:
+        """The server of trajectory ``key``: where it was placed while that one is up, else
+        the up server with the fewest trajectories (ties by rendezvous rank)."""
         url = self.placed.get(key)
-        if url is None:
-            url = max(self.urls, key=lambda u: (-self.live[u], _rank(key, u)))
-            self.placed[key] = url
-            self.live[url] += 1
+        health = self.health
+        if url is not None:
+            if health.is_up(url) or not health.any_up:
+                return url
+            self.live[url] -= 1  # its server is down or stale: the trajectory moves
+        url = max(health.up_urls() or self.urls, key=lambda u: (-self.live[u], _rank(key, u)))
+        self.placed[key] = url
+        self.live[url] += 1
         return url
 
     def release(self, key: str) -> None:
         url = self.placed.pop(key, None)
         if url is not None:
             self.live[url] -= 1
+
+    def abort_later(self, backend: ModelBackend, rid: str) -> None:
+        """Abort request ``rid`` where a failed call may still run, in the background (the
+        server may not answer at all): best effort, bounded."""
+
+        async def abort() -> None:
+            try:
+                async with asyncio.timeout(_ABORT_TIMEOUT_S):
+                    await backend.abort(rid)
+            except Exception as exc:  # a dead server runs nothing any more
+                logger.debug("abort of %s on %r failed: %r", rid, backend, exc)
+
+        task = asyncio.ensure_future(abort())
+        self.aborting.add(task)
+        task.add_done_callback(self.aborting.discard)
+
+
+class _Trajectory:
+    """A bound view's trajectory: its key, the rids its generate calls are sent with
+    (``KEY/tN``, one per call, so each can be aborted by its exact rid) and the sample's
+    retry budget."""
+
+    __slots__ = ("key", "shared", "budget", "calls")
+
+    def __init__(self, key: str, shared: _Shared, budget: RetryBudget | None) -> None:
+        self.key = key
+        self.shared = shared
+        self.budget = budget
+        self.calls = 0
+
+    def next_rid(self) -> str:
+        rid = f"{self.key}/t{self.calls}"
+        self.calls += 1
+        return rid
+
+    async def endpoint(self) -> tuple[str, ModelBackend]:
+        """Where the next call goes: the trajectory's server, placed again when it is not
+        up; while none is up, the call waits here (``ServerHealth.available``)."""
+        shared = self.shared
+        if not shared.health.any_up:
+            await shared.health.available()
+        url = shared.urls[0] if len(shared.urls) == 1 else shared.place(self.key)
+        return url, shared.backend(url)
+
+
+class RoutedBackend(HookedBackend):
+    """A bound view's backend on the policy's servers: each call goes where the trajectory
+    is placed now, and a token-level generate whose rid the view names is retried on an
+    infrastructure failure (see the module docstring)."""
+
+    def __init__(self, trajectory: _Trajectory, url: str, hooks: tuple[CallHook, ...]) -> None:
+        super().__init__(trajectory.shared.backend(url), url, hooks)
+        self._trajectory = trajectory
+
+    async def generate(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+        rid: str | None = None,
+    ) -> GenerationResult:
+        t = self._trajectory
+        budget = t.budget
+        if budget is None or input_ids is None or rid is not None or not self.capabilities.abort:
+            url, inner = await t.endpoint()
+            try:
+                return await self._generate(
+                    url, inner, input_ids=input_ids, messages=messages, tools=tools,
+                    sampling_params=sampling_params, rid=t.next_rid() if rid is None else rid,
+                )  # fmt: skip
+            except Exception as exc:
+                if budget is not None and infra_failure(exc):
+                    budget.reached_caller = True  # no retry of its own: the attempt is re-run
+                raise
+        return await self._retried(t, budget, input_ids, sampling_params)
+
+    async def _retried(
+        self,
+        t: _Trajectory,
+        budget: RetryBudget,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+    ) -> GenerationResult:
+        """The same turn again from the same tokens, on a server that is up, until it gives
+        a result of the active weights or the budget is spent. A call that raised, or whose
+        result is not handed back, produced no turn of the agent's, so running it again
+        cannot record a turn twice."""
+        aborted: GenerationResult | None = None  # handed back when a retry is refused
+        while True:
+            url, inner = await t.endpoint()
+            self.base_url = url
+            rid = t.next_rid()
+            try:
+                result = await self._generate(
+                    url, inner, input_ids=input_ids, sampling_params=sampling_params, rid=rid
+                )
+            except Exception as exc:
+                if not infra_failure(exc):
+                    if aborted is not None:  # a hook refused the retry (the sample ended)
+                        return aborted
+                    raise
+                t.shared.abort_later(inner, rid)  # the request may still run there
+                if not budget.take(url, f"{type(exc).__name__}: {exc}"):
+                    budget.reached_caller = True
+                    raise
+            else:
+                if result.aborted:
+                    what = "the server aborted the generation"
+                    aborted = result
+                elif t.shared.health.wrong_version(result):
+                    what = f"it served weight version {result.weight_version}, not the active one"
+                else:
+                    return result
+                if not budget.take(url, what):
+                    budget.reached_caller = True
+                    return result
+            metrics.MODEL_RETRIES.labels("turn").inc()
+            await asyncio.sleep(budget.pause_s())
+
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
+    ) -> ForceDecodeScore:
+        url, inner = await self._trajectory.endpoint()
+        return await self._score(url, inner, prompt_ids, response_ids, top_logprobs_num)
+
+    @asynccontextmanager
+    async def forwarded_call(self) -> AsyncIterator[None]:
+        url, inner = await self._trajectory.endpoint()
+        try:
+            async with self._forward(url, inner):
+                yield
+        except Exception:
+            budget = self._trajectory.budget
+            if budget is not None:  # the scaffold saw it: the attempt is re-run
+                budget.reached_caller = True
+            raise
 
 
 class BackendPool:
@@ -133,10 +329,12 @@ class BackendPool:
         *,
         build: BackendBuilder = sglang_backend,
         hooks: Sequence[CallHook] = (),
+        outage_limit_s: float | None = 300.0,
     ):
         urls = parse_urls(default_url, what="the worker's model endpoint")
-        self._shared = _Shared(urls, build, hooks)
-        self._key: str | None = None
+        self._shared = _Shared(urls, build, hooks, outage_limit_s)
+        self._trajectory: _Trajectory | None = None
+        self._routed: RoutedBackend | None = None
         self._own: tuple[CallHook, ...] = ()  # a view's own hooks
         self._hooks: tuple[CallHook, ...] = ()  # and the pool's after them (none: no own)
 
@@ -157,23 +355,34 @@ class BackendPool:
         return self._shared.gate
 
     @property
+    def health(self) -> ServerHealth:
+        """The policy servers' health, the pool's second hook (``engine/backends/health.py``);
+        the worker runs its probes (``health.run``)."""
+        return self._shared.health
+
+    @property
     def key(self) -> str | None:
         """The trajectory this view is bound to (None for the pool itself)."""
-        return self._key
+        return None if self._trajectory is None else self._trajectory.key
 
-    def bind(self, key: str, *, hooks: Sequence[CallHook] = ()) -> BackendPool:
-        """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server and
-        whose calls on the policy's servers pass ``hooks`` first (this view's too)."""
+    def bind(
+        self,
+        key: str,
+        *,
+        hooks: Sequence[CallHook] = (),
+        budget: RetryBudget | None = None,
+    ) -> BackendPool:
+        """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server while
+        it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too)
+        and whose token-level generations are retried within ``budget``."""
         if not key:
             raise ValueError("BackendPool.bind needs a non-empty trajectory key")
         view = object.__new__(BackendPool)
         view._shared = self._shared
-        view._key = key
-        if hooks:
-            view._own = (*self._own, *hooks)
-            view._hooks = (*view._own, *self._shared.hooks)
-        else:
-            view._own, view._hooks = self._own, self._hooks
+        view._trajectory = _Trajectory(key, self._shared, budget)
+        view._routed = None
+        view._own = (*self._own, *hooks)
+        view._hooks = (*view._own, *self._shared.hooks)
         return view
 
     def get(self, url: str | None = None, *, key: str | None = None) -> ModelBackend:
@@ -191,21 +400,29 @@ class BackendPool:
                 "no model endpoint: the agent names none and the worker has no default "
                 "(run it with --sglang-url)"
             )
+        elif self._trajectory is not None:
+            return self._routed_backend(self._trajectory)
         elif len(shared.urls) == 1:
             endpoint = shared.urls[0]
-        else:
-            trajectory = key or self._key
-            if trajectory is None:  # a one-off call: the least-loaded server, not kept
-                endpoint = min(shared.urls, key=lambda u: shared.live[u])
-            else:
-                endpoint = shared.place(trajectory)
+        elif key is not None:
+            endpoint = shared.place(key)
+        else:  # a one-off call: the least-loaded server that is up, not kept
+            endpoint = min(shared.health.up_urls() or shared.urls, key=lambda u: shared.live[u])
         hooked = shared.hooked.get(endpoint)
         if hooked is None:
-            backend = shared.backends[endpoint] = shared.build(endpoint)
+            backend = shared.backend(endpoint)
             hooked = shared.hooked[endpoint] = HookedBackend(backend, endpoint, shared.hooks)
-        if self._hooks and (not url or endpoint in shared.urls):
+        if self._own and endpoint in shared.urls:
             return HookedBackend(shared.backends[endpoint], endpoint, self._hooks)
         return hooked
+
+    def _routed_backend(self, trajectory: _Trajectory) -> RoutedBackend:
+        routed = self._routed
+        if routed is None:
+            shared = self._shared
+            url = shared.urls[0] if len(shared.urls) == 1 else shared.place(trajectory.key)
+            routed = self._routed = RoutedBackend(trajectory, url, self._hooks)
+        return routed
 
     def server_of(self, key: str) -> str | None:
         """The server trajectory ``key`` is kept on (None: not placed, or one server only)."""
@@ -217,7 +434,7 @@ class BackendPool:
 
     def release(self, key: str | None = None) -> None:
         """End trajectory ``key`` (a view: its own); its server takes new ones again."""
-        trajectory = key or self._key
+        trajectory = key or self.key
         if trajectory is not None:
             self._shared.release(trajectory)
 
@@ -230,13 +447,15 @@ class BackendPool:
         """Close every backend (each releases its pooled client); later ``get`` calls fail.
 
         A bound view only releases its trajectory: the pool's owner closes the pool."""
-        if self._key is not None:
+        if self._trajectory is not None:
             self.release()
             return
         shared = self._shared
         shared.closed = True
         backends, shared.backends = list(shared.backends.values()), {}
         shared.hooked = {}
+        for task in list(shared.aborting):
+            task.cancel()
         for backend in backends:
             await backend.aclose()
 

@@ -6,6 +6,16 @@ native ``/generate`` and returns the exact sampled token ids with their logprobs
 ``sglang_protocol.py``). No re-tokenisation and no chat-template round trip happen on the way
 back, so the tokens the model emitted are the tokens training sees.
 
+- The request streams (``"stream": true``; ``entrypoints/http_server.py``,
+  ``serve_generate_request``): SGLang sends ``data: <chunk>`` events with the output so far
+  and ``data: [DONE]``, and the last chunk is the finished reply, exactly what the same
+  request without ``stream`` returns (``managers/tokenizer_manager.py``,
+  ``_handle_batch_output``). Only that chunk is parsed; the others are progress. A stream
+  silent for ``stall_s`` whose server also fails ``/health_generate`` raises
+  ``ServerStalled``: the call is given up and its connection closed, which SGLang takes as the
+  client leaving and aborts the request (``create_abort_task``); the caller aborts the exact
+  rid as well. ``stall_s=None`` sends one plain POST instead.
+
 - ``messages`` are accepted too when a tokenizer is configured: they are rendered with its chat
   template (``add_generation_prompt``) and tokenized here, then sent as ``input_ids``.
 - A reply whose ``finish_reason.type`` is ``abort`` becomes an empty result with
@@ -34,6 +44,7 @@ local_files_only=True)``: backends never download anything.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,10 +69,11 @@ from engine.backends.sglang_protocol import (
     parse_generate_reply,
     weight_version_of,
 )
-from engine.errors import BackendProtocolError, ConfigError, GenerationAborted
+from engine.errors import BackendError, BackendProtocolError, ConfigError, GenerationAborted
 
 __all__ = ["SGLangBackend", "SGLangConfig", "load_tokenizer"]
 
+_SGLANG_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens when a request sets none
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -71,15 +83,26 @@ class SGLangConfig:
 
     ``url`` is the server (or router) base URL, e.g. ``http://10.0.0.5:30000``.
     ``tokenizer_path`` is a local Hugging Face folder; without it ``tokenize``, ``decode`` and
-    ``messages=`` are unavailable.
+    ``messages=`` are unavailable. ``stall_s``: a generation streams, and one that receives
+    nothing for that long while the server fails ``/health_generate`` within
+    ``health_timeout_s`` is stalled (None, the default: no stream, one plain POST; a worker's
+    policy servers stream, ``ROLLOUT_STALL_S``).
     """
 
     url: str
     tokenizer_path: str | Path | None = None
     http: HTTPSettings = field(default_factory=HTTPSettings)
+    stall_s: float | None = None
+    health_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_base_url(self.url, what="SGLangConfig.url"))
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise ConfigError(f"SGLangConfig.stall_s must be > 0 (or None), got {self.stall_s}")
+        if self.health_timeout_s <= 0:
+            raise ConfigError(
+                f"SGLangConfig.health_timeout_s must be > 0, got {self.health_timeout_s}"
+            )
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -113,6 +136,7 @@ class SGLangBackend(ModelBackend):
         self.base_url = config.url
         self._http = JSONClient(base_url=config.url, settings=config.http, transport=transport)
         self._generate_url = config.url + "/generate"
+        self._health_check: asyncio.Future[bool] | None = None  # shared by silent streams
 
     # -- tokenizer ---------------------------------------------------------------------------
 
@@ -196,7 +220,9 @@ class SGLangBackend(ModelBackend):
         }
         if rid is not None:
             payload["rid"] = rid
-        if n == 1:
+        if n == 1 and self.config.stall_s is not None:
+            replies = [await self._streamed(payload, self.config.stall_s)]
+        elif n == 1:
             replies = [await self.generate_raw(payload)]
         else:
             body = await self._http.post("/generate", payload)
@@ -227,6 +253,37 @@ class SGLangBackend(ModelBackend):
             usage=usage,
             weight_version=reply.weight_version,
         )
+
+    async def _streamed(self, payload: dict[str, Any], stall_s: float) -> SGLangReply:
+        """One generation over the streamed ``/generate``: its last chunk is the finished
+        reply, parsed like the plain one. A chunk every eighth of the token budget (SGLang
+        sends the output so far in each, so fewer chunks carry fewer bytes); silence past
+        ``stall_s`` is checked with ``/health_generate`` before the call is given up."""
+        params = payload["sampling_params"]
+        if params.get("stream_interval") is None:
+            budget = params.get("max_new_tokens") or _SGLANG_MAX_NEW_TOKENS
+            payload["sampling_params"] = {**params, "stream_interval": max(1, budget // 8)}
+        payload["stream"] = True
+        body = await self._http.post_events(
+            "/generate", payload, silence_s=stall_s, alive=self._answers_health
+        )
+        return parse_generate_reply(body, url=self._generate_url, logprobs=True)
+
+    async def _answers_health(self) -> bool:
+        """Whether the server answers ``/health_generate`` within ``health_timeout_s``: one
+        check at a time, shared by every call that went silent meanwhile."""
+        check = self._health_check
+        if check is None or check.done():
+            check = self._health_check = asyncio.ensure_future(self._check_health())
+        return await asyncio.shield(check)
+
+    async def _check_health(self) -> bool:
+        try:
+            async with asyncio.timeout(self.config.health_timeout_s):
+                await self.health(generate=True)
+        except (TimeoutError, BackendError):
+            return False
+        return True
 
     async def generate_raw(self, payload: Mapping[str, Any]) -> SGLangReply:
         """POST one (non-batch) ``/generate`` payload and parse the reply strictly."""
@@ -338,4 +395,6 @@ class SGLangBackend(ModelBackend):
         await self._http.get("/health_generate" if generate else "/health")
 
     async def aclose(self) -> None:
+        if self._health_check is not None:
+            self._health_check.cancel()
         await self._http.aclose()

@@ -15,6 +15,7 @@ from engine.events.diagnostics import RolloutStalled
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
 from engine.events.registry import ServerRegistered, ServerRetired
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = [
     "ClaimResult",
@@ -26,6 +27,9 @@ __all__ = [
     "Mask",
     "PackedArray",
     "RolloutStalled",
+    "ServerDown",
+    "ServerStale",
+    "ServerUp",
     "StreamNames",
     "TokenIds",
     "decode",

@@ -77,7 +77,8 @@ ROUTES: dict[str, Route] = {
     "RolloutReady": Route("`rl:{rollout:ID}`, then a copy on `rl:control`", "the finalizer",
                           "the trainer (`wait_ready`), `rollout status`"),
     "RolloutFailed": Route("`rl:{rollout:ID}` and `rl:control`",
-                           "the scheduler, the finalizer or a capture worker",
+                           "the scheduler, the finalizer, a capture worker, or an evaluator "
+                           "worker whose policy servers stayed down past the outage limit",
                            "the trainer (`wait_ready` raises with the reason)"),
     "RolloutStalled": Route("`rl:{rollout:ID}`", "the finalizer following the rollout (no "
                             "new entry for `--stall-window-s`)", "`rollout status`, "
@@ -100,6 +101,14 @@ ROUTES: dict[str, Route] = {
     "WeightSyncFailed": Route("`rl:control`", "the weight syncer",
                               "workers keep generation stopped; `wait_ready` and "
                               "`wait_version_active` raise the error"),
+    "ServerDown": Route("`rl:control`", "evaluator workers (a call failed or stalled, or a "
+                        "probe did)", "schedulers (admission pauses while every policy server "
+                        "is down), workers at start, `rollout top`"),
+    "ServerUp": Route("`rl:control`", "evaluator workers (a probe found the server healthy "
+                      "at the active version)", "schedulers, workers at start, `rollout top`"),
+    "ServerStale": Route("`rl:control`", "evaluator workers (the server reports another "
+                         "weight version than the active one)", "the weight syncer (re-pushes "
+                         "the active weights), schedulers, `rollout top`"),
 }
 
 _COMMON = ("type", "producer", "causation")

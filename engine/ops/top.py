@@ -8,6 +8,8 @@ does not decode is skipped, never dead-lettered):
 * pool: ``rl:pool`` folded with the placement projection (used / total per resource);
 * workers: from the shown rollouts' ``SampleStarted`` events: samples running per worker and
   when it last started one;
+* model servers: the last ``ServerUp`` / ``ServerDown`` / ``ServerStale`` of each policy
+  server on ``rl:control`` (which worker said it, the version it reports, why, how long ago);
 * lag: per consumer group and stream, the entries delivered but not acked (``pending``),
   plus, per rollout, the batches still to admit (sealed, not admitted: waiting for pool
   capacity) and those admitted that no worker has started yet (``queued``).
@@ -39,12 +41,15 @@ from engine.events.catalog import RolloutRequested, SampleStarted
 from engine.events.codec import decode
 from engine.events.ids import id_ms
 from engine.events.log import EventLog
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.rebuild import load_snapshot
 
-__all__ = ["LagRow", "RolloutRow", "TopSource", "TopView", "WorkerRow", "render", "run_top"]
+__all__ = [
+    "LagRow", "RolloutRow", "ServerRow", "TopSource", "TopView", "WorkerRow", "render", "run_top"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,16 @@ class WorkerRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerRow:
+    endpoint: str
+    state: str
+    worker: str
+    version: str
+    detail: str
+    since_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LagRow:
     group: str
     stream: str
@@ -85,6 +100,7 @@ class TopView:
     gated: bool
     workers: list[WorkerRow]
     lag: list[LagRow]
+    servers: list[ServerRow] = field(default_factory=list)
 
 
 class _Tail:
@@ -122,6 +138,9 @@ class _Requests:
     order: list[str] = field(default_factory=list)
     requested: dict[str, RolloutRequested] = field(default_factory=dict)
     requested_ms: dict[str, int] = field(default_factory=dict)
+    servers: dict[str, tuple[ServerUp | ServerDown | ServerStale, int]] = field(
+        default_factory=dict
+    )
     position: str | None = None
 
 
@@ -149,6 +168,8 @@ class TopSource:
                 c.order.append(ev.rollout_id)
                 c.requested[ev.rollout_id] = ev
                 c.requested_ms[ev.rollout_id] = id_ms(entry_id)
+            elif isinstance(ev, ServerUp | ServerDown | ServerStale):
+                c.servers[ev.endpoint] = (ev, id_ms(entry_id))
 
     async def snapshot(self) -> TopView:
         now = time.time()
@@ -188,6 +209,8 @@ class TopSource:
                 for w, n in sorted(self._worker_starts.items())
             ],
             lag=await self._lag(),
+            servers=[_server_row(ev, ms, now) for ev, ms in
+                     (self._control.servers[url] for url in sorted(self._control.servers))],
         )
 
     def _row(self, rid: str, state: RolloutState, now: float) -> RolloutRow:
@@ -236,6 +259,20 @@ class TopSource:
         return rows
 
 
+def _server_row(ev: ServerUp | ServerDown | ServerStale, ms: int, now: float) -> ServerRow:
+    since = max(0.0, now - ms / 1000)
+    if isinstance(ev, ServerUp):
+        return ServerRow(ev.endpoint, "up", ev.worker, _version(ev.weight_version), "", since)
+    if isinstance(ev, ServerDown):
+        return ServerRow(ev.endpoint, "DOWN", ev.worker, "-", ev.reason, since)
+    return ServerRow(ev.endpoint, "STALE", ev.worker, _version(ev.weight_version),
+                     f"needs a sync to {ev.active}", since)
+
+
+def _version(version: int | None) -> str:
+    return "default" if version is None else str(version)
+
+
 def _ago(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
@@ -245,7 +282,7 @@ def _ago(seconds: float) -> str:
 
 
 def render(view: TopView) -> Group:
-    """One frame: rollouts, pool, workers, lag."""
+    """One frame: rollouts, pool, workers, model servers (once one was reported), lag."""
     stamp = dt.datetime.fromtimestamp(view.at, tz=dt.UTC).strftime("%H:%M:%S UTC")
     rollouts = Table(title=f"rollouts (newest first, {stamp})", title_justify="left")
     for col in ("rollout", "kind", "state", "planned", "started", "completed", "aborted",
@@ -271,13 +308,19 @@ def render(view: TopView) -> Group:
         workers.add_column(col, justify="left" if col == "worker" else "right")
     for w in view.workers:
         workers.add_row(w.worker, str(w.running), str(w.started), f"{_ago(w.last_start_s)} ago")
+    servers = Table(title="model servers (as the workers last said)", title_justify="left")
+    for col in ("server", "state", "worker", "version", "since", "why"):
+        servers.add_column(col, justify="right" if col == "since" else "left")
+    for srv in view.servers:
+        servers.add_row(srv.endpoint, srv.state, srv.worker, srv.version, _ago(srv.since_s),
+                        srv.detail[:80])
     lag = Table(title="consumer groups", title_justify="left")
     for col in ("group", "stream", "entries", "pending"):
         lag.add_column(col, justify="left" if col in ("group", "stream") else "right")
     for row in view.lag:
         lag.add_row(row.group, row.stream, str(row.length),
                     "no group" if row.pending is None else str(row.pending))
-    return Group(rollouts, pool, workers, lag)
+    return Group(rollouts, pool, workers, *([servers] if view.servers else []), lag)
 
 
 async def run_top(

@@ -22,7 +22,10 @@ The state keeps:
   (what the trainer's ``wait_ready`` reads back); the most recent ``keep_outcomes`` only.
 
 Generation may run only when no sync is open and the engine is not poisoned
-(``generation_stopped``). The state is a frozen value; ``evolve`` returns a new one.
+(``generation_stopped``). The fold also keeps each policy server's last word from any worker
+(``servers``: ``ServerUp`` / ``ServerDown`` / ``ServerStale``, ``engine/events/servers.py``):
+while every server it knows of is down or stale, nothing may be admitted (``may_generate``),
+and a worker starts from it. The state is a frozen value; ``evolve`` returns a new one.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from engine.events.catalog import (
     WeightSyncFailed,
     WorkerParked,
 )
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = ["ControlProjection", "ControlState"]
 
@@ -66,6 +70,7 @@ class ControlState:
     failure_id: str | None = None
     tails: Mapping[str, Tail] = field(default_factory=dict)
     outcomes: Mapping[str, str] = field(default_factory=dict)
+    servers: Mapping[str, str] = field(default_factory=dict)  # endpoint -> up / down / stale
 
     @property
     def active_version(self) -> int | None:
@@ -88,15 +93,26 @@ class ControlState:
             return False
         return self.active_version is None or self.active_version < version
 
+    @property
+    def servers_down(self) -> bool:
+        """Every policy server the log has heard of is down or stale (none heard of: no)."""
+        return bool(self.servers) and "up" not in self.servers.values()
+
     def may_generate(self, version: int = 0) -> bool:
-        """No sync open, not poisoned, and ``version`` needs no sync."""
-        return not self.generation_stopped and not self.needs_sync(version)
+        """No sync open, not poisoned, ``version`` needs no sync, and a server is up."""
+        return (
+            not self.generation_stopped and not self.needs_sync(version) and not self.servers_down
+        )
 
     def why_stopped(self) -> str:
         if self.quiesce is not None:
             return f"weight sync to version {self.quiesce.version} in progress"
         if self.failure is not None:
             return f"weight sync to version {self.failure.version} failed: {self.failure.error}"
+        if self.servers_down:
+            return "every policy server is down: " + ", ".join(
+                f"{url} ({state})" for url, state in sorted(self.servers.items())
+            )
         return ""
 
     def current_version(self, requested: int = 0) -> int:
@@ -107,6 +123,8 @@ class ControlState:
     def tail_of(self, rollout_id: str) -> Tail | None:
         """``(mode, sample ids)`` of a ready rollout's tail; None: not ready with one."""
         return self.tails.get(rollout_id)
+
+_SAID = {"ServerUp": "up", "ServerDown": "down", "ServerStale": "stale"}
 
 
 def _kept(items: Mapping[str, V], key: str, value: V, keep: int) -> dict[str, V]:
@@ -165,6 +183,11 @@ class ControlProjection:
                 state, activated=ev, activated_id=env.id, failure=None, failure_id=None,
                 quiesce=None, quiesce_id=None, parked=frozenset(), quiesce_done=None,
             )
+        if isinstance(ev, ServerUp | ServerDown | ServerStale):
+            said = _SAID[ev.type]
+            if state.servers.get(ev.endpoint) == said:
+                return state
+            return replace(state, servers={**state.servers, ev.endpoint: said})
         if isinstance(ev, WeightSyncFailed):
             return replace(
                 state, failure=ev, failure_id=env.id,

@@ -133,17 +133,25 @@ def stale_split(
     return fresh, stale, tokens
 
 
+_INFRA = frozenset({AbortClass.INFRA_CONN, AbortClass.INFRA_SANDBOX, AbortClass.INFRA_OTHER})
+
+
 def apply_filters(
     state: RolloutState, samples: list[SampleRecord] | None = None
 ) -> tuple[list[str], list[str]]:
-    """``(kept, dropped)`` ids in index order: reward-based rejection, then finish-only."""
+    """``(kept, dropped)`` ids in index order: reward-based rejection, then finish-only.
+    A group's rewards are those of its samples that have one: a sample aborted by the
+    infrastructure (its retries spent) is no zero reward of the policy's, so it takes no part
+    in its group's statistics, as a removed sample takes none in the trainer's advantages
+    (``engine.losses.group_advantages``)."""
     filters = state.request.filters if state.request is not None else FilterSpec()
     ordered = state.ordered() if samples is None else samples
     kept = ordered
     if filters.reject_equal_rewards:
         rewards: dict[int, set[float]] = defaultdict(set)
         for r in ordered:
-            rewards[r.group_index].add(r.reward)
+            if r.abort_class not in _INFRA:
+                rewards[r.group_index].add(r.reward)
         kept = [r for r in kept if len(rewards[r.group_index]) > 1]
     if filters.finish_only:
         kept = [r for r in kept if r.completed and r.finished]

@@ -124,7 +124,7 @@ async def test_an_attempts_guard_checks_and_records_every_turn_of_a_chat_backend
         first = await backend.generate(messages=MESSAGES, sampling_params=PARAMS)
         # The chat API names no weight version: an unknown version never meets the bound.
         assert first.weight_version is None and (guard.turns, guard.oldest) == (1, -1)
-        assert guard.servers == []  # the chat backend cannot abort by rid
+        assert guard.in_flight == {}  # the chat backend cannot abort by rid
         with pytest.raises(ReportedAbort) as refused:
             await backend.generate(messages=MESSAGES, sampling_params=PARAMS)
         assert refused.value.reason is TerminationReason.STALE and guard.ended is not None
@@ -168,21 +168,24 @@ async def test_hooks_run_in_order_and_each_entered_one_hears_how_the_call_ended(
         assert ("pool", "after", "NotImplementedError") in seen and pool.gate.in_flight == 0
 
 
-async def test_the_guard_names_its_generations_and_keeps_the_servers_that_can_abort() -> None:
+async def test_a_view_names_each_generation_and_the_guard_keeps_those_in_flight() -> None:
     guard = _stale_guard()
     guard.request = None  # no bound: every turn may run
 
     class Aborting:
         capabilities = Capabilities(token_ids=True, abort=True)
 
-    call = ModelCall(CallKind.GENERATE, "http://policy:1", Aborting(), None)  # type: ignore[arg-type]
+    view = BackendPool("http://policy:1").bind("r:s0/a1", hooks=(guard,))
+    trajectory = view._trajectory
+    assert trajectory is not None
+    rids = [trajectory.next_rid() for _ in range(3)]
+    assert rids == ["r:s0/a1/t0", "r:s0/a1/t1", "r:s0/a1/t2"]  # one per call, retries too
+    call = ModelCall(CallKind.GENERATE, "http://policy:1", Aborting(), rids[0])  # type: ignore[arg-type]
     await guard.before(call)
-    assert call.rid == "r:s0/a1/t0" and guard.servers == [call.backend]
+    assert guard.in_flight == {"r:s0/a1/t0": call.backend}  # aborted by this exact rid
     guard.after(call, GenerationResult(text="", token_ids=(1,), logprobs=(-0.5,),
                                        weight_version=4), None)  # fmt: skip
-    again = ModelCall(CallKind.GENERATE, "http://policy:1", call.backend, "own-rid")
-    await guard.before(again)
-    assert again.rid == "own-rid" and guard.servers == [call.backend] and guard.oldest == 4
+    assert guard.in_flight == {} and guard.oldest == 4 and guard.turns == 1
     rescore = ModelCall(CallKind.SCORE, "http://policy:1", call.backend, None)
     await guard.before(rescore)
     guard.after(rescore, None, None)

@@ -41,6 +41,7 @@ from engine.events import (
     WorkerParked,
 )
 from engine.events.registry import ServerRegistered, ServerRetired
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 
 def example_events() -> list[Event]:
@@ -52,6 +53,10 @@ def example_events() -> list[Event]:
         PolicyVersionPublished(version=4, weights_uri="file:///w"),
         QuiesceRequested(reason="weight sync", version=4),
         WorkerParked(version=4, worker="w1"),
+        ServerDown(endpoint="http://gpu-a:30000", worker="w1", reason="connection refused"),
+        ServerUp(endpoint="http://gpu-a:30000", worker="w1", weight_version=4),
+        ServerStale(endpoint="http://gpu-a:30000", worker="w1", weight_version=None, active=4,
+                    reason="it reports weight version unknown"),
         QuiesceCompleted(reason="weight sync", version=4, parked=["w1"], unparked=["w2"]),
         PolicyVersionActivated(version=4, servers=["http://a:1"], weights_uri="file:///w"),
         WeightSyncFailed(version=5, error="http://b:2: 400 bad", servers_ok=["http://a:1"],

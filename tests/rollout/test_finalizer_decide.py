@@ -79,11 +79,23 @@ def test_rejection_drops_groups_with_equal_rewards() -> None:
         *_plan(3, 2, filters=FilterSpec(reject_equal_rewards=True)),
         _done(0, 1.0), _done(1, 0.0),  # group 0: mixed -> kept
         _done(2, 1.0), _done(3, 1.0),  # group 1: all equal -> dropped
-        _done(4, 0.0), _abort(5),  # group 2: 0 and an abort (counts 0) -> dropped
+        _done(4, 0.0), _abort(5),  # group 2: one reward (the abort has none) -> dropped
     ]
     kept, dropped = apply_filters(rollout_state(events))
     assert kept == [_sid(0), _sid(1)]
     assert dropped == [_sid(2), _sid(3), _sid(4), _sid(5)]
+
+
+def test_an_infra_aborted_sample_is_no_zero_reward_in_its_group() -> None:
+    timeout = SampleAborted(rollout_id=RID, sample_id=_sid(3), attempt=1,
+                            abort_class=AbortClass.AGENT_TIMEOUT)
+    events = [
+        *_plan(2, 2, filters=FilterSpec(reject_equal_rewards=True)),
+        _done(0, 1.0), _abort(1),  # group 0: 1.0 and a server failure: one reward -> dropped
+        _done(2, 1.0), timeout,  # group 1: 1.0 and the policy's own timeout (0) -> kept
+    ]
+    kept, dropped = apply_filters(rollout_state(events))
+    assert kept == [_sid(2), _sid(3)] and dropped == [_sid(0), _sid(1)]
 
 
 def test_finish_only_keeps_clean_finishes() -> None:

@@ -1,6 +1,6 @@
 """Partial rollouts end to end (issue 12, point 6): an over-provisioned request becomes ready
 with its first ``n_prompts`` whole groups; its tail is aborted -- on the model server too, with
-SGLang's ``/abort_request`` and a per-attempt rid prefix -- and recorded as ``tail_aborted``;
+SGLang's ``/abort_request`` and each generation's exact rid -- and recorded as ``tail_aborted``;
 the replayed stream writes the finalizer's files byte for byte.
 
 A real redis-server, a real tinylm subprocess, the engine's worker, finalizer and scheduler.
@@ -49,10 +49,9 @@ from tinylm.process import spawn_server
 
 @pytest.fixture
 def server(tinylm_dir: Path) -> Any:
-    # The worker aborts the tail by the attempt's rid prefix, which no request holds exactly:
-    # SGLang 0.5.23 forwards such an abort to the scheduler's prefix match only with several
-    # tokenizer workers (TokenizerManager.abort_request), so the server runs with two.
-    args = ["--weight-version", "0", "--tokenizer-worker-num", "2"]
+    # One tokenizer worker, SGLang's default: an abort reaches a request only by its exact
+    # rid (TokenizerManager.abort_request), which is how the worker aborts the tail.
+    args = ["--weight-version", "0"]
     with spawn_server(tinylm_dir, extra_args=args) as proc:
         yield proc
     if proc.process.stdout is not None:

@@ -1,0 +1,299 @@
+"""``ServerHealth``: the state of each policy server of one worker, shared by all its episodes.
+
+A ``BackendPool`` holds one tracker for its policy servers and runs it as a hook around
+every model call (``engine/backends/hooks.py``), after the worker's ``TurnGate``. Each server
+is in one of three states (``ServerState``):
+
+- ``up``: it takes new trajectories and turns;
+- ``down``: a call could not connect, was cut off or stalled (``BackendUnavailable``,
+  ``ServerStalled``), or a probe failed. While the worker's gate is closed for a weight sync a
+  stall marks nothing (a server paused for a sync does not answer, and is not dead);
+- ``stale``: it answers, but reports a weight version other than the active policy version
+  (``expected()``, from ``rl:control``): a server restarted from older weights, or started
+  without ``--weight-version`` (SGLang's ``"default"``, read as None). It needs a sync;
+  until it reports the active version it gets nothing. A result of an up server that reports
+  another version (it restarted between two calls) makes it stale too.
+
+A server that is not up is probed every ``probe_every_s`` by ``run``: ``health(generate=
+True)`` (SGLang's ``/health_generate``: one generation step, about a second; a paused server
+answers 503 after 20 s) within ``probe_timeout_s``, then ``weight_version()``. It is up again
+once both answer and the version is the active one (any version while none is active: nothing
+says which weights are right before the first sync). Every change goes to the listeners
+(``listen``): the worker appends ``ServerDown`` / ``ServerUp`` / ``ServerStale`` to the log.
+
+``available()`` returns at once while a server is up; while none is, new turns wait there for
+one to come back, and past ``outage_limit_s`` of all of them down it raises ``ServersDown``.
+
+``RetryBudget`` is one sample's allowance of retried model calls and re-run attempts
+(``engine/backends/pool.py``, ``engine/actors/batch_run.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from engine import metrics
+from engine.backends.base import GenerationResult, ModelBackend
+from engine.backends.gate import TurnGate
+from engine.backends.hooks import ModelCall
+from engine.errors import BackendUnavailable, ServersDown, ServerStalled
+
+__all__ = ["HealthChange", "RetryBudget", "ServerHealth", "ServerState", "infra_failure"]
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState(StrEnum):
+    UP = "up"
+    DOWN = "down"
+    STALE = "stale"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    """A server changed state: why, and the version it reported (None: unknown)."""
+
+    endpoint: str
+    state: ServerState
+    reason: str
+    version: int | None = None
+    expected: int | None = None
+
+
+def infra_failure(error: BaseException | None) -> bool:
+    """A failure of the server or the way to it (retried, never an outcome of the policy)."""
+    return isinstance(error, BackendUnavailable)
+
+
+@dataclass(slots=True)
+class RetryBudget:
+    """One sample's retries: ``tries`` retried calls or re-run attempts in all, with a pause
+    of ``backoff_s * 2**n`` (at most ``cap_s``) before retry ``n``. ``servers`` are those a
+    failed call was sent to, in order; ``reached_caller`` says a failure of a server went to
+    the agent (a call that cannot be retried on its own, or the budget was spent)."""
+
+    tries: int = 4
+    backoff_s: float = 0.5
+    cap_s: float = 10.0
+    used: int = 0
+    servers: list[str] = field(default_factory=list)
+    reached_caller: bool = False
+    last: str = ""
+
+    def take(self, url: str | None, what: str) -> bool:
+        """Count one failure; whether a retry is left for it."""
+        self.used += 1
+        self.last = what
+        if url and url not in self.servers:
+            self.servers.append(url)
+        return self.used <= self.tries
+
+    @property
+    def spent(self) -> bool:
+        return self.used > self.tries
+
+    def pause_s(self) -> float:
+        return min(self.cap_s, self.backoff_s * (1 << max(0, self.used - 1)))
+
+    def describe(self) -> str:
+        tried = ", ".join(self.servers) or "none"
+        return f"retry budget of {self.tries} spent (servers tried: {tried}; last: {self.last})"
+
+
+Listener = Callable[[HealthChange], None]
+
+
+class ServerHealth:
+    """See the module docstring. ``backend(url)`` gives a server's own backend (to probe)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        backend: Callable[[str], ModelBackend],
+        gate: TurnGate,
+        *,
+        outage_limit_s: float | None = 300.0,
+        probe_every_s: float = 1.0,
+        probe_timeout_s: float = 25.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.urls = tuple(urls)
+        self._backend = backend
+        self.gate = gate
+        self.outage_limit_s = outage_limit_s
+        self.probe_every_s = probe_every_s
+        self.probe_timeout_s = probe_timeout_s
+        self._clock = clock
+        self.expected: Callable[[], int | None] = lambda: None
+        self.states = dict.fromkeys(self.urls, ServerState.UP)
+        self.reasons: dict[str, str] = {}
+        self._reported: dict[str, int | None] = dict.fromkeys(self.urls)
+        self._n_up = len(self.urls)
+        self._up = asyncio.Event()
+        self._up.set()
+        self._down_since = clock()
+        self._wake = asyncio.Event()
+        self._listeners: list[Listener] = []
+        self._gauges = {url: metrics.SERVER_UP.labels(url) for url in self.urls}
+        for gauge in self._gauges.values():
+            gauge.set(1)
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def is_up(self, url: str) -> bool:
+        return self.states.get(url) is ServerState.UP
+
+    @property
+    def any_up(self) -> bool:
+        return self._n_up > 0
+
+    def up_urls(self) -> tuple[str, ...]:
+        return tuple(u for u, s in self.states.items() if s is ServerState.UP)
+
+    def adopt(self, states: Mapping[str, str]) -> None:
+        """Start from what the log says (a server another worker saw down is probed first)."""
+        for url, state in states.items():
+            if url in self.states and state != ServerState.UP:
+                self._set(url, ServerState(state), "as the log has it", announce=False)
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def mark(self, url: str, state: ServerState, reason: str, version: int | None = None) -> None:
+        """Put ``url`` in ``state`` (a server the pool does not track is ignored)."""
+        if url in self.states:
+            self._set(url, state, reason, version=version)
+
+    def _set(
+        self,
+        url: str,
+        state: ServerState,
+        reason: str,
+        *,
+        version: int | None = None,
+        announce: bool = True,
+    ) -> None:
+        before = self.states[url]
+        if before is state and (state is not ServerState.STALE or self._reported[url] == version):
+            return
+        self.states[url] = state
+        self.reasons[url] = reason
+        self._reported[url] = version
+        if (before is ServerState.UP) != (state is ServerState.UP):
+            self._n_up += 1 if state is ServerState.UP else -1
+            self._gauges[url].set(1 if state is ServerState.UP else 0)
+            if self._n_up == 0:
+                self._up.clear()
+                self._down_since = self._clock()
+            else:
+                self._up.set()
+        if state is not ServerState.UP:
+            self._wake.set()
+        metrics.SERVER_CHANGES.labels(url, state.value).inc()
+        log = logger.info if state is ServerState.UP else logger.warning
+        log("model server %s is %s: %s", url, state.value, reason)
+        if announce:
+            change = HealthChange(url, state, reason, version, self.expected())
+            for listener in self._listeners:
+                listener(change)
+
+    # -- the hook --------------------------------------------------------------------------
+
+    async def before(self, call: ModelCall) -> None:
+        return None
+
+    def after(
+        self, call: ModelCall, result: GenerationResult | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            if result is not None and self.wrong_version(result):
+                self.mark(
+                    call.url,
+                    ServerState.STALE,
+                    f"it served a turn at another weight version ({result.weight_version})",
+                    result.weight_version,
+                )
+            return
+        if not infra_failure(error) or (isinstance(error, ServerStalled) and not self.gate.is_open):
+            return
+        self.mark(call.url, ServerState.DOWN, str(error))
+
+    def wrong_version(self, result: GenerationResult) -> bool:
+        """The result was generated at a version other than the active one (while no sync
+        is under way: a sync moves versions under calls that started before it)."""
+        expected = self.expected()
+        return expected is not None and result.weight_version != expected and self.gate.is_open
+
+    # -- waiting and probing ---------------------------------------------------------------
+
+    async def available(self) -> None:
+        """Return once a server is up; ``ServersDown`` past the outage limit without one."""
+        while not self._n_up:
+            limit = self.outage_limit_s
+            waited = self._clock() - self._down_since
+            if limit is not None and waited >= limit:
+                raise ServersDown(
+                    f"every policy server has been down for {waited:.0f} s (outage limit "
+                    f"{limit:g} s): "
+                    + "; ".join(f"{u} ({self.reasons.get(u, '?')})" for u in self.urls)
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._up.wait(), None if limit is None else limit - waited)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe each server that is not up, every ``probe_every_s`` (one probe at a time per
+        server: a hung one does not hold up the others), until ``stop``."""
+        probes: dict[str, asyncio.Task[None]] = {}
+        try:
+            while not stop.is_set():
+                self._wake.clear()
+                down = [u for u, s in self.states.items() if s is not ServerState.UP]
+                for url in down:
+                    task = probes.get(url)
+                    if task is None or task.done():
+                        probes[url] = asyncio.ensure_future(self.probe(url))
+                waits = [asyncio.ensure_future(e.wait()) for e in (stop, self._wake)]
+                try:
+                    await asyncio.wait(
+                        waits,
+                        timeout=self.probe_every_s if down else None,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            for task in probes.values():
+                task.cancel()
+            await asyncio.gather(*probes.values(), return_exceptions=True)
+
+    async def probe(self, url: str) -> None:
+        """One probe of a server that is not up (see the module docstring)."""
+        backend = self._backend(url)
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                await backend.health(generate=True)
+                version = await backend.weight_version()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self.gate.is_open:  # a paused server (a sync) does not answer either
+                self._set(url, ServerState.DOWN, f"health probe failed: {exc!r}")
+            return
+        expected = self.expected()
+        if expected is None or version == expected:
+            self._set(url, ServerState.UP, "it answers /health_generate", version=version)
+        else:
+            shown = 'unknown ("default")' if version is None else str(version)
+            self._set(
+                url,
+                ServerState.STALE,
+                f"it reports weight version {shown}, the active one is {expected}",
+                version=version,
+            )
