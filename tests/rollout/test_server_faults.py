@@ -33,7 +33,6 @@ from typing import Any
 
 import httpx
 import pytest
-from engine.projections.control import ControlProjection
 
 from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
@@ -59,6 +58,7 @@ from engine.events.ids import id_ms
 from engine.events.redis_log import RedisEventLog, RedisSettings
 from engine.events.redis_log import connect as redis_connect
 from engine.projections.base import fold, start
+from engine.projections.control import ControlProjection
 from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
 from tests.rollout.test_staleness import EVALUATOR, binding
