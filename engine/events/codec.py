@@ -23,7 +23,6 @@ from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
 from engine.events.arrays import (
-    COMPACT_MIN_BYTES,
     EXT_TYPES,
     PackedArray,
     from_compact,
@@ -103,10 +102,7 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
         # A field typed as a packed array travels as plain msgpack bin (its class says
         # how to read it), in the compact form where the class asks for it; arrays
         # anywhere else become self-describing ext values.
-        data = payload[name].data
-        if compact:  # short arrays stay raw behind tag 0 (inline: the common case)
-            data = b"\x00" + data if len(data) < COMPACT_MIN_BYTES else to_compact(payload[name])
-        payload[name] = data
+        payload[name] = to_compact(payload[name]) if compact else payload[name].data
     if producer is not None:
         payload["producer"] = producer
     if causation is not None:

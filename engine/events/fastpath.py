@@ -261,10 +261,7 @@ def decode_fast(raw: bytes) -> Event | None:
         for field, kind in plan.arrays:
             values[field] = from_wire(kind, values[field])
         for field, kind in plan.compact:
-            wire = values[field]
-            values[field] = (
-                from_wire(kind, wire[1:]) if wire and not wire[0] else from_compact(kind, wire)
-            )
+            values[field] = from_compact(kind, values[field])  # lazy: expanded on first use
         for field, model in plan.nested:
             values[field] = _nested_value(model, values[field])
     except _Refused:
