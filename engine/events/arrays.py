@@ -292,6 +292,8 @@ _RAW, _BITS, _U16, _U24 = 0, 1, 2, 3
 _BINARY = bytes(range(2))
 _DIGITS = bytes((48, 49, *[50] * 254))  # 0 -> "0", 1 -> "1", anything else -> "2"
 _DIGITS_MAX = 512
+_REVERSED = bytes(int(f"{i:08b}"[::-1], 2) for i in range(256))  # each byte's bits reversed
+_BITS_HEAD = [bytes((_BITS, pad)) for pad in range(8)]
 _ZEROS = bytes(1 << 16)
 _V3 = np.dtype("V3")  # one 3-byte item: a token id's low three bytes
 _U8 = np.dtype("u1")
@@ -310,12 +312,13 @@ def to_compact(array: PackedArray) -> bytes:
         if kind is Mask:
             bits = _mask_bits(data)
             if bits is not None:
-                return bytes((_BITS, -size % 8)) + bits
+                return _BITS_HEAD[-size % 8] + bits
         elif kind is TokenIds:
             n = size >> 2
             zeros = _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
             if data[3::4] == zeros:  # every value in [0, 2**24): no high byte set
-                if data[2::4] == zeros:  # and in [0, 2**16)
+                # and in [0, 2**16): a set third byte among the first values says no at once
+                if not data[2:128:4].strip(b"\0") and data[2::4] == zeros:
                     return b"\x02" + np.frombuffer(data, dtype="<u2")[::2].tobytes()
                 return b"\x03" + np.ndarray((n,), _V3, data, strides=(4,)).tobytes()
     return b"\x00" + data
@@ -325,14 +328,16 @@ def _mask_bits(data: bytes) -> bytes | None:
     """A mask's values as bits, least significant first; None unless every value is 0 or 1.
 
     Up to a few hundred values, reading the values as binary digits (one translate, one
-    int parse) is quicker than numpy's set-up; beyond, ``packbits`` is."""
+    int parse; the bits of each byte then reversed by a second translate) is quicker than
+    numpy's set-up; beyond, ``packbits`` is."""
     size = len(data)
     if size <= _DIGITS_MAX:
         try:
-            value = int(data.translate(_DIGITS)[::-1], 2)  # a byte above 1 is no digit
+            value = int(data.translate(_DIGITS), 2)  # a byte above 1 is no binary digit
         except ValueError:
             return None
-        return value.to_bytes((size + 7) >> 3, "little")
+        pad = -size % 8
+        return (value << pad).to_bytes((size + 7) >> 3, "big").translate(_REVERSED)
     if data.translate(None, _BINARY):  # a value other than 0 and 1
         return None
     return np.packbits(np.frombuffer(data, dtype=_U8), bitorder="little").tobytes()
