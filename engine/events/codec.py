@@ -2,14 +2,16 @@
 
 An event is encoded as one msgpack map ``{"type": ..., **fields, "v": schema_version}``.
 A field declared as a packed array (``TokenIds`` int32, ``LogProbs`` float32, ``Mask``
-uint8) is stored as msgpack bin holding its raw little-endian bytes: one memcpy, and the
-event class says how to read it back. A packed array anywhere else (inside a free-form
-value) becomes a self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
-Decoding checks the map shape, looks the type up in the registry, upcasts older schema
-versions and validates with pydantic, so what a reader gets is always a valid current
-event; anything else raises a :class:`DecodeError` naming the problem (the log turns it
-into a dead letter). Entries in the canonical form ``encode`` writes take a compiled path
-(``fastpath.py``) to the same result.
+uint8) is stored as msgpack bin holding its raw little-endian bytes, or the compact form of
+``arrays.py`` for the fields a class lists in ``compact_arrays``; the event class says how
+to read it back. A packed array anywhere else (inside a free-form value) becomes a
+self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
+
+:func:`decode` reads an entry in the canonical form ``encode`` writes through the compiled
+path (``fastpath.py``), whatever its type. :func:`decode_reference` (msgpack + pydantic)
+reads everything else: it upcasts older schema versions and fills in omitted defaults, or
+raises a :class:`DecodeError` naming the problem (the log turns it into a dead letter).
+Either way a reader gets a valid current event or the error.
 """
 
 from __future__ import annotations
@@ -159,11 +161,8 @@ def decode_payload(raw: bytes) -> dict[str, Any]:
 
 
 def decode(raw: bytes) -> Event:
-    """Decode, upcast and validate one event.
-
-    An entry in the canonical form ``encode`` writes goes through the compiled fast path
-    (``fastpath.py``); anything else, and whatever the fast path declines, through
-    :func:`decode_reference`, which gives the same result or the error."""
+    """Decode, upcast and validate one event: the compiled path for a canonical entry,
+    :func:`decode_reference` for an older version, a non-canonical entry or an error."""
     event = decode_fast(raw)
     return event if event is not None else decode_reference(raw)
 

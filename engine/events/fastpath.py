@@ -1,31 +1,22 @@
-"""A compiled read path for events: msgspec decodes and checks an entry in one C pass.
+"""The compiled read path: msgspec decodes and checks a canonical entry in one C pass.
 
-Reading is the hot side of the log (every rebuild, the finalizer, replay). The reference
-path in ``codec.decode`` unpacks msgpack into a dict and validates it with pydantic: about
-9 us for a 256-token ``SampleCompleted``, over twice what hiredis takes to fetch the
-entry. This module derives, for each event class whose fields it can express exactly, a
-``msgspec.Struct`` with the same field names, order and types, and decodes the wire bytes
-straight into it (about 1.5 us), then builds the pydantic instance the way
-``model_construct`` does.
+``codec.decode`` takes this path for every entry in the canonical form ``encode`` writes: a
+map whose first key is ``type``, holding every field of the class once plus ``v`` equal to
+the current schema version. For each event class this module derives a ``msgspec.Struct``
+with the same field names, order and types (pydantic's field bounds become msgspec
+``Meta`` bounds), decodes the wire bytes straight into it and builds the pydantic instance
+the way ``model_construct`` does. A field holding nested models is kept as raw msgpack and
+validated by pydantic for that field alone (a single frozen model is cached by its bytes:
+the events of a rollout repeat the same few values); the class's ``after`` model validators
+run on the built event. Packed arrays in the compact form are built lazily
+(``arrays.from_compact``).
 
-It is only an accelerator; the reference path stays the authority:
-* it takes an entry only when it is in the canonical form ``encode`` writes: a map whose
-  first key is ``type``, holding every field of the class once plus ``v`` equal to the
-  current schema version. Anything else (older versions to upcast, omitted defaults,
-  extra keys, garbage) returns ``None`` and goes the reference way, which upcasts,
-  applies defaults or names the problem;
-* it checks no less than pydantic does: msgspec is strict (an ``int`` field refuses
-  ``1.0`` or ``"1"``, a ``bool`` refuses ``1``), so every value it accepts pydantic's lax
-  mode accepts with the same result, and whatever it refuses goes to pydantic, which
-  coerces or refuses as before;
-* classes it cannot express exactly are left to the reference path: field constraints
-  (``Field(ge=1)``), validators, aliases, private attributes, nested models inside
-  containers, non-scalar defaults are not translated. A field typed as one nested frozen
-  model (``TaskFetched.stopping``) is kept as raw msgpack and validated by that model's own
-  pydantic validator, exactly what the reference path runs for it; since events of a rollout
-  repeat the same few values, the validated (immutable) instance is cached by its bytes.
-
-Every event the fast path decodes equals the reference path's result, field for field,
+What this path refuses or cannot express goes to ``codec.decode_reference`` (msgpack +
+pydantic), which upcasts older versions, applies omitted defaults, coerces lax values or
+names the problem. msgspec is strict (an ``int`` field refuses ``1.0`` or ``"1"``, a ``bool``
+refuses ``1``), so every value it accepts pydantic's lax mode accepts with the same result.
+A class with field, ``before`` or ``wrap`` validators, aliases or private attributes has no
+plan. Every event this path decodes equals the reference path's result, field for field,
 with the same field order (so re-encoding gives the same bytes) and the same
 ``model_fields_set``; ``tests/events/test_fastpath.py`` holds it to that for every type.
 """
@@ -38,10 +29,10 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from engine.errors import DecodeError
 from engine.events.arrays import (
@@ -55,6 +46,9 @@ from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
 _SCALARS: tuple[type, ...] = (str, int, float, bool, bytes)
+# pydantic's field bounds (annotated-types metadata) and the msgspec Meta argument for each
+_BOUNDS = {"Ge": "ge", "Gt": "gt", "Le": "le", "Lt": "lt", "MinLen": "min_length",
+           "MaxLen": "max_length"}
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
@@ -90,6 +84,35 @@ def _spec(annotation: Any) -> Any:
     return None
 
 
+def _bounded(spec: Any, metadata: list[Any]) -> Any:
+    """``spec`` under the bounds pydantic reads from ``metadata`` (``Field(ge=1)``, ...),
+    as msgspec checks them; None for metadata without an equivalent. A bound on an
+    optional field applies to its value, as in pydantic."""
+    bounds: dict[str, Any] = {}
+    for item in metadata:
+        key = _BOUNDS.get(type(item).__name__)
+        if key is None:
+            return None
+        bounds[key] = getattr(item, key)
+    meta = msgspec.Meta(**bounds)
+    if typing.get_origin(spec) is typing.Union:
+        parts = typing.get_args(spec)
+        if len(parts) != 2 or type(None) not in parts:
+            return None
+        (inner,) = (p for p in parts if p is not type(None))
+        return typing.Optional[Annotated[inner, meta]]  # noqa: UP045
+    return Annotated[spec, meta]
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in typing.get_args(annotation))
+
+
+Nested = Callable[[msgspec.Raw], Any]
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """How to decode one event class fast."""
@@ -100,7 +123,8 @@ class _Plan:
     fields: frozenset[str]
     arrays: tuple[tuple[str, type[PackedArray]], ...]
     compact: tuple[tuple[str, type[PackedArray]], ...]  # arrays in the compact form
-    nested: tuple[tuple[str, type[BaseModel]], ...]
+    nested: tuple[tuple[str, Nested], ...]  # fields validated by pydantic, from raw msgpack
+    checks: tuple[Callable[[Any], Any], ...]  # the class's after-validators
 
 
 _NESTED: dict[tuple[type[BaseModel], bytes], BaseModel] = {}
@@ -108,16 +132,26 @@ _NESTED_MAX = 4096
 _raw_decode = msgspec.msgpack.Decoder(ext_hook=_ext_hook).decode
 
 
-def _nested_value(cls: type[BaseModel], raw: msgspec.Raw) -> BaseModel:
-    """The validated ``cls`` held in ``raw`` (cached by its bytes; instances are frozen)."""
-    key = (cls, bytes(raw))
-    value = _NESTED.get(key)
-    if value is None:
-        value = cls.model_validate(_raw_decode(key[1]))  # ValidationError is a ValueError
-        if len(_NESTED) >= _NESTED_MAX:
-            _NESTED.clear()
-        _NESTED[key] = value
-    return value
+def _frozen_model(cls: type[BaseModel]) -> Nested:
+    """The validated ``cls`` held in raw msgpack, cached by its bytes (it is frozen)."""
+
+    def validate(raw: msgspec.Raw) -> BaseModel:
+        key = (cls, bytes(raw))
+        value = _NESTED.get(key)
+        if value is None:
+            value = cls.model_validate(_raw_decode(key[1]))  # ValidationError: a ValueError
+            if len(_NESTED) >= _NESTED_MAX:
+                _NESTED.clear()
+            _NESTED[key] = value
+        return value
+
+    return validate
+
+
+def _adapted(annotation: Any) -> Nested:
+    """The value of type ``annotation`` held in raw msgpack, validated by pydantic."""
+    adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    return lambda raw: adapter.validate_python(_raw_decode(raw))
 
 
 def _plan(cls: type[Event]) -> _Plan | None:
@@ -126,7 +160,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         decorators.validators
         or decorators.field_validators
         or decorators.root_validators
-        or decorators.model_validators
+        or any(d.info.mode != "after" for d in decorators.model_validators.values())
         or cls.__private_attributes__
         or cls.__pydantic_post_init__ is not None
         or cls.model_config.get("extra") != "forbid"
@@ -136,23 +170,30 @@ def _plan(cls: type[Event]) -> _Plan | None:
     arrays: list[tuple[str, type[PackedArray]]] = []
     compact: list[tuple[str, type[PackedArray]]] = []
     compact_names = frozenset(getattr(cls, "compact_arrays", ()))
-    nested: list[tuple[str, type[BaseModel]]] = []
+    nested: list[tuple[str, Nested]] = []
     for name, info in cls.model_fields.items():
-        if info.metadata or info.alias or info.validation_alias:
+        if info.alias or info.validation_alias:
             return None
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
             (compact if name in compact_names else arrays).append((name, annotation))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
-        elif (
-            isinstance(annotation, type)
-            and issubclass(annotation, BaseModel)
-            and annotation.model_config.get("frozen")
-        ):
-            nested.append((name, annotation))
+        elif _holds_model(annotation):
+            if info.metadata:
+                return None
+            if (
+                isinstance(annotation, type)
+                and issubclass(annotation, BaseModel)
+                and annotation.model_config.get("frozen")
+            ):
+                nested.append((name, _frozen_model(annotation)))
+            else:
+                nested.append((name, _adapted(annotation)))
             spec = msgspec.Raw
         else:
             spec = _spec(annotation)
+            if spec is not None and info.metadata:
+                spec = _bounded(spec, info.metadata)
             if spec is None:
                 return None
         fields.append((name, spec))
@@ -172,6 +213,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         arrays=tuple(arrays),
         compact=tuple(compact),
         nested=tuple(nested),
+        checks=tuple(d.func for d in decorators.model_validators.values()),
     )
 
 
@@ -237,7 +279,7 @@ def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
     (the finalizer's): whatever this declines, the reader decodes the usual way, which
     accepts, upcasts or refuses it as always."""
     plan = _canonical_plan(raw)
-    if plan is None or plan.nested:
+    if plan is None or plan.nested or plan.checks:
         return None
     try:
         fields = plan.decode(raw)
@@ -261,9 +303,9 @@ def decode_fast(raw: bytes) -> Event | None:
         for field, kind in plan.arrays:
             values[field] = from_wire(kind, values[field])
         for field, kind in plan.compact:
-            values[field] = from_compact(kind, values[field])  # lazy: expanded on first use
-        for field, model in plan.nested:
-            values[field] = _nested_value(model, values[field])
+            values[field] = from_compact(kind, values[field])
+        for field, validate in plan.nested:
+            values[field] = validate(values[field])
     except _Refused:
         return None
     del values["v"]
@@ -272,6 +314,11 @@ def decode_fast(raw: bytes) -> Event | None:
     _set(event, "__pydantic_fields_set__", set(plan.fields))
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
+    try:
+        for check in plan.checks:
+            event = check(event)
+    except (ValueError, AssertionError):
+        return None
     return event
 
 

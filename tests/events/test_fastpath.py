@@ -14,7 +14,9 @@ from engine.events import (
     Event,
     LogProbs,
     RolloutFailed,
+    RolloutRequested,
     SampleCompleted,
+    TokenAcquired,
     TokenIds,
     decode,
     encode,
@@ -24,14 +26,6 @@ from engine.events.arrays import to_compact
 from engine.events.codec import decode_reference
 from engine.events.fastpath import decode_fast, fast_types
 from tests.events.examples import example_events
-
-# The events a rebuild, the finalizer and replay read by the thousand must stay fast.
-HOT = {
-    "SampleCompleted", "SampleStarted", "SampleAborted", "TurnCompleted", "TaskFetched",
-    "TaskJoined",
-    "TeacherScored", "BatchAdmitted", "BatchSealed", "TokenReleased", "RolloutReady",
-    "RolloutPlanned", "DataCursorAdvanced", "DeadLetter",
-}
 
 
 def _json(event: Event) -> str:
@@ -52,31 +46,63 @@ def assert_same(fast: Event, ref: Event) -> None:
     assert encode(fast) == encode(ref)
 
 
-def test_hot_types_take_the_fast_path() -> None:
-    assert HOT <= fast_types()
-
-
-def test_types_left_to_the_reference_path_are_the_ones_it_cannot_express() -> None:
+def test_every_engine_event_type_takes_the_fast_path() -> None:
     # Nested records (PoolDeclared.nodes, TokenAcquired.tokens, RolloutRequested.filters,
-    # TailCarried.tasks) and field constraints (RolloutRequested.n_prompts >= 1) stay with
-    # pydantic.
+    # TailCarried.tasks), field bounds (RolloutRequested.n_prompts >= 1) and after-validators
+    # (RolloutRequested's carry rule) are all read by the compiled path.
     production = {n for n, c in registered_types().items() if c.__module__.startswith("engine.")}
-    assert production - fast_types() == {
-        "PoolDeclared", "RolloutRequested", "TailCarried", "TokenAcquired"
-    }
+    assert production <= fast_types()
 
 
 @pytest.mark.parametrize("event", example_events(), ids=lambda e: e.type)
 def test_every_example_decodes_identically(event: Event) -> None:
     raw = encode(event)
-    ref = decode_reference(raw)
     fast = decode_fast(raw)
-    if event.type not in fast_types():
-        assert fast is None
-        return
-    assert fast is not None
-    assert_same(fast, ref)
+    assert fast is not None  # a canonical entry never needs the reference path
+    assert_same(fast, decode_reference(raw))
     assert encode(fast) == raw
+
+
+def _request_wire(**changes: Any) -> bytes:
+    fields = dict(RolloutRequested(rollout_id="r", n_prompts=2).__dict__)
+    fields["filters"] = fields["filters"].__dict__
+    fields["v"] = RolloutRequested.schema_version
+    fields.update(changes)
+    return _wire(**fields)
+
+
+def test_field_bounds_and_validators_are_checked_on_the_fast_path() -> None:
+    ok = _request_wire(n_samples_per_prompt=None, request_stream="s", tail="carry")
+    ev = decode_fast(ok)
+    assert isinstance(ev, RolloutRequested) and ev.tail == "carry"
+    assert_same(ev, decode_reference(ok))
+    for changes, message in [
+        ({"n_prompts": 0}, "n_prompts"),
+        ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
+        ({"overprovision": 16.5}, "overprovision"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"request_stream": ""}, "request_stream"),
+        ({"tail": "carry", "request_stream": None}, "needs a request_stream"),
+        ({"filters": {"finish_only": "maybe"}}, "filters.finish_only"),
+    ]:
+        raw = _request_wire(**changes)
+        assert decode_fast(raw) is None, changes
+        with pytest.raises(DecodeError, match=message):
+            decode(raw)
+
+
+def test_nested_records_in_lists_are_validated_on_the_fast_path() -> None:
+    grant = {"token_id": "t", "node": "n", "gpus": [{"gpu": 0, "fraction": 0.5}], "cpu": 1.0,
+             "memory_gb": 0.0}
+    fields = {"type": "TokenAcquired", "producer": "", "causation": None, "rollout_id": "r",
+              "batch_id": "b", "evaluator_id": "e", "tokens": [grant]}
+    ev = decode_fast(_wire(**fields))
+    assert isinstance(ev, TokenAcquired) and ev.tokens[0].gpus[0].fraction == 0.5
+    assert_same(ev, decode_reference(_wire(**fields)))
+    fields["tokens"] = [{**grant, "gpus": [{"gpu": "zero", "fraction": 0.5}]}]
+    assert decode_fast(_wire(**fields)) is None
+    with pytest.raises(DecodeError, match="tokens.0.gpus.0.gpu"):
+        decode(_wire(**fields))
 
 
 def _random_sample(rng: np.random.Generator, i: int) -> SampleCompleted:
