@@ -231,7 +231,6 @@ EXT_TYPES: dict[int, type[PackedArray]] = {c.ext_code: c for c in (TokenIds, Log
 _SWAP = sys.byteorder != "little"
 assert all(array.array(c.typecode).itemsize == c.dtype.itemsize for c in EXT_TYPES.values())
 
-_ITEMSIZE: dict[type[PackedArray], int] = {c: c.dtype.itemsize for c in EXT_TYPES.values()}
 _new = object.__new__
 _P = TypeVar("_P", bound=PackedArray)
 
@@ -247,12 +246,12 @@ def _adopt(kind: type[_P], data: bytes) -> _P:
 def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
     """``kind(data)`` for the decoders' hot path: ``data`` is already an immutable
     ``bytes``, so it is checked and adopted without the constructor's generic path."""
-    size = _ITEMSIZE.get(kind)
-    if size is None or type(data) is not bytes:
-        return kind(data)
-    if len(data) % size:
-        kind(data)  # raises the constructor's error, naming the class and the length
-    return _adopt(kind, data)
+    if type(data) is not bytes or len(data) % kind.itemsize:
+        return kind(data)  # copies, or raises the constructor's error naming the length
+    adopted = _new(kind)
+    adopted._data = data
+    adopted._wire = None
+    return adopted
 
 
 def concat(parts: Sequence[_P]) -> _P:
@@ -382,23 +381,24 @@ def _expand(wire: bytes | None) -> bytes:
 def from_compact(kind: type[_P], wire: bytes) -> _P:
     """The array a compact wire value holds (lazy: expanded on first use of its values);
     ``ValueError`` naming what is wrong with a malformed one."""
-    if not wire:
-        raise ValueError(f"{kind.__name__}: an empty compact value (it needs its tag byte)")
     if type(wire) is not bytes:
         wire = bytes(wire)
-    tag, size = wire[0], len(wire) - 1
-    if tag == _RAW:
+    tag = wire[0] if wire else -1
+    if not tag:
         out: _P = from_wire(kind, wire[1:])  # type: ignore[assignment]
         return out
-    if tag == _BITS and kind is Mask:
+    size = len(wire) - 1
+    if tag == _U24 and kind is TokenIds:
+        if size % 3:
+            raise ValueError(f"TokenIds: {size} bytes is not a multiple of 3 (uint24)")
+    elif tag == _BITS and kind is Mask:
         if not size or wire[1] > 7 or (wire[1] and size == 1):
             raise ValueError(f"Mask: bad bit padding in a compact value of {len(wire)} bytes")
     elif tag == _U16 and kind is TokenIds:
         if size % 2:
             raise ValueError(f"TokenIds: {size} bytes is not a multiple of 2 (uint16)")
-    elif tag == _U24 and kind is TokenIds:
-        if size % 3:
-            raise ValueError(f"TokenIds: {size} bytes is not a multiple of 3 (uint24)")
+    elif tag < 0:
+        raise ValueError(f"{kind.__name__}: an empty compact value (it needs its tag byte)")
     else:
         raise ValueError(f"{kind.__name__}: unknown compact form (tag {tag})")
     lazy = _new(kind)

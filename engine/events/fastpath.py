@@ -120,7 +120,7 @@ class _Plan:
     cls: type[Event]
     decode: Callable[[bytes], Any]
     n_keys: int  # every field plus "v"
-    fields: frozenset[str]
+    fields: set[str]  # every field: the events' fields set (each gets a copy)
     arrays: tuple[tuple[str, type[PackedArray]], ...]
     compact: tuple[tuple[str, type[PackedArray]], ...]  # arrays in the compact form
     nested: tuple[tuple[str, Nested], ...]  # fields validated by pydantic, from raw msgpack
@@ -209,7 +209,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         cls=cls,
         decode=decoder.decode,
         n_keys=len(fields),
-        fields=frozenset(name for name, _ in fields[:-1]),
+        fields={name for name, _ in fields[:-1]},
         arrays=tuple(arrays),
         compact=tuple(compact),
         nested=tuple(nested),
@@ -311,7 +311,7 @@ def decode_fast(raw: bytes) -> Event | None:
     del values["v"]
     event = _new(plan.cls)
     _set(event, "__dict__", values)
-    _set(event, "__pydantic_fields_set__", set(plan.fields))
+    _set(event, "__pydantic_fields_set__", plan.fields.copy())
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
     try:
