@@ -142,9 +142,9 @@ def peek(raw: bytes) -> tuple[str, str, str] | None:
 
 
 # ``decode_flat(raw)`` (engine.events.fastpath) is peek's checked sibling: ``(class,
-# fields)`` of an event whose class has only scalar fields, every field read and checked
-# exactly as ``decode`` checks it but no event built; None for anything else, which the
-# reader then decodes. For folds that need a few fields of many small events.
+# fields)`` of an event, every field read and checked exactly as ``decode`` checks it but no
+# event built. ``decode`` builds the event for about the same CPU (its compact arrays stay
+# unexpanded until used; bench/codec.py measures both), so new readers use ``decode``.
 
 
 def decode_payload(raw: bytes) -> dict[str, Any]:

@@ -268,16 +268,15 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
 def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
     """``(class, fields)`` of an event read into its class's checked msgspec struct without
     building the event; None for anything :func:`decode_fast` would not take (another
-    class, not canonical, refused) and for a class with a nested model field.
+    class, not canonical, refused) and for a class with nested models or validators.
 
     Every field is read and checked as :func:`decode_fast` checks it, packed arrays
     included (their lengths and compact forms, without building them): whenever this
     returns fields, :func:`engine.events.codec.decode` returns the event with these values.
     A packed array stays in its wire form in the struct -- the raw little-endian bytes, or
     for a field of the class's ``compact_arrays`` the compact value (``arrays.from_compact``
-    / ``arrays.compact_size`` read it). For folds that need a few fields of many events
-    (the finalizer's): whatever this declines, the reader decodes the usual way, which
-    accepts, upcasts or refuses it as always."""
+    / ``arrays.compact_size`` read it). :func:`decode_fast` builds the event for about the
+    same CPU (its compact arrays are lazy), so new readers use ``codec.decode``."""
     plan = _canonical_plan(raw)
     if plan is None or plan.nested or plan.checks:
         return None
