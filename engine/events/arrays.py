@@ -104,7 +104,11 @@ class PackedArray:
 
     @classmethod
     def empty(cls) -> Self:
-        return _adopt(cls, b"")
+        """The empty array of this class (one shared instance: arrays are immutable)."""
+        empty = _EMPTY.get(cls)
+        if empty is None:
+            empty = _EMPTY[cls] = _adopt(cls, b"")
+        return empty  # type: ignore[return-value]
 
     @property
     def data(self) -> bytes:
@@ -233,6 +237,7 @@ assert all(array.array(c.typecode).itemsize == c.dtype.itemsize for c in EXT_TYP
 
 _new = object.__new__
 _P = TypeVar("_P", bound=PackedArray)
+_EMPTY: dict[type[PackedArray], PackedArray] = {}
 
 
 def _adopt(kind: type[_P], data: bytes) -> _P:
@@ -248,6 +253,8 @@ def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
     ``bytes``, so it is checked and adopted without the constructor's generic path."""
     if type(data) is not bytes or len(data) % kind.itemsize:
         return kind(data)  # copies, or raises the constructor's error naming the length
+    if not data:
+        return kind.empty()
     adopted = _new(kind)
     adopted._data = data
     adopted._wire = None
@@ -404,6 +411,45 @@ def from_compact(kind: type[_P], wire: bytes) -> _P:
     lazy = _new(kind)
     lazy._wire = wire
     return lazy
+
+
+def read_fields(
+    values: dict[str, Any], fields: Sequence[tuple[str, type[PackedArray], bool]]
+) -> None:
+    """Turn the wire values of ``fields`` ((name, class, compact) triples) held in ``values``
+    into arrays, in place: :func:`from_wire` for a raw field, :func:`from_compact` for a
+    compact one, in one call per event (the compiled decoder's hot path); ``ValueError``
+    for a malformed one. A value that is not ``bytes`` is left to validation."""
+    for name, kind, compact in fields:
+        wire = values.get(name)
+        if type(wire) is not bytes:
+            continue
+        if compact:
+            tag = wire[0] if wire else -1
+            if tag:  # the three compact forms, well formed: lazy; anything else refused
+                size = len(wire) - 1
+                if (
+                    (tag == _U24 and kind is TokenIds and not size % 3)
+                    or (tag == _BITS and kind is Mask and 0 < size and wire[1] < 8
+                        and (size > 1 or not wire[1]))
+                    or (tag == _U16 and kind is TokenIds and not size % 2)
+                ):
+                    lazy = _new(kind)
+                    lazy._wire = wire
+                    values[name] = lazy
+                else:
+                    values[name] = from_compact(kind, wire)  # raises, naming the problem
+                continue
+            wire = wire[1:]
+        if len(wire) % kind.itemsize:
+            kind(wire)  # raises the constructor's error, naming the class and the length
+        if wire:
+            array = _new(kind)
+            array._data = wire
+            array._wire = None
+            values[name] = array
+        else:
+            values[name] = kind.empty()
 
 
 def compact_size(kind: type[PackedArray], wire: bytes) -> int:

@@ -39,8 +39,7 @@ from engine.events.arrays import (
     EXT_TYPES,
     PackedArray,
     compact_size,
-    from_compact,
-    from_wire,
+    read_fields,
 )
 from engine.events.base import Event, on_register, registered_types
 
@@ -121,8 +120,7 @@ class _Plan:
     decode: Callable[[bytes], Any]
     n_keys: int  # every field plus "v"
     fields: set[str]  # every field: the events' fields set (each gets a copy)
-    arrays: tuple[tuple[str, type[PackedArray]], ...]
-    compact: tuple[tuple[str, type[PackedArray]], ...]  # arrays in the compact form
+    arrays: tuple[tuple[str, type[PackedArray], bool], ...]  # name, class, compact form
     nested: tuple[tuple[str, Nested], ...]  # fields validated by pydantic, from raw msgpack
     checks: tuple[Callable[[Any], Any], ...]  # the class's after-validators
 
@@ -167,8 +165,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
     ):
         return None
     fields: list[tuple[str, Any]] = []
-    arrays: list[tuple[str, type[PackedArray]]] = []
-    compact: list[tuple[str, type[PackedArray]]] = []
+    arrays: list[tuple[str, type[PackedArray], bool]] = []
     compact_names = frozenset(getattr(cls, "compact_arrays", ()))
     nested: list[tuple[str, Nested]] = []
     for name, info in cls.model_fields.items():
@@ -176,7 +173,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
             return None
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
-            (compact if name in compact_names else arrays).append((name, annotation))
+            arrays.append((name, annotation, name in compact_names))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
         elif _holds_model(annotation):
             if info.metadata:
@@ -211,7 +208,6 @@ def _plan(cls: type[Event]) -> _Plan | None:
         n_keys=len(fields),
         fields={name for name, _ in fields[:-1]},
         arrays=tuple(arrays),
-        compact=tuple(compact),
         nested=tuple(nested),
         checks=tuple(d.func for d in decorators.model_validators.values()),
     )
@@ -282,11 +278,11 @@ def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
         return None
     try:
         fields = plan.decode(raw)
-        for name, kind in plan.arrays:
-            if len(getattr(fields, name)) % kind.itemsize:
+        for name, kind, compact in plan.arrays:
+            if compact:
+                compact_size(kind, getattr(fields, name))
+            elif len(getattr(fields, name)) % kind.itemsize:
                 return None
-        for name, kind in plan.compact:
-            compact_size(kind, getattr(fields, name))
     except _Refused:
         return None
     return plan.cls, fields
@@ -299,10 +295,7 @@ def decode_fast(raw: bytes) -> Event | None:
         return None
     try:
         values = _asdict(plan.decode(raw))
-        for field, kind in plan.arrays:
-            values[field] = from_wire(kind, values[field])
-        for field, kind in plan.compact:
-            values[field] = from_compact(kind, values[field])
+        read_fields(values, plan.arrays)  # compact arrays lazy: expanded on first use
         for field, validate in plan.nested:
             values[field] = validate(values[field])
     except _Refused:

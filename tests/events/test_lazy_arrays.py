@@ -14,8 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import DecodeError
-from engine.events import Mask, SampleCompleted, TokenIds, decode, encode
-from engine.events.arrays import COMPACT_MIN_BYTES, PackedArray, from_compact, to_compact
+from engine.events import LogProbs, Mask, SampleCompleted, TokenIds, decode, encode
+from engine.events.arrays import (
+    COMPACT_MIN_BYTES,
+    PackedArray,
+    from_compact,
+    from_wire,
+    read_fields,
+    to_compact,
+)
 from engine.events.codec import decode_reference
 from engine.events.fastpath import decode_fast
 
@@ -200,3 +207,32 @@ def test_a_non_canonical_compact_value_reads_exactly_and_reencodes_canonically(
     plain = kind.from_values(values)
     assert array == plain and array.tolist() == values
     assert to_compact(array) == to_compact(plain) != wire
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    kind=st.sampled_from([TokenIds, Mask, LogProbs]),
+    compact=st.booleans(),
+    wire=st.one_of(
+        st.binary(max_size=40),
+        st.tuples(st.integers(0, 4), st.binary(max_size=40)).map(lambda t: bytes((t[0],)) + t[1]),
+    ),
+)
+def test_the_decoders_field_reader_accepts_and_refuses_what_the_array_readers_do(
+    kind: type[PackedArray], compact: bool, wire: bytes
+) -> None:
+    reader = from_compact if compact else from_wire
+    try:
+        expected: PackedArray | None = reader(kind, wire)
+    except ValueError:
+        expected = None
+    values: dict[str, Any] = {"a": wire, "other": [1]}
+    try:
+        read_fields(values, (("a", kind, compact), ("other", kind, compact)))
+    except ValueError:
+        assert expected is None
+        return
+    assert expected is not None
+    got = values["a"]
+    assert type(got) is kind and got == expected and len(got) == len(expected)
+    assert values["other"] == [1]  # not wire bytes: left to validation
