@@ -416,29 +416,26 @@ def from_compact(kind: type[_P], wire: bytes) -> _P:
 def read_fields(
     values: dict[str, Any], fields: Sequence[tuple[str, type[PackedArray], bool]]
 ) -> None:
-    """Turn the wire values of ``fields`` ((name, class, compact) triples) held in ``values``
-    into arrays, in place: :func:`from_wire` for a raw field, :func:`from_compact` for a
-    compact one, in one call per event (the compiled decoder's hot path); ``ValueError``
-    for a malformed one. A value that is not ``bytes`` is left to validation."""
+    """Turn the wire bytes ``values`` holds for ``fields`` ((name, class, compact) triples)
+    into arrays, in place, as :func:`from_wire` (raw) and :func:`from_compact` (compact)
+    do, in one call per event: the compiled decoder's hot path. ``ValueError`` (from those
+    two, naming the problem) for a malformed value."""
     for name, kind, compact in fields:
-        wire = values.get(name)
-        if type(wire) is not bytes:
-            continue
+        wire = values[name]
         if compact:
             tag = wire[0] if wire else -1
-            if tag:  # the three compact forms, well formed: lazy; anything else refused
+            if tag:  # a compact form: lazy if well formed (as from_compact checks it)
                 size = len(wire) - 1
-                if (
-                    (tag == _U24 and kind is TokenIds and not size % 3)
-                    or (tag == _BITS and kind is Mask and 0 < size and wire[1] < 8
-                        and (size > 1 or not wire[1]))
-                    or (tag == _U16 and kind is TokenIds and not size % 2)
-                ):
-                    lazy = _new(kind)
-                    lazy._wire = wire
-                    values[name] = lazy
+                if kind is TokenIds:
+                    ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
                 else:
-                    values[name] = from_compact(kind, wire)  # raises, naming the problem
+                    ok = tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (
+                        size > 1 or not wire[1])
+                if not ok:
+                    from_compact(kind, wire)  # raises, naming the problem
+                lazy = _new(kind)
+                lazy._wire = wire
+                values[name] = lazy
                 continue
             wire = wire[1:]
         if len(wire) % kind.itemsize:
