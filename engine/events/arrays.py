@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 class PackedArray:
     """An immutable 1-d array of one fixed dtype, stored as little-endian bytes.
 
-    ``_data`` holds the bytes; it is unset while a lazy array has not been expanded, and
-    ``_wire`` then holds its compact wire value (None for an array built from values)."""
+    ``_data`` holds the bytes, unset while a lazy array is not expanded; ``_wire`` holds the
+    compact wire value a lazy array was read from (None for an array built from values)."""
 
     __slots__ = ("_data", "_wire")
     dtype: ClassVar[np.dtype[Any]]
@@ -52,16 +52,6 @@ class PackedArray:
             )
         self._data = data if type(data) is bytes else bytes(data)
         self._wire: bytes | None = None
-
-    if not TYPE_CHECKING:  # hidden from mypy, so that a misspelt attribute stays an error
-
-        def __getattr__(self, name: str) -> Any:
-            # Reached only for an unset slot: a lazy array's values, expanded on first use.
-            if name == "_data":
-                data = _expand(self._wire)
-                self._data = data
-                return data
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_values(cls, values: Iterable[float] | Iterable[int] | np.ndarray[Any, Any]) -> Self:
@@ -112,7 +102,12 @@ class PackedArray:
 
     @property
     def data(self) -> bytes:
-        return self._data
+        """The little-endian bytes (a lazy array expands its wire value once, here)."""
+        try:
+            return self._data
+        except AttributeError:  # lazy, not expanded yet
+            data = self._data = _expand(self._wire)
+            return data
 
     def __len__(self) -> int:
         wire = self._wire
@@ -120,7 +115,7 @@ class PackedArray:
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """A read-only zero-copy view."""
-        return np.frombuffer(self._data, dtype=self.dtype)
+        return np.frombuffer(self.data, dtype=self.dtype)
 
     def tolist(self) -> list[Any]:
         out: list[Any] = self.numpy().tolist()
@@ -146,16 +141,16 @@ class PackedArray:
             wire = self._wire
             if wire is not None and wire == other._wire:  # one wire value holds one array
                 return True
-            return len(self) == len(other) and self._data == other._data
+            return len(self) == len(other) and self.data == other.data
         if isinstance(other, list | tuple | np.ndarray):
             try:
-                return self._data == type(self).from_values(other)._data
+                return self.data == type(self).from_values(other).data
             except (ValueError, TypeError, OverflowError):
                 return False
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, self._data))
+        return hash((type(self).__name__, self.data))
 
     def __repr__(self) -> str:
         values = self.tolist()
@@ -298,11 +293,15 @@ _RAW, _BITS, _U16, _U24 = 0, 1, 2, 3
 _BINARY = bytes(range(2))
 _DIGITS = bytes((48, 49, *[50] * 254))  # 0 -> "0", 1 -> "1", anything else -> "2"
 _DIGITS_MAX = 512
+_ZEROS = bytes(1 << 16)
+_ONES = b"\x01" * (1 << 16)
+_FF = b"\xff" * (len(_ONES) >> 3)
+_LOW_BITS = [bytes(((1 << k) - 1,)) if k else b"" for k in range(8)]  # a last, partial byte
 _REVERSED = bytes(int(f"{i:08b}"[::-1], 2) for i in range(256))  # each byte's bits reversed
 _BITS_HEAD = [bytes((_BITS, pad)) for pad in range(8)]
-_ZEROS = bytes(1 << 16)
 _V3 = np.dtype("V3")  # one 3-byte item: a token id's low three bytes
 _U8 = np.dtype("u1")
+_LE16 = np.dtype("<u2")
 
 
 def to_compact(array: PackedArray) -> bytes:
@@ -311,7 +310,7 @@ def to_compact(array: PackedArray) -> bytes:
     wire = array._wire
     if wire is not None and _canonical(wire):
         return wire
-    data = array._data
+    data = array.data
     size = len(data)
     if size >= COMPACT_MIN_BYTES:
         kind = type(array)
@@ -320,23 +319,30 @@ def to_compact(array: PackedArray) -> bytes:
             if bits is not None:
                 return _BITS_HEAD[-size % 8] + bits
         elif kind is TokenIds:
-            n = size >> 2
-            zeros = _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
-            if data[3::4] == zeros:  # every value in [0, 2**24): no high byte set
-                # and in [0, 2**16): a set third byte among the first values says no at once
-                if not data[2:128:4].strip(b"\0") and data[2::4] == zeros:
-                    return b"\x02" + np.frombuffer(data, dtype="<u2")[::2].tobytes()
-                return b"\x03" + np.ndarray((n,), _V3, data, strides=(4,)).tobytes()
+            # Every value in [0, 2**24) when no high byte is set; in [0, 2**16) when no
+            # third byte is either (a set one among the first values says no at once).
+            if _zeros(data[3::4]):
+                if _zeros(data[2:128:4]) and _zeros(data[2::4]):
+                    return b"\x02" + np.frombuffer(data, _LE16)[::2].tobytes()
+                return b"\x03" + np.ndarray((size >> 2,), _V3, data, 0, (4,)).tobytes()
     return b"\x00" + data
+
+
+def _zeros(data: bytes) -> bool:
+    """Whether every byte of ``data`` is zero (a compare against zeros, without a copy)."""
+    return _ZEROS.startswith(data) if len(data) <= len(_ZEROS) else not data.strip(b"\0")
 
 
 def _mask_bits(data: bytes) -> bytes | None:
     """A mask's values as bits, least significant first; None unless every value is 0 or 1.
 
-    Up to a few hundred values, reading the values as binary digits (one translate, one
-    int parse; the bits of each byte then reversed by a second translate) is quicker than
-    numpy's set-up; beyond, ``packbits`` is."""
+    A mask of ones only (every token sampled in one turn) is sliced from a buffer of set
+    bits. Otherwise, up to a few hundred values, reading the values as binary digits (one
+    translate, one int parse, the bits of each byte then reversed by a second translate) is
+    quicker than numpy's set-up; beyond, ``packbits`` is."""
     size = len(data)
+    if size <= len(_ONES) and _ONES.startswith(data):
+        return _FF[: size >> 3] + _LOW_BITS[size & 7]
     if size <= _DIGITS_MAX:
         try:
             value = int(data.translate(_DIGITS), 2)  # a byte above 1 is no binary digit
@@ -346,7 +352,7 @@ def _mask_bits(data: bytes) -> bytes | None:
         return (value << pad).to_bytes((size + 7) >> 3, "big").translate(_REVERSED)
     if data.translate(None, _BINARY):  # a value other than 0 and 1
         return None
-    return np.packbits(np.frombuffer(data, dtype=_U8), bitorder="little").tobytes()
+    return np.packbits(np.frombuffer(data, _U8), None, "little").tobytes()
 
 
 def _canonical(wire: bytes) -> bool:
@@ -373,7 +379,7 @@ def _compact_len(wire: bytes) -> int:
 def _expand(wire: bytes | None) -> bytes:
     """The little-endian bytes a well-formed compact ``wire`` (tags 1-3) holds."""
     if wire is None:
-        raise AttributeError("_data")  # an array that was never given values
+        raise ValueError("an array with neither values nor a wire value")
     tag, n = wire[0], _compact_len(wire)
     if tag == _BITS:
         bits = np.frombuffer(wire, dtype=_U8, offset=2)

@@ -28,9 +28,9 @@ from engine.events.fastpath import decode_fast
 
 
 def expanded(array: PackedArray) -> bool:
-    """Whether ``array`` holds its values (``object.__getattribute__`` does not expand)."""
+    """Whether ``array`` holds its values (a lazy one holds only its wire value)."""
     try:
-        object.__getattribute__(array, "_data")
+        array._data  # noqa: B018 - the slot itself, not the expanding property
     except AttributeError:
         return False
     return True
@@ -55,9 +55,17 @@ def arrays(draw: st.DrawFn) -> PackedArray:
         return TokenIds.from_values(values)
     n = draw(_N_MASK)
     seed = draw(st.integers(0, 2**32 - 1))
-    top = draw(st.sampled_from([1, 1, 1, 255]))
-    return Mask.from_values(np.random.default_rng(seed).integers(0, top, n, endpoint=True,
-                                                                  dtype="u1"))
+    pattern = draw(st.sampled_from(["0/1", "0/1", "ones", "runs", "any byte"]))
+    rng = np.random.default_rng(seed)
+    if pattern == "ones":  # a single turn's sampled tokens
+        return Mask.from_values(np.ones(n, "u1"))
+    if pattern == "runs":  # turns: sampled tokens, then observation tokens, and so on
+        values = np.zeros(n, "u1")
+        for start in sorted(rng.integers(0, max(n, 1), 6))[::2]:
+            values[start : start + int(rng.integers(1, 200))] = 1
+        return Mask.from_values(values)
+    top = 1 if pattern == "0/1" else 255
+    return Mask.from_values(rng.integers(0, top, n, endpoint=True, dtype="u1"))
 
 
 @settings(max_examples=300, deadline=None)
