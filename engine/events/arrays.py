@@ -437,11 +437,12 @@ def read_fields(
                 else:
                     ok = tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (
                         size > 1 or not wire[1])
-                if not ok:
-                    from_compact(kind, wire)  # raises, naming the problem
-                lazy = _new(kind)
-                lazy._wire = wire
-                values[name] = lazy
+                if ok:
+                    lazy = _new(kind)
+                    lazy._wire = wire
+                    values[name] = lazy
+                else:
+                    values[name] = from_compact(kind, wire)  # refuses it, naming the problem
                 continue
             wire = wire[1:]
         if len(wire) % kind.itemsize:

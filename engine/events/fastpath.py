@@ -173,6 +173,8 @@ def _plan(cls: type[Event]) -> _Plan | None:
             return None
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
+            if info.metadata:
+                return None
             arrays.append((name, annotation, name in compact_names))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
         elif _holds_model(annotation):
