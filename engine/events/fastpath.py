@@ -220,13 +220,12 @@ _LOCK = threading.Lock()
 
 
 def _plan_for(name: bytes) -> _Plan | None:
-    if name in _PLANS:
-        return _PLANS[name]
+    """The plan of the class named ``name`` (None: it has none), made on first use."""
     with _LOCK:
-        cls = registered_types().get(name.decode("utf-8", "replace"))
-        plan = None if cls is None else _plan(cls)
-        _PLANS[name] = plan
-    return plan
+        if name not in _PLANS:
+            cls = registered_types().get(name.decode("utf-8", "replace"))
+            _PLANS[name] = None if cls is None else _plan(cls)
+        return _PLANS[name]
 
 
 def _forget(name: str) -> None:
@@ -256,8 +255,8 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     size = raw[at + 5] - 0xA0
     if not 0 <= size < 32:  # the type name is a fixstr
         return None
-    start = at + 6
-    plan = _plan_for(raw[start : start + size])
+    name = raw[at + 6 : at + 6 + size]
+    plan = _PLANS[name] if name in _PLANS else _plan_for(name)
     if plan is None or plan.n_keys != n_keys:
         return None
     return plan
@@ -318,9 +317,7 @@ def decode_fast(raw: bytes) -> Event | None:
 
 def fast_types() -> set[str]:
     """The registered event types the fast path decodes (for tests and the bench)."""
-    return {
-        name for name in registered_types() if _plan_for(name.encode()) is not None
-    }
+    return {name for name in registered_types() if _plan_for(name.encode()) is not None}
 
 
 # ---------------------------------------------------------------- the write side
