@@ -244,16 +244,8 @@ def _adopt(kind: type[_P], data: bytes) -> _P:
 
 
 def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
-    """``kind(data)`` for the decoders' hot path: ``data`` is already an immutable
-    ``bytes``, so it is checked and adopted without the constructor's generic path."""
-    if type(data) is not bytes or len(data) % kind.itemsize:
-        return kind(data)  # copies, or raises the constructor's error naming the length
-    if not data:
-        return kind.empty()
-    adopted = _new(kind)
-    adopted._data = data
-    adopted._wire = None
-    return adopted
+    """``kind(data)`` for the decoders: immutable ``bytes`` are adopted, not copied."""
+    return _read(kind, data, compact=False)
 
 
 def concat(parts: Sequence[_P]) -> _P:
@@ -394,55 +386,54 @@ def _expand(wire: bytes | None) -> bytes:
 def from_compact(kind: type[_P], wire: bytes) -> _P:
     """The array a compact wire value holds (lazy: expanded on first use of its values);
     ``ValueError`` naming what is wrong with a malformed one."""
-    if type(wire) is not bytes:
-        wire = bytes(wire)
-    tag = wire[0] if wire else -1
-    if not tag:
-        out: _P = from_wire(kind, wire[1:])  # type: ignore[assignment]
-        return out
-    size = len(wire) - 1
+    return _read(kind, wire, compact=True)
+
+
+def _read(kind: type[_P], wire: bytes, *, compact: bool) -> _P:
+    values = {"": wire if type(wire) is bytes else bytes(wire)}
+    read_fields(values, (("", kind, compact),))
+    out: _P = values[""]  # type: ignore[assignment]
+    return out
+
+
+def _malformed(kind: type[PackedArray], wire: bytes) -> str:
+    """What is wrong with ``wire``, a compact value of ``kind`` that is not well formed."""
+    tag, size = (wire[0], len(wire) - 1) if wire else (-1, 0)
+    if tag < 0:
+        return f"{kind.__name__}: an empty compact value (it needs its tag byte)"
+    if tag == _BITS and kind is Mask:
+        return f"Mask: bad bit padding in a compact value of {len(wire)} bytes"
+    if tag == _U16 and kind is TokenIds:
+        return f"TokenIds: {size} bytes is not a multiple of 2 (uint16)"
     if tag == _U24 and kind is TokenIds:
-        if size % 3:
-            raise ValueError(f"TokenIds: {size} bytes is not a multiple of 3 (uint24)")
-    elif tag == _BITS and kind is Mask:
-        if not size or wire[1] > 7 or (wire[1] and size == 1):
-            raise ValueError(f"Mask: bad bit padding in a compact value of {len(wire)} bytes")
-    elif tag == _U16 and kind is TokenIds:
-        if size % 2:
-            raise ValueError(f"TokenIds: {size} bytes is not a multiple of 2 (uint16)")
-    elif tag < 0:
-        raise ValueError(f"{kind.__name__}: an empty compact value (it needs its tag byte)")
-    else:
-        raise ValueError(f"{kind.__name__}: unknown compact form (tag {tag})")
-    lazy = _new(kind)
-    lazy._wire = wire
-    return lazy
+        return f"TokenIds: {size} bytes is not a multiple of 3 (uint24)"
+    return f"{kind.__name__}: unknown compact form (tag {tag})"
 
 
 def read_fields(
     values: dict[str, Any], fields: Sequence[tuple[str, type[PackedArray], bool]]
 ) -> None:
     """Turn the wire bytes ``values`` holds for ``fields`` ((name, class, compact) triples)
-    into arrays, in place, as :func:`from_wire` (raw) and :func:`from_compact` (compact)
-    do, in one call per event: the compiled decoder's hot path. ``ValueError`` (from those
-    two, naming the problem) for a malformed value."""
+    into arrays, in place, in one call per event (the compiled decoder's hot path): raw
+    bytes are adopted; a compact value is checked by its tag and length only, and becomes a
+    lazy array (a raw-tagged one is adopted). ``ValueError`` naming what is wrong with a
+    malformed value."""
     for name, kind, compact in fields:
         wire = values[name]
         if compact:
             tag = wire[0] if wire else -1
-            if tag:  # a compact form: lazy if well formed (as from_compact checks it)
+            if tag:  # a compact form
                 size = len(wire) - 1
                 if kind is TokenIds:
                     ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
                 else:
                     ok = tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (
                         size > 1 or not wire[1])
-                if ok:
-                    lazy = _new(kind)
-                    lazy._wire = wire
-                    values[name] = lazy
-                else:
-                    values[name] = from_compact(kind, wire)  # refuses it, naming the problem
+                if not ok:
+                    raise ValueError(_malformed(kind, wire))
+                lazy = _new(kind)
+                lazy._wire = wire
+                values[name] = lazy
                 continue
             wire = wire[1:]
         if len(wire) % kind.itemsize:

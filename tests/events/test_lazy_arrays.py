@@ -14,13 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import DecodeError
-from engine.events import LogProbs, Mask, SampleCompleted, TokenIds, decode, encode
+from engine.events import Mask, SampleCompleted, TokenIds, decode, encode
 from engine.events.arrays import (
     COMPACT_MIN_BYTES,
     PackedArray,
     from_compact,
-    from_wire,
-    read_fields,
     to_compact,
 )
 from engine.events.codec import decode_reference
@@ -216,30 +214,3 @@ def test_a_non_canonical_compact_value_reads_exactly_and_reencodes_canonically(
     assert array == plain and array.tolist() == values
     assert to_compact(array) == to_compact(plain) != wire
 
-
-@settings(max_examples=500, deadline=None)
-@given(
-    kind=st.sampled_from([TokenIds, Mask, LogProbs]),
-    compact=st.booleans(),
-    wire=st.one_of(
-        st.binary(max_size=40),
-        st.tuples(st.integers(0, 4), st.binary(max_size=40)).map(lambda t: bytes((t[0],)) + t[1]),
-    ),
-)
-def test_the_decoders_field_reader_accepts_and_refuses_what_the_array_readers_do(
-    kind: type[PackedArray], compact: bool, wire: bytes
-) -> None:
-    reader = from_compact if compact else from_wire
-    try:
-        expected: PackedArray | None = reader(kind, wire)
-    except ValueError:
-        expected = None
-    values: dict[str, Any] = {"a": wire}
-    try:
-        read_fields(values, (("a", kind, compact),))
-    except ValueError:
-        assert expected is None
-        return
-    assert expected is not None
-    got = values["a"]
-    assert type(got) is kind and got == expected and len(got) == len(expected)
