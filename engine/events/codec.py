@@ -25,14 +25,13 @@ from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
 from engine.events.arrays import (
-    EXT_TYPES,
     PackedArray,
     from_compact,
     from_wire,
     to_compact,
 )
 from engine.events.base import Event, event_class, upcast
-from engine.events.fastpath import decode_fast
+from engine.events.fastpath import decode_fast, ext_array
 from engine.events.fastpath import decode_flat as decode_flat  # peek's sibling (below)
 
 _RESERVED = ("type", "v")
@@ -62,13 +61,6 @@ def _encoder() -> msgspec.msgpack.Encoder:
         encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         _LOCAL.encoder = encoder
     return encoder
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    cls = EXT_TYPES.get(code)
-    if cls is None:
-        raise DecodeError(f"unknown msgpack ext code {code}")
-    return cls(data)
 
 
 ArrayField = tuple[str, type[PackedArray], bool]
@@ -150,7 +142,7 @@ def peek(raw: bytes) -> tuple[str, str, str] | None:
 def decode_payload(raw: bytes) -> dict[str, Any]:
     """Unpack bytes to the raw map, without validation."""
     try:
-        obj = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(raw, ext_hook=ext_array, raw=False, strict_map_key=True)
     except DecodeError:
         raise
     except Exception as exc:  # msgpack raises several unrelated classes on garbage

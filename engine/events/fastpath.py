@@ -50,7 +50,8 @@ _BOUNDS = {"Ge": "ge", "Gt": "gt", "Le": "le", "Lt": "lt", "MinLen": "min_length
            "MaxLen": "max_length"}
 
 
-def _ext_hook(code: int, data: memoryview) -> Any:
+def ext_array(code: int, data: bytes | memoryview) -> PackedArray:
+    """The packed array a self-describing msgpack ext value holds (both decoders' hook)."""
     cls = EXT_TYPES.get(code)
     if cls is None:
         raise DecodeError(f"unknown msgpack ext code {code}")
@@ -127,7 +128,7 @@ class _Plan:
 
 _NESTED: dict[tuple[type[BaseModel], bytes], BaseModel] = {}
 _NESTED_MAX = 4096
-_raw_decode = msgspec.msgpack.Decoder(ext_hook=_ext_hook).decode
+_raw_decode = msgspec.msgpack.Decoder(ext_hook=ext_array).decode
 
 
 def _frozen_model(cls: type[BaseModel]) -> Nested:
@@ -201,7 +202,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         struct = msgspec.defstruct(
             f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True
         )
-        decoder = msgspec.msgpack.Decoder(struct, ext_hook=_ext_hook)
+        decoder = msgspec.msgpack.Decoder(struct, ext_hook=ext_array)
     except TypeError:  # a union msgspec cannot tell apart
         return None
     return _Plan(
