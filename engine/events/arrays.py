@@ -245,7 +245,9 @@ def _adopt(kind: type[_P], data: bytes) -> _P:
 
 def from_wire(kind: type[PackedArray], data: bytes) -> PackedArray:
     """``kind(data)`` for the decoders: immutable ``bytes`` are adopted, not copied."""
-    return _read(kind, data, compact=False)
+    if type(data) is not bytes or len(data) % kind.itemsize:
+        return kind(data)  # copies, or raises the constructor's error naming the length
+    return _adopt(kind, data) if data else kind.empty()
 
 
 def concat(parts: Sequence[_P]) -> _P:
@@ -386,14 +388,20 @@ def _expand(wire: bytes | None) -> bytes:
 def from_compact(kind: type[_P], wire: bytes) -> _P:
     """The array a compact wire value holds (lazy: expanded on first use of its values);
     ``ValueError`` naming what is wrong with a malformed one."""
-    return _read(kind, wire, compact=True)
-
-
-def _read(kind: type[_P], wire: bytes, *, compact: bool) -> _P:
     values = {"": wire if type(wire) is bytes else bytes(wire)}
-    read_fields(values, (("", kind, compact),))
+    read_fields(values, (("", kind, True),))
     out: _P = values[""]  # type: ignore[assignment]
     return out
+
+
+def _well_formed(kind: type[PackedArray], wire: bytes) -> bool:
+    """Whether ``wire``, a compact value with a non-zero tag, is one of ``kind``'s compact
+    forms with a length that fits it: the only checks a compact value needs, since any such
+    value expands."""
+    tag, size = wire[0], len(wire) - 1
+    if kind is TokenIds:
+        return not size % 3 if tag == _U24 else tag == _U16 and not size % 2
+    return tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (size > 1 or not wire[1])
 
 
 def _malformed(kind: type[PackedArray], wire: bytes) -> str:
@@ -421,16 +429,9 @@ def read_fields(
     for name, kind, compact in fields:
         wire = values[name]
         if compact:
-            tag = wire[0] if wire else -1
-            if tag:  # a compact form
-                size = len(wire) - 1
-                if kind is TokenIds:
-                    ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
-                else:
-                    ok = tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (
-                        size > 1 or not wire[1])
-                if not ok:
-                    raise ValueError(_malformed(kind, wire))
+            if not wire or (wire[0] and not _well_formed(kind, wire)):
+                raise ValueError(_malformed(kind, wire))
+            if wire[0]:
                 lazy = _new(kind)
                 lazy._wire = wire
                 values[name] = lazy
@@ -448,6 +449,13 @@ def read_fields(
 
 
 def compact_size(kind: type[PackedArray], wire: bytes) -> int:
-    """``len(from_compact(kind, wire))``: the length read off the compact header, refusing
-    (with a ``ValueError``) exactly what :func:`from_compact` refuses."""
-    return len(from_compact(kind, wire))
+    """``len(from_compact(kind, wire))`` read off the value's tag and length, refusing (with
+    a ``ValueError``) exactly what :func:`from_compact` refuses."""
+    if not wire or (wire[0] and not _well_formed(kind, wire)):
+        raise ValueError(_malformed(kind, wire))
+    if wire[0]:
+        return _compact_len(wire)
+    size = len(wire) - 1
+    if size % kind.itemsize:
+        kind(wire[1:])  # raises the constructor's error, naming the class and the length
+    return size // kind.itemsize
