@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,10 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 from engine.client import Iteration, RefillLoop, RolloutClient  # noqa: E402
 from engine.ops.embedded import start_redis_server  # noqa: E402
-from engine.ops.tinylm import init_model, spawn_server  # noqa: E402
+from engine.ops.processes import Processes  # noqa: E402
+from engine.ops.tinylm import init_model  # noqa: E402
+from workers.cli import ROLLOUT  # noqa: E402
 
 CONFIG = ROOT / "bench" / "async_refill_evaluators.py"
-TIMINGS = ["--heartbeat-ms", "1000", "--claim-idle-ms", "20000", "--block-ms", "200"]
+TIMINGS = {"heartbeat_ms": 1000, "claim_idle_ms": 20000, "block_ms": 200}
 
 
 def write_weights(src: Path, dst: Path, seed: int, scale: float = 0.02) -> Path:
@@ -73,49 +73,29 @@ class Engine:
         self.model = tmp / "model"
         init_model(self.model, seed=0, train_steps=0)
         self.redis = start_redis_server()
-        self.server = spawn_server(self.model, extra_args=["--weight-version", "0"])
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # The URL holds the admin password: the launcher hands it over in the environment.
+        self.procs = Processes(tmp, rollout=ROLLOUT, env={"PYTHONPATH": str(ROOT)}, settings={
+            "redis_url": self.redis.url, **TIMINGS, "log_level": "WARNING"})
+        url = self.procs.serve_tinylm("tinylm", self.model, "--weight-version", "0").url
         data = tmp / "prompts.jsonl"
         data.write_text("".join(f'{{"prompt": "q{i}", "label": "{i}"}}\n' for i in range(4096)))
         (tmp / "rollout.yaml").write_text(
             f"rollout:\n  datasets:\n    bench: {{path: {data}, task_type: turns}}\n"
         )
-        self.spawn("scheduler", "workers.scheduler", "--rollout-config", str(tmp / "rollout.yaml"),
-                   "--evaluator-config", str(CONFIG), "--scheduler-id", "bench")
+        self.procs.start("scheduler", "scheduler", "--rollout-config", str(tmp / "rollout.yaml"),
+                         "--evaluator-config", str(CONFIG), "--scheduler-id", "bench")
         for w in range(workers):
-            self.spawn(f"worker{w}", "workers.evaluator", "--evaluator-config", str(CONFIG),
-                       "--worker-id", f"w{w}", "--sandbox", "none", "--quiet",
-                       "--sglang-url", self.server.url)
-        self.spawn("finalizer", "workers.finalizer", "--worker-id", "fin")
-        self.spawn("sync", "workers.sync", "--worker-id", "sync", "--sglang-url", self.server.url)
-
-    def spawn(self, name: str, module: str, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env["PYTHONPATH"] = str(ROOT)
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.redis.url, *TIMINGS,
-             "--log-level", "WARNING", *extra],
-            cwd=ROOT, env=env,
-            stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process
-            stderr=subprocess.STDOUT,
-        )
+            self.procs.start(f"worker{w}", "worker", "--evaluator-config", str(CONFIG),
+                             "--worker-id", f"w{w}", "--sandbox", "none", "--quiet",
+                             "--sglang-url", url)
+        self.procs.start("finalizer", "finalizer", "--worker-id", "fin")
+        self.procs.start("sync", "sync", "--worker-id", "sync", "--sglang-url", url)
 
     def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+        self.procs.check_alive()
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.server.close()
+        self.procs.stop()
         self.redis.stop()
 
 

@@ -34,7 +34,9 @@ import httpx
 
 from engine.backends import GenerationResult, SGLangBackend, SGLangConfig
 from engine.backends.sglang_protocol import parse_generate_reply
-from engine.ops.tinylm import init_model, spawn_server
+from engine.ops.processes import Processes
+from engine.ops.tinylm import init_model
+from workers.cli import ROLLOUT
 
 Arm = Callable[[list[dict[str, Any]], int], Awaitable[int]]
 
@@ -222,7 +224,8 @@ def main() -> None:
         if model is None:
             model = Path(tmp) / "tinylm"
             init_model(model, seed=0, train_steps=0)
-        with spawn_server(model, extra_args=["--max-running-requests", "16"]) as server:
+        with Processes(Path(tmp), rollout=ROLLOUT) as procs:
+            server = procs.serve_tinylm("tinylm", model, "--max-running-requests", "16")
             result = asyncio.run(bench(server.url, args))
     print(json.dumps(result))
 

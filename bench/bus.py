@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from engine.events import RedisEventLog, RedisSettings, SampleCompleted, connect, encode
+from engine.events import SampleCompleted, encode
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops.embedded import start_redis
 
 

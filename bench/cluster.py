@@ -35,13 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bus import make_events  # noqa: E402
-from engine.events import (  # noqa: E402
-    BatchAdmitted,
-    RedisEventLog,
-    RedisSettings,
-    TokenAcquired,
-    connect,
-)
+from engine.events import BatchAdmitted, TokenAcquired  # noqa: E402
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect  # noqa: E402
 from engine.ops.embedded import start_redis  # noqa: E402
 from tests.events.redis_cluster import start_cluster  # noqa: E402
 

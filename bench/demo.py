@@ -4,9 +4,10 @@ What runs (one machine, one run):
 
 * one embedded Redis (``engine.ops.embedded.start_redis``), the tinylm model built once into
   ``<workdir>/tinylm`` (reused later) and ONE tinylm server that both arms talk to;
-* engine arm: the demo's processes, started once -- ``workers.scheduler`` (bundled
-  ``rollout.yaml``, ungated like the demo), ``--workers`` ``workers.evaluator`` processes
-  (``--max-batches`` each, default the worker's own; local sandbox) and ``workers.finalizer``;
+* engine arm: the demo's processes, started once by the engine's launcher on the demo's
+  engine user -- ``rollout scheduler`` (bundled ``rollout.yaml``, ungated like the demo),
+  ``--workers`` ``rollout worker`` processes (``--max-batches`` each, default the worker's
+  own; local sandbox) and ``rollout finalizer``;
   the rounds begin once every process has joined its consumer group. Each round the bench
   (the trainer) requests a training rollout of ``--prompts`` x ``--samples-per-prompt`` with a
   fresh seed and times request -> ``RolloutReady`` (wall clock). The request also sets
@@ -71,7 +72,7 @@ from engine.backends.pool import BackendPool
 from engine.client import RolloutClient
 from engine.config.evaluators import load_evaluators
 from engine.errors import EngineError
-from engine.events import EventLog, RedisEventLog, RedisSettings, StreamNames, connect
+from engine.events import EventLog, StreamNames
 from engine.events.catalog import (
     BatchAdmitted,
     BatchSealed,
@@ -86,12 +87,14 @@ from engine.events.catalog import (
     TaskJoined,
     TokenAcquired,
 )
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, ensure_model
-from engine.ops.embedded import start_redis
+from engine.ops.embedded import redact
 from engine.projections.placement import budget_tokens
 from engine.projections.samples import scalar_reward, task_of
 from engine.sample import Sample
 from engine.settings import Settings
+from workers.cli import ROLLOUT
 
 TARGET_RATIO = 0.9
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -239,38 +242,39 @@ def worker_max_batches() -> int:
 
 
 def start_engine(stack: Stack, args: argparse.Namespace, model_dir: Path) -> None:
-    """The demo's processes (``engine.ops.demo.start_stack``), with ``--max-batches`` explicit."""
-    assert stack.redis is not None and stack.server is not None
-    common = ["--redis-url", stack.redis.url]
-    evaluator = ["--evaluator-config", str(EVALUATORS), "--model-dir", str(model_dir)]
-    stack.spawn("scheduler", ["-m", "workers.scheduler", *common,
-                              "--rollout-config", str(ROLLOUT_YAML),
-                              "--evaluator-config", str(EVALUATORS),
-                              "--scheduler-id", "bench-scheduler"])
+    """The demo's processes (``engine.ops.demo.start_processes``), with ``--max-batches``
+    explicit and no weight syncer."""
+    procs, policy = stack.processes, policy_url(stack)
+    procs.start("scheduler", "scheduler", settings={
+        "config": ROLLOUT_YAML, "evaluator_config": EVALUATORS, "worker_id": "bench-scheduler"})
     for i in range(args.workers):
-        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *common, *evaluator,
-                                    "--sglang-url", stack.server.url,
-                                    "--max-batches", str(args.max_batches),
-                                    "--worker-id", f"bench-worker-{i}"])
-    stack.spawn("finalizer", ["-m", "workers.finalizer", *common,
-                              "--out-dir", str(stack.workdir / "out"),
-                              "--worker-id", "bench-finalizer"])
+        procs.start(f"worker-{i}", "worker", settings={
+            "evaluator_config": EVALUATORS, "model_dir": model_dir, "sglang_url": policy,
+            "max_batches": args.max_batches, "worker_id": f"bench-worker-{i}"})
+    procs.start("finalizer", "finalizer", settings={
+        "out_dir": stack.workdir / "out", "worker_id": "bench-finalizer"})
+
+
+def policy_url(stack: Stack) -> str:
+    return stack.processes["tinylm"].url
 
 
 def engine_pids(stack: Stack) -> dict[str, int | None]:
     """The engine's processes (and their sandbox supervisors), the server and Redis."""
     pids: dict[str, int | None] = {}
-    for name, proc in stack.procs:
-        pids[name] = proc.pid
-        for i, child in enumerate(children(proc.pid)):
+    for name in stack.processes:
+        if name == "tinylm":
+            continue
+        pids[name] = pid = stack.processes[name].pid
+        for i, child in enumerate(children(pid)):
             pids[f"{name}/child{i}"] = child
     return {**pids, **shared_pids(stack)}
 
 
 def shared_pids(stack: Stack) -> dict[str, int | None]:
-    server = stack.server.process.pid if stack.server is not None else None
     proc = getattr(stack.redis, "_proc", None)
-    return {"tinylm": server, "redis": proc.pid if proc is not None else None}
+    return {"tinylm": stack.processes["tinylm"].pid,
+            "redis": proc.pid if proc is not None else None}
 
 
 async def wait_engine_up(
@@ -531,7 +535,7 @@ async def measure(
 ) -> dict[str, Any]:
     from engine.sandbox import LocalSandboxProvider
 
-    assert stack.redis is not None and stack.server is not None
+    assert stack.redis is not None
     redis = connect(RedisSettings(url=stack.redis.url, block_ms=1000))
     log = RedisEventLog(redis, names=StreamNames(), producer="bench-demo", block_ms=1000)
     client = RolloutClient(log)
@@ -551,7 +555,7 @@ async def measure(
             say(f"{label} (seed {seed}, rollout {work.request.rollout_id})")
             say("  " + describe(eng))
             direct = await direct_round(
-                specs, work, concurrency=conc.total, sglang_url=stack.server.url,
+                specs, work, concurrency=conc.total, sglang_url=policy_url(stack),
                 provider=provider, tmp_root=tmp_root, shared=shared_pids(stack),
             )
             say("  " + describe(direct))
@@ -643,19 +647,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir: Path = args.workdir.resolve()
     for sub in ("logs", "out"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
-    stack = Stack(workdir)
+    model_dir = workdir / "tinylm"
+    ensure_model(model_dir, args.train_steps)
+    stack = Stack.open(workdir, rollout=ROLLOUT, redis_url=None)
     try:
-        model_dir = workdir / "tinylm"
-        ensure_model(model_dir, args.train_steps)
-        stack.redis = start_redis()
-        say(f"redis     {stack.redis.kind} at {stack.redis.url}")
-        from engine.ops.tinylm import spawn_server
-
-        stack.server = spawn_server(model_dir)
-        say(f"policy    tinylm server at {stack.server.url} (shared by both arms)")
+        assert stack.redis is not None
+        say(f"redis     {stack.redis.kind} at {redact(stack.redis_url)}")
+        policy = stack.processes.serve_tinylm("tinylm", model_dir).url
+        say(f"policy    tinylm server at {policy} (shared by both arms)")
         start_engine(stack, args, model_dir)
         specs = load_evaluators(
-            EVALUATORS, argparse.Namespace(model_dir=model_dir, sglang_url=stack.server.url)
+            EVALUATORS, argparse.Namespace(model_dir=model_dir, sglang_url=policy)
         )
         conc = effective_concurrency(specs, args.workers, args.max_batches)
         n = args.prompts * args.samples_per_prompt

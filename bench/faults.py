@@ -1,6 +1,6 @@
 """Fault injection at scale: many seeds of the scenario of ``tests/faults/harness.py``.
 
-Each seed runs 1 scheduler, 3 evaluator workers and 1 finalizer (``python -m workers.*``) on a
+Each seed runs 1 scheduler, 3 evaluator workers and 1 finalizer (the engine's launcher) on a
 real redis-server with AOF, a 2-node layout of 6 placement tokens each, and several rollouts,
 while it SIGKILLs a busy worker, the scheduler and the finalizer, SIGTERMs a busy worker,
 restarts redis-server twice and appends garbage to the control, work, rollout and pool

@@ -185,7 +185,7 @@ async def _measure(
                                 seed=0, rollout_id="warm")
     await client.wait_ready(warm, timeout=600)
     assert arm.redis._proc is not None
-    pids = {name: p.pid for name, p in arm.procs.items()}
+    pids = {name: arm.procs[name].pid for name in arm.procs}
     pids["redis"] = arm.redis._proc.pid
     pids["trainer"] = os.getpid()
     sampler = Sampler(pids, args.tick)
@@ -204,10 +204,7 @@ async def _measure(
     peak = {name: status_kb(pid, "VmHWM") for name, pid in pids.items() if name != "trainer"}
     # The engine's own processes are done: stop them before the load, so their memory
     # does not add to the trainer's (a 1M-sample load needs several GB).
-    for proc in arm.procs.values():
-        proc.terminate()
-    for proc in arm.procs.values():
-        proc.wait(timeout=60)
+    arm.procs.stop()
     t_load0 = t_load1 = time.time()
     n_loaded = 0
     if load:

@@ -12,9 +12,10 @@ printed is one JSON object.
 
 ``--sizes``: no engine and no Redis; for each size a synthetic grpo stream (16-token
 samples: request, tasks, a start and a completion per sample, ready) is encoded, then
-folded and built as ``load`` does (``LoadFold`` + ``trainer_samples``) and indexed as
-``iter_load``'s first pass does (``IndexFold``), the collector paused as in the client:
-microseconds of CPU per sample, and the index's bytes per sample.
+folded and built as ``load`` does (``StreamLoad(keep=True)`` + ``trainer_samples``) and
+folded as ``iter_load``'s first pass does (``StreamLoad(keep=False)``: the records only),
+the collector paused as in the client: microseconds of CPU per sample, and the records'
+traced bytes per sample.
 
 The engine code measured is the one on ``sys.path`` first: run it with ``PYTHONPATH`` set
 to a checkout to measure that checkout (A/B: the same file, two checkouts).
@@ -101,8 +102,8 @@ def sizes(spec: str) -> dict[str, Any]:
         TaskFetched,
     )
     from engine.events.codec import encode
-    from engine.projections.loading import IndexFold, LoadFold
     from engine.projections.samples import trainer_samples
+    from engine.runtime.readback import StreamLoad
 
     out: dict[str, Any] = {}
     for n in (int(x) for x in spec.split(",")):
@@ -126,21 +127,28 @@ def sizes(spec: str) -> dict[str, Any]:
         gc.disable()
         try:
             t = time.process_time()
-            fold = LoadFold()
-            fold.feed(rows)
-            samples = trainer_samples(fold.state())
+            load = StreamLoad("r", keep=True)
+            load.feed(rows)
+            samples = trainer_samples(load.rollout())
             load_s = time.process_time() - t
-            del samples, fold
+            del samples, load
             t = time.process_time()
-            index = IndexFold()
+            index = StreamLoad("r", keep=False)
             index.feed(rows)
             index_s = time.process_time() - t
+            del index
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            index = StreamLoad("r", keep=False)
+            index.feed(rows)
+            held = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
         finally:
             gc.enable()
         row = {
             "load_us_per_sample": round(1e6 * load_s / n, 1),
             "index_us_per_sample": round(1e6 * index_s / n, 1),
-            "index_bytes_per_sample": round(index.nbytes() / n, 1),
+            "index_bytes_per_sample": round(held / n, 1),
         }
         out[str(n)] = row
         print(f"{n} samples: {json.dumps(row)}", flush=True)

@@ -46,7 +46,7 @@ from engine.domain import EvaluatorProfile, Resource, Task  # noqa: E402
 from engine.events.catalog import planned_prompts  # noqa: E402
 
 BATCH = 1024
-TIMINGS = ["--heartbeat-ms", "2000", "--claim-idle-ms", "30000", "--block-ms", "500"]
+TIMINGS = {"heartbeat_ms": 2000, "claim_idle_ms": 30000, "block_ms": 500}
 
 
 # ---------------------------------------------------------------- the evaluator config
@@ -110,12 +110,12 @@ class Engine(EngineArm):
         )
         layout = '{"node-a": {"gpus": [0], "cpu": 100000, "memory_gb": 100000}}'
         config = str(Path(__file__).resolve())
-        self.spawn("scheduler", "workers.scheduler", "--rollout-config", str(tmp / "rollout.yaml"),
+        self.spawn("scheduler", "scheduler", "--rollout-config", str(tmp / "rollout.yaml"),
                    "--evaluator-config", config, "--cluster-layout", layout,
                    "--scheduler-id", "bench", "--log-level", "WARNING")
-        self.spawn("worker", "workers.evaluator", "--evaluator-config", config,
+        self.spawn("worker", "worker", "--evaluator-config", config,
                    "--worker-id", "w0", "--sandbox", "none", "--quiet", "--log-level", "WARNING")
-        self.spawn("finalizer", "workers.finalizer", "--worker-id", "fin",
+        self.spawn("finalizer", "finalizer", "--worker-id", "fin",
                    "--log-level", "WARNING")
 
 

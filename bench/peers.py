@@ -76,7 +76,7 @@ from engine.sample import Sample  # noqa: E402
 
 MAX_BATCHES = 8  # batches one worker runs at once, in every arm
 KILL_AT = 0.4  # the kill lands at this fraction of the arm's measured wall time
-KILL_TIMINGS = ["--heartbeat-ms", "500", "--claim-idle-ms", "3000", "--block-ms", "500"]
+KILL_TIMINGS = {"heartbeat_ms": 500, "claim_idle_ms": 3000, "block_ms": 500}
 
 
 # ---------------------------------------------------------------------- the workload
@@ -164,7 +164,7 @@ async def engine_kill(n: int, workers: int, latency_ms: float, kill_after: float
                 seed=99, rollout_id="bench-kill",
             )
             await asyncio.sleep(kill_after)
-            arm.procs["worker0"].send_signal(signal.SIGKILL)
+            arm.procs.signal("worker0", signal.SIGKILL)
             completed = True
             try:
                 await client.wait_ready(rid, timeout=300)

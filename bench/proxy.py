@@ -9,7 +9,7 @@ server's scheduler do not share a GIL):
           increment, generates on ``/generate`` and answers a ChatCompletion
   direct  the native agent's way: the same conversations built as a token series in process
           (``ChatTokens``: prompt, then observation increments) and sent to ``/generate``
-          through the same pooled ``SGLangBackend``
+          through the same pooled backend
 
 Both arms run the same conversations (same messages, seeds and fixed-length outputs via
 ``ignore_eos``) at the same concurrency; each round runs them one after the other in ABBA order.
@@ -69,10 +69,13 @@ from typing import Any
 import httpx
 
 from engine.agents.chat_tokens import ChatTokens
+from engine.backends.base import ModelBackend
 from engine.backends.pool import BackendPool
-from engine.backends.sglang import SGLangBackend, load_tokenizer
-from engine.ops.tinylm import init_model, spawn_server
+from engine.backends.sglang import load_tokenizer
+from engine.ops.processes import Processes
+from engine.ops.tinylm import init_model
 from engine.proxy import RecordingProxy
+from workers.cli import ROLLOUT
 
 
 def opening(i: int) -> list[dict[str, Any]]:
@@ -114,7 +117,7 @@ async def proxy_conversation(client: httpx.AsyncClient, i: int, turns: int, max_
 
 
 async def direct_conversation(
-    backend: SGLangBackend, chat: ChatTokens, i: int, turns: int, max_new: int
+    backend: ModelBackend, chat: ChatTokens, i: int, turns: int, max_new: int
 ) -> int:
     generated = 0
     special = set(chat.tokenizer.all_special_ids)
@@ -154,7 +157,7 @@ async def bench(url: str, model: Path, args: argparse.Namespace) -> dict[str, An
     opened: list[float] = []
     async with BackendPool(url) as pool:
         backend = pool.get()
-        assert isinstance(backend, SGLangBackend)
+        assert backend.capabilities.token_ids
 
         proxies: list[RecordingProxy] = []
         scaffolds = await asyncio.create_subprocess_exec(
@@ -378,12 +381,13 @@ def main() -> None:
     parser.add_argument("--swe-train-steps", type=int, default=200)
     args = parser.parse_args()
     result: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp), rollout=ROLLOUT) as procs:
         model = Path(tmp) / "model"
         if args.rounds > 0:
             init_model(model, seed=0, train_steps=0)
-            with spawn_server(model, extra_args=["--max-running-requests", "16"]) as server:
-                result = asyncio.run(bench(server.url, model, args))
+            server = procs.serve_tinylm("tinylm", model, "--max-running-requests", "16")
+            result = asyncio.run(bench(server.url, model, args))
+            procs.terminate("tinylm")
         if args.scaffold_episodes > 0:
             import importlib.util
 
@@ -397,8 +401,8 @@ def main() -> None:
                 if swe_model is None:
                     swe_model = Path(tmp) / "swe-model"
                     init_swe_model(swe_model, steps=args.swe_train_steps)
-                with spawn_server(swe_model) as server:
-                    result |= asyncio.run(scaffold_episodes(server.url, swe_model, args))
+                server = procs.serve_tinylm("tinylm-swe", swe_model)
+                result |= asyncio.run(scaffold_episodes(server.url, swe_model, args))
     print(json.dumps(result))
 
 

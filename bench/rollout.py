@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,11 +45,13 @@ from engine.domain import (  # noqa: E402
 )
 from engine.events import RolloutRequested  # noqa: E402
 from engine.ops.embedded import start_redis_server  # noqa: E402
+from engine.ops.processes import Processes  # noqa: E402
 from engine.sample import Sample  # noqa: E402
+from workers.cli import ROLLOUT  # noqa: E402
 
 CONFIG = ROOT / "bench" / "rollout_evaluators.py"
 PER_PROMPT = 8
-TIMINGS = ["--heartbeat-ms", "2000", "--claim-idle-ms", "30000", "--block-ms", "1000"]
+TIMINGS = {"heartbeat_ms": 2000, "claim_idle_ms": 30000, "block_ms": 1000}
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -76,34 +77,27 @@ class EngineArm:
         tmp: Path,
         *,
         env: dict[str, str] | None = None,
-        timings: list[str] | None = None,
+        timings: dict[str, int] | None = None,
     ) -> None:
         self.args = args
         self.tmp = tmp
-        self.extra_env = dict(env or {})
         self.iter_load = True  # also time client.iter_load after client.load
-        self.timings = list(TIMINGS if timings is None else timings)
         self.redis = start_redis_server()
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # The URL holds the admin password: the launcher hands it over in the environment.
+        self.procs = Processes(tmp, rollout=ROLLOUT, env={"PYTHONPATH": str(ROOT), **(env or {})},
+                               settings={"redis_url": self.redis.url,
+                                         **(TIMINGS if timings is None else timings)},
+                               grace_s=30)
         self.real_scheduler = scheduler_available() and not args.play_scheduler
         self.client: RolloutClient | None = None
         self.seq = 0
         self.breakdown: dict[str, float] = {}
 
-    def spawn(self, name: str, module: str, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env["PYTHONPATH"] = str(ROOT)
-        env.update(self.extra_env)
+    def spawn(self, name: str, command: str, *extra: str) -> None:
+        """``rollout <command>``, under cProfile (``--profile DIR``) when asked."""
         prof = getattr(self.args, "profile", None)
         wrap = ["-m", "cProfile", "-o", str(Path(prof) / f"{name}.prof")] if prof else []
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, *wrap, "-m", module, "--redis-url", self.redis.url,
-             *self.timings, *extra],
-            cwd=ROOT,
-            env=env,
-            stdout=open(self.tmp / f"{name}.log", "wb"),  # noqa: SIM115 - lives with the process
-            stderr=subprocess.STDOUT,
-        )
+        self.procs.start(name, command, *extra, python=wrap)
 
     def start(self) -> None:
         n_prompts = self.args.samples // PER_PROMPT
@@ -117,21 +111,21 @@ class EngineArm:
         layout = '{"node-a": {"gpus": [0, 1, 2, 3], "cpu": 100000, "memory_gb": 100000}}'
         if self.real_scheduler:
             self.spawn(
-                "scheduler", "workers.scheduler",
+                "scheduler", "scheduler",
                 "--rollout-config", str(self.tmp / "rollout.yaml"),
                 "--evaluator-config", str(CONFIG), "--cluster-layout", layout,
                 "--scheduler-id", "bench", "--log-level", "WARNING",
             )
         for w in range(self.args.workers):
             self.spawn(
-                f"worker{w}", "workers.evaluator", "--evaluator-config", str(CONFIG),
+                f"worker{w}", "worker", "--evaluator-config", str(CONFIG),
                 "--worker-id", f"w{w}", "--sandbox", "none", "--quiet",
                 "--max-batches", str(self.args.max_batches), "--log-level", "WARNING",
             )
-        self.spawn("finalizer", "workers.finalizer", "--worker-id", "fin", "--log-level", "WARNING")
+        self.spawn("finalizer", "finalizer", "--worker-id", "fin", "--log-level", "WARNING")
 
     def cpu_by_process(self) -> dict[str, float]:
-        return {name: cpu_seconds(p.pid) for name, p in self.procs.items()}
+        return {name: cpu_seconds(self.procs[name].pid) for name in self.procs}
 
     def engine_cpu(self) -> float:
         return sum(self.cpu_by_process().values())
@@ -210,13 +204,7 @@ class EngineArm:
     async def close(self) -> None:
         if self.client is not None:
             await self.client.aclose()
-        for proc in self.procs.values():
-            proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.procs.stop()
         self.redis.stop()
 
 

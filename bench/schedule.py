@@ -40,14 +40,8 @@ from engine.actors.scheduler import Scheduler, SchedulerConfig, declaration_for
 from engine.config.layout import ClusterLayout, NodeSpec
 from engine.config.rollout import RolloutConfig
 from engine.domain import DatasetEntry, EvaluatorProfile, Resource
-from engine.events import (
-    BatchSealed,
-    Envelope,
-    RedisEventLog,
-    RedisSettings,
-    RolloutRequested,
-    connect,
-)
+from engine.events import BatchSealed, Envelope, RolloutRequested
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops.embedded import start_redis
 from engine.projections.placement import PoolProjection, pool_of
 from workers.scheduler import GC_THRESHOLDS, tune_gc

@@ -165,9 +165,12 @@ def main() -> None:
         model = Path(tmp) / "tinylm"
         init_model(model, train_steps=0)
         flags = ["--max-running-requests", "16"]
-        env = {"PYTHONPATH": str(args.baseline.resolve())}
+        # /health without the one-token generation SGLang runs for it by default: the plain
+        # route, so that health_c8 measures the HTTP stack
+        plain = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+        env = {"PYTHONPATH": str(args.baseline.resolve()), **plain}
         with spawn_server(model, extra_args=flags, env=env) as base:
-            with spawn_server(model, extra_args=flags) as cand:
+            with spawn_server(model, extra_args=flags, env=plain) as cand:
                 urls = {"baseline": base.url, "candidate": cand.url}
                 figures = asyncio.run(measure(urls, args.rounds, args.scale))
                 if args.proxy:

@@ -26,8 +26,9 @@ import numpy as np
 
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.events import SampleCompleted, SampleVerified
+from engine.ops.processes import Processes
 from engine.ops.replay import decode_entries, read_archive
-from engine.ops.tinylm import spawn_server
+from workers.cli import ROLLOUT
 
 CANDIDATES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
 
@@ -74,8 +75,9 @@ def main() -> None:
     completed, verified = load(args.workdir / "archives")
     if not completed:
         raise SystemExit(f"no completed samples in {args.workdir / 'archives'}")
-    with spawn_server(args.workdir / "tinylm") as proc:
-        d, turns = asyncio.run(deltas(proc.url, completed))
+    with Processes(args.workdir / "logs", rollout=ROLLOUT) as procs:
+        server = procs.serve_tinylm("tinylm-verify", args.workdir / "tinylm")
+        d, turns = asyncio.run(deltas(server.url, completed))
     figures: dict[str, Any] = {
         "bench": "verify_threshold",
         "samples": len(turns),

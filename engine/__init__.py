@@ -16,11 +16,12 @@ _EXPORTS: dict[str, str] = {
     "Settings": "engine.settings",
     # the event log
     "EventLog": "engine.events",
-    "RedisEventLog": "engine.events",
-    "RedisSettings": "engine.events",
+    "MemoryEventLog": "engine.events.memory_log",
+    "RedisEventLog": "engine.events.redis_log",
+    "RedisSettings": "engine.events.redis_log",
     "StreamNames": "engine.events",
-    "connect": "engine.events",
-    "open_log": "engine.events",
+    "connect": "engine.events.redis_log",
+    "open_log": "engine.events.redis_log",
     # domain, data path, scheduling
     "Resource": "engine.domain",
     "StoppingCriteria": "engine.domain",

@@ -16,36 +16,25 @@ Contract
 * ``load(rollout_id)`` rebuilds the samples from the rollout stream
   (:func:`engine.projections.samples.trainer_samples`): the ids ``RolloutReady`` keeps, in
   its order; aborted samples as masked dummies; one masked dummy when filters emptied it.
-  It reads the stream in pages of raw entries and folds only what samples are made of
-  (:class:`engine.projections.loading.LoadFold`: tasks, first terminals, teacher scorings,
-  stored prompts, the request and the ready event; the rest is not even decoded), with
-  the cyclic collector paused while it builds.
+  It reads the stream in pages of raw entries and folds the entries samples are built from
+  into the rollout fold, keeping them as read (``engine.runtime.readback``; the rest is
+  not even decoded), with the cyclic collector paused while it builds.
 * ``wait_load(rollout_id)`` is ``wait_ready`` followed by ``load``, overlapped: while it
-  waits on ``rl:control``, a second task folds the rollout stream into the same
-  ``LoadFold`` as the entries are appended (blocking reads, pages of raw entries), so when
-  the ready event comes only the last entries are left to read and the samples to build.
-  Same result, same errors. As in ``load``, the cyclic collector is paused for the call
-  (which here includes the wait; what the fold reads is kept, and collections would only
-  re-scan it). ``RefillLoop`` uses it.
+  waits on ``rl:control``, a second task folds the rollout stream as the entries are
+  appended (blocking reads, pages of raw entries), so when the ready event comes only the
+  last entries are left to read and the samples to build. Same result, same errors. As in
+  ``load``, the cyclic collector is paused for the call (which here includes the wait;
+  what the fold reads is kept, and collections would only re-scan it). ``RefillLoop``
+  uses it.
 * ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
-  of ``chunk_size``, streaming: a first pass over the stream keeps only a compact index of
-  where each sample's entries are (:class:`engine.projections.loading.IndexFold`), then
-  each chunk's entries are read back (a few ranges, one round trip) and built. A trainer
-  that consumes chunk by chunk holds the index, one page of entries and one chunk, never
-  the whole rollout. The CE lane's sub-samples are shuffled across the whole rollout: its
-  plan is made first (the completed trajectories read back a page at a time, each kept
-  as its chunks' bounds), then each chunk of the plan reads back and builds its parents
-  (a trajectory whose sub-samples fall in several chunks is read once per chunk).
-* ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
-  (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
-  prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
-  ``remove_sample`` and ``token_versions`` (int64, same layout: the server-reported weight
-  version of each sampled token, -1 on the prompt, on padding, on observation tokens and
-  where no version is known). The teacher lanes add, when every sample that is not removed
-  carries them (masked dummies get zeros): ``teacher_log_probs`` [B, T] float32 (the mixed
-  lane's +1.0 sentinel at teacher positions), ``teacher_topk_ids`` [B, T, K] int64,
-  ``teacher_topk_log_probs`` [B, T, K] float32, ``action_mask`` [B, T] (student action
-  tokens only) and ``is_teacher_mask`` [B, T], all in the layout of ``tokens`` (prompt 0).
+  of ``chunk_size``, streaming: a first pass over the stream keeps only the fold's records
+  (where each sample's entries are), then each chunk's entries are read back by id (a few
+  ranges, one round trip) and built. A trainer that consumes chunk by chunk holds the
+  records, one page of entries and one chunk, never the whole rollout. The CE lane's
+  sub-samples are shuffled across the whole rollout: its plan is made first (the
+  completed trajectories read back a page at a time, each kept as its chunks' bounds),
+  then each chunk of the plan reads back and builds its parents.
+* ``collate(samples)`` right-pads samples into tensors (:mod:`engine.collate`).
 * ``SyncRolloutClient`` offers the same calls for synchronous trainer loops; it runs the
   async client on a private event loop.
 """
@@ -54,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -62,19 +52,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
-import numpy as np
-import torch
-
-from engine.agents.result import UNKNOWN_VERSION
+from engine.collate import collate
 from engine.errors import (
     ConfigError,
-    DecodeError,
     LogUnavailable,
     RolloutFailed,
     WeightSyncFailed,
 )
-from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
-from engine.events.base import Envelope, Event
+from engine.events.base import Envelope
 from engine.events.catalog import (
     FilterSpec,
     PolicyVersionActivated,
@@ -89,25 +74,18 @@ from engine.events.catalog import (
 from engine.events.catalog import (
     WeightSyncFailed as WeightSyncFailedEvent,
 )
-from engine.events.codec import decode
 from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
-from engine.events.log import EventLog, RawEntry
+from engine.events.log import EventLog
 from engine.events.names import StreamNames
-from engine.events.redis_log import RedisSettings, open_log
-from engine.projections.lanes import CeChunk, Lane, ce_chunks, plan_ce, request_lane
-from engine.projections.loading import IndexFold, LoadFold
+from engine.events.redis_log import open_log
 from engine.projections.policy import PolicyProjection, PolicyState
-from engine.projections.samples import (
-    ce_samples,
-    no_terminal,
-    samples_named,
-    scalar_reward,
-    trainer_samples,
-)
+from engine.projections.samples import trainer_samples
 from engine.runtime.consumer import Backoff
 from engine.runtime.live import LiveFold
+from engine.runtime.readback import StreamLoad, follow, iter_samples, load_samples, scan
 from engine.runtime.rebuild import gc_paused
 from engine.sample import Sample
+from engine.settings import Settings
 
 __all__ = [
     "TEACHER_ALGORITHMS",
@@ -121,11 +99,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_LOAD_PAGE = 4096  # entries per XRANGE page when loading a rollout
-_CE_PLAN_PAGE = 1024  # trajectories read back at a time to plan the CE lane (iter_load)
-
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
-"""Algorithms whose loss needs teacher logprobs (the per-token lanes of rollout-engine §5)."""
+"""Algorithms whose loss needs teacher logprobs (the per-token and mixed lanes)."""
 
 
 class RolloutClient:
@@ -140,10 +115,22 @@ class RolloutClient:
 
     @classmethod
     def connect(
-        cls, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+        cls,
+        url: str | None = None,
+        *,
+        prefix: str | None = None,
+        block_ms: int = 2000,
+        producer: str = "trainer",
     ) -> RolloutClient:
-        settings = RedisSettings(url=url, block_ms=block_ms)
-        return cls(open_log(settings, names=StreamNames(prefix), producer=producer))
+        """A client on its own connection, configured as every ``rollout`` command is: the
+        URL (default ``ROLLOUT_REDIS_URL``), the prefix (default ``ROLLOUT_STREAM_PREFIX``),
+        the credentials and TLS files from ``ROLLOUT_REDIS_*`` (``engine.settings``)."""
+        settings = Settings.from_env()
+        redis = settings.redis(block_ms=block_ms)
+        if url is not None:
+            redis = dataclasses.replace(redis, url=url)
+        names = StreamNames(settings.stream_prefix if prefix is None else prefix)
+        return cls(open_log(redis, names=names, producer=producer))
 
     async def aclose(self) -> None:
         await self.log.aclose()
@@ -342,14 +329,7 @@ class RolloutClient:
     async def load(self, rollout_id: str) -> list[Sample]:
         """The rollout's samples, rebuilt from its stream (see the module docstring)."""
         with gc_paused():  # what is built is kept: collections would only re-scan it
-            return await self._load(self.names.rollout(rollout_id))
-
-    async def _load(self, stream: str) -> list[Sample]:
-        # Its own frame: the fold is freed when it returns, before the collector is back on
-        # (whose first pass then walks the samples only).
-        fold = LoadFold()
-        await self._scan(stream, fold)
-        return trainer_samples(fold.state())
+            return await load_samples(self.log, self.names.rollout(rollout_id))
 
     async def wait_load(
         self, rollout_id: str, timeout: float | None = None
@@ -365,46 +345,22 @@ class RolloutClient:
     async def _wait_load(
         self, rollout_id: str, stream: str, timeout: float | None
     ) -> tuple[RolloutReady, list[Sample]]:
-        fold = LoadFold()
+        load = StreamLoad(stream, keep=True)
         waited = asyncio.Event()
-        follow = asyncio.create_task(self._follow(stream, fold, waited))
+        following = asyncio.create_task(follow(self.log, load, waited))
         try:
             ready = await self.wait_ready(rollout_id, timeout)
         except BaseException:
-            follow.cancel()
+            following.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await follow
+                await following
             raise
         waited.set()
-        position = await follow
-        return ready, await self._finish_load(stream, fold, position)
-
-    async def _finish_load(self, stream: str, fold: LoadFold, position: str) -> list[Sample]:
+        position = await following
         # The entries past what the follower folded (the rest of a page, an aborted tail
-        # recorded after the RolloutReady), then the samples; the fold is freed on return.
-        start = "-" if position == EMPTY_ID else exclusive(position)
-        await self._scan(stream, fold, start=start)
-        return trainer_samples(fold.state())
-
-    async def _follow(self, stream: str, fold: LoadFold, waited: asyncio.Event) -> str:
-        """Fold ``stream`` into ``fold`` as it is written, with blocking reads, until the
-        fold holds the rollout's ``RolloutReady`` or ``waited`` is set (the control plane
-        has the ready event: the rollout stream had it first, unless it is gone); returns
-        the id of the last entry folded. An outage pauses it (``wait_ready`` rides it out
-        and says when it is over); what it missed, ``_finish_load`` reads."""
-        position = EMPTY_ID
-        backoff = Backoff(first_s=0.5, max_s=5.0)
-        while fold.ready is None and not waited.is_set():
-            try:
-                rows = await self.log.tail_raw({stream: position}, count=_LOAD_PAGE)
-            except LogUnavailable as exc:
-                await asyncio.sleep(backoff.next_pause(exc))
-                continue
-            backoff.reset()
-            if rows:
-                position = rows[-1][1]
-                fold.feed((entry_id, raw) for _stream, entry_id, raw in rows)
-        return position
+        # recorded after the RolloutReady), then the samples.
+        await scan(self.log, load, start="-" if position == EMPTY_ID else exclusive(position))
+        return ready, trainer_samples(load.rollout())
 
     async def iter_load(
         self, rollout_id: str, chunk_size: int = 1024
@@ -412,122 +368,12 @@ class RolloutClient:
         """``load``'s samples, ``chunk_size`` at a time (see the module docstring)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-        stream = self.names.rollout(rollout_id)
-        index = IndexFold()
-        with gc_paused():  # the collector stays on while the caller holds a chunk
-            # Pages of about a chunk's entries (a sample has a few): memory follows the
-            # caller's chunk size, not the rollout's.
-            await self._scan(stream, index, min(_LOAD_PAGE, max(256, 4 * chunk_size)))
-        ready = index.ready
-        if ready is None or ready.dummy:
-            # Nothing to stream (no ready event: the error; a dummy: one sample).
-            with gc_paused():
-                whole = await self._load(stream)
-            for at in range(0, len(whole), chunk_size):
-                yield whole[at : at + chunk_size]
-            return
-        lane = request_lane(index.request)
-        if lane is Lane.CE:
-            async for sub_samples in self._iter_ce(stream, index, chunk_size):
-                yield sub_samples
-            return
-        ids = ready.sample_ids
-        for at in range(0, len(ids), chunk_size):
-            part = ids[at : at + chunk_size]
-            with gc_paused():
-                events = await self._read_back(stream, index, part)
-                samples = samples_named(index.chunk_state(part, events), part, lane)
-                del events
-            yield samples
-            del samples
-
-    async def _iter_ce(
-        self, stream: str, index: IndexFold, chunk_size: int
-    ) -> AsyncGenerator[list[Sample], None]:
-        """The CE lane's sub-samples, ``chunk_size`` at a time, as ``load`` orders them: the
-        plan (which trajectory gives which chunks, shuffled across the whole rollout) is made
-        from the completed trajectories read back a page at a time, each kept as its chunks'
-        bounds only; then each chunk of the plan reads back and builds its parents."""
-        ready = index.ready
-        assert ready is not None
-        for sample_id in ready.sample_ids:
-            if not index.has_terminal(sample_id):
-                raise no_terminal(index.rollout_id, sample_id)
-        completed = [sid for sid in ready.sample_ids if index.completed(sid)]
-        trajectories: list[tuple[str, list[CeChunk]]] = []
-        page = min(_CE_PLAN_PAGE, max(256, chunk_size))  # memory follows the chunk size
-        for at in range(0, len(completed), page):
-            part = completed[at : at + page]
-            with gc_paused():
-                state = index.chunk_state(part, await self._read_back(stream, index, part))
-                for sid in part:
-                    done = state.samples[sid].completed
-                    assert done is not None
-                    trajectories.append((sid, ce_chunks(done)))
-                del state
-        plan = plan_ce(index.request, trajectories).chunks
-        del trajectories
-        if not plan:
-            yield [Sample.masked_dummy(policy_version=ready.policy_version)]
-            return
-        for at in range(0, len(plan), chunk_size):
-            part_plan = plan[at : at + chunk_size]
-            parents = list(dict.fromkeys(c.sample_id for c in part_plan))
-            with gc_paused():
-                events = await self._read_back(stream, index, parents)
-                samples = ce_samples(index.chunk_state(parents, events), part_plan)
-                del events
-            yield samples
-            del samples
-
-    async def _scan(
-        self,
-        stream: str,
-        fold: LoadFold | IndexFold,
-        page: int = _LOAD_PAGE,
-        *,
-        start: str = "-",
-    ) -> None:
-        """Fold every entry of ``stream`` from ``start`` on into ``fold``, ``page`` raw
-        entries at a time; the next page is asked for before this one is folded, so Redis
-        serves it meanwhile."""
-
-        async def read(start: str) -> list[RawEntry]:
-            (rows,) = await self.log.read_raw_ranges(stream, [(start, "+", page)])
-            return rows
-
-        pending: asyncio.Task[list[RawEntry]] | None = asyncio.create_task(read(start))
+        chunks = iter_samples(self.log, self.names.rollout(rollout_id), chunk_size)
         try:
-            while pending is not None:
-                rows = await pending
-                pending = None
-                if len(rows) == page:
-                    pending = asyncio.create_task(read(exclusive(rows[-1][0])))
-                fold.feed(rows)
+            async for chunk in chunks:
+                yield chunk
         finally:
-            if pending is not None:
-                pending.cancel()
-
-    async def _read_back(
-        self, stream: str, index: IndexFold, sample_ids: Sequence[str]
-    ) -> dict[int, Event]:
-        """The entries the samples of ``sample_ids`` are built from, decoded, by ordinal:
-        read in a few ranges, in one round trip."""
-        wanted = index.wanted(sample_ids)
-        ranges = index.ranges(wanted)
-        replies = await self.log.read_raw_ranges(
-            stream, [(start, "+", count) for start, count, _first in ranges]
-        )
-        keep = set(wanted)
-        events: dict[int, Event] = {}
-        for (_start, _count, first), rows in zip(ranges, replies, strict=True):
-            for offset, (_entry_id, raw) in enumerate(rows):
-                if first + offset in keep:
-                    try:
-                        events[first + offset] = decode(raw)
-                    except DecodeError:
-                        pass  # named by chunk_state: not the entry the first pass read
-        return events
+            await chunks.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -625,127 +471,18 @@ def _sync_error(failed: WeightSyncFailedEvent) -> WeightSyncFailed:
     return WeightSyncFailed(failed.version, failed.error, failed.servers_failed)
 
 
-def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad samples into a batch of tensors (see the module docstring).
-
-    Each field is built as one numpy array and handed to torch once: the samples' packed
-    arrays are joined (bytes, no per-token Python objects) and scattered into the padded
-    batch with one boolean-mask assignment in row-major order, which is exactly "row i,
-    positions 0..n_i" for the tokens and "row i, its response positions" for the rest.
-    """
-    if not samples:
-        raise ValueError("collate needs at least one sample")
-    batch = len(samples)
-    lengths = np.fromiter((len(s.tokens) for s in samples), dtype=np.int64, count=batch)
-    responses = np.fromiter((s.response_length for s in samples), dtype=np.int64, count=batch)
-    width = int(lengths.max())
-    position = np.arange(width, dtype=np.int64)
-    valid = position < lengths[:, None]
-    response = valid & (position >= (lengths - responses)[:, None])
-
-    tokens = np.full((batch, width), pad_token_id, dtype=np.int64)
-    tokens[valid] = _joined(TokenIds, [s.tokens for s in samples])
-    loss_mask = np.zeros((batch, width), dtype=np.float32)
-    loss_mask[response] = _joined(Mask, [s.loss_mask for s in samples])
-    logprobs = np.zeros((batch, width), dtype=np.float32)
-    logprobs[response] = _joined(
-        LogProbs, [_or_zeros(s.rollout_log_probs, s.response_length) for s in samples]
-    )
-    out = {
-        "tokens": torch.from_numpy(tokens),
-        "attention_mask": torch.from_numpy(valid.astype(np.int64)),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "rollout_log_probs": torch.from_numpy(logprobs),
-        "rewards": torch.from_numpy(
-            np.array([scalar_reward(s.reward) for s in samples], dtype=np.float32)
-        ),
-        "response_lengths": torch.from_numpy(responses),
-        "prompt_lengths": torch.from_numpy(lengths - responses),
-        "remove_sample": torch.from_numpy(
-            np.fromiter((s.remove_sample for s in samples), dtype=np.bool_, count=batch)
-        ),
-    }
-    versions = np.full((batch, width), UNKNOWN_VERSION, dtype=np.int64)
-    versions[response] = _joined(
-        TokenIds, [_or_unknown(s.token_versions, s.response_length) for s in samples]
-    )
-    out["token_versions"] = torch.from_numpy(versions)
-    per_token: tuple[tuple[str, type[PackedArray], Any], ...] = (
-        ("teacher_log_probs", LogProbs, np.float32),
-        ("action_mask", Mask, np.float32),
-        ("is_teacher_mask", Mask, np.float32),
-    )
-    for name, kind, dtype in per_token:
-        arrays = _lane_field(samples, name)
-        if arrays is not None:
-            values = np.zeros((batch, width), dtype=dtype)
-            values[response] = _joined(
-                kind, [a if a is not None else kind(bytes(kind.itemsize * s.response_length))
-                       for a, s in zip(arrays, samples, strict=True)]
-            )
-            out[name] = torch.from_numpy(values)
-    if _lane_field(samples, "teacher_topk_ids") is not None:
-        out.update(_topk(samples, width))
-    return out
-
-
-def _lane_field(samples: Sequence[Sample], name: str) -> list[Any] | None:
-    """A lane's per-token field of each sample, when every sample that is not removed has it
-    (and one does); removed samples (masked dummies) then get zeros. None: not a batch field."""
-    arrays = [getattr(s, name) for s in samples]
-    kept = [a for a, s in zip(arrays, samples, strict=True) if not s.remove_sample]
-    if not any(a is not None for a in arrays) or any(a is None for a in kept):
-        return None
-    return arrays
-
-
-def _topk(samples: Sequence[Sample], width: int) -> dict[str, torch.Tensor]:
-    """``teacher_topk_ids`` [B, T, K] int64 and ``teacher_topk_log_probs`` [B, T, K] float32,
-    aligned with ``tokens`` (zeros on the prompt, padding and removed samples)."""
-    ks = {s.teacher_top_k for s in samples if s.teacher_topk_ids is not None}
-    if len(ks) != 1:
-        raise ValueError(f"collate: the samples' teacher top-K differ: {sorted(ks)}")
-    (k,) = ks
-    batch = len(samples)
-    ids = np.zeros((batch, width, k), dtype=np.int64)
-    lps = np.zeros((batch, width, k), dtype=np.float32)
-    # Row by row: each sample's rows are one contiguous block (a copy, no boolean scatter
-    # over a [B, T, K] array).
-    for row, s in enumerate(samples):
-        if s.teacher_topk_ids is None or s.teacher_topk_log_probs is None:
-            continue  # a removed sample: zeros
-        end = len(s.tokens)
-        start = end - s.response_length
-        ids[row, start:end] = s.teacher_topk_ids.numpy().reshape(-1, k)
-        lps[row, start:end] = s.teacher_topk_log_probs.numpy().reshape(-1, k)
-    return {
-        "teacher_topk_ids": torch.from_numpy(ids),
-        "teacher_topk_log_probs": torch.from_numpy(lps),
-    }
-
-
-def _joined(kind: type[PackedArray], arrays: Sequence[PackedArray]) -> np.ndarray[Any, Any]:
-    """The arrays' values end to end, as one read-only numpy array of ``kind``'s dtype."""
-    return np.frombuffer(b"".join(a.data for a in arrays), dtype=kind.dtype)
-
-
-def _or_zeros(array: LogProbs | None, n: int) -> PackedArray:
-    return array if array is not None else LogProbs(bytes(LogProbs.dtype.itemsize * n))
-
-
-_UNKNOWN_INT32 = np.array([UNKNOWN_VERSION], dtype=TokenIds.dtype).tobytes()
-
-
-def _or_unknown(array: TokenIds | None, n: int) -> PackedArray:
-    return array if array is not None else TokenIds(_UNKNOWN_INT32 * n)
-
-
 class SyncRolloutClient:
     """The same calls for synchronous code, on a private event loop (not thread-safe)."""
 
     def __init__(
-        self, url: str, *, prefix: str = "rl", block_ms: int = 2000, producer: str = "trainer"
+        self,
+        url: str | None = None,
+        *,
+        prefix: str | None = None,
+        block_ms: int = 2000,
+        producer: str = "trainer",
     ) -> None:
+        """See :meth:`RolloutClient.connect` (the settings it reads)."""
         self._runner = asyncio.Runner()
         self._client = self._runner.run(
             _make(url, prefix=prefix, block_ms=block_ms, producer=producer)
@@ -839,5 +576,7 @@ class SyncRefillLoop:
         return self._runner.run(self.loop.publish(version, weights_uri, wait=wait))
 
 
-async def _make(url: str, *, prefix: str, block_ms: int, producer: str) -> RolloutClient:
+async def _make(
+    url: str | None, *, prefix: str | None, block_ms: int, producer: str
+) -> RolloutClient:
     return RolloutClient.connect(url, prefix=prefix, block_ms=block_ms, producer=producer)

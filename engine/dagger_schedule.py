@@ -2,7 +2,7 @@
 
 The trainer (the only party that knows the iteration) builds one schedule and puts
 ``schedule.knobs(iteration)`` into each training rollout request's ``knobs``; they reach every
-episode as ``EpisodeContext.dagger_beta`` / ``t_max`` (task-scheduler §5).
+episode as ``EpisodeContext.dagger_beta`` / ``t_max``.
 
 ``beta`` (the probability the teacher executes a turn) decays from ``beta_start`` to
 ``beta_end``:

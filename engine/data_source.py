@@ -1,28 +1,18 @@
 """Serve prompts from JSONL datasets, resumably: the cursor is a plain value in an event.
 
-Training (``MultiDataSource``):
+Training (``MultiDataSource``) serves datasets one after the other, then the next epoch; in an
+epoch each dataset's rows come in a permutation derived from ``(seed, epoch, dataset name)``
+only (``shuffle=False``: file order). ``fetch(cursor, n)`` is pure in the cursor, so the
+scheduler event-sources it (``DataCursorAdvanced``) and a restart resumes exactly:
+``fetch(c, 3)`` then ``fetch(c', 7)`` serves what ``fetch(c, 10)`` serves.
 
-- datasets are served FIFO: dataset A is exhausted before B is started, then the next epoch;
-- within an epoch each dataset's rows come in a permutation derived from
-  ``(seed, epoch, dataset name)`` only (never global random state), so the same seed gives the
-  same order and another seed another order; ``shuffle=False`` keeps file order;
-- ``fetch(cursor, n_prompts)`` is pure with respect to the cursor: it returns the records and
-  the cursor after them. The scheduler event-sources the cursor (``DataCursorAdvanced``) and a
-  restarted scheduler resumes exactly: ``fetch(c, 3)`` then ``fetch(c', 7)`` serves what
-  ``fetch(c, 10)`` serves.
+Eval (``build_eval_tasks``) serves every prompt (up to ``max_prompts``) of every eval dataset,
+interleaved round-robin across datasets so concurrent samples spread over their sandboxes.
+Every task holds its own deep copy of its prompt, label and metadata.
 
-``expand_groups`` turns prompt records into ``Task``s: each prompt becomes
-``n_samples_per_prompt`` consecutive samples sharing a group index, each holding its own deep
-copy of the prompt, label and metadata.
-
-Eval (``build_eval_tasks``): every prompt of every eval dataset (up to ``max_prompts``) times
-``n_samples_per_eval_prompt``, interleaved round-robin across datasets (A B C A B C ..., not
-A A B B C C) so concurrent samples spread over datasets and their sandboxes.
-
-Files are read lazily, on first use, and cached. Each line must be a JSON object with the
-dataset's ``input_key`` (a string or a list of chat messages), its ``label_key`` (when set) and
-its ``metadata_keys``; blank lines are skipped. Anything else is a ``ConfigError`` naming
-``file:line``, the dataset and the problem.
+Files are read on first use and cached. Each non-blank line must be a JSON object with the
+dataset's ``input_key`` (a string or chat messages), its ``label_key`` (when set) and its
+``metadata_keys``; anything else is a ``ConfigError`` naming ``file:line`` and the dataset.
 """
 
 from __future__ import annotations
@@ -60,10 +50,9 @@ __all__ = [
 
 
 class DataCursor(FrozenModel):
-    """Where a ``MultiDataSource`` stands: the next prompt is row ``offset`` of dataset
-    ``dataset_index`` in epoch ``epoch``'s order. ``datasets`` names the datasets the cursor
-    and ``shuffled`` how it orders them were taken over, so resuming against a different
-    config fails instead of drifting."""
+    """The next prompt is row ``offset`` of dataset ``dataset_index`` in epoch ``epoch``'s order.
+    ``datasets`` and ``shuffled`` record what the cursor was taken over, so resuming against
+    another config fails instead of drifting."""
 
     seed: Annotated[int, Strict()]
     datasets: tuple[str, ...]
@@ -75,11 +64,7 @@ class DataCursor(FrozenModel):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt as read from its dataset, before it becomes a group of tasks.
-
-    Records share the dataset's cached rows, so they are read-only; ``expand_groups`` and
-    ``build_eval_tasks`` give every task its own deep copy.
-    """
+    """One prompt as read from its dataset; read-only (it shares the dataset's cached rows)."""
 
     dataset: DatasetConfig
     line: int  # 1-based line in the dataset file
@@ -104,12 +89,11 @@ class JsonlDataset:
         return len(self._load())
 
     def validate(self) -> int:
-        """Read and check every line now (a broken line raises ``ConfigError`` naming the
-        file and line); returns the number of rows. The rows stay cached."""
+        """Read and check every line now; return the number of rows."""
         return len(self._load())
 
     def record(self, position: int, *, epoch: int = 0) -> PromptRecord:
-        """The ``position``-th row in file order (shares the cache: read-only)."""
+        """The ``position``-th row in file order."""
         row = self._load()[position]
         return row if row.epoch == epoch else replace(row, epoch=epoch)
 
@@ -180,20 +164,13 @@ class MultiDataSource:
         self._shuffle = shuffle
         self._orders: dict[tuple[int, int, int], tuple[int, ...]] = {}
 
-    @property
-    def dataset_names(self) -> tuple[str, ...]:
-        return self._names
-
     def start(self, seed: int) -> DataCursor:
         """The cursor before the first prompt of epoch 0 for ``seed``."""
         return DataCursor(seed=seed, datasets=self._names, shuffled=self._shuffle)
 
     def fetch(self, cursor: DataCursor, n_prompts: int) -> tuple[list[PromptRecord], DataCursor]:
-        """The next ``n_prompts`` prompts after ``cursor`` and the cursor after them.
-
-        The data never runs out: after the last dataset the next epoch starts; the caller
-        stops on ``cursor.epoch`` when it wants a bounded number of epochs.
-        """
+        """The next ``n_prompts`` prompts after ``cursor`` and the cursor after them. The data
+        never runs out: a caller wanting bounded epochs stops on ``cursor.epoch``."""
         if n_prompts < 0:
             raise ValueError(f"n_prompts must be non-negative, got {n_prompts}")
         if (cursor.datasets, cursor.shuffled) != (self._names, self._shuffle):
@@ -226,14 +203,13 @@ class MultiDataSource:
         return records, advanced
 
     def _order(self, seed: int, epoch: int, index: int) -> tuple[int, ...]:
-        """Row positions of dataset ``index`` in epoch ``epoch``'s serving order."""
         key = (seed, epoch, index)
         order = self._orders.get(key)
         if order is None:
             positions = list(range(len(self._datasets[index])))
             if self._shuffle:
-                # A private Random seeded with an int: reproducible across processes and
-                # untouched by global random state or hash randomization.
+                # An int-seeded private Random: reproducible across processes, untouched by
+                # global random state and hash randomization.
                 random.Random(_shuffle_seed(seed, epoch, self._names[index])).shuffle(positions)
             order = tuple(positions)
             # One epoch at a time is live; keep the cache from growing with the epochs.
@@ -254,11 +230,8 @@ def expand_groups(
     first_index: int = 0,
     first_group_index: int = 0,
 ) -> list[Task]:
-    """Each record becomes ``copies_per_prompt`` consecutive tasks sharing one group index.
-
-    Indices continue from ``first_index`` / ``first_group_index`` so that several fetches of
-    one rollout number their samples and groups without gaps or repeats.
-    """
+    """Each record becomes ``copies_per_prompt`` consecutive tasks sharing one group index,
+    numbered on from ``first_index`` / ``first_group_index``."""
     tasks: list[Task] = []
     for group_offset, record in enumerate(records):
         group_index = first_group_index + group_offset
@@ -274,11 +247,8 @@ def build_eval_tasks(
     first_index: int = 0,
     first_group_index: int = 0,
 ) -> list[Task]:
-    """Every eval sample, interleaved round-robin across datasets (see module docstring).
-
-    Group indices number (dataset, prompt) pairs dataset by dataset; sample indices follow the
-    interleaved order.
-    """
+    """Every eval sample, interleaved round-robin across datasets; group indices number
+    (dataset, prompt) pairs dataset by dataset."""
     per_dataset: list[list[tuple[PromptRecord, int]]] = []
     group = first_group_index
     for dataset in datasets:
@@ -322,8 +292,8 @@ _IMMUTABLE = (str, int, float, bool, type(None))
 
 
 def _own(value: Any) -> Any:
-    """The task's own copy of a record's value: immutable values are shared as they are
-    (``deepcopy`` would return them too, after its dispatch: a cost per sample)."""
+    """The task's own copy of a record's value; immutable values are shared, skipping
+    ``deepcopy``'s dispatch per sample."""
     kind = type(value)
     if kind in _IMMUTABLE:
         return value

@@ -1,20 +1,14 @@
 """Domain records of the scheduler's data path: resources, generation limits, datasets, tasks.
 
-Contracts:
-
-- Every record is immutable, pure data and validated once, at construction. Records events
-  carry are frozen pydantic models; ``EvaluatorProfile`` (what the scheduler knows of an
-  evaluator) is a frozen dataclass whose errors name the evaluator id. The domain holds no
-  live objects: binding a profile to the agent that runs it is ``engine.agents.binding``,
-  which only evaluator workers build.
-- Integer and boolean fields are strict: a YAML ``"8"`` or ``true`` is refused where a number is
-  expected instead of being coerced. Numbers for float fields may be written as integers.
-- ``StoppingCriteria`` and ``SamplingParams`` fields are all optional; ``None`` means "not set at
-  this level", so the scheduler's cascade (flags -> evaluator profile -> dataset, finest wins,
-  see ``engine.batching``) can merge them field by field with ``overlay``. The planner resolves
-  the cascade once; a sample's ``TaskFetched`` carries the result.
-- ``max_new_tokens`` is a stopping criterion, not a sampling parameter: the agent derives each
-  turn's budget from it and the remaining context, so it lives in ``StoppingCriteria`` only.
+- Every record is immutable pure data, validated once at construction: frozen pydantic models
+  for what events carry, a frozen dataclass for ``EvaluatorProfile`` (errors name the
+  evaluator id). No live objects: binding a profile to its agent is ``engine.agents.binding``.
+- Integer and boolean fields are strict (a YAML ``"8"`` or ``true`` is refused, not coerced);
+  float fields accept integers.
+- ``StoppingCriteria`` and ``SamplingParams`` fields are optional, ``None`` meaning "not set at
+  this level", so the cascade of ``engine.batching`` merges them field by field (``overlay``).
+- ``max_new_tokens`` is a stopping criterion only: the agent derives each turn's budget from it
+  and the remaining context.
 - A dataset's ``task_type`` names the ``EvaluatorProfile.evaluator_id`` that runs its samples.
 """
 
@@ -78,7 +72,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 def check_identifier(value: str) -> str:
-    """Accept names that are safe inside stream keys and metric names (``rl:work:{id}``)."""
+    """Accept names safe inside stream keys and metric names (``rl:work:{id}``)."""
     if not _IDENTIFIER.fullmatch(value):
         raise ValueError(
             f"must be a name of letters, digits, '_', '.' or '-' (starting with a letter or "
@@ -99,8 +93,8 @@ ChatMessage = dict[str, JsonValue]
 
 
 def check_prompt(value: object) -> str | list[ChatMessage]:
-    """Return ``value`` if it is a prompt: a string, or a non-empty list of chat messages each
-    with a string ``role``; raise ``ValueError`` saying what is wrong otherwise."""
+    """``value`` if it is a string or a non-empty list of chat messages with a string ``role``;
+    ``ValueError`` saying what is wrong otherwise."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
@@ -159,11 +153,8 @@ class StoppingCriteria(FrozenModel):
 
 
 class SamplingParams(FrozenModel):
-    """SGLang sampling parameters (native ``/generate`` names); ``None`` means not set.
-
-    Unknown names are refused so that a typo in a config does not silently sample with the
-    server's default. ``as_request()`` gives the mapping to send.
-    """
+    """SGLang sampling parameters (native ``/generate`` names); ``None`` means not set. Unknown
+    names are refused: a typo must not silently sample with the server's default."""
 
     temperature: NonNegFloat | None = None
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
@@ -204,7 +195,7 @@ class SamplingParams(FrozenModel):
         return value
 
     def as_request(self) -> dict[str, JsonValue]:
-        """The fields that are set, as a JSON-ready mapping for SGLang's ``sampling_params``."""
+        """The fields that are set, as SGLang's ``sampling_params``."""
         out: dict[str, JsonValue] = {}
         for name, value in self:
             if value is None:
@@ -223,9 +214,8 @@ def overlay(coarse: _Layer, fine: _Layer) -> _Layer:
 
 
 class _DatasetBase(FrozenModel):
-    """Settings shared by training and eval datasets: where the rows are, how to read them,
-    which evaluator runs them, and per-dataset generation overrides (the finest cascade level).
-    """
+    """Settings shared by training and eval datasets, with per-dataset generation overrides
+    (the finest cascade level)."""
 
     name: Identifier
     path: Path
@@ -241,7 +231,6 @@ class _DatasetBase(FrozenModel):
 
     @property
     def stopping(self) -> StoppingCriteria:
-        """This dataset's level of the stopping cascade."""
         return StoppingCriteria(
             max_turns=self.max_turns,
             max_context_len=self.max_context_len,
@@ -258,7 +247,6 @@ class DatasetEntry(_DatasetBase):
 
     @property
     def copies_per_prompt(self) -> int:
-        """How many samples (one group) each prompt becomes."""
         return self.n_samples_per_prompt
 
 
@@ -276,27 +264,21 @@ class EvalDatasetConfig(_DatasetBase):
 
 
 DatasetConfig = Annotated[DatasetEntry | EvalDatasetConfig, Field(discriminator="kind")]
-"""Either kind of dataset; ``kind`` tells them apart when a task is decoded from an event."""
 
 
 def sample_id_for(rollout_id: str, index: int) -> str:
-    """The sample id of the ``index``-th sample of a rollout (stable across replays)."""
     return f"{rollout_id}:s{index}"
 
 
 def batch_id_for(rollout_id: str, sequence: int) -> str:
-    """The batch id for sequence number ``sequence`` within a rollout."""
     return f"{rollout_id}:b{sequence}"
 
 
 class Task(FrozenModel):
-    """One sample to run: a deep copy of a dataset prompt, with what the sample needs of its
-    dataset (its name, its task type and the prompt's line in the file).
-
-    ``index`` numbers the samples of a rollout; samples of one prompt share ``group_index``.
-    ``source_line`` is the 1-based line of the prompt in the dataset's JSONL file. The
-    dataset's settings (group size, generation overrides) are the planner's business: they
-    are resolved into the sample's ``TaskFetched`` and are not part of the task.
+    """One sample to run: its own copy of a dataset prompt, with the dataset's name and task
+    type and the prompt's 1-based line in the file. ``index`` numbers the samples of a rollout;
+    samples of one prompt share ``group_index``. Dataset settings are resolved into the
+    sample's ``TaskFetched``, not held here.
     """
 
     sample_id: StrictStr
@@ -338,13 +320,12 @@ class Batch(FrozenModel):
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluatorProfile:
-    """What the scheduler knows of an evaluator, selected by ``task_type``: pure data.
+    """What the scheduler knows of an evaluator, selected by ``task_type``.
 
-    ``resource`` is the evaluator's whole budget (``concurrency`` is its semaphore ceiling);
-    ``run_resource`` / ``eval_resource`` are what one sample holds while its agent runs and
-    while it is verified. ``batch_size=None`` lets fifo batching keep one open batch per type.
-    ``default_stopping`` / ``default_sampling_params`` are the evaluator's level of the
-    generation cascade. Invalid values raise ``ConfigError`` naming the evaluator id.
+    ``resource`` is its whole budget (``concurrency``: its semaphore ceiling); ``run_resource`` /
+    ``eval_resource`` are what one sample holds while its agent runs and while it is verified.
+    ``batch_size=None`` keeps one open batch per type. ``default_stopping`` /
+    ``default_sampling_params`` are the evaluator's level of the generation cascade.
     """
 
     evaluator_id: str
@@ -382,5 +363,5 @@ class EvaluatorProfile:
 
     @property
     def sample_resource(self) -> Resource:
-        """The peak one sample holds: run and eval never overlap, so the per-field max."""
+        """Run and eval never overlap, so one sample holds the per-field max."""
         return self.run_resource.peak(self.eval_resource)

@@ -1,4 +1,4 @@
-"""Reference losses for the tensors ``collate`` builds, one per lane (rollout-engine §5).
+"""Reference losses for the tensors ``collate`` builds, one per lane.
 
 Pure torch, no engine imports: a trainer may copy this module as it is. Every loss takes
 ``[B, T]`` tensors in ``collate``'s layout (one row per sample, prompt + response, prompt

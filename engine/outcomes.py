@@ -1,7 +1,7 @@
 """One outcome family: how an episode ended, and everything derived from that.
 
-Four views of one fact used to be four unrelated vocabularies; here they are one family with
-explicit derivations, so a value of one can never disagree with the others::
+Four views of one fact, one family with explicit derivations, so a value of one can never
+disagree with the others::
 
     TerminationReason ──is_abort──▶ AbortClass ──▶ FailureClass   (summaries)
             │                                          ▲
@@ -10,19 +10,18 @@ explicit derivations, so a value of one can never disagree with the others::
        SampleStatus (the trainer's)          TerminationReason + reward
 
 * ``TerminationReason``: why an episode ended -- the agent's own reasons (``finish``,
-  ``length``, ``max_turns``, ``max_context``) followed by the abort classes (seed §4).
+  ``length``, ``max_turns``, ``max_context``) followed by the abort classes.
 * ``AbortClass``: the subset of reasons that abort a sample (the evaluator's
   ``classify_abort``); its values are spelled exactly as the reasons they derive from.
 * ``FailureClass``: the eight summary classes (seeds: ``classify_termination``): the four
   abort classes, then ``success`` / ``truncated_turns`` / ``truncated_context`` /
   ``wrong_answer`` decided by the reward and the reason; plus the two classes of samples the
-  engine ended on purpose (``stale``, ``tail_aborted``; issue 12), which summaries list only
-  when a sample has one, so a rollout without them summarizes as it always did.
+  engine ended on purpose (``stale``, ``tail_aborted``), which summaries list only when a
+  sample has one.
 * ``SampleStatus``: the trainer's lifecycle name of a sample (slime's ``Sample.Status``).
 
 Events carry these enums (``SampleCompleted.status`` / ``termination_reason``,
-``SampleAborted.abort_class`` / ``agent_reason``); on the wire they are the same strings they
-always were, and a value outside the family does not decode (the entry is dead-lettered).
+``SampleAborted.abort_class`` / ``agent_reason``); on the wire they are their string values, and a value outside the family does not decode (the entry is dead-lettered).
 This module imports nothing from the engine, so the domain and the events can both use it.
 """
 
@@ -54,7 +53,7 @@ class FailureClass(StrEnum):
     INFRA_CONN = "infra_conn"
     INFRA_SANDBOX = "infra_sandbox"
     INFRA_OTHER = "infra_other"
-    # Ended by the engine, not by the agent or a failure (issue 12): not among the eight
+    # Ended by the engine, not by the agent or a failure: not among the eight
     # classes of an ordinary summary, which lists these only when a sample has one.
     STALE = "stale"
     TAIL_ABORTED = "tail_aborted"
@@ -98,7 +97,7 @@ class AbortClass(StrEnum):
 
 
 class TerminationReason(StrEnum):
-    """Why an episode ended: the agent's own reasons, then the abort classes (seed §4)."""
+    """Why an episode ended: the agent's own reasons, then the abort classes."""
 
     FINISH = "finish"  # the agent or the model declared the task done
     LENGTH = "length"  # the last generation hit its token budget
@@ -108,7 +107,7 @@ class TerminationReason(StrEnum):
     INFRA_CONN = "infra_conn"  # the model server could not be reached or aborted
     INFRA_SANDBOX = "infra_sandbox"  # the sandbox failed
     INFRA_OTHER = "infra_other"  # anything else, including dead-lettered deliveries
-    # Ended by the engine (issue 12). ``stale``: the sample could no longer meet its
+    # Ended by the engine. ``stale``: the sample could no longer meet its
     # rollout's staleness bound (a turn already ran on weights older than the trainer's
     # current version minus ``max_staleness``), so no further turn was generated.
     # ``tail_aborted``: the sample was in the tail of an over-provisioned rollout that became

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from engine.client import RefillLoop, RolloutClient, collate  # noqa: E402
 from engine.ops import demo  # noqa: E402
+from workers.cli import ROLLOUT  # noqa: E402
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -99,7 +100,7 @@ def main() -> int:
         ["--workdir", str(args.workdir), "--workers", "2"]
         + (["--train-steps", str(args.train_steps)] if args.train_steps is not None else [])
     )
-    stack = demo.start_stack(stack_args)
+    stack = demo.start_stack(stack_args, rollout=ROLLOUT)
     try:
         asyncio.run(train(stack, args.iterations, args.prompts, args.samples_per_prompt))
     finally:

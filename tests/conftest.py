@@ -1,6 +1,8 @@
-"""Shared fixtures: Redis backends (fakeredis and a real redis-server); the tinylm models the
-backend, proxy, agent and lane tests serve (built once per session); and ``teacher_server``,
-a tinylm subprocess on the ``teacher_dir`` the requesting test module defines.
+"""Shared fixtures: logs (``log`` and ``make_log``, in memory unless ``log_backend`` says
+otherwise; ``real_log`` on a real redis-server) and Redis clients (fakeredis and a
+real redis-server); the tinylm models the backend, proxy, agent and lane tests serve (built
+once per session); and ``teacher_server``, a tinylm subprocess on the ``teacher_dir`` the
+requesting test module defines.
 
 And a guard: a test that leaves behind a thread serving uvicorn (a tinylm server, the
 ``/metrics`` server) or any non-daemon thread, started by the test or by its function-scoped
@@ -16,7 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from engine.events import RedisEventLog, RedisSettings, connect
+from engine.events.log import EventLog
+from engine.events.memory_log import MemoryEventLog, MemoryStore
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops.tinylm import init_model
 from engine.sandbox import MANAGED_LABEL, LocalSandboxConfig, LocalSandboxProvider
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
@@ -131,11 +135,12 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.fixture(params=["fakeredis", "redis-server"])
-async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientFactory]:
-    """A factory of clients that all talk to one fresh, empty Redis."""
+@contextlib.asynccontextmanager
+async def redis_clients(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[ClientFactory]:
+    """A factory of clients that all talk to one fresh, empty Redis: ``fakeredis`` or the
+    session's ``redis-server``."""
     clients: list[aioredis.Redis] = []
-    if request.param == "fakeredis":
+    if kind == "fakeredis":
         server = fakeredis.FakeServer(version=(7, 0))
 
         def make() -> aioredis.Redis:
@@ -154,14 +159,75 @@ async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientF
             clients.append(client)
             return client
 
-    yield make
-    for client in clients:
-        await client.aclose()
+    try:
+        yield make
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+async def redis_factory(request: pytest.FixtureRequest) -> AsyncIterator[ClientFactory]:
+    """Clients of one fresh, empty Redis, on fakeredis and on a real redis-server."""
+    async with redis_clients(request.param, request) as make:
+        yield make
+
+
+LogFactory = Callable[..., EventLog]
+"""``make(producer=..., block_ms=..., max_deliveries=...)``: a log on one shared store (one
+"process" on one Redis)."""
 
 
 @pytest.fixture
-async def log(redis_factory: ClientFactory) -> RedisEventLog:
-    return RedisEventLog(redis_factory(), producer="test", block_ms=200, max_deliveries=3)
+def log_backend() -> str:
+    """The implementation ``make_log`` and ``log`` run on: ``memory`` unless a folder's
+    conftest says otherwise (``tests/events`` runs every implementation), or a test that
+    needs a real Redis does (``@pytest.mark.parametrize("log_backend", ["redis-server"])``);
+    ``fakeredis`` is the third."""
+    return "memory"
+
+
+@pytest.fixture
+async def make_log(
+    log_backend: str, request: pytest.FixtureRequest
+) -> AsyncIterator[LogFactory]:
+    """Logs on one fresh store of ``log_backend``."""
+    if log_backend == "memory":
+        store = MemoryStore()
+        yield lambda **kwargs: MemoryEventLog(store, **kwargs)
+        return
+    async with redis_clients(log_backend, request) as clients:
+        yield lambda **kwargs: RedisEventLog(clients(), **kwargs)
+
+
+@pytest.fixture
+def log(make_log: LogFactory) -> EventLog:
+    """The log a test runs on (see ``log_backend``)."""
+    return make_log(producer="test", block_ms=200, max_deliveries=3)
+
+
+@pytest.fixture
+async def real_log(redis_server: RedisServer) -> AsyncIterator[RedisEventLog]:
+    """A log on the session's redis-server, emptied first: for tests with engine processes,
+    which need a Redis they can reach."""
+    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
+    await client.flushall()
+    log = RedisEventLog(client, producer="test", block_ms=200)
+    yield log
+    await log.aclose()
+
+
+async def write_raw(
+    log: EventLog, stream: str, fields: Mapping[bytes | str, bytes], entry_id: str | None = None
+) -> str:
+    """Store an entry as given, undecoded (at ``entry_id`` when set): what a broken or
+    foreign writer leaves, or an archive's entries at their ids. On any implementation."""
+    raw = {k.encode() if isinstance(k, str) else k: v for k, v in fields.items()}
+    if isinstance(log, MemoryEventLog):
+        return log.append_fields(stream, raw, entry_id)
+    assert isinstance(log, RedisEventLog)
+    written = await log.redis.xadd(stream, raw, id=entry_id or "*")  # type: ignore[arg-type]
+    return written.decode() if isinstance(written, bytes) else str(written)
 
 
 TINYLM_QUESTION = "What is 17 + 25?"

@@ -3,7 +3,7 @@
 ``init_model`` (``rollout tinylm init DIR``) writes a briefly trained model in Hugging Face
 format, trained on dialogues rendered with the ``SystemPrompts`` of the agents it will serve;
 ``start_server`` (in-process, for tests), ``spawn_server`` (a subprocess) and ``serve``
-(``rollout tinylm serve --model DIR --port P``) serve it with SGLang's ``/generate``, OpenAI's
+(``rollout tinylm serve --model-path DIR --port P``) serve it with SGLang's ``/generate``, OpenAI's
 ``/v1/chat/completions`` and ``/abort_request``. Demos and tests exercise real HTTP, real
 tokenizers and real logprobs with it, without a GPU.
 

@@ -12,9 +12,9 @@ What this module adds around it:
   connection per episode, dozens at once.
 - ``UvicornThread``: uvicorn in a thread of its own with its own event loop, with no access
   log, no logging configuration and no signal handlers (the owner of the process has those).
-- ``wait_outputs`` / ``follow_tokens``: how a request handler on the event loop waits for the
-  scheduler thread's ``Pending`` replies without blocking the loop, aborting them when the
-  client disconnects.
+- ``wait_outputs`` / ``follow_all`` / ``follow_tokens``: how a request handler on the event loop
+  waits for the scheduler thread's ``Pending`` replies (or follows a stream's tokens) without
+  blocking the loop, aborting them when the client disconnects.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -34,8 +35,10 @@ from starlette.types import ASGIApp, Receive
 from tinylm.scheduler import GenerateOutput, Pending, TokenEvent
 
 __all__ = [
+    "Progress",
     "UvicornThread",
     "error_body",
+    "follow_all",
     "follow_tokens",
     "json_response",
     "listen",
@@ -211,29 +214,58 @@ async def wait_outputs(
     return [p.wait() for p in pendings]
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """News of request ``index`` of a ``follow_all``: tokens drawn since the last news, or its
+    end (``output``, or ``error`` when the scheduler failed it)."""
+
+    index: int
+    tokens: list[TokenEvent]
+    output: GenerateOutput | None = None
+    error: str | None = None
+
+
+async def follow_all(
+    pendings: Sequence[Pending], on_gone: Callable[[list[Pending]], None]
+) -> AsyncIterator[Progress]:
+    """The tokens of ``stream`` requests as they are drawn, then each one's end, interleaved
+    as they come. Closed before the end (the client left: the response's disconnect listener
+    cancels the stream), the requests not finished yet go to ``on_gone`` (to abort them)."""
+    loop = asyncio.get_running_loop()
+    news = asyncio.Event()
+    for pending in pendings:
+        pending.watch(_notifier(loop, news.set))
+    seen = [0] * len(pendings)
+    running = set(range(len(pendings)))
+    try:
+        while running:
+            news.clear()  # before reading: a token published after the read sets it again
+            quiet = True
+            for i in sorted(running):
+                events, done = pendings[i].progress(seen[i], 0)
+                seen[i] += len(events)
+                if done:
+                    quiet = False
+                    running.discard(i)
+                    try:
+                        yield Progress(i, events, output=pendings[i].wait())
+                    except RuntimeError as exc:
+                        yield Progress(i, events, error=str(exc))
+                elif events:
+                    quiet = False
+                    yield Progress(i, events)
+            if quiet and running:
+                await news.wait()
+    finally:
+        if running:
+            on_gone([pendings[i] for i in sorted(running)])
+
+
 async def follow_tokens(
     pending: Pending, on_gone: Callable[[], None]
 ) -> AsyncIterator[tuple[list[TokenEvent], GenerateOutput | None]]:
-    """The tokens of a ``stream`` request as they are drawn, then its output. Closed before
-    the end (the client left: the response's disconnect listener cancels the stream), the
-    request is aborted through ``on_gone``."""
-    loop = asyncio.get_running_loop()
-    news = asyncio.Event()
-    pending.watch(_notifier(loop, news.set))
-    seen, finished = 0, False
-    try:
-        while True:
-            news.clear()  # before reading: a token published after the read sets it again
-            events, done = pending.progress(seen, 0)
-            seen += len(events)
-            if done:
-                finished = True
-                yield events, pending.wait()
-                return
-            if events:
-                yield events, None
-            else:
-                await news.wait()
-    finally:
-        if not finished:
-            on_gone()
+    """``follow_all`` for one request, as ``(tokens, output)``; a failed request raises."""
+    async for news in follow_all([pending], lambda _: on_gone()):
+        if news.error is not None:
+            raise RuntimeError(f"request {pending.rid} failed: {news.error}")
+        yield news.tokens, news.output

@@ -86,7 +86,6 @@ _NEUTRAL = {
     "ebnf": None,
     "logit_bias": None,
     "custom_params": None,
-    "stream_interval": None,
 }
 
 
@@ -106,6 +105,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    stream_interval: int | None = None  # a stream's chunk size in tokens (None: the server's)
 
     @property
     def greedy(self) -> bool:
@@ -146,7 +146,7 @@ class SamplingParams:
                 if not isinstance(value, list):
                     raise ValueError(f"{name} must be a list of token ids, got {value!r}")
                 values[key] = tuple(_int(v, name) for v in value)
-            elif key == "sampling_seed":
+            elif key in ("sampling_seed", "stream_interval"):
                 values[key] = None if value is None else _int(value, name)
             else:
                 raise ValueError(f"unknown sampling parameter {name!r}")
@@ -165,6 +165,8 @@ class SamplingParams:
             raise ValueError(f"{where}.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"{where}.min_p must be in [0, 1], got {self.min_p}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"{where}.stream_interval must be >= 1, got {self.stream_interval}")
 
 
 def _int(value: Any, name: str) -> int:

@@ -15,22 +15,26 @@ thread owns the ``TinyLMRuntime`` (and so the KV cache) and loops:
    decode chunk for each of the others;
 4. sample, record logprobs, apply stop conditions, and resolve finished requests.
 
-Output mirrors SGLang's ``/generate`` (``GenerateOutput.meta_info``): logprob entries are
-``[logprob, token_id, text_or_null]`` triples; ``input_token_logprobs`` covers prompt positions
-``logprob_start_len .. prompt_len - 1`` and its first entry (the token at ``logprob_start_len``)
-has a ``null`` logprob, as SGLang 0.5.23 writes it
+Output mirrors SGLang's ``/generate`` (``GenerateOutput.meta_info``, shaped by ``replies.py``):
+logprob entries are ``[logprob, token_id, text_or_null]`` triples; ``input_token_logprobs``
+covers prompt positions ``logprob_start_len .. prompt_len - 1`` and its first entry (the token
+at ``logprob_start_len``) has a ``null`` logprob, as SGLang 0.5.23 writes it
 (``managers/scheduler_components/logprob_result_processor.py``,
 ``_process_input_token_logprobs``: ``[None] + input_token_logprobs[:-1]``; the same for
 ``input_top_logprobs``); ``finish_reason`` is ``{"type": "stop", "matched": id_or_str}``,
-``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}``.
+``{"type": "length", "length": n}`` or an abort. ``weight_versions`` says which weight version
+produced which output tokens: the version changes under a running request only when an update
+lands while generation is paused in place (``Scheduler.record_weight_version_change`` records
+the change for every live request with output).
 
 An aborted request (``abort``, or the scheduler closing) resolves with what it had generated so
 far and an abort finish reason. ``abort(rid)`` aborts every request whose rid *starts with*
-``rid``, as SGLang's ``Scheduler.abort_request`` does (``req.rid.startswith(recv_req.rid)``). A
-request aborted while still queued is answered as SGLang's ``TokenizerManager._handle_abort_req``
-answers it: ``meta_info`` has ``id``, ``finish_reason`` (message ``Abort in waiting queue`` for an
-``/abort_request``), ``e2e_latency`` and ``completion_tokens`` (0), but no ``prompt_tokens`` or
-``cached_tokens``.
+``rid``, as SGLang's ``Scheduler.abort_request`` does (``req.rid.startswith(recv_req.rid)``);
+whether an ``/abort_request`` reaches the scheduler at all is the server's decision
+(``TokenizerManager.abort_request``, see ``server.py``). A running request ends with
+``FINISH_ABORT()``'s reason; one aborted while still queued is answered as SGLang's
+``TokenizerManager._handle_abort_req`` answers it (message ``Abort in waiting queue``, no
+``prompt_tokens`` or ``cached_tokens``).
 
 Only ids the tokenizer can decode are ever sampled or reported: the model's vocabulary is padded
 past the tokenizer's size (``init_model`` rounds it up to a multiple of 64, as real checkpoints
@@ -53,6 +57,15 @@ from typing import Any, TypeVar
 
 import torch
 
+from tinylm.replies import (
+    LogprobPairs,
+    TopRows,
+    abort_reason,
+    logprob_fields,
+    meta_info,
+    queued_abort_meta,
+    version_spans,
+)
 from tinylm.runtime import Chunk, ModelShape, TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, next_token
 
@@ -69,11 +82,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LogprobEntry = list[Any]  # [logprob | None, token_id, text | None], SGLang's triple
-
-
-ABORT_MESSAGE = "aborted by /abort_request"
-QUEUED_ABORT_MESSAGE = "Abort in waiting queue"  # SGLang's TokenizerManager._handle_abort_req
+SHUTDOWN_REASON = {"type": "abort", "message": "server is shutting down"}
 
 
 class SchedulerClosed(RuntimeError):
@@ -125,6 +134,8 @@ class Pending:
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
+        # A ``stream`` request's prompt logprobs, set before its first token is published.
+        self.input_logprobs: tuple[LogprobPairs, TopRows] = ((), ())
         self._done = threading.Event()
         self._output: GenerateOutput | None = None
         self._error: str | None = None
@@ -160,8 +171,10 @@ class Pending:
         for fn in [*callbacks, *watchers]:
             fn()
 
-    def _publish(self, event: TokenEvent) -> None:
+    def _publish(self, event: TokenEvent, prefill: tuple[LogprobPairs, TopRows] | None) -> None:
         with self._progress_cv:
+            if prefill is not None:
+                self.input_logprobs = prefill
             self._tokens.append(event)
             self._progress_cv.notify_all()
             watchers = list(self._watchers)
@@ -207,6 +220,8 @@ class _Seq:
     in_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     stop_text: str | None = None
+    # (old weight version, output tokens then): the versions this request's tokens came from
+    version_changes: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _top(row: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -251,6 +266,9 @@ class GenerationScheduler:
         # weights (``update_weights``): every reply carries the version of the weights that
         # were loaded when it finished, as SGLang's ``meta_info["weight_version"]``.
         self.weight_version = weight_version
+        # When the scheduler last produced anything (a forward, a reply, a weight swap): what
+        # a health check waits for, as SGLang's ``TokenizerManager.last_receive_tstamp``.
+        self.last_output_at = time.monotonic()
         self._paused = False  # ``pause``: no admission, no forward; the inbox is still read
         self._thread = threading.Thread(target=self._loop, name="tinylm-scheduler", daemon=True)
         self._thread.start()
@@ -263,6 +281,11 @@ class GenerationScheduler:
         """Ids of requests submitted and not yet finished (a snapshot)."""
         with self._lock:
             return sorted(self._live_rids)
+
+    def is_live(self, rid: str) -> bool:
+        """Whether a request submitted under exactly ``rid`` has not finished yet."""
+        with self._lock:
+            return rid in self._live_rids
 
     def new_rid(self) -> str:
         return f"tinylm-{next(self._ids)}-{secrets.token_hex(4)}"
@@ -305,13 +328,13 @@ class GenerationScheduler:
             self._inbox.put(("submit", seq))
         return seq.pending
 
-    def abort(self, rid: str | None = None, *, message: str = ABORT_MESSAGE) -> None:
+    def abort(self, rid: str | None = None) -> None:
         """Abort every request whose rid starts with ``rid``, or all when ``rid`` is None.
 
         Prefix matching is SGLang's (see the module docstring): aborting ``x_1`` also aborts
         ``x_10``. Unknown rids are a no-op.
         """
-        self._inbox.put(("abort", (rid, message)))
+        self._inbox.put(("abort", rid))
 
     def pause(self, paused: bool) -> None:
         """Stop (or resume) admitting and stepping requests; those in flight keep their state
@@ -330,15 +353,21 @@ class GenerationScheduler:
 
     def update_weights(
         self, weights: Mapping[str, torch.Tensor], shape: ModelShape, version: str | None
-    ) -> None:
-        """Swap in new weights (and their version, when given) between two forwards."""
+    ) -> bool:
+        """Swap in new weights (and their version, when given) between two forwards; whether
+        the scheduler was idle then, as SGLang's ``flush_cache`` needs it (no request running,
+        none queued unless generation is paused)."""
 
-        def swap() -> None:
+        def swap() -> bool:
             self._runtime.replace_weights(weights, shape)
-            if version is not None:
-                self.weight_version = version
+            self._change_version(version)
+            return not self._running and (self._paused or not self._waiting)
 
-        self.call(swap)
+        return self.call(swap)
+
+    def set_weight_version(self, version: str) -> None:
+        """Report ``version`` from now on (SGLang's ``/update_weight_version``)."""
+        self.call(lambda: self._change_version(version))
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort everything in flight, resolve its waiters, and stop the thread."""
@@ -371,6 +400,15 @@ class GenerationScheduler:
                 self._accepting = False
             self._shutdown_drain()
 
+    def _change_version(self, version: str | None) -> None:
+        """Scheduler thread: the loaded weights are ``version`` from now on."""
+        if version is None or version == self.weight_version:
+            return
+        for seq in [*self._waiting, *self._running]:
+            if seq.out_ids:
+                seq.version_changes.append((self.weight_version, len(seq.out_ids)))
+        self.weight_version = version
+
     def _drain(self, *, block: bool) -> bool:
         """Apply inbox messages; False once ``close`` was received."""
         try:
@@ -381,14 +419,11 @@ class GenerationScheduler:
             if kind == "submit":
                 self._waiting.append(payload)
             elif kind == "abort":
-                rid, message = payload
+                waiting = set(self._waiting)
                 for seq in [*self._waiting, *self._running]:
-                    if rid is None or seq.req.rid.startswith(rid):
-                        queued = seq in self._waiting
-                        if queued and message == ABORT_MESSAGE:
-                            message = QUEUED_ABORT_MESSAGE
-                        seq.finish = {"type": "abort", "message": message}
-                        self._finish(seq, queued=queued)
+                    if payload is None or seq.req.rid.startswith(payload):
+                        seq.finish = abort_reason()
+                        self._finish(seq, queued=seq in waiting)
             elif kind == "pause":
                 self._paused = payload
             elif kind == "call":
@@ -397,9 +432,10 @@ class GenerationScheduler:
                     box.set_result(fn())
                 except Exception as exc:
                     box.set_exception(exc)
+                self.last_output_at = time.monotonic()
             elif kind == "close":
                 for seq in [*self._waiting, *self._running]:
-                    seq.finish = {"type": "abort", "message": "server is shutting down"}
+                    seq.finish = dict(SHUTDOWN_REASON)
                     self._finish(seq)
                 return False
             try:
@@ -415,7 +451,7 @@ class GenerationScheduler:
             except queue.Empty:
                 return
             if kind == "submit":
-                payload.finish = {"type": "abort", "message": "server is shutting down"}
+                payload.finish = dict(SHUTDOWN_REASON)
                 self._finish(payload)
             elif kind == "call":
                 payload[1].set_exception(SchedulerClosed("tinylm scheduler is shut down"))
@@ -456,6 +492,7 @@ class GenerationScheduler:
                 self._fail(seq, f"forward failed: {exc!r}")
             return
         self.steps += 1
+        self.last_output_at = time.monotonic()
         for seq, rows in zip(list(self._running), logits, strict=True):
             self._advance(seq, rows[:, : self.decodable])
 
@@ -482,7 +519,8 @@ class GenerationScheduler:
                     token,
                     seq.out_logprobs[-1] if req.return_logprob else None,
                     tuple(seq.out_top[-1]) if req.return_logprob and req.top_logprobs_num else None,
-                )
+                ),
+                (tuple(seq.in_logprobs), tuple(seq.in_top)) if len(seq.out_ids) == 1 else None,
             )
         params = req.sampling
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
@@ -534,6 +572,7 @@ class GenerationScheduler:
 
     def _finish(self, seq: _Seq, *, queued: bool = False) -> None:
         self._release(seq)
+        self.last_output_at = time.monotonic()
         try:
             seq.pending._resolve(self._output(seq, queued=queued))
         except Exception as exc:  # pragma: no cover - decoding a finished request failed
@@ -550,33 +589,37 @@ class GenerationScheduler:
             # A matched stop token is not part of the text unless no_stop_trim asks for it.
             kept = ids[:-1] if finish.get("type") == "stop" and not params.no_stop_trim else ids
             text = self._tok.decode(kept, skip_special_tokens=params.skip_special_tokens)
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": finish,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.perf_counter() - seq.started,
-        }
-        if queued:  # SGLang's reply for a request that never left the waiting queue
-            del meta["prompt_tokens"], meta["cached_tokens"]
+        logprobs = None
         if req.return_logprob:
             # An abort can land between sampling a token and recording its logprob.
-            meta["input_token_logprobs"] = self._triples(seq.in_logprobs, req)
-            meta["output_token_logprobs"] = self._triples(
-                list(zip(seq.out_logprobs, ids, strict=False)), req
+            logprobs = logprob_fields(
+                top_logprobs_num=req.top_logprobs_num,
+                input_logprobs=seq.in_logprobs,
+                input_top=seq.in_top,
+                output_logprobs=list(zip(seq.out_logprobs, ids, strict=False)),
+                output_top=seq.out_top,
+                text_of=self.token_text if req.return_text_in_logprobs else None,
             )
-            if req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [
-                    None if top is None else self._triples(top, req) for top in seq.in_top
-                ]
-                meta["output_top_logprobs"] = [self._triples(top, req) for top in seq.out_top]
+        latency = time.perf_counter() - seq.started
+        if queued:  # SGLang's reply for a request that never left the waiting queue
+            meta = queued_abort_meta(
+                rid=req.rid, weight_version=self.weight_version, e2e_latency=latency,
+                logprobs=logprobs,
+            )  # fmt: skip
+        else:
+            meta = meta_info(
+                rid=req.rid,
+                finish_reason=finish,
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=len(ids),
+                weight_version=self.weight_version,
+                logprobs=logprobs,
+                spans=version_spans(seq.version_changes, self.weight_version, len(ids)),
+                e2e_latency=latency,
+            )
+        meta["response_sent_to_client_ts"] = time.time()
         return GenerateOutput(rid=req.rid, text=text, output_ids=tuple(ids), meta_info=meta)
 
-    def _triples(
-        self, pairs: Sequence[tuple[float | None, int]], req: GenerateRequest
-    ) -> list[LogprobEntry]:
-        if not req.return_text_in_logprobs:
-            return [[lp, tid, None] for lp, tid in pairs]
-        return [[lp, tid, self._tok.decode([tid], skip_special_tokens=False)] for lp, tid in pairs]
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as ``return_text_in_logprobs`` reports it."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))

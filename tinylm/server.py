@@ -3,27 +3,29 @@
 Routes (JSON over HTTP/1.1 with keep-alive; Starlette on uvicorn, as SGLang's FastAPI app,
 with the plumbing in ``asgi.py``):
 
-- ``POST /generate``: SGLang's native endpoint. ``input_ids`` or ``text`` (a list of either is a
-  batch and returns a list), ``sampling_params`` (see ``sampling.py``), ``rid``,
-  ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``.
-  The reply is ``{"text", "output_ids", "meta_info"}`` as SGLang writes it (``scheduler.py``).
-  As in SGLang 0.5.23 (``managers/io_struct.py``, ``GenerateReqInput``): a batch given one
-  string ``rid`` names its requests ``{rid}_{i}`` (``_normalize_rid``), and
-  ``sampling_params.n > 1`` turns even a single prompt into a batch (``_handle_parallel_sampling``)
-  whose reply is a list of ``batch * n`` results, the ``n`` samples of each prompt together
-  (``TokenizerManager._handle_batch_request``). SGLang gives each parallel sample a fresh uuid;
-  here they are ``{rid}_{i}`` too, so ``/abort_request`` with ``rid`` still reaches them.
+- ``POST /generate``: SGLang's native endpoint (the body: ``generate_input.py``). The reply is
+  ``{"text", "output_ids", "meta_info"}`` as SGLang writes it (``replies.py``), a list for a
+  batch; ``"stream": true`` answers server-sent events (``generate_stream.py``), from the same
+  scheduler batch as every other request.
 - ``POST /v1/chat/completions``: OpenAI chat (``chat.py``), tool calls and ``stream`` included.
-- ``POST /abort_request``: ``{"rid": ...}`` aborts every request whose rid starts with it (SGLang's
-  prefix match), ``{"abort_all": true}`` all of them; the aborted request's own reply is a
-  normal 200 whose ``finish_reason`` has ``type: "abort"``.
-- ``POST /update_weights_from_disk``, ``GET /get_weight_version``, ``POST /pause_generation``,
-  ``POST /continue_generation``, ``GET|POST /flush_cache``: SGLang's weight-sync routes
-  (``weights.py``, which says what happens to requests in flight during an update). Every
-  ``/generate`` ``meta_info`` and ``/get_model_info`` carry ``weight_version`` (``default``
-  until an update names one, as SGLang's ``--weight-version``).
-- ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/v1/models``,
-  ``/v1/models/{id}``.
+- ``POST /abort_request`` (``TokenizerManager.abort_request``, SGLang's ``AbortReq``): 200 with
+  an empty body, whatever it reached. ``{"abort_all": true}`` aborts everything. ``{"rid": R}``
+  reaches the scheduler only when a request submitted under exactly ``R`` is still running or
+  queued (with one tokenizer worker, SGLang's default, an unknown ``R`` is ignored); the
+  scheduler then aborts every request whose rid *starts with* ``R``. With
+  ``tokenizer_worker_num > 1`` every rid goes to the scheduler's prefix match, as SGLang does
+  when it cannot know which worker holds the rid. ``{}`` is ignored. The aborted request's own
+  reply is a normal 200 whose ``finish_reason`` is ``{"type": "abort", ...}`` with its partial
+  output (``replies.py``).
+- ``POST /update_weights_from_disk``, ``POST /update_weight_version``,
+  ``GET /get_weight_version``, ``POST /pause_generation``, ``POST /continue_generation``,
+  ``GET|POST /flush_cache``: SGLang's weight-sync routes (``weights.py``, which says what
+  happens to requests in flight during an update). Every ``/generate`` ``meta_info`` and
+  ``/get_model_info`` carry the current ``weight_version`` (``--weight-version``, default
+  ``default`` as SGLang's ``ServerArgs.weight_version``, until an update names another);
+  ``/get_server_info`` reports the server's arguments, ``weight_version`` as started.
+- ``GET /health``, ``/health_generate``, ``/ready`` (``health.py``), ``/get_model_info``,
+  ``/get_server_info``, ``/v1/models``, ``/v1/models/{id}``.
 
 Access: the server binds ``127.0.0.1`` unless ``host`` says otherwise. ``api_key`` and
 ``admin_api_key`` work as SGLang's ``--api-key`` / ``--admin-api-key`` (``auth.py``): with an
@@ -32,8 +34,9 @@ pause and cache routes); a request without the right ``Authorization: Bearer`` k
 
 Errors are JSON ``{"object": "error", "message", "type", "code"}`` with status 400 (bad request:
 the message names the field), 401, 404, 405 (a known route, another method), 500 or 503
-(shutting down). A request whose client disconnects is aborted. ``close()`` aborts everything
-in flight, lets those replies go out, then closes every connection.
+(shutting down; the health routes then answer an empty 503, as SGLang's). A request whose
+client disconnects is aborted. ``close()`` aborts everything in flight, lets those replies go
+out, then closes every connection.
 
 Request handlers run on uvicorn's event loop and never block it: generation is submitted to
 the scheduler thread and awaited (``asgi.wait_outputs`` / ``follow_tokens``); calls that may
@@ -70,6 +73,7 @@ from starlette.types import Receive, Scope, Send
 from tinylm.asgi import (
     UvicornThread,
     error_body,
+    follow_all,
     follow_tokens,
     json_response,
     listen,
@@ -78,6 +82,9 @@ from tinylm.asgi import (
 from tinylm.auth import allowed
 from tinylm.chat import ChatError, Follow, chat_completion
 from tinylm.errors import ConfigError
+from tinylm.generate_input import BadRequest, GenerateInput, SchemaError
+from tinylm.generate_stream import DONE, ChunkSettings, StreamChunks, error_event, event
+from tinylm.health import HealthSettings, health_generate, health_rid
 from tinylm.runtime import TinyLMRuntime
 from tinylm.sampling import LogprobMode, SamplingParams, logprob_mode_from_env
 from tinylm.scheduler import (
@@ -87,6 +94,7 @@ from tinylm.scheduler import (
     Pending,
     SchedulerClosed,
 )
+from tinylm.sglang_server_args import SGLANG_VERSION
 from tinylm.weights import UpdateFromDisk, WeightControl, WeightRequestError
 
 __all__ = ["READY_PREFIX", "ServerConfig", "TinyLMServer", "serve", "start_server"]
@@ -113,7 +121,14 @@ class ServerConfig:
     keepalive_timeout_s: float = 120.0
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
-    weight_version: str = "default"
+    weight_version: str = "default"  # SGLang's ServerArgs.weight_version default
+    # >1: an /abort_request for a rid no request holds still reaches the scheduler (SGLang
+    # with several tokenizer workers); tinylm has one either way.
+    tokenizer_worker_num: int = 1
+    stream_interval: int = 1
+    incremental_streaming_output: bool = False
+    # None: from SGLang's variables (health.py)
+    health: HealthSettings | None = None
 
     @property
     def mode(self) -> LogprobMode:
@@ -121,11 +136,23 @@ class ServerConfig:
         assert self.logprob_mode is not None
         return self.logprob_mode
 
+    @property
+    def health_settings(self) -> HealthSettings:
+        assert self.health is not None
+        return self.health
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.tokenizer_worker_num < 1 or self.stream_interval < 1:
+            raise ConfigError(
+                "tokenizer_worker_num and stream_interval must be >= 1, got "
+                f"{self.tokenizer_worker_num} and {self.stream_interval}"
+            )
+        if self.health is None:
+            object.__setattr__(self, "health", HealthSettings.from_env())
         mode: Any = self.logprob_mode
         if mode is None:
             mode = logprob_mode_from_env()
@@ -136,24 +163,6 @@ class ServerConfig:
                 f"logprob_mode must be one of {[m.value for m in LogprobMode]}, "
                 f"got {self.logprob_mode!r}"
             ) from exc
-
-
-class BadRequest(ValueError):
-    """A client error; the message is sent back with the status."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _field(body: dict[str, Any], key: str, index: int, batch: int | None, default: Any) -> Any:
-    """``body[key]`` for item ``index``: per-item when a batch gave a list, else shared."""
-    value = body.get(key, default)
-    if batch is not None and isinstance(value, list):
-        if len(value) != batch:
-            raise BadRequest(f"{key} has {len(value)} entries for a batch of {batch}")
-        return value[index]
-    return value
 
 
 class TinyLMServer:
@@ -186,6 +195,20 @@ class TinyLMServer:
         )
         self.weights = WeightControl(self.scheduler, model_path=root)
         self.model_name = config.served_model_name or root.name
+        self._input = GenerateInput(
+            lambda text: list(self.tokenizer.encode(text, add_special_tokens=False).ids),
+            self.scheduler.new_rid,
+        )
+        self._healthy = True  # False after a failed health check, until one succeeds
+        self._chunks = ChunkSettings(
+            incremental=config.incremental_streaming_output,
+            interval=config.stream_interval,
+            decode=lambda ids, skip: str(
+                self.tokenizer.decode(list(ids), skip_special_tokens=skip)
+            ),
+            token_text=self.scheduler.token_text,
+            weight_version=lambda: self.weights.version,
+        )
         self._closed = threading.Event()
         self._active = 0
         self._active_cv = threading.Condition()
@@ -276,6 +299,8 @@ class TinyLMServer:
             ):
                 message = f"{path} needs a valid 'Authorization: Bearer' key"
                 response = json_response(error_body(message, 401), 401)
+            elif self._closed.is_set() and path.startswith("/health"):
+                response = Response(status_code=503)  # SGLang's gracefully_exit answer
             elif self._closed.is_set():
                 message = "tinylm server is shutting down"
                 response = json_response(error_body(message, 503), 503)
@@ -311,12 +336,14 @@ class TinyLMServer:
             Route("/abort_request", _endpoint(self._abort), methods=post),
             Route("/health", _endpoint(self._health), methods=get),
             Route("/health_generate", _endpoint(self._health), methods=get),
+            Route("/ready", _endpoint(self._ready), methods=get),
             Route("/get_model_info", _endpoint(self._get_model_info), methods=get),
             Route("/get_server_info", _endpoint(self._get_server_info), methods=get),
             Route("/v1/models", _endpoint(self._models), methods=get),
             Route("/v1/models/{model_id:path}", _endpoint(self._model), methods=get),
             Route("/update_weights_from_disk", _endpoint(self._update), methods=post),
             Route("/get_weight_version", _endpoint(self._weight_version), methods=get),
+            Route("/update_weight_version", _endpoint(self._set_version), methods=post),
             Route("/pause_generation", _endpoint(self._pause), methods=post),
             Route("/continue_generation", _endpoint(self._continue), methods=post),
             Route("/flush_cache", _endpoint(self._flush), methods=["GET", "POST"]),
@@ -325,15 +352,66 @@ class TinyLMServer:
     # -- info routes ---------------------------------------------------------------------------
 
     async def _health(self, request: Request) -> Response:
-        return json_response(None)
+        settings = self.config.health_settings
+        if request.url.path == "/health" and not settings.generate_on_health:
+            return Response(status_code=200)
+        self._healthy = await health_generate(
+            settings,
+            try_submit=self._submit_health_check,
+            last_output_at=lambda: self.scheduler.last_output_at,
+        )
+        return Response(status_code=200 if self._healthy else 503)
+
+    def _submit_health_check(self) -> bool:
+        """The health check's one-token request, if it can start now (``health.py``)."""
+        try:
+            if not self.weights.try_enter():
+                return False
+        except SchedulerClosed:
+            return False
+        request = GenerateRequest(
+            rid=health_rid(),
+            input_ids=(0,),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+        try:
+            if self.scheduler.running_rids():
+                # SGLang's scheduler skips the check when busy: its requests carry the news.
+                self.weights.leave()
+            else:
+                self.scheduler.submit(request).on_done(self.weights.leave)
+        except (SchedulerClosed, ValueError):
+            self.weights.leave()
+        return True
+
+    async def _ready(self, request: Request) -> Response:
+        ready = self._healthy and not self.weights.paused and not self._closed.is_set()
+        return Response(status_code=200 if ready else 503)
 
     async def _get_model_info(self, request: Request) -> Response:
         return json_response(self._model_info())
 
     async def _get_server_info(self, request: Request) -> Response:
+        # SGLang: the server's arguments as resolved at start (``ServerArgs.resolved_dict``;
+        # a later weight version is in /get_model_info), then live scheduler state. tinylm
+        # lists the arguments it has, never its keys.
+        config = self.config
         return json_response(
             {
-                **self._model_info(),
+                "model_path": str(config.model_dir),
+                "tokenizer_path": str(config.model_dir),
+                "host": config.host,
+                "port": self.port,
+                "served_model_name": self.model_name,
+                "weight_version": config.weight_version,
+                "context_length": self.scheduler.max_context,
+                "max_running_requests": config.max_running_requests,
+                "tokenizer_worker_num": config.tokenizer_worker_num,
+                "stream_interval": config.stream_interval,
+                "incremental_streaming_output": config.incremental_streaming_output,
+                "logprob_mode": str(config.logprob_mode),
+                "version": SGLANG_VERSION,
+                "frontend": "tinylm",
                 "running_rids": self.scheduler.running_rids(),
                 "forward_steps": self.scheduler.steps,
             }
@@ -365,7 +443,7 @@ class TinyLMServer:
             "tokenizer_path": str(self.config.model_dir),
             "served_model_name": self.model_name,
             "is_generation": True,
-            "weight_version": self.scheduler.weight_version,
+            "weight_version": self.weights.version,
             "max_context_length": self.scheduler.max_context,
             "max_running_requests": self.config.max_running_requests,
             "logprob_mode": str(self.config.logprob_mode),
@@ -374,14 +452,18 @@ class TinyLMServer:
     # -- admin routes (``weights.py`` says what they do and where SGLang does it) --------------
 
     async def _abort(self, request: Request) -> Response:
-        body = _object(await _json(request))
-        if body.get("abort_all") is True:
+        body = await _json(request)
+        body = _object({} if body is None else body)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest(f"rid must be a string, got {rid!r}")
+        if not isinstance(abort_all, bool):
+            raise BadRequest(f"abort_all must be a boolean, got {abort_all!r}")
+        if abort_all:
             self.scheduler.abort(None)
-        elif isinstance(body.get("rid"), str) and body["rid"]:
-            self.scheduler.abort(body["rid"])
-        else:
-            raise BadRequest("abort_request needs a string 'rid' or 'abort_all': true")
-        return json_response(None)
+        elif rid and (self.config.tokenizer_worker_num > 1 or self.scheduler.is_live(rid)):
+            self.scheduler.abort(rid)
+        return Response(status_code=200)
 
     async def _update(self, request: Request) -> Response:
         update = _weights_call(UpdateFromDisk.from_json, _object(await _json(request)))
@@ -390,7 +472,28 @@ class TinyLMServer:
         return json_response(reply, 200 if ok else 400)
 
     async def _weight_version(self, request: Request) -> Response:
-        return json_response({"weight_version": self.scheduler.weight_version})
+        return json_response({"weight_version": self.weights.version})
+
+    async def _set_version(self, request: Request) -> Response:
+        """SGLang's ``/update_weight_version`` (``UpdateWeightVersionReqInput``): ``new_version``,
+        ``abort_all_requests`` (default true) first aborts everything in flight."""
+        body = _object(await _json(request))
+        version, abort = body.get("new_version"), body.get("abort_all_requests", True)
+        if not isinstance(version, str):
+            raise BadRequest(f"new_version must be a string, got {version!r}")
+        if not isinstance(abort, bool):
+            raise BadRequest(f"abort_all_requests must be a boolean, got {abort!r}")
+        if abort:
+            self.scheduler.abort(None)
+        await self._admin(self.scheduler.set_weight_version, version)
+        self.weights.version = version
+        return json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {version}",
+                "new_version": version,
+            }
+        )
 
     async def _pause(self, request: Request) -> Response:
         body = await _json(request)
@@ -413,103 +516,24 @@ class TinyLMServer:
 
     async def _generate(self, request: Request) -> Response:
         body = _object(await _json(request))
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by tinylm")
-        has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-        if has_ids == has_text:
-            raise BadRequest("give exactly one of 'input_ids' and 'text'")
-        prompts: list[list[int]]
-        if has_ids:
-            ids = body["input_ids"]
-            batch = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
-            prompts = ids if batch else [ids]
-            for i, p in enumerate(prompts):
-                if not isinstance(p, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in p
-                ):
-                    raise BadRequest(f"input_ids{f'[{i}]' if batch else ''} must be a list of ints")
-        else:
-            text = body["text"]
-            batch = isinstance(text, list)
-            texts = text if batch else [text]
-            if not all(isinstance(t, str) for t in texts):
-                raise BadRequest("text must be a string or a list of strings")
-            prompts = [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-        n = _parallel_samples(body.get("sampling_params"))
-        size = len(prompts) if batch else None
-        requests = [self._request(body, i, size, p) for i, p in enumerate(prompts)]
-        if n > 1:
-            requests = self._expand(requests, n, body.get("rid"))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise SchemaError(f"stream must be a boolean, got {stream!r}")
+        try:
+            requests, batch = self._input.parse(body)
+        except SchemaError:
+            raise
+        except BadRequest as exc:
+            if not stream:
+                raise
+            # SGLang raises it inside the stream (TokenizerManager.generate_request)
+            return _event_stream(_refused(exc))
+        if stream:
+            streamed = [dataclasses.replace(r, stream=True) for r in requests]
+            return _event_stream(self._stream(streamed, batch))
         outputs = await self._run(requests, request.receive)
         replies = [o.to_json() for o in outputs]
-        return json_response(replies if batch or n > 1 else replies[0])
-
-    def _expand(self, requests: list[GenerateRequest], n: int, rid: Any) -> list[GenerateRequest]:
-        """``n`` samples of each request, prompt-major, named ``{rid}_{j}`` (module docstring)."""
-        out: list[GenerateRequest] = []
-        for req in requests:
-            for _ in range(n):
-                j = len(out)
-                if isinstance(rid, list):
-                    name = f"{req.rid}_{j % n}"
-                elif isinstance(rid, str):
-                    name = f"{rid}_{j}"
-                else:
-                    name = self.scheduler.new_rid()
-                out.append(dataclasses.replace(req, rid=name))
-        return out
-
-    def _request(
-        self, body: dict[str, Any], i: int, batch: int | None, ids: list[int]
-    ) -> GenerateRequest:
-        where = (
-            f"sampling_params[{i}]"
-            if batch is not None and isinstance(body.get("sampling_params"), list)
-            else "sampling_params"
-        )
-        raw_sampling = _field(body, "sampling_params", i, batch, None)
-        if isinstance(raw_sampling, dict) and "n" in raw_sampling:
-            raw_sampling = {k: v for k, v in raw_sampling.items() if k != "n"}  # see _expand
-        try:
-            sampling = SamplingParams.from_json(raw_sampling, where=where)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        rid = _field(body, "rid", i, batch, None)
-        if rid is None:
-            rid = self.scheduler.new_rid()
-        elif not isinstance(rid, str) or not rid:
-            raise BadRequest(f"rid must be a non-empty string, got {rid!r}")
-        elif batch is not None and not isinstance(body.get("rid"), list):
-            rid = f"{rid}_{i}"  # SGLang's GenerateReqInput._normalize_rid
-        return_logprob = _field(body, "return_logprob", i, batch, False)
-        start = _field(body, "logprob_start_len", i, batch, -1)
-        top_k = _field(body, "top_logprobs_num", i, batch, 0)
-        text_in = body.get("return_text_in_logprobs", False)
-        for key, value, kind in (
-            ("return_logprob", return_logprob, bool),
-            ("return_text_in_logprobs", text_in, bool),
-            ("logprob_start_len", start, int),
-            ("top_logprobs_num", top_k, int),
-        ):
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise BadRequest(f"{key} must be {kind.__name__}, got {value!r}")
-        if start < -1 or top_k < 0:
-            raise BadRequest(
-                f"logprob_start_len must be >= -1 and top_logprobs_num >= 0, "
-                f"got {start} and {top_k}"
-            )
-        if start == -1:
-            # SGLang's default: logprobs for the output tokens (and the last prompt token).
-            start = len(ids) - 1
-        return GenerateRequest(
-            rid=rid,
-            input_ids=tuple(ids),
-            sampling=sampling,
-            return_logprob=return_logprob,
-            logprob_start_len=start,
-            top_logprobs_num=top_k,
-            return_text_in_logprobs=text_in,
-        )
+        return json_response(replies if batch else replies[0])
 
     async def _run(
         self, requests: Sequence[GenerateRequest], receive: Receive
@@ -521,17 +545,41 @@ class TinyLMServer:
         except BaseException:
             self._abort_all(pendings)
             raise
-        return await wait_outputs(
-            pendings, receive, lambda: self._abort_all(pendings, "client disconnected")
-        )
+        return await wait_outputs(pendings, receive, lambda: self._abort_all(pendings))
+
+    async def _stream(
+        self, requests: Sequence[GenerateRequest], batch: bool
+    ) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed ``/generate`` (``generate_stream.py``). Requests are
+        submitted here, after the headers, so a refused one is an error event, as SGLang's."""
+        chunks: list[StreamChunks] = []
+        try:
+            for i, req in enumerate(requests):
+                pending = await self._submit(req)
+                chunks.append(StreamChunks(req, pending, self._chunks, i if batch else None))
+        except BadRequest as exc:
+            self._abort_all([c.pending for c in chunks])
+            yield error_event(str(exc), exc.status)
+            yield DONE
+            return
+        except BaseException:  # the client left while the batch was being submitted
+            self._abort_all([c.pending for c in chunks])
+            raise
+        async for news in follow_all([c.pending for c in chunks], self._abort_all):
+            stream = chunks[news.index]
+            if news.output is not None:
+                yield event(stream.final(news.output))
+            elif news.error is not None:  # the scheduler failed it (a tinylm bug)
+                yield error_event(f"internal error: {news.error}", 500)
+            elif (chunk := stream.step(news.tokens)) is not None:
+                yield event(chunk)
+        yield DONE
 
     async def _follow(self, req: GenerateRequest) -> Follow:
         """Submit a ``stream`` request now (so a bad one is refused before any reply is sent);
         the returned iterator yields its tokens as they are drawn, then the output."""
         pending = await self._submit(req)
-        return follow_tokens(
-            pending, lambda: self.scheduler.abort(pending.rid, message="client disconnected")
-        )
+        return follow_tokens(pending, lambda: self.scheduler.abort(pending.rid))
 
     async def _submit(self, req: GenerateRequest) -> Pending:
         """Submit ``req`` once generation is not paused and no weight update is waiting; it
@@ -553,9 +601,9 @@ class TinyLMServer:
         pending.on_done(self.weights.leave)
         return pending
 
-    def _abort_all(self, pendings: Sequence[Pending], message: str = "batch refused") -> None:
+    def _abort_all(self, pendings: Sequence[Pending]) -> None:
         for p in pendings:
-            self.scheduler.abort(p.rid, message=message)
+            self.scheduler.abort(p.rid)
 
     async def _chat(self, request: Request) -> Response:
         body = _object(await _json(request))
@@ -582,23 +630,6 @@ class TinyLMServer:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-
-
-def _parallel_samples(raw: Any) -> int:
-    """``sampling_params.n`` (the same in every item of a list, as SGLang requires)."""
-    items = raw if isinstance(raw, list) else [raw]
-    values = {item.get("n", 1) if isinstance(item, dict) else 1 for item in items}
-    if len(values) > 1:
-        raise BadRequest(
-            "sampling_params.n must be the same for every item of a batch, got "
-            f"{sorted(map(repr, values))}"
-        )
-    n = values.pop() if values else 1
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadRequest(f"sampling_params.n must be an integer >= 1, got {n!r}")
-    return n
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -661,6 +692,17 @@ def _weights_call(fn: Callable[[Any], T], arg: Any) -> T:
         raise BadRequest(str(exc)) from exc
     except SchedulerClosed as exc:  # closed while an update or a pause waited
         raise BadRequest(str(exc), 503) from exc
+
+
+def _event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _refused(exc: BadRequest) -> AsyncIterator[bytes]:
+    yield error_event(str(exc), exc.status)
+    yield DONE
 
 
 async def _sse(events: Iterable[str] | AsyncIterator[str], path: str) -> AsyncIterator[bytes]:

@@ -9,6 +9,18 @@ Shapes and semantics follow SGLang 0.5.23 (``srt/entrypoints/http_server.py``,
   keeps the current one), ``flush_cache`` and the GPU-only flags (accepted, no effect on CPU).
   It answers ``UpdateWeightFromDiskReqOutput`` ``{"success", "message", "num_paused_requests"}``,
   200 on success and 400 on failure (a failed load keeps the old weights and version).
+- **Two views of the version** (``Scheduler.update_weights_from_disk`` then
+  ``TokenizerManager.update_weights_from_disk``): the scheduler records ``weight_version`` as
+  soon as the weights are loaded, and a finished reply's ``weight_versions`` /
+  ``weight_version`` come from it; ``/get_model_info``, ``/get_weight_version`` and a running
+  stream's chunks read the server's own copy (``WeightControl.version``), set only when the
+  whole update succeeded. With ``flush_cache`` (the default) the update then flushes the cache
+  and fails if it cannot (``WeightUpdater.flush_cache_after_weight_update``: requests still
+  running, or queued while generation is not paused, which happens when generation is paused
+  in place): the weights are swapped and replies report the new version, but the update
+  answers 400 ``Weights were updated, but the cache was not flushed ...`` and the model path
+  and ``/get_model_info``'s version stay the old ones. Pass ``"flush_cache": false`` to update
+  under requests paused in place.
 - **Requests in flight during an update** (``TokenizerManager.update_weights_from_disk``): with
   ``abort_all_requests`` they are aborted first; either way the update takes the writer side of
   ``model_update_lock`` while every ``/generate`` holds its reader side for its whole life, so
@@ -41,11 +53,15 @@ from tinylm.errors import ConfigError
 from tinylm.runtime import read_checkpoint
 from tinylm.scheduler import GenerationScheduler, SchedulerClosed
 
-__all__ = ["FLUSHED", "UpdateFromDisk", "WeightControl"]
+__all__ = ["FLUSHED", "NOT_FLUSHED", "UpdateFromDisk", "WeightControl"]
 
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+NOT_FLUSHED = (  # WeightUpdater.flush_cache_after_weight_update
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache."
 )
 _LOAD_FORMATS = (None, "auto", "safetensors")
 _PAUSE_MODES = ("abort", "in_place", "retract")
@@ -106,6 +122,7 @@ class WeightControl:
     def __init__(self, scheduler: GenerationScheduler, *, model_path: Path) -> None:
         self._scheduler = scheduler
         self.model_path = str(model_path)
+        self.version = scheduler.weight_version  # the server's view (the module docstring)
         self._cv = threading.Condition()
         self._paused = False
         self._readers = 0  # requests in flight (``model_update_lock`` reader side)
@@ -164,10 +181,14 @@ class WeightControl:
                 return False, f"Failed to get weights iterator: {exc}"
             with self._exclusive():
                 try:
-                    self._scheduler.update_weights(weights, shape, update.weight_version)
+                    idle = self._scheduler.update_weights(weights, shape, update.weight_version)
                 except ConfigError as exc:
                     return False, f"Failed to update weights: {exc}. Kept the old weights."
+                if update.flush_cache and not idle:
+                    return False, NOT_FLUSHED
                 self.model_path = update.model_path
+                if update.weight_version is not None:
+                    self.version = update.weight_version
         message = "Succeeded to update model weights."
         if update.weight_version is not None:
             message += f" Weight version updated to {update.weight_version}."

@@ -90,7 +90,7 @@ def _need(batch: dict[str, torch.Tensor], algorithm: str, *keys: str) -> None:
         raise ConfigError(
             f"algorithm {algorithm!r} needs {', '.join(missing)} from collate, which this "
             f"rollout's batch lacks (it has {', '.join(sorted(batch))}): the engine's lane for "
-            f"{ALGORITHMS[algorithm]!r} (rollout-engine §5) did not produce them"
+            f"{ALGORITHMS[algorithm]!r} did not produce them"
         )
 
 

@@ -1,17 +1,18 @@
 """The processes a training run needs on one machine, started and stopped together.
 
-``start_stack`` uses the demo's pieces (``engine.ops.demo.Stack``, ``engine.ops.embedded``):
-an authenticated embedded Redis (or the caller's URL), the student's tinylm server started
-with a fresh admin key, the scheduler, evaluator workers, a finalizer on the bundled tasks
-and the weight syncer (``rollout sync``: it loads each published policy version on the
-student's server), and, when a teacher is given, the teacher's tinylm server and a capture
-worker that force-decodes kept samples on it; for ``mixed``, workers whose agents roll in
-the teacher (``trainer.dagger``).
+``start_stack`` uses the demo's ``engine.ops.demo.Stack``: an authenticated embedded Redis (or
+the caller's URL), the student's tinylm server started with a fresh admin key, the scheduler,
+evaluator workers, a finalizer on the bundled tasks and the weight syncer (``rollout sync``: it
+loads each published policy version on the student's server), and, when a teacher is given,
+the teacher's tinylm server and a capture worker that force-decodes kept samples on it; for
+``mixed``, workers whose agents roll in the teacher (``trainer.dagger``).
 
-The admin key goes to the syncer in a file (``ROLLOUT_SGLANG_ADMIN_KEY_FILE``, mode 0600, in
-a private folder removed when the stack stops) and to the trainer process itself, for its one
-direct load outside the policy versions (the teacher's eval pass, ``trainer.cli``); the
-evaluator workers, whose sandboxes run model-written code, never see it.
+Every process is started by the engine's launcher (``engine.ops.processes``, through the
+``rollout`` command), its settings in its environment. The admin key goes to the syncer in a
+file (``ROLLOUT_SGLANG_ADMIN_KEY_FILE``, mode 0600, in a private folder removed when the stack
+stops) and to the trainer process itself, for its one direct load outside the policy versions
+(the teacher's eval pass, ``trainer.cli``); the evaluator workers, whose sandboxes run
+model-written code, never see it.
 
 Models (``ensure_models``): the student and the teacher are tinylm models built from the same
 seed, hence the same tokenizer (the teacher force-decodes the student's token ids), trained
@@ -26,30 +27,29 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engine.errors import ConfigError
 from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, say
-from engine.ops.embedded import redact, start_redis
-from engine.ops.tinylm import init_model, spawn_server
+from engine.ops.embedded import redact
+from engine.ops.tinylm import init_model
 
-__all__ = ["ADMIN_KEY_ENV", "ADMIN_KEY_FILE_ENV", "TrainStack", "ensure_model", "start_stack"]
+__all__ = ["ADMIN_KEY_ENV", "ROLLOUT", "TrainStack", "ensure_model", "start_stack"]
+
+ROLLOUT = ("-m", "workers")
+"""How the stack runs the ``rollout`` command (``workers.cli.ROLLOUT``, a sibling of this
+package that it does not import): the engine's processes and the model servers start so."""
 
 ADMIN_KEY_ENV = "TINYLM_ADMIN_API_KEY"
 """Where ``rollout tinylm serve`` reads its admin key (tinylm.cli; never argv)."""
 
-ADMIN_KEY_FILE_ENV = "ROLLOUT_SGLANG_ADMIN_KEY_FILE"
-"""Where ``rollout sync`` finds the file holding the servers' admin key (engine.settings)."""
-
 
 @dataclass
 class TrainStack:
-    """The demo's ``Stack`` plus the teacher's server and the student server's admin key."""
+    """The demo's ``Stack`` plus the student server's admin key and the teacher's URL."""
 
     stack: Stack
     policy_url: str
     admin_key: str
-    teacher: Any = None  # tinylm.process.ServerProcess
     teacher_url: str | None = None
     secrets_dir: Path | None = None  # holds the admin key file; removed by stop()
 
@@ -64,9 +64,6 @@ class TrainStack:
         try:
             self.stack.stop()
         finally:
-            if self.teacher is not None:
-                self.teacher.close()
-                self.teacher = None
             if self.secrets_dir is not None:
                 shutil.rmtree(self.secrets_dir, ignore_errors=True)
                 self.secrets_dir = None
@@ -116,53 +113,40 @@ def start_stack(
     that roll in the teacher (``trainer.dagger``; needs ``teacher_dir``)."""
     if dagger and teacher_dir is None:
         raise ConfigError("DAgger workers need a teacher model")
-    for sub in ("logs", "out"):
-        (workdir / sub).mkdir(parents=True, exist_ok=True)
-    stack = Stack(workdir)
+    if teacher_dir is not None:
+        same_tokenizer(student_dir, teacher_dir)
+    (workdir / "out").mkdir(parents=True, exist_ok=True)
+    stack = Stack.open(workdir, rollout=ROLLOUT, redis_url=redis_url)
     train = TrainStack(stack, policy_url="", admin_key=secrets.token_urlsafe(24))
     try:
-        if redis_url is None:
-            stack.redis = start_redis()
-            stack.redis_url, stack.trainer_url = stack.redis.engine_url, stack.redis.trainer_url
-        else:
-            stack.redis_url = stack.trainer_url = redis_url
         say(f"redis     {redact(stack.redis_url)}")
-        stack.server = spawn_server(student_dir, env={ADMIN_KEY_ENV: train.admin_key})
-        train.policy_url = stack.server.url
+        procs = stack.processes
+        train.policy_url = procs.serve_tinylm(
+            "tinylm", student_dir, env={ADMIN_KEY_ENV: train.admin_key}).url
         say(f"policy    tinylm server at {train.policy_url} (admin key: the syncer and "
             "the trainer)")
-        worker_config, worker_teacher = EVALUATORS, []
+        worker: dict[str, object] = {"evaluator_config": EVALUATORS}
         if teacher_dir is not None:
-            same_tokenizer(student_dir, teacher_dir)
-            train.teacher = spawn_server(teacher_dir)
-            train.teacher_url = train.teacher.url
+            train.teacher_url = procs.serve_tinylm("teacher", teacher_dir).url
             say(f"teacher   tinylm server at {train.teacher_url}")
-            stack.spawn("capture", ["-m", "workers.capture", "--teacher-url", train.teacher_url,
-                                    "--teacher-tokenizer", str(teacher_dir),
-                                    "--worker-id", "train-capture"])
+            teacher = {"teacher_url": train.teacher_url, "teacher_tokenizer": teacher_dir}
+            procs.start("capture", "capture", settings={**teacher, "worker_id": "train-capture"})
             if dagger:  # the workers' own teacher port, for DAgger turns
                 from trainer.dagger import DAGGER_CONFIG
 
-                worker_config = DAGGER_CONFIG
-                worker_teacher = ["--teacher-url", train.teacher_url,
-                                  "--teacher-tokenizer", str(teacher_dir)]
+                worker = {"evaluator_config": DAGGER_CONFIG, **teacher}
         # The scheduler reads only the profiles, the bundled ones either way.
-        stack.spawn("scheduler", ["-m", "workers.scheduler", "--rollout-config",
-                                  str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATORS),
-                                  "--scheduler-id", "train-sched"])
+        procs.start("scheduler", "scheduler", settings={
+            "config": ROLLOUT_YAML, "evaluator_config": EVALUATORS, "worker_id": "train-sched"})
         for i in range(workers):
-            stack.spawn(f"worker-{i}", ["-m", "workers.evaluator",
-                                        "--evaluator-config", str(worker_config),
-                                        "--model-dir", str(student_dir),
-                                        "--sglang-url", train.policy_url,
-                                        *worker_teacher,
-                                        "--worker-id", f"train-worker-{i}"])
-        stack.spawn("finalizer", ["-m", "workers.finalizer", "--out-dir",
-                                  str(workdir / "out"), "--worker-id", "train-finalizer"])
-        key_file = _write_key(train)
-        stack.spawn("sync", ["-m", "workers.sync", "--sglang-url", train.policy_url,
-                             "--worker-id", "train-sync"],
-                    env={ADMIN_KEY_FILE_ENV: str(key_file)})
+            procs.start(f"worker-{i}", "worker", settings={
+                **worker, "model_dir": student_dir, "sglang_url": train.policy_url,
+                "worker_id": f"train-worker-{i}"})
+        procs.start("finalizer", "finalizer", settings={
+            "out_dir": workdir / "out", "worker_id": "train-finalizer"})
+        procs.start("sync", "sync", settings={
+            "sglang_url": train.policy_url, "worker_id": "train-sync",
+            "sglang_admin_key_file": _write_key(train)})
     except BaseException:
         train.stop()
         raise

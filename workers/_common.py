@@ -1,11 +1,12 @@
-"""What every worker process shares: settings-backed flags, the log, signals, logging.
+"""What every worker process shares: its flags, the log, signals, logging.
 
-Flags default to ``engine.settings.Settings`` (the ``ROLLOUT_*`` environment), so a compose
-file can configure a worker by environment alone and a command line can override it.
+A worker's flags are generated from its settings (``engine.settings.Flags``) and default to the
+``ROLLOUT_*`` environment, so a compose file can configure a worker by environment alone and a
+command line can override it.
 
-A worker's ``main`` is ``start`` (settings, flags, checks, logging, metrics) and its serving
-coroutine is ``serve_actor`` (the log, the stop signal, the actor's run, the exit status), so
-each worker module holds only its own flags and the actor it builds.
+A worker's ``main`` is ``start`` (settings, flags, logging, metrics) and its serving coroutine
+is ``serve_actor`` (the log, the stop signal, the actor's run, the exit status), so each worker
+module holds only the settings it takes and the actor it builds.
 """
 
 from __future__ import annotations
@@ -25,64 +26,38 @@ from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
-from engine.settings import Settings
+from engine.settings import Flags, Settings
 
 __all__ = [
     "Actor",
-    "add_common_flags",
-    "default_consumer",
+    "consumer_name",
     "install_stop",
-    "load_settings",
     "make_log",
     "serve_actor",
     "serve_metrics",
+    "settings_parser",
     "setup_logging",
     "start",
 ]
 
 
-def load_settings() -> Settings | None:
-    """The environment's settings, or None after printing why they are invalid."""
-    try:
-        return Settings.from_env()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-
-
-def default_consumer(settings: Settings, role: str) -> str:
+def consumer_name(settings: Settings, role: str) -> str:
     """``ROLLOUT_WORKER_ID`` or ``<role>-<host>-<pid>``: unique per process."""
     if settings.worker_id:
         return settings.worker_id
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def add_common_flags(parser: argparse.ArgumentParser, settings: Settings, role: str) -> None:
-    parser.add_argument("--redis-url", default=settings.redis_url, help="Redis holding the streams")
-    parser.add_argument("--prefix", default=settings.stream_prefix, help="stream name prefix")
-    parser.add_argument(
-        "--worker-id",
-        default=default_consumer(settings, role),
-        help="consumer name in the group (a restarted process with the same id resumes "
-        "its own pending entries)",
+def settings_parser(
+    prog: str, description: str, flags: Flags, settings: Settings
+) -> argparse.ArgumentParser:
+    """A worker's parser: one flag per setting it takes, defaults from ``settings``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{description} Every flag defaults to its ROLLOUT_* variable.",
     )
-    parser.add_argument("--heartbeat-ms", type=int, default=settings.heartbeat_ms)
-    parser.add_argument("--claim-idle-ms", type=int, default=settings.claim_idle_ms)
-    parser.add_argument("--block-ms", type=int, default=settings.block_ms)
-    parser.add_argument("--max-deliveries", type=int, default=settings.max_deliveries)
-    parser.add_argument("--log-level", default=settings.log_level)
-    parser.add_argument(
-        "--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="how long to ride out an unreachable Redis before exiting with a fatal error",
-    )
-
-
-def check_timings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.heartbeat_ms >= args.claim_idle_ms:
-        parser.error(
-            f"--heartbeat-ms ({args.heartbeat_ms}) must be below --claim-idle-ms "
-            f"({args.claim_idle_ms}), or live workers lose their entries to claims"
-        )
+    flags.add_to(parser, settings)
+    return parser
 
 
 QUIET_LOGGERS = ("httpx", "httpcore")
@@ -121,14 +96,12 @@ def serve_metrics(settings: Settings) -> None:
     )
 
 
-def make_log(args: argparse.Namespace, producer: str) -> EventLog:
-    # Credentials and TLS files come from the environment (ROLLOUT_REDIS_*), never argv.
-    settings = Settings.from_env().redis(url=args.redis_url, block_ms=args.block_ms)
+def make_log(settings: Settings, producer: str) -> EventLog:
     return open_log(
-        settings,
-        names=StreamNames(args.prefix),
+        settings.redis(),
+        names=StreamNames(settings.stream_prefix),
         producer=producer,
-        max_deliveries=args.max_deliveries,
+        max_deliveries=settings.max_deliveries,
     )
 
 
@@ -148,29 +121,30 @@ def install_stop() -> asyncio.Event:
     return stop
 
 
-Check = Callable[[argparse.ArgumentParser, argparse.Namespace], None]
-"""A worker's own check of its parsed flags: calls ``parser.error`` (exit 2) on bad input."""
-
-
 def start(
+    flags: Flags,
     build_parser: Callable[[Settings], argparse.ArgumentParser],
     argv: Sequence[str] | None,
-    check: Check | None = None,
 ) -> tuple[Settings, argparse.Namespace] | None:
-    """Settings, flags and their checks, then logging and ``/metrics``: a worker's start-up.
+    """Settings from the environment and the flags, then logging and ``/metrics``.
 
     None when the environment's settings are invalid (printed; the worker exits 2). Bad flags
-    end the process through ``parser.error`` before logging or the metrics server start.
+    end the process through ``parser.error`` (exit 2) before logging or the metrics server
+    start. The namespace holds the parsed flags under the settings' names, for the evaluator
+    config's ``args``.
     """
-    settings = load_settings()
-    if settings is None:
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return None
     parser = build_parser(settings)
     args = parser.parse_args(argv)
-    check_timings(parser, args)
-    if check is not None:
-        check(parser, args)
-    setup_logging(args.log_level)
+    try:
+        settings = flags.apply(settings, args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(settings.log_level)
     serve_metrics(settings)
     return settings, args
 
@@ -182,7 +156,8 @@ class Actor(Protocol):
 
 
 async def serve_actor(
-    args: argparse.Namespace,
+    settings: Settings,
+    consumer: str,
     build: Callable[[EventLog], Actor],
     *,
     logger: logging.Logger,
@@ -191,17 +166,23 @@ async def serve_actor(
     """Open the log, build the actor on it and run it until SIGTERM or SIGINT.
 
     Returns the exit status: 0 after a clean stop, 1 when Redis failed (a log error, or an
-    outage longer than ``--outage-limit-s``), logged as ``<what> <worker id>: <error>``. The
-    log is closed either way; other exceptions propagate to the caller.
+    outage longer than ``--outage-limit-s``), 2 when the configuration is wrong (a URL
+    without a scheme, credentials Redis refuses), logged as ``<what> <consumer>: <error>``.
+    The log is closed either way; other exceptions propagate to the caller.
     """
-    log = make_log(args, producer=args.worker_id)
+    log: EventLog | None = None
     try:
+        log = make_log(settings, producer=consumer)
         actor = build(log)
         stop = install_stop()
         await actor.run(stop)
+    except ConfigError as exc:  # e.g. Redis refused the credentials: no retry can help
+        logger.error("%s %s: %s", what, consumer, exc)
+        return 2
     except (LogError, OutageExceeded) as exc:
-        logger.error("%s %s: %s", what, args.worker_id, exc)
+        logger.error("%s %s: %s", what, consumer, exc)
         return 1
     finally:
-        await log.aclose()
+        if log is not None:
+            await log.aclose()
     return 0

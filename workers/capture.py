@@ -17,51 +17,48 @@ import sys
 from collections.abc import Sequence
 
 from engine.actors.capture import BackendScorer, CaptureConfig, CaptureWorker
-from engine.settings import Settings
-from workers._common import add_common_flags, serve_actor, start
+from engine.settings import PROCESS, Flags, Settings
+from workers._common import consumer_name, serve_actor, settings_parser, start
 
-__all__ = ["build_parser", "main"]
+__all__ = ["FLAGS", "build_parser", "main"]
 
 logger = logging.getLogger("workers.capture")
 
+FLAGS = Flags((
+    *PROCESS, "max_deliveries", "teacher_url", "teacher_tokenizer", "capture_concurrency",
+    "capture_max_tries",
+))
+
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollout capture",
-        description="Force-decode kept trajectories on the teacher and record TeacherScored.",
+    return settings_parser(
+        "rollout capture",
+        "Force-decode kept trajectories on the teacher and record TeacherScored.",
+        FLAGS,
+        settings,
     )
-    add_common_flags(parser, settings, "capture")
-    parser.add_argument(
-        "--teacher-url", default=settings.teacher_url, required=settings.teacher_url is None,
-        help="the teacher's SGLang server (default: ROLLOUT_TEACHER_URL)",
-    )
-    parser.add_argument(
-        "--teacher-tokenizer", default=settings.teacher_tokenizer,
-        help="teacher tokenizer folder (default: ROLLOUT_TEACHER_TOKENIZER)",
-    )
-    parser.add_argument("--concurrency", type=int, default=8, help="samples scored at once")
-    parser.add_argument("--max-tries", type=int, default=3, help="tries per sample")
-    return parser
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(settings: Settings, teacher_url: str) -> int:
     from engine.backends.teacher import TeacherBackend, TeacherConfig
 
     teacher = TeacherBackend(
-        config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
+        config=TeacherConfig(url=teacher_url, tokenizer_path=settings.teacher_tokenizer)
     )
+    consumer = consumer_name(settings, "capture")
     config = CaptureConfig(
-        consumer=args.worker_id,
-        concurrency=args.concurrency,
-        max_tries=args.max_tries,
-        heartbeat_ms=args.heartbeat_ms,
-        claim_idle_ms=args.claim_idle_ms,
-        block_ms=args.block_ms,
-        outage_limit_s=args.outage_limit_s,
+        consumer=consumer,
+        concurrency=settings.capture_concurrency,
+        max_tries=settings.capture_max_tries,
+        heartbeat_ms=settings.heartbeat_ms,
+        claim_idle_ms=settings.claim_idle_ms,
+        block_ms=settings.block_ms,
+        outage_limit_s=settings.outage_limit_s,
     )
     try:
         return await serve_actor(
-            args,
+            settings,
+            consumer,
             lambda log: CaptureWorker(log, BackendScorer(teacher), config),
             logger=logger,
             what="capture",
@@ -71,11 +68,14 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    started = start(build_parser, argv)
+    started = start(FLAGS, build_parser, argv)
     if started is None:
         return 2
-    _, args = started
-    return asyncio.run(_serve(args))
+    settings, _ = started
+    if settings.teacher_url is None:
+        print("error: --teacher-url (or ROLLOUT_TEACHER_URL) is required", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(settings, settings.teacher_url))
 
 
 if __name__ == "__main__":

@@ -49,104 +49,29 @@ from engine.errors import ConfigError, SandboxError
 from engine.sandbox.base import SandboxLimits, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
-from engine.settings import Settings
-from workers._common import add_common_flags, serve_actor, start
+from engine.settings import PROCESS, Flags, Settings
+from workers._common import consumer_name, serve_actor, settings_parser, start
 
-__all__ = ["Progress", "build_parser", "docker_config", "main", "teacher_port"]
+__all__ = ["FLAGS", "Progress", "build_parser", "docker_config", "main", "teacher_port"]
 
 logger = logging.getLogger("workers.evaluator")
 
 
+FLAGS = Flags((
+    *PROCESS, "max_deliveries", "evaluator_config", "evaluators", "max_batches", "grace_s",
+    "sglang_url", "model_dir", "teacher_url", "teacher_tokenizer", "tmp_dir", "verify_fraction",
+    "verify_threshold", "sandbox", "docker_image", "docker_network", "docker_cpus",
+    "sandbox_root", "sandbox_require_isolation", "quiet",
+))
+
+
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollout worker",
-        description="Run admitted batches' episodes and record them as events.",
+    return settings_parser(
+        "rollout worker",
+        "Run admitted batches' episodes and record them as events.",
+        FLAGS,
+        settings,
     )
-    add_common_flags(parser, settings, "evaluator")
-    add = parser.add_argument
-    add(
-        "--evaluator-config",
-        default=settings.evaluator_config,
-        help="Python file exposing evaluator_profiles(args) and build_agents(args).",
-    )
-    add(
-        "--evaluators",
-        default=None,
-        help="comma-separated evaluator ids to serve (default: every spec of the config)",
-    )
-    add("--max-batches", type=int, default=4, help="batches run at once by this process")
-    add("--grace-s", type=float, default=30.0, help="time running batches get on SIGTERM")
-    add(
-        "--sglang-url",
-        action="append",
-        default=None,
-        help="student SGLang server or router; repeat it or separate URLs with commas for "
-        "several servers (each trajectory stays on one; default: ROLLOUT_SGLANG_URL)",
-    )
-    add(
-        "--model-dir",
-        type=Path,
-        default=settings.model_dir,
-        help="policy model/tokenizer folder, passed to build_agents as args.model_dir",
-    )
-    add(
-        "--teacher-url",
-        default=settings.teacher_url,
-        help="the teacher's SGLang server; the worker owns one TeacherBackend on it and hands "
-        "it to build_agents as args.teacher (default: ROLLOUT_TEACHER_URL; unset: None)",
-    )
-    add(
-        "--teacher-tokenizer",
-        type=Path,
-        default=settings.teacher_tokenizer,
-        help="the teacher's tokenizer / chat template folder (default: ROLLOUT_TEACHER_TOKENIZER)",
-    )
-    add("--tmp-dir", type=Path, default=settings.tmp_dir, help="parent of per-episode dirs")
-    add("--verify-fraction", type=float, default=settings.verify_fraction,
-        help="share of completed samples re-scored on their server (default: "
-        "ROLLOUT_VERIFY_FRACTION; a request's verify_fraction knob overrides it)")
-    add("--verify-threshold", type=float, default=settings.verify_threshold,
-        help="largest |delta logprob| of a re-score before the rollout fails (default: "
-        "ROLLOUT_VERIFY_THRESHOLD)")
-    add(
-        "--sandbox",
-        choices=("local", "docker", "none"),
-        default=settings.sandbox,
-        help="sandbox provider handed to agents (and used to reap a dead worker's sandboxes; "
-        "default: ROLLOUT_SANDBOX)",
-    )
-    add(
-        "--docker-image",
-        default=settings.docker_image,
-        help="image of the Docker sandboxes (--sandbox docker; default: ROLLOUT_DOCKER_IMAGE)",
-    )
-    add(
-        "--docker-network",
-        default=settings.docker_network,
-        help="network mode of the Docker sandboxes (default: ROLLOUT_DOCKER_NETWORK, none)",
-    )
-    add(
-        "--docker-cpus",
-        type=float,
-        default=settings.docker_cpus,
-        help="CPUs per Docker sandbox (default: ROLLOUT_DOCKER_CPUS, else the largest "
-        "run_resource.cpu of the served evaluators)",
-    )
-    add(
-        "--sandbox-root",
-        type=Path,
-        default=None,
-        help="directory of the local sandboxes (workers that reap each other share it)",
-    )
-    add(
-        "--require-isolation",
-        action=argparse.BooleanOptionalAction,
-        default=settings.sandbox_require_isolation,
-        help="refuse to start unless local sandboxes get their own network namespace and uid "
-        "(default: ROLLOUT_SANDBOX_REQUIRE_ISOLATION)",
-    )
-    add("--quiet", action="store_true", help="no progress lines")
-    return parser
 
 
 class Progress:
@@ -256,26 +181,30 @@ def _sandbox_provider(
 
 
 async def _serve(
+    settings: Settings,
     args: argparse.Namespace,
     specs: Mapping[str, EvaluatorBinding],
     ids: tuple[str, ...],
     backends: BackendPool,
     provider: SandboxProvider | None,
 ) -> int:
-    progress = Progress(args.worker_id, quiet=args.quiet)
+    worker_id = consumer_name(settings, "evaluator")
+    progress = Progress(worker_id, quiet=settings.quiet)
     config = WorkerConfig(
-        worker_id=args.worker_id,
+        worker_id=worker_id,
         evaluator_ids=ids,
-        max_batches=args.max_batches,
-        heartbeat_ms=args.heartbeat_ms,
-        claim_idle_ms=args.claim_idle_ms,
-        block_ms=args.block_ms,
-        outage_limit_s=args.outage_limit_s,
-        grace_s=args.grace_s,
-        tmp_root=args.tmp_dir,
-        verify=VerifyPolicy(fraction=args.verify_fraction, threshold=args.verify_threshold),
+        max_batches=settings.max_batches,
+        heartbeat_ms=settings.heartbeat_ms,
+        claim_idle_ms=settings.claim_idle_ms,
+        block_ms=settings.block_ms,
+        outage_limit_s=settings.outage_limit_s,
+        grace_s=settings.grace_s,
+        tmp_root=settings.tmp_dir,
+        verify=VerifyPolicy(
+            fraction=settings.verify_fraction, threshold=settings.verify_threshold
+        ),
     )
-    logger.info("worker %s serving %s", args.worker_id, ", ".join(ids))
+    logger.info("worker %s serving %s", worker_id, ", ".join(ids))
     try:
         if isinstance(provider, DockerSandboxProvider):
             try:  # no daemon or no image: refuse to start rather than fail every episode
@@ -284,7 +213,8 @@ async def _serve(
                 print(f"error: --sandbox docker: {exc}", file=sys.stderr)
                 return 2
         return await serve_actor(
-            args,
+            settings,
+            worker_id,
             lambda log: EvaluatorWorker(
                 log,
                 specs,
@@ -308,63 +238,63 @@ async def _serve(
 
 
 def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
-    """Resolve ``--sglang-url`` (repeated, comma-separated, else ``ROLLOUT_SGLANG_URL``) into
-    ``args.sglang_urls``; ``args.sglang_url`` keeps the URL only when there is exactly one."""
-    urls = list(parse_urls(args.sglang_url or settings.sglang_url))
+    """The policy servers of ``settings.sglang_url`` (flags repeated or comma-separated, else
+    ``ROLLOUT_SGLANG_URL``), also set on ``args`` for ``build_agents(args)``: all of them as
+    ``args.sglang_urls``, and ``args.sglang_url`` only when there is exactly one."""
+    urls = list(parse_urls(settings.sglang_url))
     args.sglang_urls = urls
     args.sglang_url = urls[0] if len(urls) == 1 else None
     return urls
 
 
-def teacher_port(args: argparse.Namespace) -> TeacherBackend | None:
+def teacher_port(settings: Settings) -> TeacherBackend | None:
     """The worker's teacher (``--teacher-url``), like its student ``BackendPool``: built once,
     handed to ``build_agents`` as ``args.teacher``, closed when the worker stops."""
-    if not args.teacher_url:
+    if not settings.teacher_url:
         return None
-    if args.teacher_tokenizer is None:
+    if settings.teacher_tokenizer is None:
         logger.warning(
             "--teacher-url without --teacher-tokenizer: the teacher cannot render a "
             "conversation, so DAgger turns get no label and the student's turn stands"
         )
     return TeacherBackend(
-        config=TeacherConfig(url=args.teacher_url, tokenizer_path=args.teacher_tokenizer)
+        config=TeacherConfig(url=settings.teacher_url, tokenizer_path=settings.teacher_tokenizer)
     )
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.evaluator_config is None:
-        parser.error("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    started = start(build_parser, argv, _check)
+    started = start(FLAGS, build_parser, argv)
     if started is None:
         return 2
     settings, args = started
+    if settings.evaluator_config is None:
+        print("error: --evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required",
+              file=sys.stderr)
+        return 2
     try:
         policy_urls(args, settings)
-        args.teacher = teacher_port(args)
-        specs = load_evaluators(args.evaluator_config, args)
-        ids = _select(specs, args.evaluators)
+        args.teacher = teacher_port(settings)
+        specs = load_evaluators(settings.evaluator_config, args)
+        ids = _select(specs, settings.evaluators)
         docker = None
-        if args.sandbox == "docker":
+        if settings.sandbox == "docker":
             docker = docker_config(
-                args.docker_image,
-                network=args.docker_network,
-                cpus=args.docker_cpus,
+                settings.docker_image,
+                network=settings.docker_network,
+                cpus=settings.docker_cpus,
                 run_resource=_run_peak(specs, ids),
             )
         provider = _sandbox_provider(
-            args.sandbox,
-            args.sandbox_root,
-            require_isolation=args.require_isolation,
+            settings.sandbox,
+            settings.sandbox_root,
+            require_isolation=settings.sandbox_require_isolation,
             docker=docker,
         )
         backends = BackendPool(args.sglang_urls)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, specs, ids, backends, provider))
+    return asyncio.run(_serve(settings, args, specs, ids, backends, provider))
 
 
 if __name__ == "__main__":

@@ -17,48 +17,32 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from engine.actors.dumps import DumpConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig, RetentionConfig
 from engine.events.catalog import RolloutReady
 from engine.ops.retention import ACTOR_GROUPS
-from engine.settings import Settings
-from workers._common import add_common_flags, serve_actor, start
+from engine.settings import PROCESS, Flags, Settings
+from workers._common import consumer_name, serve_actor, settings_parser, start
 
-__all__ = ["build_parser", "main"]
+__all__ = ["FLAGS", "build_parser", "main"]
 
 logger = logging.getLogger("workers.finalizer")
 
+FLAGS = Flags((
+    *PROCESS, "max_deliveries", "out_dir", "teacher_top_k", "distill_dump_dir",
+    "mixed_dump_dir", "student_dump_dir", "retention_store", "retention_keep_s",
+    "retention_every_s",
+))
+
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollout finalizer",
-        description="Decide when rollouts are ready, apply their filters, append RolloutReady.",
+    return settings_parser(
+        "rollout finalizer",
+        "Decide when rollouts are ready, apply their filters, append RolloutReady.",
+        FLAGS,
+        settings,
     )
-    add_common_flags(parser, settings, "finalizer")
-    parser.add_argument("--out-dir", type=Path, default=None, help="write artifacts here")
-    parser.add_argument("--top-k", type=int, default=20, help="teacher top-K to ask for")
-    for name, what in (("distill", "OPD discrepancy"), ("mixed", "mixed-loss"),
-                       ("student", "per-iteration student")):
-        parser.add_argument(
-            f"--{name}-dump-dir", type=Path, default=getattr(settings, f"{name}_dump_dir"),
-            help=f"write the {what} dump here (default: ROLLOUT_{name.upper()}_DUMP_DIR; off)",
-        )
-    parser.add_argument(
-        "--retention-store", type=Path, default=settings.retention_store,
-        help="run retention in this finalizer: archive finished rollouts to this directory "
-        "(default ROLLOUT_RETENTION_STORE; unset: no retention here)",
-    )
-    parser.add_argument(
-        "--retention-keep-s", type=float, default=settings.retention_keep_s,
-        help="retention window (default ROLLOUT_RETENTION_KEEP_S)",
-    )
-    parser.add_argument(
-        "--retention-every-s", type=float, default=60.0,
-        help="seconds between two retention passes (default 60)",
-    )
-    return parser
 
 
 def _print_ready(ready: RolloutReady) -> None:
@@ -70,52 +54,48 @@ def _print_ready(ready: RolloutReady) -> None:
     )
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    config = FinalizerConfig(
-        consumer=args.worker_id,
-        out_dir=args.out_dir,
-        top_k=args.top_k,
-        heartbeat_ms=args.heartbeat_ms,
-        claim_idle_ms=args.claim_idle_ms,
-        block_ms=args.block_ms,
-        outage_limit_s=args.outage_limit_s,
+def _config(settings: Settings, consumer: str) -> FinalizerConfig:
+    retention = None
+    if settings.retention_store is not None:
+        retention = RetentionConfig(
+            store=settings.retention_store,
+            keep_s=settings.retention_keep_s,
+            every_s=settings.retention_every_s,
+            groups=ACTOR_GROUPS,
+        )
+    return FinalizerConfig(
+        consumer=consumer,
+        out_dir=settings.out_dir,
+        top_k=settings.teacher_top_k,
+        heartbeat_ms=settings.heartbeat_ms,
+        claim_idle_ms=settings.claim_idle_ms,
+        block_ms=settings.block_ms,
+        outage_limit_s=settings.outage_limit_s,
         dumps=DumpConfig(
-            distill_dir=args.distill_dump_dir,
-            mixed_dir=args.mixed_dump_dir,
-            student_dir=args.student_dump_dir,
+            distill_dir=settings.distill_dump_dir,
+            mixed_dir=settings.mixed_dump_dir,
+            student_dir=settings.student_dump_dir,
         ),
-        retention=(
-            RetentionConfig(
-                store=args.retention_store,
-                keep_s=args.retention_keep_s,
-                every_s=args.retention_every_s,
-                groups=ACTOR_GROUPS,
-            )
-            if args.retention_store is not None
-            else None
-        ),
+        retention=retention,
     )
-    return await serve_actor(
-        args,
-        lambda log: Finalizer(log, config, on_ready=_print_ready),
-        logger=logger,
-        what="finalizer",
-    )
-
-
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.retention_keep_s < 0:
-        parser.error(f"--retention-keep-s must be >= 0, got {args.retention_keep_s}")
-    if args.retention_every_s <= 0:
-        parser.error(f"--retention-every-s must be > 0, got {args.retention_every_s}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    started = start(build_parser, argv, _check)
+    started = start(FLAGS, build_parser, argv)
     if started is None:
         return 2
-    _, args = started
-    return asyncio.run(_serve(args))
+    settings, _ = started
+    consumer = consumer_name(settings, "finalizer")
+    config = _config(settings, consumer)
+    return asyncio.run(
+        serve_actor(
+            settings,
+            consumer,
+            lambda log: Finalizer(log, config, on_ready=_print_ready),
+            logger=logger,
+            what="finalizer",
+        )
+    )
 
 
 if __name__ == "__main__":

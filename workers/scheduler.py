@@ -24,9 +24,7 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,10 +38,10 @@ from engine.errors import ConfigError, DeadlockError, EngineError, LogError, Out
 from engine.events.names import StreamNames
 from engine.events.redis_log import RedisSettings, open_log
 from engine.runtime.consumer import ride_out
-from engine.settings import Settings
-from workers._common import serve_metrics, setup_logging
+from engine.settings import PROCESS, Flags, Settings
+from workers._common import consumer_name, settings_parser, start
 
-__all__ = ["GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
+__all__ = ["FLAGS", "GC_THRESHOLDS", "build_parser", "main", "tune_gc"]
 
 logger = logging.getLogger("workers.scheduler")
 
@@ -62,47 +60,20 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+FLAGS = Flags(
+    (*PROCESS, "config", "root", "evaluator_config", "cluster_layout", "env_num_cpus",
+     "env_memory_gb", "plan_chunk"),
+    aliases={"worker_id": "--scheduler-id"},
+)
+
+
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollout scheduler",
-        description="Plan requested rollouts and admit their batches through the event log.",
+    return settings_parser(
+        "rollout scheduler",
+        "Plan requested rollouts and admit their batches through the event log.",
+        FLAGS,
+        settings,
     )
-    add = parser.add_argument
-    add("--redis-url", default=settings.redis_url, help="Redis holding the event streams.")
-    add("--prefix", default=settings.stream_prefix, help="Prefix of every stream name.")
-    add("--rollout-config", default=settings.config, help="The rollout YAML (datasets).")
-    add(
-        "--evaluator-config",
-        default=settings.evaluator_config,
-        help="Python file exposing evaluator_profiles(args) -> list[EvaluatorProfile] "
-        "(its build_agents is for the evaluator workers).",
-    )
-    add(
-        "--cluster-layout",
-        default=settings.cluster_layout,
-        help="Cluster layout as inline JSON or a file path (unset: batches run ungated).",
-    )
-    add("--env-num-cpus", type=float, default=settings.env_num_cpus,
-        help="CPUs of a layout node that does not state 'cpu'.")
-    add("--env-memory-gb", type=float, default=settings.env_memory_gb,
-        help="Memory (GB) of a layout node that does not state 'memory_gb'.")
-    add(
-        "--scheduler-id",
-        default=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        help="Consumer name in the 'schedulers' group; keep it across restarts to resume "
-        "this scheduler's pending requests at once.",
-    )
-    add("--block-ms", type=int, default=settings.block_ms, help="Blocking read time.")
-    add("--heartbeat-ms", type=int, default=settings.heartbeat_ms,
-        help="How often in-flight requests are kept alive.")
-    add("--claim-idle-ms", type=int, default=settings.claim_idle_ms,
-        help="Idle time after which a dead scheduler's requests are claimed.")
-    add("--outage-limit-s", type=float, default=settings.outage_limit_s,
-        help="How long to ride out an unreachable Redis before exiting with a fatal error.")
-    add("--plan-chunk", type=int, default=4096,
-        help="Rollout-stream events per atomic append when writing a plan.")
-    add("--log-level", default=settings.log_level, help="Logging level.")
-    return parser
 
 
 @dataclass(frozen=True)
@@ -114,32 +85,31 @@ class _Components:
     names: StreamNames
 
 
-def _build(args: argparse.Namespace, settings: Settings) -> _Components:
+def _build(settings: Settings, args: argparse.Namespace) -> _Components:
     """Load and validate every input; raises ConfigError / DeadlockError naming the fault."""
-    if not args.rollout_config:
+    if settings.config is None:
         raise ConfigError("--rollout-config (or ROLLOUT_CONFIG) is required")
-    if not args.evaluator_config:
+    if settings.evaluator_config is None:
         raise ConfigError("--evaluator-config (or ROLLOUT_EVALUATOR_CONFIG) is required")
-    rollout = load_rollout_config(args.rollout_config, root=settings.root)
-    profiles = load_profiles(args.evaluator_config, args)
+    rollout = load_rollout_config(settings.config, root=settings.root)
+    profiles = load_profiles(settings.evaluator_config, args)
     layout = None
-    if args.cluster_layout:
+    if settings.cluster_layout:
         layout = parse_cluster_layout(
-            args.cluster_layout,
-            default_cpu=args.env_num_cpus,
-            default_memory_gb=args.env_memory_gb,
+            settings.cluster_layout,
+            default_cpu=settings.env_num_cpus,
+            default_memory_gb=settings.env_memory_gb,
         )
     config = SchedulerConfig(
-        scheduler_id=args.scheduler_id,
-        block_ms=args.block_ms,
-        heartbeat_ms=args.heartbeat_ms,
-        claim_idle_ms=args.claim_idle_ms,
-        outage_limit_s=args.outage_limit_s,
-        plan_chunk=args.plan_chunk,
+        scheduler_id=consumer_name(settings, "scheduler"),
+        block_ms=settings.block_ms,
+        heartbeat_ms=settings.heartbeat_ms,
+        claim_idle_ms=settings.claim_idle_ms,
+        outage_limit_s=settings.outage_limit_s,
+        plan_chunk=settings.plan_chunk,
     )
-    names = StreamNames(args.prefix)
-    redis = settings.redis(url=args.redis_url, block_ms=args.block_ms)
-    return _Components(Planner(rollout, profiles), layout, config, redis, names)
+    names = StreamNames(settings.stream_prefix)
+    return _Components(Planner(rollout, profiles), layout, config, settings.redis(), names)
 
 
 async def _serve(parts: _Components) -> int:
@@ -160,7 +130,7 @@ async def _serve(parts: _Components) -> int:
             "gated" if parts.layout else "ungated",
         )
         await scheduler.run(stop)
-    except DeadlockError as exc:
+    except (DeadlockError, ConfigError) as exc:  # ConfigError: e.g. refused credentials
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
     except (LogError, OutageExceeded) as exc:
@@ -173,16 +143,12 @@ async def _serve(parts: _Components) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = Settings.from_env()
-    except ConfigError as exc:
-        print(f"scheduler: {exc}", file=sys.stderr)
+    started = start(FLAGS, build_parser, argv)
+    if started is None:
         return 2
-    args = build_parser(settings).parse_args(list(argv) if argv is not None else None)
-    setup_logging(str(args.log_level))
-    serve_metrics(settings)
+    settings, args = started
     try:
-        parts = _build(args, settings)
+        parts = _build(settings, args)
         check_layout(parts.planner.specs, parts.layout)
         parts.planner.validate()  # task types served, every dataset line parses
     except EngineError as exc:

@@ -1,19 +1,12 @@
 """``classify_abort``: which class of failure ended a sample (seeds: classify_abort).
 
-An exception raised anywhere in an episode aborts its sample; this decides the bucket:
-
-* ``agent_timeout`` -- the episode window elapsed (``EpisodeTimeout``, ``TimeoutError``);
-* ``infra_conn``    -- the model server could not be reached, answered an error or aborted
-  (``BackendError`` and its subclasses, ``ConnectionError``);
-* ``infra_sandbox`` -- the sandbox failed (``SandboxError`` and its subclasses);
-* ``infra_other``   -- anything else.
-
-Classes are looked up along the exception's chain (``raise X from Y``, the implicit context,
-the members of an ``ExceptionGroup``) before the message is consulted: an ``AgentError``
-raised from a ``BackendUnavailable`` is a connection failure. Only when no class matches do
-message heuristics apply, for agents that wrap errors in plain exceptions (a scaffold's
-``RuntimeError("connection refused")``); connection words are tested before sandbox words,
-and those before timeout words, since "connection timed out" is a connection failure.
+``agent_timeout`` (``EpisodeTimeout``, ``TimeoutError``), ``infra_conn`` (``BackendError``,
+``ConnectionError``), ``infra_sandbox`` (``SandboxError``) or ``infra_other``. Classes are
+looked up along the whole chain (causes, context, ``ExceptionGroup`` members) first, so an
+``AgentError`` raised from a ``BackendUnavailable`` is a connection failure. Only then do
+message heuristics apply, for agents that wrap errors in plain exceptions: connection words
+before sandbox words before timeout words, since "connection timed out" is a connection
+failure.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ _MAX_CHAIN = 16
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """The exception, its causes/contexts and group members, each once, breadth first."""
+    """The exception, its causes, contexts and group members, each once, breadth first."""
     seen: set[int] = set()
     queue = [exc]
     while queue and len(seen) < _MAX_CHAIN:
@@ -70,7 +63,6 @@ def _by_class(exc: BaseException) -> AbortClass | None:
 
 
 def classify_abort(exc: BaseException) -> AbortClass:
-    """The abort class of an exception (see the module docstring for the rules)."""
     chain = list(_chain(exc))
     for cur in chain:
         found = _by_class(cur)

@@ -1,7 +1,7 @@
 """Admission: the deadlock check, the pure admission decision, and the pool gate.
 
-Deadlock check (seed task-scheduler §3 "Deadlock prevention")
--------------------------------------------------------------
+Deadlock check
+--------------
 For every evaluator profile::
 
     tokens_needed = min(budget_tokens(profile.resource, profile.sample_resource), max batch samples)

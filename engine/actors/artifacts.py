@@ -1,9 +1,8 @@
 """Write a rollout's artifacts to a directory: the one function the live finalizer and
 ``rollout replay`` both call, so a replay writes the live run's files by construction.
 
-The content is computed by the pure projection :func:`engine.projections.summary.render_artifacts`
-(name -> bytes); this module only puts those bytes on disk, each file atomically (a temporary
-file in the same directory, then a rename), so a reader never sees half a file.
+The bytes come from the pure :func:`engine.projections.summary.render_artifacts`; each file
+is written atomically, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.projections.rollout import RolloutState
+from engine.projections.readback import Rollout
 from engine.projections.summary import render_artifacts
 
 __all__ = ["write_artifacts", "write_files"]
@@ -31,6 +30,6 @@ def write_files(files: dict[str, bytes], out_dir: str | os.PathLike[str]) -> dic
     return written
 
 
-def write_artifacts(state: RolloutState, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+def write_artifacts(rollout: Rollout, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """Render the rollout's artifacts and write them into ``out_dir``; returns their paths."""
-    return write_files(render_artifacts(state), out_dir)
+    return write_files(render_artifacts(rollout), out_dir)

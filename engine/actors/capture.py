@@ -1,24 +1,19 @@
-"""The capture worker: force-decodes kept trajectories on the teacher (inference-backend §3 B).
+"""The capture worker: force-decodes kept trajectories on the teacher.
 
 Contract
 --------
-* Input: ``CaptureRequested`` on ``rl:capture`` through the consumer group ``capture``
-  (written by the finalizer once every sample of a per-token-loss rollout is terminal).
-* For each named sample that is completed and not yet scored, the teacher force-decodes
-  ``prompt_ids + response_ids`` (:class:`TeacherScorer`) and the worker appends
-  ``TeacherScored`` to the rollout stream: the teacher's logprob of every response token,
-  its top-K ids and logprobs (flattened row-major, K per position) and the action mask
-  (student action tokens only: the loss mask without the DAgger rollin's teacher tokens),
-  for the attempt that produced the trajectory. The lane shaping (the mixed lane's
-  sentinel) happens when the samples are built, ``engine.projections.lanes``. Samples are
-  scored concurrently, up to ``concurrency`` at once.
-* A failed call is retried (``max_tries`` in all, with a growing pause). A persistent
-  failure is not swallowed: ``RolloutFailed`` with the reason goes to the rollout stream and
-  to ``rl:control`` (the trainer's ``wait_ready`` raises it), and the request is acked.
-* It runs on the actor runtime (``engine.runtime.loop.serve``), one request at a time; a
-  stop hands the request in progress back.
-* The entry is acked only after its events are in Redis; a redelivered request skips the
-  samples already scored, so a crash costs at most the scoring in flight.
+* Input: ``CaptureRequested`` on ``rl:capture`` (group ``capture``), from the finalizer
+  once every sample of a per-token-loss rollout is terminal.
+* Each named sample completed and not yet scored is force-decoded (``prompt_ids +
+  response_ids``, up to ``concurrency`` at once) and gets a ``TeacherScored`` on the
+  rollout stream: the teacher's logprob of every response token, its top-K ids and
+  logprobs (row-major, K per position) and the action mask (the loss mask without DAgger
+  teacher tokens). Lane shaping happens when samples are built (``engine.projections.lanes``).
+* A call is tried ``max_tries`` times with a growing pause; a persistent failure sends
+  ``RolloutFailed`` to the rollout stream and ``rl:control``, and the request is acked.
+* One request at a time on the actor runtime; a stop hands the one in progress back. The
+  entry is acked once its events are written, and a redelivery skips the samples already
+  scored, so a crash costs at most the scoring in flight.
 """
 
 from __future__ import annotations
@@ -32,22 +27,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.events.arrays import LogProbs, TokenIds
-from engine.events.catalog import CaptureRequested, RolloutFailed, TeacherScored
+from engine.events.catalog import CaptureRequested, RolloutFailed, SampleCompleted, TeacherScored
 from engine.events.log import EventLog
 from engine.projections.lanes import action_mask_of
-from engine.projections.rollout import RolloutProjection, SampleState
+from engine.projections.rollout import RolloutProjection
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_back
 from engine.runtime.rebuild import rebuild
 
-__all__ = [
-    "BackendScorer",
-    "CaptureConfig",
-    "CaptureWorker",
-    "TeacherScorer",
-    "TeacherScores",
-]
+__all__ = ["BackendScorer", "CaptureConfig", "CaptureWorker", "TeacherScorer", "TeacherScores"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +48,6 @@ TeacherScores = tuple[Sequence[float], Sequence[Sequence[int]], Sequence[Sequenc
 
 
 class TeacherScorer(Protocol):
-    """Force-decodes one trajectory on the teacher."""
 
     async def score(
         self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int
@@ -76,8 +65,7 @@ class _ForceDecoder(Protocol):
 
 
 class BackendScorer:
-    """Adapts ``engine.backends.teacher.TeacherBackend`` (``score_response``) to
-    :class:`TeacherScorer`."""
+    """:class:`TeacherScorer` on ``engine.backends.teacher.TeacherBackend``."""
 
     def __init__(self, backend: _ForceDecoder) -> None:
         self.backend = backend
@@ -109,8 +97,6 @@ class _TeacherFailed(Exception):
 
 
 class CaptureWorker:
-    """See the module docstring."""
-
     def __init__(self, log: EventLog, scorer: TeacherScorer, config: CaptureConfig) -> None:
         self.log = log
         self.names = log.names
@@ -128,12 +114,9 @@ class CaptureWorker:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._sem = asyncio.Semaphore(config.concurrency)
-        self.scored = 0
-        self.failed_rollouts = 0
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Serve capture requests one at a time until ``stop`` (the one in progress is
-        then handed back)."""
+        """Serve capture requests until ``stop``."""
         try:
             await serve(
                 self.consumer,
@@ -154,13 +137,13 @@ class CaptureWorker:
         """Score the request's samples; returns how many were scored now."""
         stream = self.names.rollout(request.rollout_id)
         state = (await rebuild(self.log, stream, RolloutProjection())).state
-        todo = [
-            s
+        ids = [
+            sid
             for sid in request.sample_ids
-            if (s := state.samples.get(sid)) is not None
-            and s.completed is not None
-            and s.teacher is None
+            if (rec := state.samples.get(sid)) is not None and rec.completed and not rec.scored
         ]
+        rollout = await read_back(self.log, stream, state, ids)
+        todo = [rollout.completed(state.samples[sid]) for sid in ids]
         results = await asyncio.gather(
             *(self._score_one(s, request.top_k, causation) for s in todo),
             return_exceptions=True,
@@ -177,15 +160,13 @@ class CaptureWorker:
                 rollout_id=request.rollout_id, reason=reason, causation=causation
             )
             self.sink.emit([(stream, failed), (self.names.control, failed)])
-            self.failed_rollouts += 1
             logger.error("rollout %s failed: %s", request.rollout_id, reason)
         await self.sink.flush()
-        self.scored += len(scored)
         return len(scored)
 
-    async def _score_one(self, s: SampleState, top_k: int, causation: str | None) -> TeacherScored:
-        done = s.completed
-        assert done is not None
+    async def _score_one(
+        self, done: SampleCompleted, top_k: int, causation: str | None
+    ) -> TeacherScored:
         prompt = done.prompt_ids.tolist()
         response = done.response_ids.tolist()
         last: Exception | None = None
@@ -193,14 +174,14 @@ class CaptureWorker:
             for attempt in range(1, self.config.max_tries + 1):
                 try:
                     logprobs, top_ids, top_lps = await self.scorer.score(prompt, response, top_k)
-                    return _scored(s, top_k, logprobs, top_ids, top_lps, causation)
+                    return _scored(done, top_k, logprobs, top_ids, top_lps, causation)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     last = exc
                     logger.warning(
                         "teacher scoring of %s failed (try %d of %d): %s",
-                        s.sample_id,
+                        done.sample_id,
                         attempt,
                         self.config.max_tries,
                         exc,
@@ -208,21 +189,19 @@ class CaptureWorker:
                     if attempt < self.config.max_tries:
                         await asyncio.sleep(self.config.retry_pause_s * attempt)
         raise _TeacherFailed(
-            f"teacher scoring of sample {s.sample_id} failed after {self.config.max_tries} "
+            f"teacher scoring of sample {done.sample_id} failed after {self.config.max_tries} "
             f"tries: {type(last).__name__}: {last}"
         )
 
 
 def _scored(
-    s: SampleState,
+    done: SampleCompleted,
     top_k: int,
     logprobs: Sequence[float],
     top_ids: Sequence[Sequence[int]],
     top_lps: Sequence[Sequence[float]],
     causation: str | None,
 ) -> TeacherScored:
-    done = s.completed
-    assert done is not None
     n = len(done.response_ids)
     if len(logprobs) != n:
         raise ValueError(f"teacher returned {len(logprobs)} logprobs for {n} response tokens")

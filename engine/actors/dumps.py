@@ -1,27 +1,21 @@
-"""Analysis dumps of a ready rollout (rollout-engine §5): token-level data for offline tools.
+"""Analysis dumps of a ready rollout: token-level data for offline tools.
 
-Three optional dumps, each armed by its own directory (``DumpConfig``; the finalizer process
-reads them from ``ROLLOUT_DISTILL_DUMP_DIR``, ``ROLLOUT_MIXED_DUMP_DIR`` and
-``ROLLOUT_STUDENT_DUMP_DIR``). The finalizer writes them once a rollout is ready, from the
-samples exactly as the trainer loads them (``trainer_samples``), so a dump shows what the
-loss consumed:
+Each dump is armed by its directory (``DumpConfig``; ``ROLLOUT_DISTILL_DUMP_DIR``,
+``ROLLOUT_MIXED_DUMP_DIR``, ``ROLLOUT_STUDENT_DUMP_DIR``) and written from the samples as
+the trainer loads them (``trainer_samples``), so it shows what the loss consumed:
 
-* **OPD discrepancy dump** (``per_token`` lane, and any rollout captured with
-  ``teacher_capture``): ``<distill_dir>/iter_<NNNNNN>-<rollout id>.pt``, the (teacher,
-  student) logprob pair the K3 estimator consumes and the action mask;
-* **mixed-loss dump** (``mixed`` lane): ``<mixed_dir>/iter_<NNNNNN>-<rollout id>.pt``, the
-  sentinel'd ``teacher_log_probs`` (+1.0 at teacher positions) and the original
-  ``is_teacher_mask``, so a tool can split CE from K3 per position;
-* **student dump** (eval rollouts): ``<student_dir>/iter_<NNNNNN>/<sample>.pt`` per finished
-  eval sample (tokens, loss mask, rollout logprobs, reward) and ``manifest.json`` listing them.
+* OPD discrepancy (``per_token`` lane, or captured with ``teacher_capture``):
+  ``<distill_dir>/iter_<NNNNNN>-<rollout id>.pt``, teacher and student logprobs (what the
+  K3 estimator consumes) and the action mask;
+* mixed-loss (``mixed`` lane): ``<mixed_dir>/iter_<NNNNNN>-<rollout id>.pt``, the
+  sentinel'd ``teacher_log_probs`` (+1.0 at teacher positions) and ``is_teacher_mask``, so a
+  tool can split CE from K3 per position;
+* student (eval rollouts): ``<student_dir>/iter_<NNNNNN>/<sample>.pt`` per finished sample
+  (tokens, loss mask, rollout logprobs, reward) and a ``manifest.json``.
 
-Format: ``torch.save`` of a dict of tensors and plain values; ``torch.load(path)`` reads it.
-Tensors are response-aligned and right-padded to the longest response, ``[B, R]``, with
-``response_lengths`` [B]; masked dummies (aborted samples) are left out.
-
-Every file is written atomically (a temporary file in the same directory, then
-``os.replace``) and every dump is best-effort: a failure (a file where the directory should
-be, a full disk) is logged and never fails or delays the rollout.
+Format: ``torch.save`` of a dict; tensors are response-aligned, right-padded ``[B, R]`` with
+``response_lengths`` [B]; aborted samples are left out. Files are written atomically, and a
+dump is best-effort: a failure is logged and never fails or delays the rollout.
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ import torch
 from engine.events.arrays import PackedArray
 from engine.events.catalog import RolloutKind
 from engine.projections.lanes import Lane, request_lane
+from engine.projections.readback import Rollout
 from engine.projections.rollout import RolloutState
 from engine.projections.samples import scalar_reward, trainer_samples
 from engine.sample import Sample
@@ -64,14 +59,15 @@ class DumpConfig:
         return any(d is not None for d in (self.distill_dir, self.mixed_dir, self.student_dir))
 
 
-def write_dumps(state: RolloutState, config: DumpConfig) -> list[Path]:
-    """Write the dumps ``config`` arms for this ready rollout; returns the files written.
-    Never raises: each failure is logged (see the module docstring)."""
+def write_dumps(rollout: Rollout, config: DumpConfig) -> list[Path]:
+    """Write the dumps ``config`` arms for this ready rollout; the files written. Never
+    raises."""
+    state = rollout.state
     if not config.armed or state.ready is None or state.request is None:
         return []
     written: list[Path] = []
     try:
-        samples = [s for s in trainer_samples(state) if not s.remove_sample]
+        samples = [s for s in trainer_samples(rollout) if not s.remove_sample]
     except Exception as exc:  # noqa: BLE001 - best-effort by contract
         logger.warning("dumps of rollout %s skipped: %s", state.rollout_id, exc)
         return []
@@ -113,11 +109,12 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def _save(path: Path, obj: object) -> Path:
+def _save(path: Path, obj: Any, write: Callable[[Any, Path], object] = torch.save) -> Path:
+    """``write(obj, tmp)``, then ``tmp`` renamed to ``path``: never half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        torch.save(obj, tmp)
+        write(obj, tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -209,12 +206,6 @@ def _student(state: RolloutState, samples: Sequence[Sample], folder: Path) -> li
         "policy_version": request.policy_version,
         "samples": entries,
     }
-    path = folder / "manifest.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    written.append(path)
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    written.append(_save(folder / "manifest.json", text, lambda t, tmp: tmp.write_text(t)))
     return written

@@ -5,13 +5,10 @@ Contract
 * Input: ``BatchAdmitted`` on ``rl:work:{evaluator_id}`` for each evaluator id the worker
   serves, read through the consumer group ``evaluators`` (one consumer per worker process).
   Up to ``max_batches`` batches run at once in one process.
-* Tasks come from the rollout stream, read undecoded (only their type and sample id are
-  looked at, ``codec.peek``): the worker keeps, per rollout (an LRU of
-  ``task_cache_rollouts``), the request copy, an index of where each task entry is (about
-  two bytes a task) and the last ``task_window`` entries as read. A batch's tasks are taken
-  from the window, re-read where the index places them, or read on in stream order when
-  the batch names a sample not read yet; they are decoded then and held by the batch's
-  plan only, so a worker's memory follows its batches in flight, not the rollout's size.
+* Tasks come from the rollout stream through the worker's ``TaskReader``
+  (:mod:`engine.actors.task_reader`): per rollout (an LRU of ``task_cache_rollouts``) an
+  index of the task entries and the last ``task_window`` entries as read, so a worker's
+  memory follows its batches in flight, not the rollout's size.
 * The worker runs on the actor runtime (``engine.runtime.loop.serve``); what to re-run,
   which tokens to reuse and what to abort are pure functions of the folds
   (:mod:`engine.actors.recovery`), tested without Redis.
@@ -22,7 +19,7 @@ Contract
   the tokens are those the pool projection says the batch still holds (a ``LiveFold`` of
   ``rl:pool``, refreshed only for recoveries); and the sandbox provider (when one is
   configured) reaps whatever the previous workers left running for the batch (selected by
-  the labels of :func:`sandbox_labels`).
+  the labels of :func:`engine.actors.sandbox_labels.sandbox_labels`).
 * An entry dead-lettered for too many deliveries aborts its non-terminal samples as
   ``infra_other`` (phase ``delivery``) and releases the tokens the batch still holds. The
   entry is acked only after those events are in Redis; a worker dying in between leaves it
@@ -45,50 +42,38 @@ Contract
   still write. When the heartbeat finds the batch claimed by another worker (this one
   stalled past the idle window), its run here is cancelled.
 * Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` and steers
-  its backend pool's ``TurnGate``: while a sync is open or the engine is poisoned no generate
-  call starts (calls in flight finish), so trajectories wait at a turn boundary; once nothing
-  is in flight it appends ``WorkerParked``. An activation opens the gate again.
+  its backend pool's ``TurnGate`` (the pool's first hook): while a sync is open or the engine
+  is poisoned no model call starts (calls in flight finish), so trajectories wait at a turn
+  boundary; once nothing is in flight it appends ``WorkerParked``. An activation opens the
+  gate again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
   ``grace_s`` to finish; the rest are cancelled and handed back (claimable at once, not
   counted as a delivery) -- samples that finished are recorded, the others re-run on the
   worker that claims the batch. Work is never dropped.
-
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.actors.batch_run import (
-    BatchPlan,
-    BatchRun,
-    ControlWatch,
-    EpisodeSettings,
-    OnTaskDone,
-    PromptStore,
-    sandbox_labels,
-)
+from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings, OnTaskDone
+from engine.actors.control_watch import ControlWatch
+from engine.actors.prompt_store import PromptStore
 from engine.actors.recovery import dead_letter_events, plan_recovery
+from engine.actors.sandbox_labels import sandbox_labels
+from engine.actors.task_reader import TaskReader
 from engine.actors.verify import VerifyPolicy, check_servers
 from engine.actors.weight_sync import WorkerQuiesce
 from engine.agents.binding import EvaluatorBinding
 from engine.backends.gate import TurnGate
 from engine.backends.pool import BackendPool
-from engine.errors import ConfigError, DecodeError
+from engine.errors import ConfigError
 from engine.events.base import Event
-from engine.events.catalog import (
-    BatchAdmitted,
-    BatchLeased,
-    RolloutRequested,
-    TaskFetched,
-    TaskJoined,
-)
-from engine.events.codec import decode, peek
+from engine.events.catalog import BatchAdmitted, BatchLeased
 from engine.events.log import DeadEntry, EventLog
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
@@ -96,6 +81,7 @@ from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_tasks
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
 
@@ -104,7 +90,7 @@ __all__ = ["BatchReport", "EvaluatorWorker", "WorkerConfig"]
 logger = logging.getLogger(__name__)
 
 GROUP = "evaluators"
-_TASK_TYPES = frozenset({"TaskFetched", "TaskJoined"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -120,7 +106,7 @@ class WorkerConfig:
     tmp_root: Path | None = None
     cleanup_timeout_s: float = 120.0
     task_cache_rollouts: int = 16
-    task_window: int = 2048  # task entries of a rollout kept as read (see _RolloutTasks)
+    task_window: int = 2048  # task entries of a rollout kept as read (engine.actors.task_reader)
     group: str = GROUP
     outage_limit_s: float | None = 300.0
     verify: VerifyPolicy = VerifyPolicy()
@@ -146,92 +132,6 @@ class BatchReport:
     completed: int
     aborted: int
     redelivered: bool
-
-
-@dataclass(slots=True)
-class _RolloutTasks:
-    """What the worker knows of one rollout's tasks, bounded by what its batches need.
-
-    Entries are read in stream order, undecoded, and only peeked at (``codec.peek``: type
-    and sample id). Of each task entry the worker keeps an *index*, not the entry: where it
-    is among the rollout's task entries (its ordinal). A sample id the planner gave
-    (``<rollout>:s<k>`` at ordinal ``k``) costs one byte; any other id (a carried sample, a
-    hand-written stream) a dict entry. Every ``MARK_EVERY``-th ordinal records the id of the
-    stream entry before it, so a batch's entries are re-read with one ranged read per run of
-    nearby ordinals. The entries read last (``window`` of them) are kept as read, so a batch
-    admitted soon after its tasks were read takes them without a second read; a task is
-    decoded when a batch needs it and kept only by that batch's plan. Memory per rollout is
-    the window plus about two bytes per task, whatever the rollout's size."""
-
-    rollout_id: str
-    window: int
-    request: RolloutRequested | None = None
-    position: str = "0-0"  # the last entry read in order
-    count: int = 0  # task entries read in order (the next one's ordinal)
-    planned: bytearray = field(default_factory=bytearray)  # 1: ordinal k holds <prefix>k
-    others: dict[str, int] = field(default_factory=dict)  # sample id -> ordinal, the rest
-    marks: list[str] = field(default_factory=list)  # id before ordinal c * MARK_EVERY
-    recent: OrderedDict[str, bytes] = field(default_factory=OrderedDict)  # read, not taken
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    prefix: str = ""
-
-    def __post_init__(self) -> None:
-        self.prefix = f"{self.rollout_id}:s"
-
-    def locate(self, sample_id: str) -> int | None:
-        """The ordinal of the sample's first task entry, if it was read (None: not yet)."""
-        k = self.others.get(sample_id)
-        if k is not None:
-            return k
-        if not sample_id.startswith(self.prefix):
-            return None
-        tail = sample_id[len(self.prefix) :]
-        if not (tail.isascii() and tail.isdigit()):
-            return None
-        k = int(tail)
-        if k < self.count and self.planned[k] and str(k) == tail:
-            return k
-        return None
-
-    def add(self, before: str, sample_id: str, raw: bytes) -> bool:
-        """Index the next task entry in stream order (``before``: the id of the stream
-        entry before it); True when it is its sample's first (a repeat is ignored, as the
-        rollout fold ignores it), which is then kept in the window."""
-        k = self.count
-        if k % MARK_EVERY == 0:
-            self.marks.append(before)
-        if sample_id == f"{self.prefix}{k}":
-            first = sample_id not in self.others
-            self.planned.append(first)
-        else:
-            first = self.locate(sample_id) is None
-            self.planned.append(0)
-            if first:
-                self.others[sample_id] = k
-        self.count = k + 1
-        if first:
-            self.recent[sample_id] = raw
-            if len(self.recent) > self.window:
-                self.recent.popitem(last=False)
-        return first
-
-
-MARK_EVERY = 64
-"""Task entries between two marks of a rollout's task index (a mark: one entry id)."""
-
-
-def _resolve(
-    events: Mapping[str, Event | None], sample_id: str, seen: frozenset[str] = frozenset()
-) -> TaskFetched | None:
-    """The sample's task from the decoded entries; a ``TaskJoined`` is its group's first task
-    (None: no entry, an entry that did not decode, or a group whose task is unknown)."""
-    ev = events.get(sample_id)
-    if isinstance(ev, TaskJoined):
-        if sample_id in seen:
-            return None  # joined in a cycle: no task
-        first = _resolve(events, ev.same_as, seen | {sample_id})
-        return None if first is None else ev.task(first)
-    return ev if isinstance(ev, TaskFetched) else None
 
 
 class EvaluatorWorker:
@@ -268,7 +168,9 @@ class EvaluatorWorker:
             cleanup_timeout_s=config.cleanup_timeout_s,
             verify=config.verify,
         )
-        self._tasks: OrderedDict[str, _RolloutTasks] = OrderedDict()
+        self.tasks = TaskReader(
+            log, window=config.task_window, rollouts=config.task_cache_rollouts
+        )
         self._prompts = PromptStore()  # a group's prompt tokens stored once (batch_run)
         self.sink = GroupAppender(log)
         self.consumer = GroupConsumer(
@@ -292,7 +194,7 @@ class EvaluatorWorker:
             worker_id=config.worker_id,
             block_ms=config.block_ms,
         )
-        # rl:control for the staleness bound and partial-rollout tails (issue 12).
+        # rl:control for the staleness bound and the tails of over-provisioned rollouts.
         self.control_watch = ControlWatch(log)
         self.batches_done = 0
         self.batches_handed_back = 0
@@ -370,7 +272,7 @@ class EvaluatorWorker:
             )
 
     async def _fresh_plan(self, d: Delivery, ev: BatchAdmitted) -> BatchPlan:
-        request, tasks = await self._batch_tasks(ev.rollout_id, ev.sample_ids)
+        request, tasks = await self.tasks.batch_tasks(ev.rollout_id, ev.sample_ids)
         return BatchPlan(
             admitted=ev,
             request=request,
@@ -420,10 +322,11 @@ class EvaluatorWorker:
             len(ev.sample_ids),
             len(plan.tokens),
         )
+        stream = self.names.rollout(ev.rollout_id)
         return BatchPlan(
             admitted=ev,
             request=state.request,
-            tasks={sid: s.task for sid, s in state.samples.items()},
+            tasks=await read_tasks(self.log, stream, state, plan.run_ids),
             run_ids=plan.run_ids,
             attempts=plan.attempts,
             tokens=plan.tokens,
@@ -432,8 +335,7 @@ class EvaluatorWorker:
         )
 
     async def _fold(self, rollout_id: str) -> RolloutState:
-        folded = await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())
-        return folded.state
+        return (await rebuild(self.log, self.names.rollout(rollout_id), RolloutProjection())).state
 
     async def _pool_now(self) -> PoolState:
         """The pool folded up to now (only recoveries and dead letters ask)."""
@@ -454,141 +356,6 @@ class EvaluatorWorker:
                 )
                 continue
             logger.info("reaped %d sandboxes %s left for batch %s", n, worker, ev.batch_id)
-
-    def _rollout(self, rollout_id: str) -> _RolloutTasks:
-        cached = self._tasks.get(rollout_id)
-        if cached is None:
-            cached = self._tasks[rollout_id] = _RolloutTasks(
-                rollout_id, window=self.config.task_window
-            )
-            while len(self._tasks) > self.config.task_cache_rollouts:
-                self._tasks.popitem(last=False)
-        else:
-            self._tasks.move_to_end(rollout_id)
-        return cached
-
-    async def _batch_tasks(
-        self, rollout_id: str, needed: Sequence[str]
-    ) -> tuple[RolloutRequested | None, dict[str, TaskFetched]]:
-        """The rollout's request copy and the tasks of ``needed`` (a sample without a task
-        is left out: the batch aborts it), a ``TaskJoined`` resolved to its group's task."""
-        cached = self._rollout(rollout_id)
-        stream = self.names.rollout(rollout_id)
-        events: dict[str, Event | None] = {}
-        async with cached.lock:
-            want = set(needed)
-            while want:  # the batch's entries, then the group tasks they are joined on
-                raws = await self._task_entries(cached, stream, want)
-                for sid in want:
-                    raw = raws.get(sid)
-                    ev: Event | None = None
-                    if raw is not None:
-                        try:
-                            ev = decode(raw)
-                        except DecodeError as exc:  # its owner, the finalizer, dead-letters it
-                            logger.warning("skipping the undecodable task of %s: %s", sid, exc)
-                    events[sid] = ev
-                want = {
-                    ev.same_as
-                    for ev in events.values()
-                    if isinstance(ev, TaskJoined) and ev.same_as not in events
-                }
-        out: dict[str, TaskFetched] = {}
-        for sid in needed:
-            task = _resolve(events, sid)
-            if task is not None:
-                out[sid] = task
-        return cached.request, out
-
-    async def _task_entries(
-        self, cached: _RolloutTasks, stream: str, want: set[str]
-    ) -> dict[str, bytes]:
-        """The first task entry of each sample of ``want`` that the stream has: taken from
-        the window, re-read where the index places it, or read on in stream order (only
-        until every sample is found: a batch can start while the rest of a large plan is
-        still unread)."""
-        got: dict[str, bytes] = {}
-        located: dict[int, str] = {}
-        unknown: set[str] = set()
-        for sid in want:
-            raw = cached.recent.pop(sid, None)
-            if raw is not None:
-                got[sid] = raw
-                continue
-            k = cached.locate(sid)
-            if k is None:
-                unknown.add(sid)
-            else:
-                located[k] = sid
-        if located:
-            for k, raw in (await self._reread(cached, stream, sorted(located))).items():
-                head = peek(raw)
-                if head is not None and head[1] == located[k]:
-                    got[located[k]] = raw
-        while unknown:
-            entries = await self.log.read_raw(stream, after=cached.position, limit=1000)
-            if not entries:
-                break
-            before = cached.position
-            for entry_id, raw in entries:
-                head = peek(raw)
-                if head is not None:  # else not an event: its owner dead-letters it
-                    kind, sample_id, _same_as = head
-                    if kind in _TASK_TYPES:
-                        if cached.add(before, sample_id, raw) and sample_id in unknown:
-                            cached.recent.pop(sample_id, None)
-                            got[sample_id] = raw
-                            unknown.discard(sample_id)
-                    elif kind == "RolloutRequested" and cached.request is None:
-                        try:
-                            request = decode(raw)
-                        except DecodeError:
-                            request = None
-                        if isinstance(request, RolloutRequested):
-                            cached.request = request
-                before = entry_id
-            cached.position = entries[-1][0]
-        return got
-
-    async def _reread(
-        self, cached: _RolloutTasks, stream: str, ordinals: Sequence[int]
-    ) -> dict[int, bytes]:
-        """The task entries at ``ordinals`` (sorted, each already read once), re-read from
-        the marks before them: one ranged read per run of ordinals less than
-        ``MARK_EVERY`` apart, all in one round trip."""
-        runs: list[list[int]] = []  # [first ordinal read, last ordinal wanted]
-        for k in ordinals:
-            if runs and k - runs[-1][1] <= MARK_EVERY:
-                runs[-1][1] = k
-            else:
-                runs.append([k - k % MARK_EVERY, k])
-        marks = [cached.marks[first // MARK_EVERY] for first, _last in runs]
-        replies = await self.log.read_raw_ranges(
-            stream,
-            [
-                ("-" if mark == "0-0" else f"({mark}", "+", last - first + 1)
-                for mark, (first, last) in zip(marks, runs, strict=True)
-            ],
-        )
-        wanted = set(ordinals)
-        out: dict[int, bytes] = {}
-        for (first, last), rows in zip(runs, replies, strict=True):
-            k = first
-            while rows:
-                for _entry_id, raw in rows:
-                    head = peek(raw)
-                    if head is None or head[0] not in _TASK_TYPES:
-                        continue
-                    if k in wanted:
-                        out[k] = raw
-                    k += 1
-                    if k > last:
-                        break
-                if k > last:
-                    break
-                # other entries among the run's tasks: read on past them
-                rows = await self.log.read_raw(stream, after=rows[-1][0], limit=last - k + 1)
-        return out
 
     # ------------------------------------------------------------------ dead letters
 

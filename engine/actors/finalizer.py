@@ -3,64 +3,42 @@
 Contract
 --------
 * Input: ``RolloutRequested`` on ``rl:control`` through the consumer group ``finalizers``
-  (several finalizers may run; each request is followed by one of them, and a crashed
-  finalizer's requests are claimed by another after the idle window). The control entry is
-  acked once the rollout has a ``RolloutReady`` or ``RolloutFailed``.
-* Per rollout it folds ``rl:{rollout:<id>}`` using blocking reads (no sleep-polling) until
-  every planned sample is terminal -- into the compact state of
-  :mod:`engine.projections.decision` (a few hundred bytes a sample: outcome, reward, group,
-  attempt, token counts per weight version, ...), not the samples themselves, so a
-  1M-sample rollout fits a finalizer's memory; the whole samples are folded beside it only
-  when ``out_dir`` or the dumps need them. Without the whole samples it reads the stream
-  raw and folds the events most of it is made of (a sample's start, turns and end, a
-  joined task) from their checked fields (``codec.decode_flat``) without building events;
-  every other entry is decoded as a typed read decodes it, and one that does not decode is
-  dead-lettered (once) by the log's own typed read, exactly as before -- then:
+  (one finalizer follows each request; a crashed finalizer's requests are claimed by
+  another after the idle window). The entry is acked once the rollout has its
+  ``RolloutReady`` or ``RolloutFailed``. At most ``max_rollouts`` are followed at once.
+* Per rollout it folds ``rl:{rollout:<id>}`` with blocking reads into the rollout fold
+  (:mod:`engine.projections.rollout`: a record of a few hundred bytes a sample, so a
+  1M-sample rollout fits its memory). It owns the stream: an entry that does not decode
+  is dead-lettered (once) by its typed read. Whether deciding is worth it is read off the
+  fold's counters; the decisions are pure functions of the records
+  (:mod:`engine.projections.decision`, re-exported here):
 
-  1. applies the request's filters (rollout-engine §5): reward-based rejection first (drop
-     every group whose samples' rewards are all equal -- an aborted sample counts as 0),
-     then finish-only (keep samples whose episode ended with a clean ``finish``);
-  2. routes by the request's ``algorithm`` (``engine.projections.lanes``): when the lane
-     needs teacher logprobs (the per-token lanes, or ``teacher_capture``), asks for them once
-     (``CaptureRequested`` for the kept completed samples, on ``rl:capture`` and, as the
-     guard, on the rollout stream) and waits for their ``TeacherScored``; the CE-only lane
-     drops the trajectories with an over-long SFT sub-sample whole and sets ``gbs_scale``;
-  3. appends ``RolloutReady`` -- kept sample ids in training (index) order, dropped ids,
-     counts and metrics; an empty result gives ``dummy=True`` (the trainer loads one masked
-     dummy) -- to the rollout stream *with compare-and-append*, then a copy to
-     ``rl:control``. A conflict means someone appended meanwhile: refold and decide
-     again. So there is only ever one ``RolloutReady`` on the rollout stream, with two
-     finalizers or a restart. The copy is a second step (the rollout stream and the
-     control plane live on different cluster slots), made with ``append_once`` keyed by
-     the event type and rollout id, and made again by every finalizer that finds the
-     rollout decided: a crash between the steps loses no copy and racing finalizers
-     write one. ``CaptureRequested`` is copied to ``rl:capture`` the same way.
+  1. the request's filters: reward-based rejection (drop every group whose rewards are
+     all equal; an abort counts as 0), then finish-only (a clean ``finish``);
+  2. the lane (``engine.projections.lanes``): a lane that needs teacher logprobs asks for
+     them once (``CaptureRequested`` on the rollout stream, as the guard, and copied to
+     ``rl:capture``) and waits for their ``TeacherScored``; the CE lane drops
+     trajectories with an over-long sub-sample whole and sets ``gbs_scale``;
+  3. ``RolloutReady`` (kept ids in training order, dropped ids, counts and metrics;
+     ``dummy=True`` when nothing is kept), with an aborted tail's ``SampleAborted``, is
+     appended to the rollout stream *with compare-and-append*: a conflict means someone
+     appended meanwhile, so it refolds and decides again, and the stream holds one
+     ``RolloutReady`` whatever runs. Once it is folded, the artifacts are written
+     (``out_dir``), then it is copied to ``rl:control`` (a carried tail's
+     ``TailCarried``, its tasks read back, to ``rl:data``) with ``append_once``: the
+     streams live on different cluster slots, every finalizer that finds the rollout
+     decided makes the copies again, and each lands once.
 
-* A request delivered more than the log's ``max_deliveries`` times (the finalizers following
-  it kept dying or failing) is dead-lettered and its rollout gets ``RolloutFailed`` with
-  the reason, by compare-and-append, unless it was decided meanwhile; the trainer's wait
-  ends with that error instead of never. The entry is acked only after that.
-* It runs on the actor runtime (``engine.runtime.loop.serve``): a stop hands the requests
-  it follows back. Whether a decision is worth computing is read from the fold's counters
-  (terminal and scored samples, the ``CaptureRequested`` guard).
-* At most ``max_rollouts`` rollouts are followed at once (each holds a connection in a
-  blocking read); further requests wait in the group.
-* The decisions are pure functions of the compact state (:func:`decide_ready`,
-  :func:`decide_capture`, :func:`apply_filters`, ...), defined once in
-  :mod:`engine.projections.decision` and re-exported here; they are tested directly, and
-  the shell only reads, appends and acks.
-* With ``retention`` set, the finalizer also keeps Redis memory bounded on its own: every
-  ``retention.every_s`` seconds it runs one retention pass
-  (:func:`engine.runtime.retention.retention_pass`: acked shared-stream entries trimmed,
-  finished rollouts past the window archived to the store, verified and deleted), so no
-  operator command is needed. A pass that fails (Redis away) is logged and retried at the
-  next tick; several finalizers may all run passes (archives are written atomically and
-  verified before a delete).
-* With ``out_dir`` set, the rollout's artifacts (``summary.json``, eval details, placement
-  log, samples) are written to ``out_dir/<rollout id>/`` by
-  :func:`engine.actors.artifacts.write_artifacts` from the state folded up to and
-  including the ``RolloutReady`` -- the same function and the same events ``rollout replay``
-  uses, so the bytes are identical.
+* A request delivered more than ``max_deliveries`` times fails its rollout
+  (``RolloutFailed`` by compare-and-append, unless it was decided meanwhile), so the
+  trainer's wait ends with the reason; the entry is acked only after that.
+* With ``out_dir``, the artifacts (:func:`engine.actors.artifacts.write_artifacts`) are
+  built from the fold up to and including the ``RolloutReady`` and its records' entries
+  read back -- what ``rollout replay`` builds them from, so the bytes are identical. The
+  dumps take the same samples.
+* With ``retention``, every ``retention.every_s`` seconds it runs a retention pass
+  (:func:`engine.runtime.retention.retention_pass`: acked entries trimmed, finished
+  rollouts archived, verified and deleted); a failed pass is retried at the next tick.
 """
 
 from __future__ import annotations
@@ -75,8 +53,8 @@ from pathlib import Path
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
 from engine.actors.verify import VerifyTally
-from engine.errors import AppendConflict, DecodeError
-from engine.events.base import Envelope, Event
+from engine.errors import AppendConflict, LogError
+from engine.events.base import Event
 from engine.events.catalog import (
     CaptureRequested,
     RolloutFailed,
@@ -90,15 +68,12 @@ from engine.events.catalog import (
     TeacherScored,
     TurnCompleted,
 )
-from engine.events.codec import decode, decode_flat
 from engine.events.log import EMPTY_ID, DeadEntry, EventLog
 from engine.projections.decision import (
-    DecisionProjection,
-    DecisionState,
     Selection,
     apply_filters,
-    build_summary,
     carried_sources,
+    carries_tail,
     decide_capture,
     decide_ready,
     groups_needed,
@@ -111,14 +86,13 @@ from engine.projections.decision import (
     version_spread,
     worth_deciding,
 )
-from engine.projections.rollout import (
-    ControlProjection,
-    RolloutProjection,
-    RolloutState,
-)
+from engine.projections.readback import Rollout
+from engine.projections.rollout import ControlProjection, RolloutProjection, RolloutState
+from engine.projections.summary import artifact_entries
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
 from engine.runtime.live import LiveFold
 from engine.runtime.loop import serve
+from engine.runtime.readback import read_entries, read_tasks
 from engine.runtime.retention import RetentionGroups, retention_pass
 
 __all__ = [
@@ -126,9 +100,7 @@ __all__ = [
     "FinalizerConfig",
     "Selection",
     "RetentionConfig",
-    "DecisionState",
     "apply_filters",
-    "build_summary",
     "carried_sources",
     "decide_capture",
     "decide_ready",
@@ -146,14 +118,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GROUP = "finalizers"
-_READ_COUNT = 500  # entries a read of a rollout stream returns at most (read_after's)
 
-
-# ---------------------------------------------------------------- pure decisions
-
-# The decisions are pure functions of the compact fold, defined once in
-# engine.projections.decision and re-exported here under the names the finalizer has
-# always offered (one implementation: a change to a rule cannot diverge between copies).
+# The decisions are pure functions of the fold, defined in engine.projections.decision and
+# re-exported here.
 
 # The lifecycle events of a carried sample copied from the stream it runs in.
 _RELAYED = (SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored)
@@ -200,81 +167,38 @@ _Copied = Outcome | CaptureRequested | TailCarried  # what a finalizer copies to
 
 
 class _Follower:
-    """One rollout stream folded with blocking reads (no sleep-polling), into the compact
-    state the decisions need (:mod:`engine.projections.decision`): a few hundred bytes a
-    sample, not the samples themselves."""
+    """One rollout stream folded with blocking reads (no sleep-polling) into the rollout
+    fold's records: a few hundred bytes a sample, not the samples themselves."""
 
-    def __init__(self, log: EventLog, stream: str, *, whole: bool = False) -> None:
+    def __init__(self, log: EventLog, stream: str) -> None:
         self._log = log
         self.stream = stream
-        self._projection = DecisionProjection()
+        self._projection = RolloutProjection()
         self.state = self._projection.initial()
-        # The whole samples, folded beside the compact state only when the artifacts or
-        # dumps are written (they are built from the samples themselves).
-        self._whole = RolloutProjection() if whole else None
-        self.full: RolloutState | None = self._whole.initial() if self._whole else None
         self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
         self.position = EMPTY_ID
         self.copied: set[str] = set()  # event types this follower has copied itself
+        self.rollout: Rollout | None = None  # the samples' entries, once read back
 
     async def read(self) -> bool:
         """Fold what the next read returns (blocking when there is nothing yet); returns
         whether it read anything. Folding stops at the entry that decides the rollout, so
         ``position`` is then that entry (what replay folds up to)."""
-        if self._whole is None:
-            return await self._read_flat()
         # The finalizer following a rollout owns its stream: it dead-letters (once) what
         # does not decode there; every other reader skips such entries.
         envs, position = await self._log.read_after(
             self.stream, self.position, dead_letter=True
         )
+        evolve, state = self._projection.evolve, self.state
         for env in envs:
-            if self._fold(env):
+            if isinstance(env.event, SampleVerified):
+                self.verify.add(env.event)
+            evolve(state, env)
+            if state.decided:
                 self.position = env.id
                 return True
         self.position = position
         return bool(envs)
-
-    def _fold(self, env: Envelope) -> bool:
-        """Fold one decoded entry; returns whether the rollout is now decided."""
-        if isinstance(env.event, SampleVerified):
-            self.verify.add(env.event)
-        self.state = self._projection.evolve(self.state, env)
-        if self._whole is not None and self.full is not None:
-            self.full = self._whole.evolve(self.full, env)
-        return self.state.decided
-
-    async def _read_flat(self) -> bool:
-        """:meth:`read` for the compact fold alone. The entries come raw; those most of a
-        stream is made of (a sample's start, turns and end, a joined task) are folded from
-        their checked fields (``codec.decode_flat``) without building events, and
-        every other entry is decoded as a typed read decodes it. An entry that does not
-        decode is read again by the log's own typed read with ``dead_letter=True``, which
-        dead-letters it (once) exactly as :meth:`EventLog.read_after` would have."""
-        log, stream = self._log, self.stream
-        if log.block_ms > 0:
-            rows = [(i, raw) for _, i, raw in await log.tail_raw({stream: self.position})]
-        else:  # read_after's non-blocking read (a tail_raw of 0 would block for ever)
-            rows = await log.read_raw(stream, after=self.position, limit=_READ_COUNT)
-        flat = self._projection.evolve_flat
-        folded = False  # as read_after's envelopes: entries that decoded
-        for entry_id, raw in rows:
-            fields = decode_flat(raw)
-            if fields is not None and flat(self.state, *fields):
-                folded = True
-                continue  # never a deciding event
-            try:
-                envs = [Envelope(stream, entry_id, decode(raw))]
-            except DecodeError:
-                envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
-            for env in envs:
-                folded = True
-                if self._fold(env):
-                    self.position = entry_id
-                    return True
-        if rows:
-            self.position = rows[-1][0]
-        return folded
 
 
 class Finalizer:
@@ -389,9 +313,7 @@ class Finalizer:
 
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
-        dumps = self.config.dumps
-        whole = self.config.out_dir is not None or (dumps is not None and dumps.armed)
-        f = _Follower(self.log, self.names.rollout(rollout_id), whole=whole)
+        f = _Follower(self.log, self.names.rollout(rollout_id))
         relay: asyncio.Task[None] | None = None
         try:
             while not f.state.decided:
@@ -414,14 +336,26 @@ class Finalizer:
                 relay.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await relay
-        if f.state.ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
-            await self._ensure_copy(f, self.names.control, f.state.ready)
-            carried = tail_carried(f.state, f.state.ready)
-            if carried is not None:  # the next request of the stream takes it over
-                await self._ensure_copy(f, self.names.data, carried)
+        ready = f.state.ready
+        if ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
+            try:  # on disk before the trainer hears that the rollout is ready
+                await self._write_artifacts(rollout_id, f)
+            finally:
+                await self._ensure_copy(f, self.names.control, ready)
+                carried = await self._tail_carried(f, ready)
+                if carried is not None:  # the next request of the stream takes it over
+                    await self._ensure_copy(f, self.names.data, carried)
         elif f.state.failed is not None and f.state.failed == f.verify.failed(rollout_id):
             await self._ensure_copy(f, self.names.control, f.state.failed)  # ours, as above
-        return self._finish(rollout_id, f)
+        return await self._finish(rollout_id, f)
+
+    async def _tail_carried(self, f: _Follower, ready: RolloutReady) -> TailCarried | None:
+        """The ``TailCarried`` of a ready rollout whose tail is carried (None: it is not),
+        its tasks read back from the stream."""
+        if not carries_tail(f.state, ready) or "TailCarried" in f.copied:
+            return None
+        tasks = await read_tasks(self.log, f.stream, f.state, ready.tail_sample_ids)
+        return tail_carried(f.state, ready, tasks)
 
     async def _ensure_copy(
         self, f: _Follower, stream: str, event: _Copied
@@ -451,7 +385,7 @@ class Finalizer:
             if copies:
                 await self.log.append_many(copies)
 
-    async def _trainer_version(self, state: DecisionState) -> int | None:
+    async def _trainer_version(self, state: RolloutState) -> int | None:
         """The highest version published on ``rl:control`` so far, read only for a request
         with a staleness bound (the only decision it changes)."""
         request = state.request
@@ -474,13 +408,9 @@ class Finalizer:
             ready = ready.model_copy(update={"metrics": {**ready.metrics, **f.verify.metrics()}})
         if ready is not None:
             # An aborted tail is recorded in the same step (after the RolloutReady, so the
-            # artifacts -- folded up to the RolloutReady -- do not depend on it).
-            events: list[Event] = [ready, *tail_aborts(f.state, ready)]
-            also: list[tuple[str, _Copied]] = [(self.names.control, ready)]
-            carried = tail_carried(f.state, ready)
-            if carried is not None:  # the next request of the stream takes it over
-                also.append((self.names.data, carried))
-            await self._append(f, events, *also)
+            # artifacts -- folded up to the RolloutReady -- do not depend on it). The copies
+            # follow once the next read has folded it (``follow``).
+            await self._append(f, [ready, *tail_aborts(f.state, ready)])
 
     async def _append(
         self, f: _Follower, events: list[Event], *also: tuple[str, _Copied]
@@ -496,14 +426,28 @@ class Finalizer:
         for stream, copy in also:  # other slots: copied once each, after the decision
             await self._ensure_copy(f, stream, copy)
 
-    def _finish(self, rollout_id: str, f: _Follower) -> Outcome:
+    async def _read_back(self, f: _Follower) -> Rollout:
+        """The fold (up to and including the RolloutReady: what replay folds) with the
+        entries of every sample read back."""
+        if f.rollout is None:
+            state = f.state
+            ids = artifact_entries(state)
+            f.rollout = Rollout(state, await read_entries(self.log, f.stream, state, ids))
+        return f.rollout
+
+    async def _write_artifacts(self, rollout_id: str, f: _Follower) -> None:
+        if self.config.out_dir is not None:
+            write_artifacts(await self._read_back(f), self.config.out_dir / rollout_id)
+
+    async def _finish(self, rollout_id: str, f: _Follower) -> Outcome:
         state = f.state
         if state.ready is not None:
-            if f.full is not None:  # folded up to and including the RolloutReady
-                if self.config.out_dir is not None:
-                    write_artifacts(f.full, self.config.out_dir / rollout_id)
-                if self.config.dumps is not None:
-                    write_dumps(f.full, self.config.dumps)  # never raises: best-effort
+            dumps = self.config.dumps
+            if dumps is not None and dumps.armed:  # best-effort: a failure is only logged
+                try:
+                    write_dumps(await self._read_back(f), dumps)
+                except LogError as exc:
+                    logger.warning("dumps of rollout %s skipped: %s", rollout_id, exc)
             logger.info(
                 "rollout %s ready: %d kept, %d dropped%s",
                 rollout_id,

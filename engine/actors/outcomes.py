@@ -1,7 +1,8 @@
 """A sample attempt's outcome as events: pure functions of what the attempt produced.
 
 The ``BatchRun`` runs an episode and keeps an :class:`Attempt` record (phase, node, turns,
-time used); when the episode ends, exactly one of these decides what goes to the log:
+time used). :func:`started_event` is the ``SampleStarted`` once its placement token is held;
+when the episode ends, exactly one of these decides what goes to the log:
 
 * :func:`completed_events` -- one ``TurnCompleted`` per turn of the agent's result, then
   ``SampleCompleted`` (the reward scalarised; a reward that is neither a float nor a dict of
@@ -27,7 +28,13 @@ from engine.domain import TerminationReason
 from engine.errors import AgentError
 from engine.events.arrays import Mask, TokenIds
 from engine.events.base import Event
-from engine.events.catalog import AbortClass, SampleAborted, SampleCompleted, TurnCompleted
+from engine.events.catalog import (
+    AbortClass,
+    SampleAborted,
+    SampleCompleted,
+    SampleStarted,
+    TurnCompleted,
+)
 from engine.events.fastpath import field_layout, trusted
 from engine.projections.samples import scalar_reward
 
@@ -36,6 +43,7 @@ __all__ = [
     "ReportedAbort",
     "aborted_event",
     "completed_events",
+    "started_event",
 ]
 
 
@@ -60,6 +68,34 @@ class ReportedAbort(Exception):  # noqa: N818 -- the agent's verdict, not our er
         self.reason = reason
 
 
+def started_event(
+    *,
+    rollout_id: str,
+    sample_id: str,
+    attempt: int,
+    batch_id: str,
+    worker: str,
+    node: str,
+    causation: str | None,
+) -> SampleStarted:
+    """The ``SampleStarted`` of an attempt that holds its placement token (on ``node``)."""
+    return trusted(  # every value is already a str (the attempt an int)
+        SampleStarted,
+        {
+            "type": "SampleStarted",
+            "producer": "",
+            "causation": causation,
+            "rollout_id": rollout_id,
+            "sample_id": sample_id,
+            "attempt": attempt,
+            "batch_id": batch_id,
+            "worker": worker,
+            "node": node,
+        },
+        _STARTED_SET,
+    )
+
+
 def completed_events(
     *,
     rollout_id: str,
@@ -75,45 +111,11 @@ def completed_events(
     """``TurnCompleted`` per turn, then ``SampleCompleted`` (see the module docstring).
     With ``prompt_key`` the prompt tokens are not repeated: the event refers to the
     rollout's ``PromptStored`` of that key."""
-    reason = result.termination_reason
-    detail: dict[str, Any] = {}
-    if isinstance(reward, Mapping):
-        detail = {str(k): float(v) for k, v in reward.items()}
-        score = scalar_reward(detail)
-    elif isinstance(reward, int | float) and not isinstance(reward, bool):
-        score = float(reward)
-    else:
-        raise AgentError(
-            f"task {sample_id}: eval must return a float or a dict of floats, "
-            f"got {type(reward).__name__}"
-        )
+    score, detail = _scalar(sample_id, reward)
     # Every value below is already of its field's type (the result, its turns and the
     # attempt record were validated or built here), so the events are built without a
     # second validation (engine.events.fastpath.trusted); floats are made floats.
-    node, gpu = rec.node, rec.gpu
-    turns: list[Event] = [
-        trusted(
-            TurnCompleted,
-            {
-                "type": "TurnCompleted",
-                "producer": "",
-                "causation": causation,
-                "rollout_id": rollout_id,
-                "sample_id": sample_id,
-                "attempt": attempt,
-                "turn": t.index,
-                "node": node,
-                "gpu": gpu,
-                "prompt_tokens": t.prompt_tokens,
-                "response_tokens": t.response_tokens,
-                "tool_calls": list(t.tool_calls),
-                "elapsed_s": float(t.elapsed_s),
-                "weight_version": t.weight_version,
-            },
-            _TURN_SET,
-        )
-        for t in result.turns
-    ]
+    reason = result.termination_reason
     teacher_mask = result.teacher_mask
     done = trusted(
         SampleCompleted,
@@ -144,9 +146,61 @@ def completed_events(
         },
         _DONE_SET,
     )
-    return [*turns, done]
+    return [*_turn_events(rollout_id, sample_id, attempt, rec, result, causation), done]
 
 
+def _scalar(sample_id: str, reward: Reward | None) -> tuple[float, dict[str, Any]]:
+    """The reward as ``(score, detail)``; ``AgentError`` when it is no float or dict of them."""
+    if isinstance(reward, Mapping):
+        detail = {str(k): float(v) for k, v in reward.items()}
+        return scalar_reward(detail), detail
+    if isinstance(reward, int | float) and not isinstance(reward, bool):
+        return float(reward), {}
+    raise AgentError(
+        f"task {sample_id}: eval must return a float or a dict of floats, "
+        f"got {type(reward).__name__}"
+    )
+
+
+def _turn_events(
+    rollout_id: str,
+    sample_id: str,
+    attempt: int,
+    rec: Attempt,
+    result: AgentResult,
+    causation: str | None,
+) -> list[Event]:
+    node, gpu = rec.node, rec.gpu
+    return [
+        trusted(
+            TurnCompleted,
+            {
+                "type": "TurnCompleted",
+                "producer": "",
+                "causation": causation,
+                "rollout_id": rollout_id,
+                "sample_id": sample_id,
+                "attempt": attempt,
+                "turn": t.index,
+                "node": node,
+                "gpu": gpu,
+                "prompt_tokens": t.prompt_tokens,
+                "response_tokens": t.response_tokens,
+                "tool_calls": list(t.tool_calls),
+                "elapsed_s": float(t.elapsed_s),
+                "weight_version": t.weight_version,
+            },
+            _TURN_SET,
+        )
+        for t in result.turns
+    ]
+
+
+_STARTED_SET = field_layout(
+    SampleStarted,
+    ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "batch_id",
+     "worker", "node"),
+)  # fmt: skip
 _TURN_SET = field_layout(
     TurnCompleted,
     ("type", "producer", "causation", "rollout_id", "sample_id", "attempt", "turn", "node",

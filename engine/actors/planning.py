@@ -3,45 +3,37 @@
 ``Planner.plan(request, data)`` decides everything the scheduler writes before admission:
 
 * **fetch**: a training request takes ``n_prompts`` prompts (``ceil(n_prompts *
-  overprovision)`` for an over-provisioned request, issue 12) from a ``MultiDataSource`` over
-  the configured training datasets (or the subset named in ``request.datasets``), starting at
-  the cursor folded from ``rl:data`` for that dataset set, or, for the first rollout over it,
-  at ``source.start(request.seed)``: the shuffle seed comes from the request, never from
-  global randomness, and later rollouts continue the recorded cursor exactly. An eval
-  request runs every prompt of the eval datasets (or those named; ``n_prompts`` is not used,
-  ``max_prompts`` per dataset is), interleaved round-robin across datasets, and never moves a
-  training cursor. ``request.n_samples_per_prompt`` overrides the datasets' group size
-  (``n_samples_per_prompt`` / ``n_samples_per_eval_prompt``).
-* **distribute / batch**: groups are expanded to samples with ids
-  ``engine.domain.sample_id_for(rollout_id, index)`` and batched by the ``BatchingStrategy``
-  (default ``fifo_batching``); each batch's evaluator is ``resolve_profile(task_type)``.
+  overprovision)`` when over-provisioned) from a ``MultiDataSource`` over the training
+  datasets (or those named in ``request.datasets``), from the cursor folded from ``rl:data``
+  for that dataset set, or ``source.start(request.seed)`` for the first rollout over it. An
+  eval request runs every prompt of the eval datasets (``max_prompts`` per dataset),
+  interleaved round-robin, and never moves a training cursor. ``request.n_samples_per_prompt``
+  overrides the datasets' group size.
+* **distribute / batch**: samples get ids ``engine.domain.sample_id_for(rollout_id, index)``
+  and are batched by the ``BatchingStrategy`` (default ``fifo_batching``); each batch's
+  evaluator is ``resolve_profile(task_type)``.
 * **cascade**: stopping criteria and sampling params resolve field by field from the
-  request's ``stopping`` / ``sampling_params`` (the coarsest level, where the seed has CLI
-  flags: a dataset or evaluator default overrides them) through the evaluator profile's
-  defaults to the dataset's own values (finest, wins). This is the only place the cascade is
-  applied: each ``TaskFetched`` carries its sample's resolved ``StoppingCriteria`` and
-  ``SamplingParams``, computed once per (evaluator, dataset) and shared by its samples. The
-  request's knobs are not copied into the samples; workers read them from the request copy.
+  request's (coarsest) through the evaluator profile's defaults to the dataset's own values
+  (finest, wins). This is the only place the cascade is applied: each ``TaskFetched`` carries
+  its sample's resolved values, computed once per dataset. Knobs stay in the request copy.
 
-The plan's events, in stream order, are the copy of the request, one ``TaskFetched`` per
-sample (index order), one ``BatchSealed`` per batch (``seq`` order) and ``RolloutPlanned``;
-``cursor`` is the ``DataCursorAdvanced`` for ``rl:data`` (``previous`` = the cursor the fetch
-started from). ``Planner.replan(request, advanced)`` recomputes the same plan from a recorded
-``DataCursorAdvanced``, which is how a plan whose write was interrupted is completed.
-
-Planning is deterministic: same request, same configuration, same cursor -> same events.
-A request the configuration cannot serve (unknown dataset, invalid sampling override, a
-batching strategy that loses or repeats samples) raises ``ConfigError`` naming the rollout.
+The plan's events, in stream order: the copy of the request, one ``TaskFetched`` per sample
+(index order), one ``BatchSealed`` per batch (``seq`` order) and ``RolloutPlanned``;
+``cursor`` is the ``DataCursorAdvanced`` for ``rl:data``. ``Planner.replan(request,
+advanced)`` recomputes the same plan from a recorded cursor, which is how a plan whose write
+was interrupted is completed. Planning is deterministic; a request the configuration cannot
+serve raises ``ConfigError`` naming the rollout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from engine.actors.plan import Plan, join_maker, task_maker
 from engine.batching import (
     BatchingStrategy,
     fifo_batching,
@@ -66,7 +58,6 @@ from engine.domain import (
     Task,
 )
 from engine.errors import ConfigError
-from engine.events.base import Event
 from engine.events.catalog import (
     BatchSealed,
     DataCursorAdvanced,
@@ -75,7 +66,6 @@ from engine.events.catalog import (
     RolloutRequested,
     TailCarried,
     TaskFetched,
-    TaskJoined,
 )
 from engine.messages import explain
 from engine.projections.data_cursor import DataState
@@ -84,140 +74,6 @@ from engine.projections.rollout import RolloutState, staleness_floor
 __all__ = ["Plan", "Planner", "admission_refused", "admission_wait", "check_partial"]
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
-
-# A task's fields that become a TaskFetched's group fields (catalog.GROUP_FIELDS; the
-# rollout id, the resolved settings -- per dataset -- and carried_from follow from them).
-_TASK_GROUP_FIELDS = ("prompt", "label", "dataset_name", "task_type", "source_line", "metadata")
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Everything a rollout's plan writes, in the order it is written.
-
-    The ``TaskFetched`` events are built on demand, a range at a time
-    (``rollout_events(start, stop)``): a 100k-sample plan is written in chunks and never
-    holds all of its encoded-to-be events at once, which keeps planning linear.
-    """
-
-    request: RolloutRequested
-    cursor: DataCursorAdvanced
-    sample_ids: tuple[str, ...]
-    batches: tuple[BatchSealed, ...]
-    planned: RolloutPlanned
-    make_tasks: Callable[[int, int], list[TaskFetched]] = field(repr=False, compare=False)
-    # Per group index, the position (in ``tasks()``) of the group's first sample: the one
-    # whose ``TaskFetched`` the others' ``TaskJoined`` refer to (empty: none written joined).
-    group_first: Mapping[int, int] = field(default_factory=dict, repr=False, compare=False)
-    # Sample ``at``'s TaskJoined when the planner's own tasks show it shares every group
-    # field with its group's first sample, built without its TaskFetched; None: not known
-    # so (a group's first, a carried sample, a field that differs), and ``wire_tasks``
-    # compares the events themselves.
-    make_joined: Callable[[int], TaskJoined | None] | None = field(
-        default=None, repr=False, compare=False
-    )
-
-    @property
-    def rollout_id(self) -> str:
-        return self.request.rollout_id
-
-    @property
-    def n_events(self) -> int:
-        """Events of ``rl:{rollout:<id>}``: the request copy, tasks, batches, the marker."""
-        return len(self.sample_ids) + len(self.batches) + 2
-
-    def tasks(self, start: int = 0, stop: int | None = None) -> list[TaskFetched]:
-        """``TaskFetched`` of samples ``start`` to ``stop`` (index order)."""
-        n = len(self.sample_ids)
-        return self.make_tasks(min(start, n), n if stop is None else min(stop, n))
-
-    def wire_tasks(self, start: int = 0, stop: int | None = None) -> list[Event]:
-        """What the stream holds for samples ``start`` to ``stop``: the ``TaskFetched`` of a
-        group's first sample, and a ``TaskJoined`` on it for every other sample of the group
-        that shares its task (a sample that differs in any group field is written whole).
-
-        A joined sample of the planner's own tasks is built from its task (``make_joined``)
-        without its ``TaskFetched``; every other sample's ``TaskFetched`` is built and
-        compared with its group's first as ``TaskJoined.of`` compares them."""
-        n = len(self.sample_ids)
-        lo = max(min(start, n), 0)
-        hi = n if stop is None else max(min(stop, n), lo)
-        joined_of = self.make_joined
-        out: list[Event | None] = (
-            [joined_of(at) for at in range(lo, hi)] if joined_of is not None else [None] * (hi - lo)
-        )
-        built: dict[int, TaskFetched] = {}
-
-        def task(at: int) -> TaskFetched:
-            ev = built.get(at)
-            if ev is None:
-                ev = built[at] = self.make_tasks(at, at + 1)[0]
-            return ev
-
-        for at in range(lo, hi):
-            if out[at - lo] is not None:
-                continue
-            ev = task(at)
-            pos = self.group_first.get(ev.group_index)
-            joined = None if pos is None or pos == at else TaskJoined.of(ev, task(pos))
-            out[at - lo] = ev if joined is None else joined
-        return [ev for ev in out if ev is not None]
-
-    def rollout_events(self, start: int = 0, stop: int | None = None) -> list[Event]:
-        """Events ``start`` to ``stop`` of ``rl:{rollout:<id>}``, in stream order."""
-        n, m = len(self.sample_ids), len(self.batches)
-        stop = self.n_events if stop is None else min(stop, self.n_events)
-        out: list[Event] = []
-        if start <= 0 < stop:
-            out.append(self.request)
-        if start < n + 1 and stop > 1:
-            out.extend(self.wire_tasks(max(start, 1) - 1, stop - 1))
-        if start < n + m + 1 and stop > n + 1:
-            out.extend(self.batches[max(start - n - 1, 0) : stop - n - 1])
-        if start <= n + m + 1 < stop:
-            out.append(self.planned)
-        return out
-
-    def largest_batches(self) -> dict[str, int]:
-        """Per evaluator id, the sample count of its biggest batch (for the deadlock check)."""
-        out: dict[str, int] = {}
-        for batch in self.batches:
-            out[batch.evaluator_id] = max(out.get(batch.evaluator_id, 0), len(batch.sample_ids))
-        return out
-
-
-_new = object.__new__
-_set = object.__setattr__
-# What TaskJoined.of passes: every field but the type (producer and causation are the
-# TaskFetched's defaults, "" and None).
-_JOINED_SET = frozenset(TaskJoined.model_fields) - {"type"}
-
-
-def _joined(rid: str, sample_id: str, index: int, group_index: int, same_as: str) -> TaskJoined:
-    """``TaskJoined(rollout_id=rid, ..., same_as=same_as, producer="", causation=None)``,
-    the arguments ``TaskJoined.of`` passes, for a plan's hot loop (a joined sample is most
-    of a rollout). The values come validated (the request's id, the task's own), so when
-    each has its field's exact type the instance is filled in without the validator --
-    equal to the validated one, field order and fields set included; anything else is
-    validated."""
-    if (
-        type(rid) is not str
-        or type(sample_id) is not str
-        or type(index) is not int
-        or type(group_index) is not int
-        or type(same_as) is not str
-    ):
-        return TaskJoined(rollout_id=rid, sample_id=sample_id, index=index,
-                          group_index=group_index, same_as=same_as, producer="",
-                          causation=None)
-    ev = _new(TaskJoined)
-    _set(ev, "__dict__", {
-        "type": "TaskJoined", "producer": "", "causation": None, "rollout_id": rid,
-        "sample_id": sample_id, "index": index, "group_index": group_index, "same_as": same_as,
-    })
-    _set(ev, "__pydantic_fields_set__", set(_JOINED_SET))
-    _set(ev, "__pydantic_extra__", None)
-    _set(ev, "__pydantic_private__", None)
-    return ev
 
 
 class Planner:
@@ -405,80 +261,17 @@ class Planner:
         rid = request.rollout_id
         if not tasks and not carried:
             raise ConfigError(f"rollout {rid!r}: the selected datasets yield no samples")
-        flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
-        flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
-        spec_of: dict[str, EvaluatorProfile] = {}
-        for task in tasks:
-            if task.task_type not in spec_of:
-                spec_of[task.task_type] = resolve_profile(task.task_type, self._specs)
-        # Per dataset (which fixes the task type and so the profile): the resolved settings,
-        # computed once and shared by every TaskFetched of that dataset. Resolving them all
-        # here also validates every setting before anything is written.
-        resolved: dict[str, tuple[StoppingCriteria, SamplingParams]] = {}
-        for task in tasks:
-            name = task.dataset_name
-            if name not in resolved:
-                dataset = self._files[name].config
-                profile = spec_of[task.task_type]
-                resolved[name] = (
-                    resolve_stopping(flags_stop, profile, dataset),
-                    resolve_sampling_params(flags_sampling, profile, dataset),
-                )
-
-        def make_tasks(start: int, stop: int) -> list[TaskFetched]:
-            out: list[TaskFetched] = []
-            for task in tasks[start:stop]:
-                stopping, sampling = resolved[task.dataset_name]
-                out.append(
-                    TaskFetched(
-                        rollout_id=rid,
-                        sample_id=task.sample_id,
-                        index=task.index,
-                        group_index=task.group_index,
-                        prompt=task.prompt,
-                        label=task.label,
-                        dataset=task.dataset_name,
-                        task_type=task.task_type,
-                        source_line=task.source_line,
-                        metadata=task.metadata,
-                        stopping=stopping,
-                        sampling_params=sampling,
-                    )
-                )
-            n = len(tasks)
-            out.extend(carried[max(start - n, 0) : max(stop - n, 0)])
-            return out
-
-        def make_joined(at: int) -> TaskJoined | None:
-            # Read from the tasks: a TaskFetched holds a task's group fields as they are
-            # (JSON values as given, the metadata copied, the resolved settings shared per
-            # dataset), so fields equal here are equal there, and TaskJoined.of would join.
-            if at >= len(tasks):
-                return None  # a carried sample: its TaskFetched is compared
-            task = tasks[at]
-            pos = group_first.get(task.group_index)
-            if pos is None or pos == at or pos >= len(tasks):
-                return None
-            first = tasks[pos]
-            if task.sample_id == first.sample_id:
-                return None
-            for name in _TASK_GROUP_FIELDS:
-                mine, theirs = getattr(task, name), getattr(first, name)
-                if mine is not theirs and mine != theirs:
-                    return None
-            return _joined(rid, task.sample_id, task.index, task.group_index, first.sample_id)
-
-        sealed: list[BatchSealed] = []
-        for seq, batch in enumerate(self._batch(rid, tasks) if tasks else []):
-            sealed.append(
-                BatchSealed(
-                    rollout_id=rid,
-                    batch_id=batch.batch_id,
-                    seq=seq,
-                    evaluator_id=spec_of[batch.task_type].evaluator_id,
-                    sample_ids=[task.sample_id for task in batch.tasks],
-                )
+        spec_of, resolved = self._resolve(request, tasks)
+        sealed = [
+            BatchSealed(
+                rollout_id=rid,
+                batch_id=batch.batch_id,
+                seq=seq,
+                evaluator_id=spec_of[batch.task_type].evaluator_id,
+                sample_ids=[task.sample_id for task in batch.tasks],
             )
+            for seq, batch in enumerate(self._batch(rid, tasks) if tasks else [])
+        ]
         planned = RolloutPlanned(
             rollout_id=rid,
             n_samples=len(tasks) + len(carried),
@@ -499,10 +292,33 @@ class Planner:
             ),
             batches=tuple(sealed),
             planned=planned,
-            make_tasks=make_tasks,
+            make_tasks=task_maker(rid, tasks, resolved, carried),
             group_first=group_first,
-            make_joined=make_joined,
+            make_joined=join_maker(rid, tasks, group_first),
         )
+
+    def _resolve(
+        self, request: RolloutRequested, tasks: list[Task]
+    ) -> tuple[dict[str, EvaluatorProfile], dict[str, tuple[StoppingCriteria, SamplingParams]]]:
+        """Each task type's profile, and each dataset's resolved settings (which the dataset's
+        task type fixes), computed once; resolving them all validates every setting before
+        anything is written."""
+        rid = request.rollout_id
+        flags_stop = _layer(StoppingCriteria, request.stopping, rid, "stopping")
+        flags_sampling = _layer(SamplingParams, request.sampling_params, rid, "sampling_params")
+        spec_of: dict[str, EvaluatorProfile] = {}
+        resolved: dict[str, tuple[StoppingCriteria, SamplingParams]] = {}
+        for task in tasks:
+            if task.task_type not in spec_of:
+                spec_of[task.task_type] = resolve_profile(task.task_type, self._specs)
+            if task.dataset_name not in resolved:
+                dataset = self._files[task.dataset_name].config
+                profile = spec_of[task.task_type]
+                resolved[task.dataset_name] = (
+                    resolve_stopping(flags_stop, profile, dataset),
+                    resolve_sampling_params(flags_sampling, profile, dataset),
+                )
+        return spec_of, resolved
 
     def _batch(self, rollout_id: str, tasks: list[Task]) -> list[Batch]:
         name = getattr(self._batching, "__name__", repr(self._batching))
@@ -611,4 +427,3 @@ def _layer(model: type[_L], values: Mapping[str, Any], rollout_id: str, what: st
     except ValidationError as exc:
         problems = "; ".join(f"{key or what}: {problem}" for key, problem in explain(exc))
         raise ConfigError(f"rollout {rollout_id!r}: request {what}: {problems}") from None
-

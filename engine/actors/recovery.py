@@ -3,8 +3,8 @@
 A *redelivered* batch (a restart's own pending entry, or one claimed from a dead worker)
 and a *dead-lettered* one are decided from two folds, never from scans of the log:
 
-* the rollout stream (``RolloutState``): which of the batch's samples have a terminal
-  event, the attempt each reached, and which workers started them;
+* the rollout stream (``RolloutState``, its records): which of the batch's samples have a
+  terminal event, the attempt each reached, and which worker last started them;
 * the placement pool (``PoolState``): which of the batch's tokens it still holds.
 
 :func:`plan_recovery` re-runs only the samples without a terminal event, each as
@@ -76,15 +76,13 @@ def held_tokens(pool: PoolState, admitted: BatchAdmitted) -> tuple[str, ...]:
 
 
 def _workers(state: RolloutState, run_ids: Sequence[str]) -> tuple[str, ...]:
-    """Workers that started any of ``run_ids`` (their sandboxes may still run)."""
+    """Workers that last started any of ``run_ids`` (their sandboxes may still run)."""
     return tuple(
         sorted(
             {
-                s.started.worker
+                r.worker
                 for sid in run_ids
-                if (s := state.samples.get(sid)) is not None
-                and s.started is not None
-                and s.started.worker
+                if (r := state.samples.get(sid)) is not None and r.worker
             }
         )
     )

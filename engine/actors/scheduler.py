@@ -1,7 +1,7 @@
 """The scheduler actor: requests in, plans and admissions out, all through the log.
 
-Event flow (seeds task-scheduler §1-3; docs/architecture.md, "Events and the log")
------------------------------------------------------------
+Event flow (docs/architecture.md, "Events and the log")
+-------------------------------------------------------
 1. Start-up: fold ``rl:pool``; append ``PoolDeclared`` (compare-and-append) when the log's
    declaration differs from this scheduler's layout (no layout declares an empty node set:
    ungated); run the deadlock check on the declared pool (``DeadlockError`` names the

@@ -1,32 +1,19 @@
 """The verification boundary on the rollout path: re-score a fraction of completed samples.
 
-RL trains on the logprobs recorded while sampling. If the model server's sampling path and its
-scoring path disagree (a temperature folded into the reported logprobs, a kernel that differs,
-tokens re-tokenised on the way), every importance ratio is wrong and nothing else notices. So:
+RL trains on the logprobs recorded while sampling; if the server's sampling and scoring
+paths disagree (a temperature folded in, a differing kernel, re-tokenised tokens), every
+importance ratio is wrong and nothing else notices. So:
 
-* **Which samples.** A request's ``verify_fraction`` knob (else the worker's
-  ``ROLLOUT_VERIFY_FRACTION``, default 0: off) selects samples by a hash of the sample id
-  (``selected``): the same samples on every run and on replay, whatever the worker or the
-  order of completion.
-* **The check** (worker side, ``verify_result``, called by the batch run after the agent's
-  ``eval`` and before the sample's terminal event, on the server the trajectory was bound
-  to): one prefill of ``prompt + response`` (``engine.backends.fidelity``); each sampled
-  token (loss mask 1, not a DAgger teacher token) whose recorded weight version is the one
-  the server now reports is compared with its re-scored logprob. Tokens of another version
-  (an update landed since) are counted, never compared; a sample with none left is
-  *skipped*, never failed. A re-score that cannot run (no token-level backend, the server
-  unreachable) is skipped too, with the reason: the check must not abort training samples.
-* **The event.** ``SampleVerified`` (max ``|delta logprob|``, its response position, the
-  version, counts, the threshold and whether it was exceeded) goes out just before the
-  sample's ``SampleCompleted``, so a finalizer has folded it before the sample is terminal.
-* **The verdict** (finalizer side, ``VerifyTally``): a check past its threshold fails the
-  rollout at once with ``RolloutFailed`` naming the sample, the token position, the delta
-  and the threshold. Otherwise ``RolloutReady.metrics`` gets ``verify/*`` counts and the
-  largest delta seen (only when some sample was selected, so older rollouts keep theirs).
-
-The threshold (``verify_threshold`` knob, ``ROLLOUT_VERIFY_THRESHOLD``) defaults to
-``DEFAULT_THRESHOLD``; docs/sglang.md says how it was chosen from the demo's multi-turn
-rollouts.
+* ``selected`` picks samples by a hash of their id (``verify_fraction`` knob, else
+  ``ROLLOUT_VERIFY_FRACTION``, default 0): the same ones on every run and on replay.
+* ``verify_result`` (worker side, on the trajectory's server) re-scores ``prompt +
+  response`` in one prefill and compares each sampled token of the server's current weight
+  version (tokens of another only counted). A sample with none left, or whose re-score
+  cannot run, is skipped with the reason, never failed. Its ``SampleVerified`` precedes the
+  ``SampleCompleted``, so a finalizer has folded it before the sample is terminal.
+* ``VerifyTally`` (finalizer side) fails the rollout on a check past its threshold
+  (``verify_threshold`` knob, ``ROLLOUT_VERIFY_THRESHOLD``, default ``DEFAULT_THRESHOLD``,
+  chosen as docs/sglang.md says), else adds ``verify/*`` to ``RolloutReady.metrics``.
 """
 
 from __future__ import annotations
@@ -45,7 +32,6 @@ from engine.backends.fidelity import (
     check_server_logprobs,
 )
 from engine.backends.pool import BackendPool
-from engine.backends.sglang import SGLangBackend
 from engine.errors import ConfigError
 from engine.events.catalog import RolloutFailed, SampleVerified
 
@@ -129,8 +115,7 @@ async def verify_result(
     result: AgentResult,
     threshold: float,
 ) -> SampleVerified:
-    """Re-score ``result``'s sampled tokens on the trajectory's server, ``backends.get()``
-    (see the module docstring)."""
+    """Re-score ``result``'s sampled tokens on the trajectory's server, ``backends.get()``."""
 
     def verdict(**fields: Any) -> SampleVerified:
         return SampleVerified(
@@ -151,8 +136,8 @@ async def verify_result(
     except Exception as exc:  # no endpoint configured, the pool closing
         backend, kind = None, f"{type(exc).__name__}: {exc}"
     else:
-        kind = type(backend).__name__ if backend is not None else "no backend"
-    if not isinstance(backend, SGLangBackend):
+        kind = repr(backend) if backend is not None else "no backend"
+    if backend is None or not backend.capabilities.scoring:
         return verdict(skipped=f"no token-level backend to re-score on ({kind})"[:500])
     if not len(result.prompt_token_ids):
         return verdict(skipped="no prompt tokens")
@@ -189,8 +174,8 @@ async def verify_result(
 
 @dataclass
 class VerifyTally:
-    """The finalizer's fold of a rollout's ``SampleVerified`` events (one per sample, the
-    latest attempt's; a repeated event changes nothing)."""
+    """The finalizer's fold of a rollout's ``SampleVerified`` events: each sample's latest
+    attempt; a repeated event changes nothing."""
 
     by_sample: dict[str, SampleVerified] = field(default_factory=dict)
 
@@ -221,7 +206,7 @@ class VerifyTally:
         )
 
     def metrics(self) -> dict[str, float]:
-        """``verify/*`` figures for ``RolloutReady.metrics`` (empty when nothing was selected)."""
+        """``verify/*`` figures for ``RolloutReady.metrics``; empty when none was selected."""
         if not self.by_sample:
             return {}
         events = self.by_sample.values()
@@ -237,11 +222,10 @@ class VerifyTally:
 
 
 async def check_servers(backends: BackendPool | None, *, threshold: float) -> None:
-    """The start-up check of a worker: each of its default model servers that speaks SGLang's
-    token-level API must report the logprobs a re-score reproduces
-    (``fidelity.check_server_logprobs``); ``TemperatureScaledLogprobs`` (a ``ConfigError``
-    naming ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) otherwise. A server that cannot be reached
-    now is not refused (it may come up later); that is logged."""
+    """A worker's start-up check: each default server with the token_ids and scoring
+    capabilities must report logprobs a re-score reproduces, else
+    ``TemperatureScaledLogprobs`` (a ``ConfigError``). An unreachable server is logged,
+    not refused: it may come up later."""
     if backends is None:
         return
     for url in backends.default_urls:
@@ -250,7 +234,7 @@ async def check_servers(backends: BackendPool | None, *, threshold: float) -> No
         except Exception as exc:
             logger.warning("verify: no backend for %s to check at start: %r", url, exc)
             continue
-        if not isinstance(backend, SGLangBackend):
+        if not (backend.capabilities.token_ids and backend.capabilities.scoring):
             continue
         try:
             report = await check_server_logprobs(backend, tolerance=max(threshold, 1e-4))

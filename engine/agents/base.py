@@ -1,32 +1,21 @@
 """The episode contract: one ``BaseAgent`` owns the whole episode of one sample.
 
 The evaluator makes one ``Episode`` per attempt with ``agent.episode(task)`` and drives it
-through ``init -> run -> eval -> cleanup``:
+through ``init`` (cheap, before any placement token is held) -> ``run`` (the multi-turn loop,
+returns an ``AgentResult``) -> ``eval`` (a float, or a dict of named scores) -> ``cleanup``
+(always, also after a failure). It holds one placement token from before ``run`` until after
+``cleanup``. An exception from any phase aborts the sample (the evaluator classifies it and
+substitutes a masked dummy), so agents raise rather than return half-valid results.
 
-- ``init`` is lightweight preparation before any placement token is held;
-- ``run`` is the full multi-turn loop and returns an ``AgentResult``;
-- ``eval`` scores that result (a float, or a dict of named scores);
-- ``cleanup`` always runs (a ``finally``), also after a failure, to stop containers.
+One agent instance serves many concurrent episodes, so what an attempt carries between phases
+(its sandbox) lives on its ``Episode``, never on the agent: an agent whose episodes carry
+nothing implements the phases itself (``BaseAgent``), one whose episodes do subclasses
+``EpisodeAgent``. The worker's ports (``backends``, ``sandboxes``) arrive in the
+``EpisodeContext``; agents use them and never build or close them.
 
-One agent instance serves many concurrent episodes, so whatever an attempt carries from one
-phase to the next (its sandbox) lives on its ``Episode``, never on the agent. An agent whose
-episodes carry nothing implements the phases on itself (``BaseAgent``; the default episode
-runs them); one whose episodes do subclasses ``EpisodeAgent`` and returns its own ``Episode``.
-
-The evaluator holds one placement token from before ``run`` until after ``cleanup`` and runs
-the whole episode under the evaluator's semaphore. An exception from any phase aborts the
-sample: the evaluator classifies it and substitutes a masked dummy, so agents raise instead of
-returning half-valid results.
-
-What an episode may use besides its task arrives in its ``EpisodeContext``, including the
-worker's ports: ``backends`` (one pooled backend per model endpoint, ``BackendPool``) and
-``sandboxes`` (the worker's ``SandboxProvider``, labelled for this attempt). Agents use them and
-never build or close them: the worker owns both for its whole life.
-
-Token arrays of an ``AgentResult`` obey ``len(loss_mask) == len(response_token_ids)`` and
-``response_logprobs`` is either empty (not captured, e.g. a black-box scaffold in eval) or of
-the same length. ``loss_mask`` is 1 on tokens the policy is trained on, 0 elsewhere (tool
-output, teacher tokens).
+An ``AgentResult``'s ``loss_mask`` is as long as ``response_token_ids`` and 1 on the tokens
+the policy is trained on (not tool output, not teacher tokens); ``response_logprobs`` is empty
+(not captured) or as long.
 """
 
 from __future__ import annotations
@@ -50,6 +39,7 @@ __all__ = [
     "Reward",
     "TurnRecord",
     "check_response_arrays",
+    "episode_labels",
     "noop_phase",
 ]
 
@@ -58,12 +48,11 @@ __all__ = [
 class EpisodeContext:
     """Everything an episode may use besides its task; built by the evaluator per attempt.
 
-    ``stopping`` and ``sampling_params`` are already resolved through the cascade.
-    ``attempt`` counts deliveries of the sample from 1; ``seed`` is derived from the rollout
-    request, so a re-run attempt can reproduce sampling. Per-iteration knobs (``dagger_beta``,
-    ``t_max``) travel here, never in environment variables. ``tmp_dir`` is private to this
-    attempt and removed by the evaluator after ``cleanup``. ``backends`` and ``sandboxes`` are
-    the worker's ports (``None`` where the worker has none; an agent that needs one raises).
+    ``stopping`` and ``sampling_params`` are resolved through the cascade; ``attempt`` counts
+    deliveries from 1; ``seed`` comes from the request, so a re-run attempt can reproduce
+    sampling; per-iteration knobs travel here, never in environment variables; ``tmp_dir`` is
+    the attempt's own, removed after ``cleanup``; ``backends`` / ``sandboxes`` are ``None``
+    where the worker has none (an agent that needs one raises).
     """
 
     rollout_id: str
@@ -89,12 +78,18 @@ class EpisodeContext:
             raise ValueError(f"t_max must be non-negative, got {self.t_max}")
 
 
-class Episode(abc.ABC):
-    """One attempt at one sample, made by ``BaseAgent.episode`` and driven by the evaluator.
+def episode_labels(context: EpisodeContext) -> dict[str, str]:
+    """The labels an episode's sandbox carries, so a worker can reap a dead one's sandboxes."""
+    return {
+        "rollout.rollout": context.rollout_id,
+        "rollout.sample": context.sample_id,
+        "rollout.attempt": str(context.attempt),
+    }
 
-    Each phase gets the attempt's ``EpisodeContext`` (the same one throughout, except ``node``,
-    set once the placement token is held). State the attempt carries between phases lives here.
-    """
+
+class Episode(abc.ABC):
+    """One attempt at one sample. Each phase gets the attempt's ``EpisodeContext`` (the same
+    throughout, except ``node``, set once the placement token is held)."""
 
     async def init(self, context: EpisodeContext) -> None:
         """Prepare the episode before any placement token is held; keep it cheap."""
@@ -114,15 +109,11 @@ class Episode(abc.ABC):
 
 
 class BaseAgent(abc.ABC):
-    """An episode handler. Subclasses implement ``run`` and ``eval``; ``init`` and
-    ``cleanup`` default to doing nothing. One instance serves many concurrent episodes, so
-    per-episode state belongs in locals, in ``context.tmp_dir`` or on an ``Episode``
-    (``EpisodeAgent``), never on ``self``.
-    """
+    """An episode handler: subclasses implement ``run`` and ``eval``. Per-episode state
+    belongs in locals, in ``context.tmp_dir`` or on an ``Episode``, never on ``self``."""
 
     def episode(self, task: Task) -> Episode:
-        """A new episode of ``task`` (one per attempt). This default runs the agent's own
-        phase methods, which suits agents whose episodes carry nothing between phases."""
+        """A new episode of ``task`` (one per attempt), running the agent's own phases."""
         return _AgentPhases(self, task)
 
     async def init(self, task: Task, context: EpisodeContext) -> None:
@@ -143,12 +134,8 @@ class BaseAgent(abc.ABC):
 
 
 class EpisodeAgent(BaseAgent):
-    """An agent whose episodes carry state from phase to phase (a sandbox, a session).
-
-    It implements ``episode`` and its ``Episode`` implements the phases, so concurrent episodes
-    of one instance share nothing but what the agent was built with. The phase methods
-    inherited from ``BaseAgent`` have no episode to act on and refuse to run.
-    """
+    """An agent whose episodes carry state between phases (a sandbox, a session): its
+    ``Episode`` implements the phases, and the agent's own phase methods refuse to run."""
 
     @abc.abstractmethod
     def episode(self, task: Task) -> Episode:
@@ -174,8 +161,6 @@ class EpisodeAgent(BaseAgent):
 
 
 class _AgentPhases(Episode):
-    """The default episode: the agent's own phase methods, applied to one task."""
-
     def __init__(self, agent: BaseAgent, task: Task) -> None:
         self._agent = agent
         self._task = task
@@ -197,10 +182,9 @@ _NOOP: dict[tuple[type, str], bool] = {}
 
 
 def noop_phase(episode: Episode, phase: str) -> bool:
-    """Whether ``phase`` (``"init"`` or ``"cleanup"``) of ``episode`` is the inherited no-op:
-    ``Episode``'s, or for the default episode the agent's inherited from ``BaseAgent``. Such a
-    phase returns at once; the evaluator still runs it, but without a timeout scope of its
-    own (one per sample per phase is a measurable share of a fast episode's cost)."""
+    """Whether ``phase`` (``"init"`` or ``"cleanup"``) of ``episode`` is the inherited no-op,
+    which the evaluator runs without a timeout scope of its own (a scope per sample and phase
+    is a measurable share of a fast episode's cost)."""
     if type(episode) is _AgentPhases:
         owner: type = type(episode._agent)
         base: type = BaseAgent

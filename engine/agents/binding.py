@@ -1,9 +1,7 @@
 """The binding of an evaluator profile to the agent that runs its samples.
 
-``EvaluatorProfile`` (``engine.domain``) is pure data: the scheduler plans and admits with
-profiles alone and never builds an agent. Only an evaluator worker binds each profile it
-serves to a live ``BaseAgent`` (``engine.config.evaluators.load_evaluators``), which is why
-the binding lives beside the agents and not in the domain.
+Profiles are pure data (the scheduler never builds an agent); only an evaluator worker binds
+the profiles it serves to live agents, so the binding lives beside the agents, not in the domain.
 """
 
 from __future__ import annotations

@@ -1,52 +1,41 @@
 """Token series of a tool episode: the rendered prompt and the observation increments.
 
-The agent keeps one token series per episode (inference-backend §2 and §4): the prompt rendered
-once by the chat template, then, turn after turn, the model's generated tokens *verbatim* and
-the observation tokens the environment adds. Generated tokens are never re-tokenized; only the
-text the environment contributes goes through the tokenizer.
+An episode keeps one token series (``TokenSeries``): the prompt rendered once by the chat
+template, then, turn after turn, the model's generated tokens *verbatim* and the observation
+tokens the environment adds. Generated tokens are never re-tokenized.
 
-How an observation increment is computed, with ``H`` the conversation so far (prompt messages,
-and each earlier assistant turn as ``{"role": "assistant", "content": <generated text>}`` plus
-its tool messages), ``M`` a marker text and ``render`` the tokenizer's chat template with the
-agent's tools:
+An observation increment, with ``H`` the conversation so far (each earlier assistant turn as
+its generated text), ``M`` a marker text and ``render`` the chat template with the agent's
+tools:
 
-1. ``P = render(H, add_generation_prompt=True)`` and
-   ``A = render(H + [assistant M])``: ``A`` must be ``P + M + close``, where ``close`` is what
-   the template writes after an assistant message's content (``<|im_end|>\\n`` for Qwen);
-2. ``B = render(H + [assistant M] + tool_messages, add_generation_prompt=True)`` must start with
-   ``A``; ``tail = B[len(A):]`` is the tool turn (``<tool_response>`` wrappers) and the next
-   generation prompt;
-3. if the model's last token is a special token whose text starts ``close`` (it emitted the
-   end-of-turn token, as a model stopping on EOS does), that part of ``close`` is dropped;
+1. ``P = render(H, add_generation_prompt=True)``, ``A = render(H + [assistant M])``: ``A`` must
+   be ``P + M + close``, ``close`` being what the template writes after an assistant message
+   (``<|im_end|>\n`` for Qwen);
+2. ``B = render(H + [assistant M] + tool_messages, add_generation_prompt=True)`` must start
+   with ``A``; ``tail = B[len(A):]`` is the tool turn and the next generation prompt;
+3. if the model's last token is a special token whose text starts ``close`` (it stopped on
+   the end-of-turn token), that part of ``close`` is dropped;
 4. the increment is ``tokenize(close + tail)``.
 
-Because the increment starts right after a special token or with one (``<|im_end|>`` is a
-special token in every template this targets), the tokenizer splits the full text at the same
-place, so *prompt + generated + increments* equals the tokenization of a full re-render of the
-conversation in which each assistant message's content is the text the model generated. The
-deviations, all confined to tokens the model emitted:
-
-- the model's own token split can differ from what the tokenizer would produce for the same
-  text (it sampled those tokens; training must see them);
-- a turn that ends on a *different* end token (e.g. ``<|endoftext|>``) keeps that token and is
-  still followed by the full ``close``;
-- a template whose ``close`` does not begin with a special token (none of the targeted ones)
-  could tokenize the join differently from a re-render.
-
-A template that is not append-only in this sense (``A`` not extending ``P`` around ``M``, or
-``B`` not extending ``A``) cannot be captured token-exactly: ``ChatTokens`` raises
-``AgentError`` naming the tokenizer instead of producing a silently inconsistent series.
+Since the increment starts right after or with a special token, the tokenizer splits the
+full text at the same place, so *prompt + generated + increments* equals the tokenization of a
+full re-render of the conversation, except in tokens the model emitted: its own token split
+(training must see what it sampled), a turn ended on a *different* end token (kept, and still
+followed by the full ``close``), and a template whose ``close`` does not begin with a special
+token (none of the targeted ones). A template that is not append-only in this sense raises
+``AgentError`` naming the tokenizer rather than produce an inconsistent series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from engine.agents.result import UNKNOWN_VERSION
 from engine.errors import AgentError
 
-__all__ = ["ChatTokens", "Message", "Observation"]
+__all__ = ["ChatTokens", "Message", "Observation", "TokenSeries"]
 
 Message = dict[str, Any]
 
@@ -95,23 +84,26 @@ class ChatTokens:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def reply_text(self, generated_ids: Sequence[int]) -> str:
+        """A turn's text as an assistant message of the history: special tokens kept, but not
+        the trailing ones (the end of turn), which the template writes itself."""
+        end = len(generated_ids)
+        while end > 0 and generated_ids[end - 1] in self._special_ids:
+            end -= 1
+        return self.decode(generated_ids[:end], skip_special_tokens=False)
+
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The episode's prompt: the conversation with the assistant's generation prompt."""
         return self.encode(self.render(messages, generation_prompt=True))
 
     def assistant_close(self, history: Sequence[Mapping[str, Any]]) -> str:
         """What the template writes after an assistant message's content (step 1)."""
-        return self._close(history)[0]
+        return self.closing(history)[0]
 
     def closing(self, history: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-        """Step 1 for ``history`` (``close`` and the rendering ``A``): the part of an
-        observation that does not depend on the turn's tokens or tool messages, so a caller
-        can compute it ahead of time (while the turn generates) and pass it to
-        ``observation`` as ``closing``."""
-        return self._close(history)
-
-    def _close(self, history: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-        """``close``, and the rendering ``A`` of ``history`` plus the marker message."""
+        """Step 1 for ``history``: ``close`` and the rendering ``A``. It does not depend on
+        the turn, so a caller can compute it while the turn generates and pass it to
+        ``observation``."""
         opened = self.render(history, generation_prompt=True)
         closed = self.render([*history, _assistant(_MARKER)], generation_prompt=False)
         if not closed.startswith(opened + _MARKER):
@@ -130,10 +122,9 @@ class ChatTokens:
         *,
         closing: tuple[str, str] | None = None,
     ) -> Observation:
-        """The increment after a turn whose tokens were ``generated_ids`` (see the module
-        docstring); ``history`` is the conversation before that turn. ``closing`` is
-        ``closing(history)`` computed earlier (the same value; it saves two renders)."""
-        close, before = self._close(history) if closing is None else closing
+        """The increment after a turn that generated ``generated_ids``; ``history`` is the
+        conversation before that turn, ``closing`` its ``closing(history)`` if known."""
+        close, before = self.closing(history) if closing is None else closing
         after = self.render([*history, _assistant(_MARKER), *tool_messages], generation_prompt=True)
         if not after.startswith(before):
             raise AgentError(
@@ -151,3 +142,35 @@ class ChatTokens:
 
 def _assistant(content: str) -> Message:
     return {"role": "assistant", "content": content}
+
+
+@dataclass
+class TokenSeries:
+    """One episode's token series: the prompt, then generated tokens (loss mask 1, their
+    logprobs and weight version) and observed ones (mask 0, logprob 0.0, version unknown)."""
+
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per response token; -1: none/unknown
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    def ids(self) -> list[int]:
+        return [*self.prompt, *self.response]
+
+    def generated(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
+    ) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.mask.extend([1] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
+
+    def observed(self, token_ids: Sequence[int]) -> None:
+        self.response.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.mask.extend([0] * len(token_ids))
+        self.versions.extend([UNKNOWN_VERSION] * len(token_ids))

@@ -1,30 +1,24 @@
 """``DAggerAgent``: the native tool agent with a teacher that may act instead of the student.
 
-DAgger rollin, per turn of a ``ToolAgent`` episode (rollout-engine §4, inference-backend §3):
+DAgger rollin, per turn of a ``ToolAgent`` episode:
 
-1. a draw ``u`` in [0, 1) is made from the episode's ``context.seed`` and the turn index alone
+1. a draw ``u`` in [0, 1) is made from ``context.seed`` and the turn index alone
    (``dagger_draw``), so a re-run attempt reproduces every decision;
-2. the teacher acts when ``u < beta`` and the turn index is below ``t_max`` (``beta`` is
-   ``context.dagger_beta``, ``None`` meaning 0, i.e. student-only, as in eval; ``t_max`` is
-   ``context.t_max``, ``None`` meaning no limit): the conversation goes to
-   ``TeacherBackend.label_turn``, rendered in the teacher's own format, and its action (prose
-   and canonical tool calls) is written in the student's format (``<tool_call>`` blocks),
-   tokenized with the student's tokenizer and closed with its end-of-turn token. Those tokens
-   enter the series with ``loss_mask`` 0 and logprob 0.0 (the student's RL loss never trains on
-   them) and the sandbox runs the teacher's calls;
-3. otherwise, or when the teacher gives no label (a failure, or a reply that does not fit the
-   turn's token budget), the student generates as in ``ToolAgent``: its turn stands.
+2. the teacher acts when ``u < context.dagger_beta`` (``None``: 0, student-only, as in eval)
+   and the turn is below ``context.t_max`` (``None``: no limit): ``TeacherBackend.label_turn``
+   answers in the teacher's own format, and its action is written in the student's format
+   (``<tool_call>`` blocks, the student's tokenizer, its end-of-turn token). Those tokens enter
+   the series with ``loss_mask`` 0 and logprob 0.0, and the sandbox runs the teacher's calls;
+3. otherwise, or when the teacher gives no usable label (a failure, or a reply over the
+   turn's token budget), the student's turn stands.
 
-What the trajectory records besides ``ToolAgent``'s: ``AgentResult.teacher_mask`` (1 on every
-teacher token), ``AgentResult.student_cut_points`` (the response offset where each
-student-executed turn begins), and the metrics ``dagger_beta``, ``dagger_t_max`` (-1: none),
-``dagger_teacher_turns``, ``dagger_label_failures``, ``dagger_draw_<turn>`` (each turn's draw)
-and ``dagger_teacher_<turn>`` (1.0 where the teacher acted).
+The trajectory also records ``AgentResult.teacher_mask`` (1 on every teacher token),
+``student_cut_points`` (where each student turn begins) and the metrics ``dagger_beta``,
+``dagger_t_max`` (-1: none), ``dagger_teacher_turns``, ``dagger_label_failures``,
+``dagger_draw_<turn>`` and ``dagger_teacher_<turn>``.
 
-The teacher is given to the agent (``teacher=``; in a worker, the worker's own
-``TeacherBackend`` port, ``args.teacher``); the agent uses it and never closes it. Without
-one (``None``) the agent is student-only, and a turn the teacher should act on fails the
-sample with a ``ConfigError`` naming the missing setting.
+The agent uses the teacher it is given and never closes it. Without one, a turn the teacher
+should act on fails the sample with a ``ConfigError`` naming the missing setting.
 """
 
 from __future__ import annotations
@@ -76,7 +70,7 @@ def teacher_acts(draw: float, *, beta: float | None, t_max: int | None, turn: in
 
 
 class DAggerAgent(ToolAgent):
-    """A ``ToolAgent`` whose turns the teacher may execute (see the module docstring)."""
+    """A ``ToolAgent`` whose turns the teacher may execute."""
 
     def __init__(
         self,

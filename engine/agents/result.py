@@ -1,6 +1,6 @@
 """What an episode hands back to the engine: the trajectory's packed token arrays, how the
-episode ended and what each turn did. Pure records: this module imports no backend, sandbox or
-HTTP client, so the sample path (``engine.sample``, the projections) can use it without them.
+episode ended and what each turn did. Pure records, importing no backend, sandbox or HTTP
+client, so the sample path can use them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from engine.outcomes import TerminationReason
 __all__ = ["UNKNOWN_VERSION", "AgentResult", "Reward", "TurnRecord", "check_response_arrays"]
 
 UNKNOWN_VERSION = -1
-"""The per-token weight version of a token no policy version is known for (see
-``AgentResult.response_versions``)."""
+"""The weight version of a token no policy version is known for."""
 
 Reward = float | dict[str, float]
 
@@ -23,11 +22,8 @@ Reward = float | dict[str, float]
 def check_response_arrays(
     response_length: int, loss_mask: Mask, logprobs: LogProbs | None, *, name: str = "loss_mask"
 ) -> None:
-    """Raise ``ValueError`` unless the per-response-token arrays line up.
-
-    ``logprobs=None`` means "not captured"; an empty array for a non-empty response counts as
-    a mismatch here, callers that allow missing logprobs pass ``None``.
-    """
+    """Raise ``ValueError`` unless the per-response-token arrays line up; ``logprobs=None``
+    means "not captured" (an empty array for a non-empty response is a mismatch)."""
     if len(loss_mask) != response_length:
         raise ValueError(
             f"{name} has {len(loss_mask)} entries for {response_length} response tokens"
@@ -41,8 +37,7 @@ def check_response_arrays(
 
 
 _BITS = b"\x00\x01"
-# Immutable, so one instance serves every default (a default factory is a Python call per
-# field per result).
+# Immutable, so one instance serves every default (cheaper than a default factory).
 _EMPTY_TOKENIDS = TokenIds.empty()
 _EMPTY_LOGPROBS = LogProbs.empty()
 _EMPTY_MASK = Mask.empty()
@@ -50,8 +45,7 @@ _NON_NEGATIVE_TOP_BYTES = bytes(range(128))
 
 
 def _has_negative(ids: TokenIds) -> bool:
-    # int32 little-endian: a value is negative iff its top byte (every 4th, from 3) has the
-    # sign bit set; one C pass over the bytes, no array built.
+    # int32 little-endian: negative iff the top byte (every 4th, from 3) has the sign bit.
     return bool(ids.data[3::4].translate(None, _NON_NEGATIVE_TOP_BYTES))
 
 
@@ -64,33 +58,29 @@ class TurnRecord(FrozenModel):
     tool_calls: tuple[str, ...] = ()  # names of the tools called this turn
     elapsed_s: NonNegFloat = 0.0
     finish_reason: str | None = None  # the backend's, e.g. "stop", "length", "tool_calls"
-    # The policy version the model server reported for this turn's weights (SGLang's
-    # ``meta_info.weight_version``); None when it reported none. Never the requested version.
+    # What the server reported (SGLang's ``meta_info.weight_version``), never what was asked.
     weight_version: NonNegInt | None = None
 
 
 class AgentResult(FrozenModel):
     """The outcome of ``BaseAgent.run``: the trajectory's tokens and how the episode ended.
 
-    The token arrays are packed (``TokenIds`` int32, ``LogProbs`` float32, ``Mask`` uint8),
-    the form they keep until the trainer's ``collate``; the constructor also takes lists,
-    tuples or numpy arrays of numbers and packs them once, here.
+    The token arrays are packed (int32, float32, uint8) until the trainer's ``collate``; the
+    constructor also takes lists, tuples or numpy arrays and packs them once, here.
     """
 
     prompt_token_ids: TokenIds = _EMPTY_TOKENIDS
     response_token_ids: TokenIds = _EMPTY_TOKENIDS
     response_logprobs: LogProbs = _EMPTY_LOGPROBS
     loss_mask: Mask = _EMPTY_MASK
-    # Per response token: the weight version of the turn that sampled it; -1
-    # (``UNKNOWN_VERSION``) for tokens the policy did not sample (observations) or whose
-    # server reported no version. Empty when the agent records none (then all are unknown).
+    # Per response token, the weight version that sampled it (``UNKNOWN_VERSION`` for
+    # observations and unreported versions); empty when the agent records none.
     response_versions: TokenIds = _EMPTY_TOKENIDS
     turns: tuple[TurnRecord, ...] = ()
     termination_reason: TerminationReason
     metrics: dict[str, float] = Field(default_factory=dict)
     text: str = ""
-    # DAgger rollin (engine.agents.dagger): 1 on response tokens a teacher produced (they are
-    # loss_mask 0), and the response offsets where each student-executed turn begins.
+    # DAgger rollin: 1 on the tokens a teacher produced; where each student turn begins.
     teacher_mask: Mask | None = None
     student_cut_points: tuple[NonNegInt, ...] = ()
 
@@ -108,9 +98,7 @@ class AgentResult(FrozenModel):
         check_response_arrays(n, self.loss_mask, logprobs if len(logprobs) else None)
         versions = len(self.response_versions)
         if versions and versions != n:
-            raise ValueError(
-                f"response_versions has {versions} entries for {n} response tokens"
-            )
+            raise ValueError(f"response_versions has {versions} entries for {n} response tokens")
         if self.teacher_mask is not None:
             if len(self.teacher_mask) != n:
                 raise ValueError(

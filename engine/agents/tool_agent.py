@@ -1,65 +1,34 @@
-"""``ToolAgent``: a native token-level multi-turn tool agent (rollout-engine §3).
+"""``ToolAgent``: a native token-level multi-turn tool agent.
 
-One episode, for one sample:
+One episode, for one sample: ``init`` opens and starts the episode's sandbox (labelled for the
+attempt); ``run`` renders the conversation (system prompt, tools, the task's prompt) into the
+prompt token ids, then loops: generate on the whole series; append the generated ids
+*verbatim* with ``loss_mask`` 1 and the server's logprobs; parse ``<tool_call>`` blocks; run
+each call in the sandbox; append the observation increment (``chat_tokens``) with
+``loss_mask`` 0 and logprob 0.0. ``eval`` hands the finished episode to the configured
+``Verifier`` (the agent knows no task type); ``cleanup`` stops the sandbox, whatever happened.
 
-- ``init`` opens the episode's sandbox through ``context.sandboxes`` with the labels
-  ``rollout.rollout`` / ``rollout.sample`` / ``rollout.attempt`` (the evaluator's labelled
-  provider adds the worker and batch labels), and starts it;
-- ``run`` renders the conversation (system prompt, tools, the task's prompt) with the
-  tokenizer's chat template into the prompt token ids, then loops: generate on the whole token
-  series so far; append the generated token ids *verbatim* with ``loss_mask`` 1 and the
-  server's logprobs; parse ``<tool_call>`` blocks out of the generated text; run each call in
-  the sandbox; append the observation increment (``chat_tokens.py`` says how it is computed
-  and where it may deviate from a full re-render) with ``loss_mask`` 0 and logprob ``0.0``;
-- ``eval`` hands the finished episode (result, the last generated turn's text, the sandbox) to
-  the configured ``Verifier``; the agent itself knows no task type. ``build_agents``
-  builds one agent per task type, each with its verifier (``engine.tasks``);
-- ``cleanup`` stops the sandbox, whatever happened before.
+Stop conditions, checked after each generation in this order:
 
-Stop conditions, checked after each generation in this order (``TerminationReason``):
-
-1. the generated text holds a final answer (``answer_pattern``, ``<answer>...</answer>``):
-   ``finish``;
-2. the generation hit its token budget (``finish_reason == "length"``): ``max_context`` when
-   that budget was what was left of ``max_context_len``, else ``length``;
+1. the text holds a final answer (``answer_pattern``): ``finish``;
+2. the generation hit its token budget: ``max_context`` when that budget was what was left of
+   ``max_context_len``, else ``length``;
 3. no tool call and no malformed tool-call block: ``finish``;
-4. this was turn ``max_turns``: ``max_turns`` (the calls of the last turn are not run, since
-   nothing could read their output);
-5. the observation would leave no room for another generated token within
-   ``max_context_len``: ``max_context`` (the observation is not appended).
+4. this was turn ``max_turns``: ``max_turns`` (its calls are not run: nothing would read them);
+5. the observation would leave no room for another token within ``max_context_len``:
+   ``max_context`` (the observation is not appended).
 
-Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``. Every turn,
-the terminating one included, gets a ``TurnRecord``. Limits missing from
-``context.stopping`` fall back to the config's ``default_*``; ``timeout_s`` is enforced by
-the evaluator, which cancels the episode (a cancelled sandbox command is killed).
+Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``; every turn gets
+a ``TurnRecord``; ``timeout_s`` is the evaluator's (it cancels the episode). When the sampling
+params set ``sampling_seed``, each turn gets a seed derived from it, ``context.seed``, the
+sample id and the turn, so a group's samples and turns differ and a re-run attempt reproduces
+its episode; without it no seed is sent (not every SGLang deployment accepts one).
 
-Sampling: ``context.sampling_params`` are sent as given plus the turn's ``max_new_tokens``.
-When they set ``sampling_seed``, each turn is sent a seed derived from it, the episode's
-``context.seed`` (the evaluator's per-sample seed), the sample id and the turn index: the
-samples of a group differ, turns differ, and a re-run attempt reproduces its episode exactly.
-Without ``sampling_seed`` no seed is sent (not every SGLang deployment accepts one).
-
-Failures: what the *model* gets wrong (unknown tool, bad arguments, malformed block, a command
-that fails or hits a sandbox limit) becomes an observation and is counted in the metrics;
-what the *infrastructure* gets wrong raises and aborts the sample: an aborted generation
-(``GenerationAborted``), a reply without token ids or with an unknown finish reason
-(``BackendProtocolError``), transport errors (``BackendError``), a failed sandbox
-(``SandboxError``), a chat template that cannot be extended token-exactly (``AgentError``).
-
-Metrics: ``n_turns``, ``n_tool_calls`` (calls run), ``n_tool_errors`` (calls that were
-invalid or did not end cleanly), ``response_tokens``, ``generated_tokens``,
-``observation_tokens``, and ``tool_<outcome>`` counts for each non-clean outcome
-(``tool_nonzero_exit``, ``tool_timeout``, ``tool_pids_limit``, ``tool_memory_limit``,
-``tool_cpu_limit``, ``tool_disk_limit``, ``tool_signaled``, ``tool_invalid_call``).
-
-State: ``ToolAgent`` holds what every episode shares (config, tokenizer, chat template,
-verifier) and makes one ``ToolEpisode`` per attempt (``agent.episode(task)``); the one thing an
-episode carries from ``init`` to ``cleanup`` is its sandbox, kept on that episode, and
-everything else lives in ``run``'s locals. Concurrent episodes of one agent share nothing else.
-
-Ports: the model backend comes from the worker's ``context.backends`` (the endpoint
-``ToolAgentConfig.sglang_url``, else the worker's default); the agent neither builds nor closes
-backends, and the sandbox provider is the worker's ``context.sandboxes``.
+What the *model* gets wrong (unknown tool, bad arguments, a failing command) becomes an
+observation and a ``tool_<outcome>`` metric; what the *infrastructure* gets wrong raises and
+aborts the sample: ``GenerationAborted``, ``BackendProtocolError`` (no token ids, an error
+finish), ``BackendError``, ``SandboxError``, ``AgentError`` (a template that cannot be
+extended token-exactly).
 """
 
 from __future__ import annotations
@@ -82,21 +51,14 @@ from engine.agents.base import (
     EpisodeContext,
     Reward,
     TurnRecord,
+    episode_labels,
 )
-from engine.agents.chat_tokens import ChatTokens, Message
-from engine.agents.result import UNKNOWN_VERSION
-from engine.agents.tools import (
-    PythonTool,
-    SandboxTool,
-    ToolCallError,
-    clip_text,
-    render_exec,
-    resolve_call,
-)
-from engine.backends.base import FinishReason, GenerationResult, ModelBackend, ToolCall
+from engine.agents.chat_tokens import ChatTokens, Message, TokenSeries
+from engine.agents.tools import PythonTool, SandboxTool, ToolCounts, run_tool_calls
+from engine.backends.base import FinishReason, GenerationResult, ModelBackend
 from engine.backends.sglang import load_tokenizer
 from engine.backends.toolcalls import parse_tool_calls
-from engine.domain import Task, TerminationReason
+from engine.domain import StoppingCriteria, Task, TerminationReason
 from engine.errors import (
     AgentError,
     BackendProtocolError,
@@ -104,7 +66,7 @@ from engine.errors import (
     GenerationAborted,
     SandboxError,
 )
-from engine.sandbox import ExecOutcome, Sandbox, SandboxLimits, classify
+from engine.sandbox import Sandbox, SandboxLimits
 
 __all__ = [
     "FinishedEpisode",
@@ -127,16 +89,13 @@ logger = logging.getLogger(__name__)
 class ToolAgentConfig:
     """What a ``ToolAgent`` offers the model and how it talks to the server and the sandbox.
 
-    ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat template
-    (or pass ``tokenizer=`` to ``ToolAgent``). ``sglang_url``: the model endpoint episodes
-    generate on, taken from the worker's ``context.backends`` (``None``: the worker's default
-    endpoint); its backend must support token ids.
-    ``answer_pattern``: a regex whose match in a generation ends the episode as ``finish``.
-    ``sandbox_limits``: per-episode sandbox limits (``None``: the provider's defaults).
-    ``tool_timeout_s``: wall clock per tool call (capped by the sandbox's limits).
-    ``max_observation_chars``: each tool output is clipped to about this many characters.
-    ``max_tool_calls_per_turn``: calls beyond it get an error observation instead of running.
-    ``default_*``: limits used where ``context.stopping`` leaves one unset.
+    ``tokenizer_path``: a local Hugging Face folder with the policy's tokenizer and chat
+    template (or pass ``tokenizer=``). ``sglang_url``: the endpoint in ``context.backends``
+    (``None``: the worker's default). ``answer_pattern``: a regex whose match ends the episode
+    as ``finish``. ``tool_timeout_s``: wall clock per call (capped by the sandbox's limits).
+    ``max_observation_chars``: each tool output is clipped to about this. Calls past
+    ``max_tool_calls_per_turn`` get an error observation. ``default_*`` stand where
+    ``context.stopping`` leaves a limit unset.
     """
 
     tools: tuple[SandboxTool, ...] = (PythonTool(),)
@@ -193,8 +152,8 @@ class Verdict:
     detail: Mapping[str, JsonValue] = field(default_factory=dict)
 
     def as_reward(self) -> dict[str, float]:
-        """``{"score": score}`` plus the numeric and boolean detail entries as floats (the
-        evaluator's reward dict holds floats only; text detail goes to the log)."""
+        """``{"score": score}`` plus the numeric and boolean detail entries as floats (a reward
+        dict holds floats only; text detail goes to the log)."""
         reward = {"score": float(self.score)}
         for key, value in self.detail.items():
             if isinstance(value, bool | int | float) and key != "score":
@@ -217,15 +176,6 @@ class Verifier(Protocol):
     async def verify(self, task: Task, episode: FinishedEpisode) -> Verdict: ...
 
 
-def episode_labels(context: EpisodeContext) -> dict[str, str]:
-    """The labels an episode's sandbox carries, so a worker can reap a dead one's sandboxes."""
-    return {
-        "rollout.rollout": context.rollout_id,
-        "rollout.sample": context.sample_id,
-        "rollout.attempt": str(context.attempt),
-    }
-
-
 def derive_turn_seed(base: int, *, episode_seed: int, sample_id: str, turn: int) -> int:
     """The sampling seed of one turn: a function of its arguments only, in 0..2**31-1."""
     key = f"{base}\0{episode_seed}\0{sample_id}\0{turn}".encode()
@@ -244,53 +194,36 @@ def last_generation(result: AgentResult) -> tuple[int, ...]:
     return tuple(result.response_token_ids.tolist()[start:end])
 
 
-@dataclass
-class _Series:
-    """The episode's token series: prompt, then generated and observed tokens (run's local)."""
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    max_turns: int
+    max_context: int
+    max_new: int
 
-    prompt: list[int]
-    response: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # per response token; -1: none/unknown
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.response)
-
-    def ids(self) -> list[int]:
-        return [*self.prompt, *self.response]
-
-    def generated(
-        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
-    ) -> None:
-        self.response.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.mask.extend([1] * len(token_ids))
-        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
-
-    def observed(self, token_ids: Sequence[int]) -> None:
-        self.response.extend(token_ids)
-        self.logprobs.extend([0.0] * len(token_ids))
-        self.mask.extend([0] * len(token_ids))
-        self.versions.extend([UNKNOWN_VERSION] * len(token_ids))
+    @classmethod
+    def of(cls, cfg: ToolAgentConfig, stopping: StoppingCriteria) -> _Limits:
+        return cls(
+            max_turns=stopping.max_turns or cfg.default_max_turns,
+            max_context=stopping.max_context_len or cfg.default_max_context_len,
+            max_new=stopping.max_new_tokens or cfg.default_max_new_tokens,
+        )
 
 
-@dataclass
-class _Counts:
-    tool_calls: int = 0
-    tool_errors: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def error(self, outcome: str) -> None:
-        self.tool_errors += 1
-        key = f"tool_{outcome}"
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+def _turn_params(
+    sampling: Mapping[str, Any], context: EpisodeContext, turn: int, budget: int
+) -> dict[str, Any]:
+    params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
+    base_seed = sampling.get("sampling_seed")
+    if isinstance(base_seed, int):
+        params["sampling_seed"] = derive_turn_seed(
+            base_seed, episode_seed=context.seed, sample_id=context.sample_id, turn=turn
+        )
+    return params
 
 
 @dataclass(frozen=True, slots=True)
 class TurnInput:
-    """What ``ToolAgent._act`` decides one turn from: the token series so far, the
-    conversation as messages, the turn's sampling parameters (with its token budget)."""
+    """What ``ToolAgent._act`` decides one turn from."""
 
     context: EpisodeContext
     backend: ModelBackend
@@ -302,10 +235,9 @@ class TurnInput:
 
 @dataclass(frozen=True, slots=True)
 class TurnAction:
-    """One turn's action as token ids of the policy's tokenizer. ``trained``: the policy
-    generated them (``loss_mask`` 1, with their logprobs); otherwise they enter the series with
-    ``loss_mask`` 0 and logprob 0.0 (e.g. a teacher's action). ``gen`` carries the finish
-    reason the stop conditions read."""
+    """One turn's action as token ids of the policy's tokenizer. Untrained ones (a teacher's)
+    enter the series with ``loss_mask`` 0 and logprob 0.0; ``gen`` carries the finish reason
+    the stop conditions read."""
 
     gen: GenerationResult
     token_ids: tuple[int, ...]
@@ -315,8 +247,6 @@ class TurnAction:
 
 
 class ToolAgent(EpisodeAgent):
-    """The native tool agent (see the module docstring): what its episodes share."""
-
     def __init__(
         self, config: ToolAgentConfig, *, verifier: Verifier, tokenizer: Any | None = None
     ) -> None:
@@ -362,41 +292,27 @@ class ToolAgent(EpisodeAgent):
             backend = context.backends.get(self.config.sglang_url)
         except ConfigError as exc:
             raise ConfigError(f"sample {context.sample_id}: {exc}") from exc
-        if not backend.supports_token_ids:
-            raise ConfigError(
-                f"ToolAgent needs a token-level backend, got {type(backend).__name__}"
-            )
+        if not backend.capabilities.token_ids:
+            raise ConfigError(f"ToolAgent needs a backend with token ids, got {backend!r}")
         return backend
 
     async def _loop(
         self, task: Task, context: EpisodeContext, sandbox: Sandbox, backend: ModelBackend
     ) -> AgentResult:
-        cfg = self.config
-        stopping = context.stopping
-        max_turns = stopping.max_turns or cfg.default_max_turns
-        max_context = stopping.max_context_len or cfg.default_max_context_len
-        max_new = stopping.max_new_tokens or cfg.default_max_new_tokens
+        limits = _Limits.of(self.config, context.stopping)
         sampling = context.sampling_params.as_request()
-        base_seed = sampling.get("sampling_seed")
-
         history = self.initial_messages(task)
-        series = _Series(prompt=self.chat.prompt_ids(history))
-        counts = _Counts()
+        series = TokenSeries(prompt=self.chat.prompt_ids(history))
+        counts = ToolCounts()
         turns: list[TurnRecord] = []
         actions: list[TurnAction] = []
         reason: TerminationReason | None = None
-        turn = 0
         while reason is None:
-            room = max_context - len(series)
+            turn = len(turns)
+            room = limits.max_context - len(series)
             if room <= 0:
                 reason = TerminationReason.MAX_CONTEXT
                 break
-            budget = min(max_new, room)
-            params: dict[str, Any] = {**sampling, "max_new_tokens": budget}
-            if isinstance(base_seed, int):
-                params["sampling_seed"] = derive_turn_seed(
-                    base_seed, episode_seed=context.seed, sample_id=context.sample_id, turn=turn
-                )
             started = time.monotonic()
             prompt_len = len(series)
             action = await self._act(
@@ -405,55 +321,80 @@ class ToolAgent(EpisodeAgent):
                     backend=backend,
                     input_ids=series.ids(),
                     history=history,
-                    sampling_params=params,
+                    sampling_params=_turn_params(
+                        sampling, context, turn, min(limits.max_new, room)
+                    ),
                     turn=turn,
                 )
             )
             actions.append(action)
-            gen, ids = action.gen, action.token_ids
-            if action.trained:
-                series.generated(ids, action.logprobs, gen.weight_version)
-            else:  # not the policy's tokens: in the series, out of the loss
-                series.observed(ids)
-            text = self.chat.decode(ids, skip_special_tokens=True)
-            parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
-            names = tuple(call.name for call in parsed.tool_calls)
-
-            if self._answer.search(text):
-                reason = TerminationReason.FINISH
-            elif gen.finish_reason == FinishReason.LENGTH:
-                out_of_room = len(series) >= max_context
-                reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH
-            elif not parsed.tool_calls and not parsed.errors:
-                reason = TerminationReason.FINISH
-            elif turn + 1 >= max_turns:
-                reason = TerminationReason.MAX_TURNS
-            else:
-                tool_messages = await self._run_calls(
-                    parsed.tool_calls, parsed.errors, sandbox, counts
-                )
-                observation = self.chat.observation(history, ids, tool_messages)
-                if len(series) + len(observation.token_ids) >= max_context:
-                    reason = TerminationReason.MAX_CONTEXT
-                else:
-                    series.observed(observation.token_ids)
-                    raw = self.chat.decode(
-                        _without_trailing_special(ids, self.chat), skip_special_tokens=False
-                    )
-                    history = [*history, {"role": "assistant", "content": raw}, *tool_messages]
+            reason, history, names = await self._take(
+                action, turn, series, history, sandbox, counts, limits
+            )
             turns.append(
                 TurnRecord(
                     index=turn,
                     prompt_tokens=prompt_len,
-                    response_tokens=len(ids),
+                    response_tokens=len(action.token_ids),
                     tool_calls=names,
                     elapsed_s=max(0.0, time.monotonic() - started),
-                    finish_reason=str(gen.finish_reason),
-                    weight_version=gen.weight_version,
+                    finish_reason=str(action.gen.finish_reason),
+                    weight_version=action.gen.weight_version,
                 )
             )
-            turn += 1
+        result = self._result(series, turns, counts, reason)
+        return self._finish_result(result, actions, context)
 
+    async def _take(
+        self,
+        action: TurnAction,
+        turn: int,
+        series: TokenSeries,
+        history: list[Message],
+        sandbox: Sandbox,
+        counts: ToolCounts,
+        limits: _Limits,
+    ) -> tuple[TerminationReason | None, list[Message], tuple[str, ...]]:
+        """Append one turn's action and apply the stop conditions: ``(reason or None to go on,
+        the conversation, the tools called)``."""
+        gen, ids = action.gen, action.token_ids
+        if action.trained:
+            series.generated(ids, action.logprobs, gen.weight_version)
+        else:  # not the policy's tokens: in the series, out of the loss
+            series.observed(ids)
+        text = self.chat.decode(ids, skip_special_tokens=True)
+        parsed = parse_tool_calls(text, id_prefix=f"call_{turn}_")
+        names = tuple(call.name for call in parsed.tool_calls)
+        if self._answer.search(text):
+            return TerminationReason.FINISH, history, names
+        if gen.finish_reason == FinishReason.LENGTH:
+            out_of_room = len(series) >= limits.max_context
+            reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH
+            return reason, history, names
+        if not parsed.tool_calls and not parsed.errors:
+            return TerminationReason.FINISH, history, names
+        if turn + 1 >= limits.max_turns:
+            return TerminationReason.MAX_TURNS, history, names
+        cfg = self.config
+        tool_messages = await run_tool_calls(
+            parsed.tool_calls, parsed.errors, sandbox, counts, tools=cfg.tools,
+            max_calls=cfg.max_tool_calls_per_turn, timeout_s=cfg.tool_timeout_s,
+            max_chars=cfg.max_observation_chars,
+        )  # fmt: skip
+        observation = self.chat.observation(history, ids, tool_messages)
+        if len(series) + len(observation.token_ids) >= limits.max_context:
+            return TerminationReason.MAX_CONTEXT, history, names
+        series.observed(observation.token_ids)
+        raw = self.chat.reply_text(ids)
+        return None, [*history, {"role": "assistant", "content": raw}, *tool_messages], names
+
+    def _result(
+        self,
+        series: TokenSeries,
+        turns: list[TurnRecord],
+        counts: ToolCounts,
+        reason: TerminationReason,
+    ) -> AgentResult:
         metrics: dict[str, float] = {
             "n_turns": float(len(turns)),
             "n_tool_calls": float(counts.tool_calls),
@@ -463,7 +404,7 @@ class ToolAgent(EpisodeAgent):
             "observation_tokens": float(len(series.mask) - sum(series.mask)),
         }
         metrics.update({k: float(v) for k, v in counts.outcomes.items()})
-        result = AgentResult(
+        return AgentResult(
             prompt_token_ids=tuple(series.prompt),
             response_token_ids=tuple(series.response),
             response_logprobs=tuple(series.logprobs),
@@ -474,11 +415,9 @@ class ToolAgent(EpisodeAgent):
             metrics=metrics,
             text=self.chat.decode(series.response, skip_special_tokens=False),
         )
-        return self._finish_result(result, actions, context)
 
     async def _act(self, step: TurnInput) -> TurnAction:
-        """The action of one turn: the policy's generation on the series so far. A subclass
-        may act otherwise (e.g. a teacher's action, ``engine.agents.dagger``)."""
+        """The policy's generation on the series so far; a subclass may act otherwise."""
         gen = await step.backend.generate(
             input_ids=step.input_ids, sampling_params=step.sampling_params
         )
@@ -492,8 +431,7 @@ class ToolAgent(EpisodeAgent):
     def _finish_result(
         self, result: AgentResult, actions: Sequence[TurnAction], context: EpisodeContext
     ) -> AgentResult:
-        """The episode's result, given every turn's action in order; a subclass may annotate
-        it. This one returns it unchanged."""
+        """The result, given every turn's action in order; a subclass may annotate it."""
         return result
 
     def _checked(
@@ -513,54 +451,8 @@ class ToolAgent(EpisodeAgent):
             )
         return gen.token_ids, gen.logprobs
 
-    async def _run_calls(
-        self,
-        calls: Sequence[ToolCall],
-        errors: Sequence[str],
-        sandbox: Sandbox,
-        counts: _Counts,
-    ) -> list[Message]:
-        """One tool message per call (in order), then one per malformed block."""
-        cfg = self.config
-        messages: list[Message] = []
-        for index, call in enumerate(calls):
-            if index >= cfg.max_tool_calls_per_turn:
-                counts.error("invalid_call")
-                messages.append(
-                    _tool_message(
-                        call.name,
-                        f"error: not run, at most {cfg.max_tool_calls_per_turn} tool calls are "
-                        "run per turn",
-                    )
-                )
-                continue
-            try:
-                _tool, command = resolve_call(call, cfg.tools)
-            except ToolCallError as exc:
-                counts.error("invalid_call")
-                messages.append(
-                    _tool_message(call.name, clip_text(f"error: {exc}", cfg.max_observation_chars))
-                )
-                continue
-            counts.tool_calls += 1
-            result = await sandbox.exec(command, timeout_s=cfg.tool_timeout_s)
-            outcome = classify(result)
-            if outcome is not ExecOutcome.OK:
-                counts.error(outcome.value)
-            messages.append(
-                _tool_message(call.name, render_exec(result, limit_chars=cfg.max_observation_chars))
-            )
-        for problem in errors:
-            counts.error("invalid_call")
-            messages.append(
-                _tool_message("invalid", clip_text(f"error: {problem}", cfg.max_observation_chars))
-            )
-        return messages
-
 
 class ToolEpisode(Episode):
-    """One attempt of a ``ToolAgent``: the task and, from ``init`` to ``cleanup``, its sandbox."""
-
     def __init__(self, agent: ToolAgent, task: Task) -> None:
         self.agent = agent
         self.task = task
@@ -616,15 +508,3 @@ class ToolEpisode(Episode):
                 "after cleanup (no sandbox)"
             )
         return self.sandbox
-
-
-def _tool_message(name: str, content: str) -> Message:
-    return {"role": "tool", "name": name, "content": content}
-
-
-def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
-    special = set(getattr(chat.tokenizer, "all_special_ids", []))
-    end = len(ids)
-    while end > 0 and ids[end - 1] in special:
-        end -= 1
-    return ids[:end]

@@ -1,41 +1,36 @@
 """Sandbox tools of the native tool agent: their schemas, their commands, their observations.
 
-A ``SandboxTool`` turns one model-written tool call into one sandbox command:
-
-- ``python`` (argument ``code``) runs ``<python> -c <code>`` as an argv, so no shell quoting is
-  involved and the program sees the sandbox's working directory as its cwd;
-- ``shell`` (argument ``cmd``) runs ``cmd`` under ``/bin/sh -c`` in the working directory.
-
-Their schemas are the OpenAI function format the chat template renders into the system turn
-(the wording is the one the tinylm corpus trains on, so the reference model sees familiar text).
+A ``SandboxTool`` turns one model-written call into one sandbox command: ``python`` (argument
+``code``) runs ``<python> -c <code>`` as an argv, so no shell quoting is involved; ``shell``
+(argument ``cmd``) runs under ``/bin/sh -c`` in the working directory. Their schema wording is
+the one the tinylm corpus trains on, so the reference model sees familiar text.
 
 Everything the *model* can get wrong is a ``ToolCallError`` (unknown tool, arguments that are
-not a JSON object, a missing or empty argument, a NUL byte a command line cannot carry): the
-agent turns it into an error observation, never into an aborted sample. Failures of the
-sandbox itself stay ``SandboxError`` and propagate.
-
-``render_exec`` writes what a command did as the observation text: its stdout, its stderr, and
-one bracketed line for anything but a clean exit, named by ``engine.sandbox.classify`` (exit
-code, wall-clock timeout, CPU/memory/process/disk limit, signal, truncated output).
+not a JSON object, a missing or empty argument, a NUL byte): the agent shows it as an error
+observation, never aborts the sample for it. Failures of the sandbox itself stay
+``SandboxError`` and propagate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from engine.agents.chat_tokens import Message
 from engine.backends.base import ToolCall
-from engine.sandbox import ExecOutcome, ExecResult, classify
+from engine.sandbox import ExecOutcome, ExecResult, Sandbox, classify
 
 __all__ = [
     "PythonTool",
     "SandboxTool",
     "ShellTool",
     "ToolCallError",
+    "ToolCounts",
     "clip_text",
     "render_exec",
     "resolve_call",
+    "run_tool_calls",
 ]
 
 
@@ -159,8 +154,8 @@ _LIMIT_WORDS = {
 
 
 def render_exec(result: ExecResult, *, limit_chars: int) -> str:
-    """The observation text for one command (see the module docstring); the output is clipped
-    to about ``limit_chars`` characters, the status line after it never is."""
+    """The observation text for one command: stdout, stderr, and a bracketed line for anything
+    but a clean exit. The output is clipped to about ``limit_chars``, the status line never."""
     parts = [result.stdout.rstrip("\n")] if result.stdout.strip() else []
     if result.stderr.strip():
         parts.append(result.stderr.rstrip("\n"))
@@ -184,3 +179,60 @@ def render_exec(result: ExecResult, *, limit_chars: int) -> str:
     if not output and not status:
         return "(no output)"
     return "\n".join([output, *status] if output else status)
+
+
+@dataclass
+class ToolCounts:
+    """What an episode's tool calls did: calls run, calls that failed, failures by outcome."""
+
+    tool_calls: int = 0
+    tool_errors: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def error(self, outcome: str) -> None:
+        self.tool_errors += 1
+        key = f"tool_{outcome}"
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+
+async def run_tool_calls(
+    calls: Sequence[ToolCall],
+    errors: Sequence[str],
+    sandbox: Sandbox,
+    counts: ToolCounts,
+    *,
+    tools: Sequence[SandboxTool],
+    max_calls: int,
+    timeout_s: float,
+    max_chars: int,
+) -> list[Message]:
+    """One tool message per call, in order (a call past ``max_calls`` or one that cannot be
+    resolved gets an error message instead of running), then one per malformed block."""
+    messages: list[Message] = []
+    for index, call in enumerate(calls):
+        if index >= max_calls:
+            counts.error("invalid_call")
+            messages.append(tool_message(
+                call.name, f"error: not run, at most {max_calls} tool calls are run per turn"
+            ))  # fmt: skip
+            continue
+        try:
+            _tool, command = resolve_call(call, tools)
+        except ToolCallError as exc:
+            counts.error("invalid_call")
+            messages.append(tool_message(call.name, clip_text(f"error: {exc}", max_chars)))
+            continue
+        counts.tool_calls += 1
+        result = await sandbox.exec(command, timeout_s=timeout_s)
+        outcome = classify(result)
+        if outcome is not ExecOutcome.OK:
+            counts.error(outcome.value)
+        messages.append(tool_message(call.name, render_exec(result, limit_chars=max_chars)))
+    for problem in errors:
+        counts.error("invalid_call")
+        messages.append(tool_message("invalid", clip_text(f"error: {problem}", max_chars)))
+    return messages
+
+
+def tool_message(name: str, content: str) -> Message:
+    return {"role": "tool", "name": name, "content": content}

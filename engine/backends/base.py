@@ -1,14 +1,26 @@
-"""The model-backend port: one structural ``Protocol`` and the record every backend returns.
+"""The model-backend port: the ``ModelBackend`` base, what a backend can do, its records.
 
-Every LLM call in a rollout goes through a ``ModelBackend`` (inference-backend §1). Two modes
-coexist and the agent loop picks one by reading ``supports_token_ids``:
+Every LLM call in a rollout goes through a ``ModelBackend``. A backend states what it can do
+in ``capabilities`` (a frozen ``Capabilities``), and callers ask that, never its class:
 
-- token-in / token-out (``SGLangBackend``): the caller passes ``input_ids``; the result carries
-  the exact sampled ``token_ids`` and their ``logprobs``, so the tokens the model emitted are the
-  tokens training sees (no re-tokenisation, no chat-template round trip);
-- chat (``OpenAIBackend``): the caller passes ``messages`` (and ``tools``); the result carries
-  text, structured ``tool_calls`` and ``usage``, but no token ids (``tokenize`` raises
-  ``NotImplementedError``).
+- ``token_ids``: ``generate(input_ids=...)`` returns the exact sampled ``token_ids`` and their
+  ``logprobs``, so the tokens the model emitted are the tokens training sees (SGLang's native
+  API); without it the caller passes ``messages`` (and ``tools``) and gets text, structured
+  ``tool_calls`` and ``usage`` back (a chat API), and ``tokenize`` / ``decode`` raise;
+- ``scoring``: ``score(prompt_ids, response_ids, top_logprobs_num=K)`` force-decodes given
+  tokens and returns the logprob (and top-K) of each response token, the re-score of the
+  verification boundary and the teacher's Role B;
+- ``abort``: ``generate(rid=...)`` names a request and ``abort(rid)`` ends every request whose
+  rid starts with ``rid`` (``None``: all of them); a backend without it ignores ``rid``;
+- ``weight_version``: ``weight_version()`` is the version the server serves now;
+- ``health``: ``health()`` returns once the server answers its health route
+  (``generate=True``: the route that runs one generation step).
+
+An operation a backend lacks raises ``NotImplementedError`` naming the backend and the
+capability (``unsupported``) before any I/O. ``base_url`` is the server the backend talks to.
+``forwarded_call()`` spans a call the caller sends to ``base_url`` by other means (the
+recording proxy's pass-through), so that whatever brackets this backend's generations (a
+``BackendPool``'s hooks, ``engine/backends/hooks.py``) brackets that call too.
 
 Contract shared by every implementation:
 
@@ -20,24 +32,47 @@ Contract shared by every implementation:
   (``BackendUnavailable``, ``BackendHTTPError``, ``BackendProtocolError``), never httpx's.
 - A backend owns one pooled HTTP client, created lazily on first use inside the running event
   loop and released by ``aclose()``; it must not be shared across event loops.
+
+``ModelBackend`` is an ABC because it shares that code: no capability unless an adapter
+states one, and each operation raising until the adapter offers it.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 __all__ = [
+    "Capabilities",
     "FinishReason",
+    "ForceDecodeScore",
     "GenerationResult",
     "ModelBackend",
     "ToolCall",
     "Usage",
     "error_finish_reason",
+    "unsupported",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do (the module docstring says what each one offers)."""
+
+    token_ids: bool = False
+    scoring: bool = False
+    abort: bool = False
+    weight_version: bool = False
+    health: bool = False
+
+    def names(self) -> tuple[str, ...]:
+        """The capabilities that are on, in declaration order."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
 
 
 class FinishReason(StrEnum):
@@ -134,13 +169,30 @@ class GenerationResult:
         return self.finish_reason == FinishReason.ABORT
 
 
-@runtime_checkable
-class ModelBackend(Protocol):
-    """A prompt-to-completion engine (see the module docstring for the contract)."""
+@dataclass(frozen=True, slots=True)
+class ForceDecodeScore:
+    """Per-response-token logprobs from a force-decode; ``top_*`` are empty when K was 0."""
 
-    @property
-    def supports_token_ids(self) -> bool: ...
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_token_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+    weight_version: int | None = None  # what the server reported scoring with (None: unknown)
 
+
+class ModelBackend(abc.ABC):
+    """A prompt-to-completion engine (see the module docstring for the contract).
+
+    An adapter implements ``generate``, sets ``base_url`` and its ``capabilities``, and
+    overrides the operations those capabilities offer; the others raise ``unsupported``."""
+
+    capabilities: Capabilities = Capabilities()
+    base_url: str = ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url})"
+
+    @abc.abstractmethod
     async def generate(
         self,
         *,
@@ -148,10 +200,40 @@ class ModelBackend(Protocol):
         messages: Sequence[Mapping[str, Any]] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: Mapping[str, Any],
+        rid: str | None = None,
     ) -> GenerationResult: ...
 
-    def tokenize(self, text: str) -> list[int]: ...
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
+    ) -> ForceDecodeScore:
+        raise unsupported(self, "scoring")
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    async def abort(self, rid: str | None = None) -> None:
+        raise unsupported(self, "abort")
 
-    async def aclose(self) -> None: ...
+    async def weight_version(self) -> int | None:
+        raise unsupported(self, "weight_version")
+
+    async def health(self, *, generate: bool = False) -> None:
+        raise unsupported(self, "health")
+
+    def forwarded_call(self) -> AbstractAsyncContextManager[None]:
+        """Nothing brackets a bare backend's calls."""
+        return nullcontext()
+
+    def tokenize(self, text: str) -> list[int]:
+        raise unsupported(self, "token_ids")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        raise unsupported(self, "token_ids")
+
+    async def aclose(self) -> None:
+        return None
+
+
+def unsupported(backend: ModelBackend, capability: str) -> NotImplementedError:
+    """The error of an operation ``backend`` lacks the ``capability`` for."""
+    offers = ", ".join(backend.capabilities.names()) or "none"
+    return NotImplementedError(
+        f"{backend!r} has no {capability} capability (it offers: {offers})"
+    )

@@ -6,8 +6,9 @@ reported logprobs (SGLang's default unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``)
 that were re-tokenised on the way, the importance ratios are wrong from the first step.
 
 ``check_token_fidelity`` force-decodes ``prompt + response`` on the same server (one prefill
-with ``return_logprob``, via ``SGLangBackend.score``), takes the logprob of each response token
-given everything before it, and compares it with the recorded value. On tinylm (fp32, raw
+with ``return_logprob``: the ``score`` of a backend with the scoring capability), takes the
+logprob of each response token given everything before it, and compares it with the
+recorded value. On tinylm (fp32, raw
 logprobs) the difference is float rounding, far below the default tolerance of ``1e-5``.
 ``compare_logprobs`` is the pure comparison, for callers that already have both series.
 
@@ -29,8 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.backends.base import GenerationResult
-from engine.backends.sglang import SGLangBackend
+from engine.backends.base import GenerationResult, ModelBackend
 from engine.errors import ConfigError
 
 __all__ = [
@@ -99,7 +99,7 @@ def compare_logprobs(
 
 
 async def check_token_fidelity(
-    backend: SGLangBackend,
+    backend: ModelBackend,
     *,
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],
@@ -116,7 +116,7 @@ async def check_token_fidelity(
 
 
 async def check_generation(
-    backend: SGLangBackend,
+    backend: ModelBackend,
     prompt_ids: Sequence[int],
     result: GenerationResult,
     *,
@@ -150,7 +150,7 @@ class SampledCheck:
 
 
 async def check_sampled_tokens(
-    backend: SGLangBackend,
+    backend: ModelBackend,
     *,
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],
@@ -195,7 +195,7 @@ _PROBE_PROMPT = tuple(range(10, 26))
 
 
 async def check_server_logprobs(
-    backend: SGLangBackend, *, tolerance: float = DEFAULT_TOLERANCE, tokens: int = 16
+    backend: ModelBackend, *, tolerance: float = DEFAULT_TOLERANCE, tokens: int = 16
 ) -> FidelityReport:
     """Generate ``tokens`` seeded tokens at temperature 2 and re-score them; raise
     ``TemperatureScaledLogprobs`` (naming ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) when they
@@ -212,7 +212,7 @@ async def check_server_logprobs(
     report = await check_generation(backend, _PROBE_PROMPT, result, tolerance=tolerance)
     if not report.ok:
         raise TemperatureScaledLogprobs(
-            f"the model server at {backend.config.url} reports logprobs that a re-score of the "
+            f"the model server at {backend.base_url} reports logprobs that a re-score of the "
             f"same tokens does not reproduce ({report.describe()}, sampled at temperature 2): "
             f"it returns temperature-scaled logprobs, which skew every importance ratio. "
             f"Launch SGLang with {ORIGINAL_LOGPROB_FLAG} in its environment."

@@ -1,12 +1,14 @@
-"""``TurnGate``: whether a worker may start a generate call now, and how many are in flight.
+"""``TurnGate``: whether a worker may start a model call now, and how many are in flight.
 
 A weight sync must land between turns, never inside one (a turn is one generate call: its
-tokens all come from one set of weights). Every generate call of a worker's policy backends
-passes through the worker's one gate (``BackendPool`` installs it on each ``SGLangBackend``
-it builds, and the recording proxy's pass-through uses the same gate):
+tokens all come from one set of weights). Every model call of a worker's backends passes the
+worker's one gate: it is the first hook of the worker's ``BackendPool``
+(``engine/backends/hooks.py``), so it brackets each ``generate`` and ``score`` of whatever
+backend the pool hands out, and the recording proxy's pass-through (``forwarded_call``):
 
-- ``turn()`` waits while the gate is closed, then counts the call as in flight until it
-  returns (or fails, or is cancelled);
+- ``before(call)`` waits while the gate is closed, then counts the call as in flight until
+  ``after`` (the call returned, failed or was cancelled); ``turn()`` is the same pair as a
+  context manager;
 - ``close(reason)`` lets calls in flight finish and makes new ones wait; ``drained()``
   returns once none is in flight -- the worker is then *parked*: its trajectories wait at a
   turn boundary, with all their state, for the gate to open;
@@ -21,6 +23,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
+
+from engine.backends.hooks import ModelCall
 
 __all__ = ["TurnGate"]
 
@@ -60,15 +65,23 @@ class TurnGate:
             self._idle.clear()
             await self._idle.wait()
 
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """One generate call: waits for the gate to be open, then counts as in flight."""
+    async def before(self, call: ModelCall | None = None) -> None:
+        """Wait for the gate to be open, then count the call as in flight."""
         while not self._opened.is_set():
             await self._opened.wait()
         self._in_flight += 1
+
+    def after(self, call: ModelCall | None = None, result: Any = None, error: Any = None) -> None:
+        """The call counted by ``before`` ended."""
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.set()
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """One call spanned by the caller: ``before``, then ``after`` when the block ends."""
+        await self.before()
         try:
             yield
         finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._idle.set()
+            self.after()

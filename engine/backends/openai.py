@@ -1,9 +1,10 @@
 """``OpenAIBackend``: any OpenAI-compatible ``/v1/chat/completions`` server, text in and out.
 
 For models reached through an API (or a scaffold's view of SGLang): ``messages`` and ``tools``
-go in; text, structured ``tool_calls`` and ``usage`` come back. There are no token ids, so
-``supports_token_ids`` is False and ``tokenize`` / ``decode`` / ``input_ids=`` raise
-``NotImplementedError``.
+go in; text, structured ``tool_calls`` and ``usage`` come back. It has no capability of the
+port (``engine.backends.base.Capabilities``): no token ids (``tokenize`` / ``decode`` /
+``input_ids=`` raise ``NotImplementedError``), no scoring, abort, weight version or health;
+``rid=`` is ignored.
 
 ``sampling_params`` uses the engine's (SGLang) names, translated here: ``max_new_tokens`` ->
 ``max_completion_tokens`` (the OpenAI API's current name, which reasoning models require and
@@ -36,6 +37,7 @@ from engine.backends._http import HTTPSettings, JSONClient, StatusRetry, check_b
 from engine.backends.base import (
     FinishReason,
     GenerationResult,
+    ModelBackend,
     ToolCall,
     Usage,
     error_finish_reason,
@@ -116,15 +118,14 @@ def to_chat_params(
     return out
 
 
-class OpenAIBackend:
+class OpenAIBackend(ModelBackend):
     """Chat-level ``ModelBackend`` (see the module docstring)."""
-
-    supports_token_ids: bool = False
 
     def __init__(
         self, *, config: OpenAIConfig, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
         self.config = config
+        self.base_url = config.base_url
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
         self._http = JSONClient(
             base_url=config.base_url,
@@ -135,12 +136,6 @@ class OpenAIBackend:
         )
         self._url = config.base_url + "/chat/completions"
 
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError("OpenAIBackend works on text; it has no token ids")
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        raise NotImplementedError("OpenAIBackend works on text; it has no token ids")
-
     async def generate(
         self,
         *,
@@ -148,9 +143,10 @@ class OpenAIBackend:
         messages: Sequence[Mapping[str, Any]] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         sampling_params: Mapping[str, Any],
+        rid: str | None = None,
     ) -> GenerationResult:
         if input_ids is not None:
-            raise NotImplementedError("OpenAIBackend takes messages, not input_ids")
+            raise NotImplementedError(f"{self!r} takes messages, not input_ids (no token_ids)")
         if not messages:
             raise ValueError("OpenAIBackend.generate needs a non-empty messages list")
         payload: dict[str, Any] = {

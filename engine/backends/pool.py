@@ -21,11 +21,17 @@ down) one per episode.
   With one server, or with an explicit ``url``, nothing is balanced.
 - The default ``build`` is a token-level ``SGLangBackend`` without a tokenizer: token-level
   callers send ``input_ids`` and read ``token_ids`` back, so the pool needs no model folder.
+  Any ``ModelBackend`` may be built instead; callers ask its ``capabilities``.
 - Like the backends it holds, a pool belongs to one event loop (the worker's).
-- ``gate`` is the worker's one ``TurnGate`` (``engine/backends/gate.py``): the pool installs it
-  on every ``SGLangBackend`` it builds, so every generate call of every episode (the tool
-  agent's, the DAgger agent's student turns, the recording proxy's) passes it. The weight
-  sync closes it to quiesce the worker and opens it when the new weights are active.
+- Hooks (``engine/backends/hooks.py``): ``get`` hands out each endpoint's backend wrapped in a
+  ``HookedBackend``, so every model call passes the pool's hooks, whatever the backend's
+  class. The first is ``gate``, the worker's one ``TurnGate`` (``engine/backends/gate.py``):
+  every call of every episode (the tool agent's, the DAgger agent's student turns, the
+  recording proxy's, a verification re-score) passes it. The weight sync closes it to quiesce
+  the worker and opens it when the new weights are active. ``hooks=`` adds more after it.
+  ``bind(key, hooks=...)`` gives a view's calls on the policy's servers hooks of their own
+  (the attempt's ``SampleGuard``), run before the pool's; calls to another endpoint (a
+  teacher, a judge) pass the pool's hooks only.
 
 A router (``sglang-router``) in front of the servers is the other way to run several: give the
 worker the router's URL as its one endpoint, and the router keeps a conversation's requests on
@@ -42,10 +48,18 @@ from types import TracebackType
 from engine.backends._http import check_base_url
 from engine.backends.base import ModelBackend
 from engine.backends.gate import TurnGate
+from engine.backends.hooks import CallHook, HookedBackend
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
 
-__all__ = ["BackendBuilder", "BackendPool", "TurnGate", "parse_urls", "sglang_backend"]
+__all__ = [
+    "BackendBuilder",
+    "BackendPool",
+    "CallHook",
+    "TurnGate",
+    "parse_urls",
+    "sglang_backend",
+]
 
 BackendBuilder = Callable[[str], ModelBackend]
 """Builds the backend of one endpoint from its base URL (called once per endpoint)."""
@@ -83,14 +97,18 @@ def _rank(key: str, url: str) -> bytes:
 class _Shared:
     """What the pool and its bound views share: the backends and the trajectory placement."""
 
-    def __init__(self, urls: tuple[str, ...], build: BackendBuilder) -> None:
+    def __init__(
+        self, urls: tuple[str, ...], build: BackendBuilder, hooks: Sequence[CallHook]
+    ) -> None:
         self.urls = urls
         self.build = build
-        self.backends: dict[str, ModelBackend] = {}
+        self.backends: dict[str, ModelBackend] = {}  # each endpoint's own backend
+        self.hooked: dict[str, HookedBackend] = {}  # the same, with the pool's hooks
         self.closed = False
         self.placed: dict[str, str] = {}
         self.live: Counter[str] = Counter()
         self.gate = TurnGate()
+        self.hooks: tuple[CallHook, ...] = (self.gate, *hooks)
 
     def place(self, key: str) -> str:
         url = self.placed.get(key)
@@ -114,10 +132,13 @@ class BackendPool:
         default_url: str | Sequence[str] | None = None,
         *,
         build: BackendBuilder = sglang_backend,
+        hooks: Sequence[CallHook] = (),
     ):
         urls = parse_urls(default_url, what="the worker's model endpoint")
-        self._shared = _Shared(urls, build)
+        self._shared = _Shared(urls, build, hooks)
         self._key: str | None = None
+        self._own: tuple[CallHook, ...] = ()  # a view's own hooks
+        self._hooks: tuple[CallHook, ...] = ()  # and the pool's after them (none: no own)
 
     @property
     def default_urls(self) -> tuple[str, ...]:
@@ -131,8 +152,8 @@ class BackendPool:
 
     @property
     def gate(self) -> TurnGate:
-        """The gate every generate call of this pool's backends passes (see the module
-        docstring); a bound view shares its pool's."""
+        """The gate every model call of this pool's backends passes, the pool's first hook
+        (see the module docstring); a bound view shares its pool's."""
         return self._shared.gate
 
     @property
@@ -140,13 +161,19 @@ class BackendPool:
         """The trajectory this view is bound to (None for the pool itself)."""
         return self._key
 
-    def bind(self, key: str) -> BackendPool:
-        """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server."""
+    def bind(self, key: str, *, hooks: Sequence[CallHook] = ()) -> BackendPool:
+        """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server and
+        whose calls on the policy's servers pass ``hooks`` first (this view's too)."""
         if not key:
             raise ValueError("BackendPool.bind needs a non-empty trajectory key")
         view = object.__new__(BackendPool)
         view._shared = self._shared
         view._key = key
+        if hooks:
+            view._own = (*self._own, *hooks)
+            view._hooks = (*view._own, *self._shared.hooks)
+        else:
+            view._own, view._hooks = self._own, self._hooks
         return view
 
     def get(self, url: str | None = None, *, key: str | None = None) -> ModelBackend:
@@ -172,12 +199,13 @@ class BackendPool:
                 endpoint = min(shared.urls, key=lambda u: shared.live[u])
             else:
                 endpoint = shared.place(trajectory)
-        backend = shared.backends.get(endpoint)
-        if backend is None:
+        hooked = shared.hooked.get(endpoint)
+        if hooked is None:
             backend = shared.backends[endpoint] = shared.build(endpoint)
-            if isinstance(backend, SGLangBackend):
-                backend.gate = shared.gate
-        return backend
+            hooked = shared.hooked[endpoint] = HookedBackend(backend, endpoint, shared.hooks)
+        if self._hooks and (not url or endpoint in shared.urls):
+            return HookedBackend(shared.backends[endpoint], endpoint, self._hooks)
+        return hooked
 
     def server_of(self, key: str) -> str | None:
         """The server trajectory ``key`` is kept on (None: not placed, or one server only)."""
@@ -208,6 +236,7 @@ class BackendPool:
         shared = self._shared
         shared.closed = True
         backends, shared.backends = list(shared.backends.values()), {}
+        shared.hooked = {}
         for backend in backends:
             await backend.aclose()
 

@@ -1,4 +1,4 @@
-"""``SGLangBackend``: the student policy's token-in / token-out path (inference-backend §2).
+"""``SGLangBackend``: the student policy's token-in / token-out path over SGLang's native API.
 
 ``generate`` posts ``{"input_ids", "sampling_params", "return_logprob": true}`` to SGLang's
 native ``/generate`` and returns the exact sampled token ids with their logprobs, read from
@@ -19,10 +19,14 @@ back, so the tokens the model emitted are the tokens training sees.
   _handle_batch_request``), so ``abort(rid)`` does not reach them there; tinylm names them
   ``{rid}_{i}``, which it does. ``abort(rid)`` matches rids by prefix on both.
 - ``score`` force-decodes a fixed response (one greedy step over ``prompt + response`` with
-  ``logprob_start_len = len(prompt) - 1``, the teacher's Role-B payload of inference-backend §3)
-  and returns the logprob, and optionally the top-k, of every response token. An aborted
-  scoring request raises ``GenerationAborted``: a score must never silently come back empty.
+  ``logprob_start_len = len(prompt) - 1``, the teacher's Role-B payload) and returns the
+  logprob, and optionally the top-k, of every response token. An aborted scoring request
+  raises ``GenerationAborted``: a score must never silently come back empty.
 - ``abort(rid)`` posts ``/abort_request``; pass ``rid=`` to ``generate`` to be able to.
+- ``weight_version()`` reads ``/get_model_info``; ``health()`` GETs ``/health`` (with
+  ``generate=True``, ``/health_generate``, which SGLang answers after one generation step).
+
+It has every capability of the port (``engine.backends.base.Capabilities``).
 
 The tokenizer, when given as a path, is loaded with ``AutoTokenizer.from_pretrained(path,
 local_files_only=True)``: backends never download anything.
@@ -38,17 +42,25 @@ from typing import Any
 import httpx
 
 from engine.backends._http import HTTPSettings, JSONClient, check_base_url
-from engine.backends.base import FinishReason, GenerationResult, Usage, error_finish_reason
-from engine.backends.gate import TurnGate
+from engine.backends.base import (
+    Capabilities,
+    FinishReason,
+    ForceDecodeScore,
+    GenerationResult,
+    ModelBackend,
+    Usage,
+    error_finish_reason,
+)
 from engine.backends.sglang_protocol import (
     SGLangReply,
     parallel_samples,
     parse_batch_reply,
     parse_generate_reply,
+    weight_version_of,
 )
 from engine.errors import BackendProtocolError, ConfigError, GenerationAborted
 
-__all__ = ["ForceDecodeScore", "SGLangBackend", "SGLangConfig", "load_tokenizer"]
+__all__ = ["SGLangBackend", "SGLangConfig", "load_tokenizer"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -70,17 +82,6 @@ class SGLangConfig:
         object.__setattr__(self, "url", check_base_url(self.url, what="SGLangConfig.url"))
 
 
-@dataclass(frozen=True, slots=True)
-class ForceDecodeScore:
-    """Per-response-token logprobs from a force-decode; ``top_*`` are empty when K was 0."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    top_token_ids: tuple[tuple[int, ...], ...]
-    top_logprobs: tuple[tuple[float, ...], ...]
-    weight_version: int | None = None  # what the server reported scoring with (None: unknown)
-
-
 def load_tokenizer(path: str | Path) -> Any:
     """``AutoTokenizer`` from a local folder only; ``ConfigError`` naming the path otherwise."""
     from transformers import AutoTokenizer
@@ -91,10 +92,12 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ConfigError(f"cannot load a tokenizer from {path} (local files only): {exc}") from exc
 
 
-class SGLangBackend:
+class SGLangBackend(ModelBackend):
     """Token-level ``ModelBackend`` over SGLang's native API (see the module docstring)."""
 
-    supports_token_ids: bool = True
+    capabilities = Capabilities(
+        token_ids=True, scoring=True, abort=True, weight_version=True, health=True
+    )
 
     def __init__(
         self,
@@ -107,11 +110,9 @@ class SGLangBackend:
         if tokenizer is None and config.tokenizer_path is not None:
             tokenizer = load_tokenizer(config.tokenizer_path)
         self.tokenizer = tokenizer
+        self.base_url = config.url
         self._http = JSONClient(base_url=config.url, settings=config.http, transport=transport)
         self._generate_url = config.url + "/generate"
-        # Every /generate call passes it (a worker's BackendPool installs its own): a weight
-        # sync closes it, so no call starts while weights change (``engine.backends.gate``).
-        self.gate = TurnGate()
 
     # -- tokenizer ---------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class SGLangBackend:
         if n == 1:
             replies = [await self.generate_raw(payload)]
         else:
-            body = await self._post_generate(payload)
+            body = await self._http.post("/generate", payload)
             replies = parse_batch_reply(body, url=self._generate_url, size=n, logprobs=True)
         return [self._result(reply, len(ids)) for reply in replies]
 
@@ -229,17 +230,13 @@ class SGLangBackend:
 
     async def generate_raw(self, payload: Mapping[str, Any]) -> SGLangReply:
         """POST one (non-batch) ``/generate`` payload and parse the reply strictly."""
-        body = await self._post_generate(payload)
+        body = await self._http.post("/generate", payload)
         return parse_generate_reply(
             body,
             url=self._generate_url,
             logprobs=bool(payload.get("return_logprob")),
             top_logprobs=int(payload.get("top_logprobs_num") or 0) > 0,
         )
-
-    async def _post_generate(self, payload: Mapping[str, Any]) -> Any:
-        async with self.gate.turn():
-            return await self._http.post("/generate", payload)
 
     async def score(
         self,
@@ -325,6 +322,20 @@ class SGLangBackend:
         await self._http.post(
             "/abort_request", {"abort_all": True} if rid is None else {"rid": rid}
         )
+
+    async def weight_version(self) -> int | None:
+        """The version ``/get_model_info`` reports (None: unknown, e.g. SGLang's "default")."""
+        body: Any = await self._http.get("/get_model_info")
+        if not isinstance(body, dict):
+            raise BackendProtocolError(
+                f"{self.base_url}/get_model_info: expected a JSON object, got "
+                f"{type(body).__name__}"
+            )
+        return weight_version_of(body.get("weight_version"))
+
+    async def health(self, *, generate: bool = False) -> None:
+        """Return once the server answers ``/health`` (``/health_generate``); else raise."""
+        await self._http.get("/health_generate" if generate else "/health")
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,4 +1,4 @@
-"""``TeacherBackend``: a frozen teacher model on its own SGLang server (inference-backend §3).
+"""``TeacherBackend``: a frozen teacher model on its own SGLang server.
 
 The teacher speaks its own chat template, so it loads its own tokenizer (CPU only, local files
 only). It never acts in the environment. Two roles are foreseen:
@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 
 from engine.backends._http import HTTPSettings
-from engine.backends.base import FinishReason, GenerationResult, ToolCall
-from engine.backends.sglang import ForceDecodeScore, SGLangBackend, SGLangConfig
+from engine.backends.base import FinishReason, ForceDecodeScore, GenerationResult, ToolCall
+from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.backends.toolcalls import ParsedToolCalls, parse_tool_calls
 from engine.errors import BackendError, ConfigError
 

@@ -1,22 +1,13 @@
 """Load evaluator profiles, and bind them to agents, from one Python config file.
 
-The file defines two functions:
-
-- ``evaluator_profiles(args)``: a non-empty list (or tuple) of ``EvaluatorProfile`` with
-  distinct ``evaluator_id``s. Pure data: the scheduler calls only this one, so it plans and
-  admits without building an agent or loading a tokenizer;
-- ``build_agents(args)``: a mapping of evaluator id to the ``BaseAgent`` that runs its
-  samples, one for every profile and no other. Only evaluator workers call it
-  (``load_evaluators``), which binds each profile to its agent (``EvaluatorBinding``).
-
-The file is imported by path (it need not be on ``sys.path``) under a module name derived from
-its resolved path, so loading the same file twice reuses nothing and two files never collide.
-Anything that breaks the contract, including an exception raised while importing the file or
-calling a function, is a ``ConfigError`` naming the file.
-
-Both results map evaluator id to profile (or binding) in the order ``evaluator_profiles``
-returned them; that order matters because resolution falls back to the first profile for an
-unknown task type.
+The file defines ``evaluator_profiles(args)``, a non-empty list of ``EvaluatorProfile`` with
+distinct ids (pure data: the scheduler calls only this, so it plans without building an agent
+or loading a tokenizer), and ``build_agents(args)``, a mapping of each profile's id to the
+``BaseAgent`` that runs it (called by evaluator workers only, through ``load_evaluators``).
+The file is imported by path under a name derived from its resolved path, so two files never
+collide. Anything that breaks this contract, including an exception while importing or calling,
+is a ``ConfigError`` naming the file. Results keep the order ``evaluator_profiles`` returned:
+resolution falls back to the first profile for an unknown task type.
 """
 
 from __future__ import annotations
@@ -39,12 +30,12 @@ AGENTS_FUNCTION = "build_agents"
 
 
 def load_profiles(path: str | Path, args: object) -> Mapping[str, EvaluatorProfile]:
-    """Import ``path``, call its ``evaluator_profiles(args)`` and index the profiles by id."""
+    """The profiles of the config file at ``path``, by id."""
     return _profiles(str(path), _import(path), args)
 
 
 def load_evaluators(path: str | Path, args: object) -> Mapping[str, EvaluatorBinding]:
-    """Import ``path`` and bind each of its profiles to the agent ``build_agents(args)`` gives."""
+    """Each profile of the config file at ``path`` bound to its agent, by id."""
     source = str(path)
     module = _import(path)
     profiles = _profiles(source, module, args)

@@ -1,16 +1,14 @@
-"""The cluster layout: which nodes the placement pool may place samples on, and their capacity.
+"""The cluster layout: the nodes the placement pool may place samples on, and their capacity.
 
-Given as inline JSON (a string starting with ``{``) or as the path of a JSON file. Each node is
-either a full mapping or the shorthand GPU-id list::
+Inline JSON (a string starting with ``{``) or a JSON file; each node a mapping or the shorthand
+GPU-id list::
 
     {"127.0.0.1": {"gpus": [0, 1, 2, 3], "cpu": 96, "memory_gb": 384}}
     {"127.0.0.1": [0, 1, 2, 3]}
 
-A node that does not state ``cpu`` / ``memory_gb`` gets ``default_cpu`` / ``default_memory_gb``
-(the ``--env-num-cpus`` / ``--env-memory-gb`` flags, ``ROLLOUT_ENV_NUM_CPUS`` /
-``ROLLOUT_ENV_MEMORY_GB``); without a default the key is required. A full mapping without
-``gpus`` is a CPU-only node. Errors name the source, the node and the key. Without a layout at
-all the caller runs batches ungated; that choice is not this module's.
+A node without ``cpu`` / ``memory_gb`` takes ``default_cpu`` / ``default_memory_gb``
+(``--env-num-cpus`` / ``--env-memory-gb``), which are otherwise required; one without ``gpus``
+is CPU-only.
 """
 
 from __future__ import annotations
@@ -76,7 +74,6 @@ def parse_cluster_layout(
     default_cpu: float | None = None,
     default_memory_gb: float | None = None,
 ) -> ClusterLayout:
-    """Parse a layout given inline (a string starting with ``{``) or as a file path."""
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
         source, text = "cluster layout (inline JSON)", spec
     else:

@@ -12,12 +12,11 @@ Schema::
       datasets:
         aime: {path: data/aime.jsonl, task_type: retool, n_samples_per_eval_prompt: 4}
 
-A dataset's keys are the fields of ``DatasetEntry`` (training) or ``EvalDatasetConfig`` (eval);
-its ``defaults`` section supplies any key but ``path``, the dataset's own value wins, and
-``sampling_params`` merge key by key. Eval datasets do not inherit the training defaults.
+A dataset's keys are the fields of ``DatasetEntry`` (training) or ``EvalDatasetConfig`` (eval).
+A section's ``defaults`` supply any key but ``path`` (the dataset's own value wins,
+``sampling_params`` merge key by key); eval datasets do not inherit the training defaults.
 Relative paths resolve against ``root`` (argument, else ``ROLLOUT_ROOT``, else the YAML's
-directory), and every dataset file must exist. Unknown keys, duplicate keys and values of the
-wrong type are refused with a ``ConfigError`` naming the file, the dataset and the key.
+directory); every dataset file must exist; unknown and duplicate keys are refused.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ class RolloutConfig(FrozenModel):
 
     @property
     def task_types(self) -> frozenset[str]:
-        """Every task type the run needs an evaluator for."""
         return frozenset(d.task_type for d in (*self.datasets, *self.eval_datasets))
 
 
@@ -59,7 +57,6 @@ def load_rollout_config(
     root: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> RolloutConfig:
-    """Read and validate the rollout YAML at ``path``; see the module docstring."""
     source = str(path)
     file = Path(path)
     try:
@@ -195,8 +192,8 @@ def _parse_dataset(
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses duplicate mapping keys, which PyYAML silently overwrites
-    (a second dataset of the same name would otherwise replace the first)."""
+    """A safe loader refusing duplicate keys, which PyYAML overwrites (a second dataset of the
+    same name would replace the first)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()

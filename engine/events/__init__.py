@@ -1,4 +1,9 @@
-"""Typed events, their codec, stream ids and the log (the port and its Redis adapter)."""
+"""Typed events, their codec, stream ids and the log port.
+
+The log's implementations live in their own modules and are imported from there:
+``engine.events.memory_log`` (plain Python) and ``engine.events.redis_log`` (Redis Streams,
+the only module tree that loads the redis client). Importing this package loads neither
+Redis nor a client, so the pure layers (projections, domain) can import events freely."""
 
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.base import Envelope, Event, event_class, registered_types, upcaster
@@ -7,7 +12,6 @@ from engine.events.catalog import __all__ as _catalog_all
 from engine.events.codec import decode, encode
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
-from engine.events.redis_log import RedisEventLog, RedisSettings, connect, open_log
 
 __all__ = [
     "ClaimResult",
@@ -18,14 +22,10 @@ __all__ = [
     "LogProbs",
     "Mask",
     "PackedArray",
-    "RedisEventLog",
-    "RedisSettings",
     "StreamNames",
     "TokenIds",
-    "connect",
     "decode",
     "encode",
-    "open_log",
     "event_class",
     "registered_types",
     "upcaster",

@@ -1,23 +1,14 @@
 """Stream ids (``<ms>-<seq>``): parsed, compared and stepped here, and nowhere else.
 
-An entry's id is its position in its stream. Ids order as ``(ms, seq)`` integer pairs,
-never as strings (``"10-0" < "9-0"`` as text). ``EMPTY_ID`` (``0-0``) is the position of
-an empty stream, below every real entry. A bare ``<ms>`` (no ``-seq``) is accepted as
-``<ms>-0``, as Redis accepts it in range bounds.
+Ids order as ``(ms, seq)`` integer pairs, never as text (``"10-0" < "9-0"``). ``EMPTY_ID``
+is an empty stream's position, below every entry; a bare ``<ms>`` reads as ``<ms>-0``.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "EMPTY_ID",
-    "MAX_SEQ",
-    "exclusive",
-    "format_id",
-    "id_after",
-    "id_before",
-    "id_ms",
-    "later_id",
-    "parse_id",
+    "EMPTY_ID", "MAX_SEQ", "exclusive", "format_id", "id_after", "id_before", "id_ms",
+    "later_id", "parse_id",
 ]
 
 EMPTY_ID = "0-0"
@@ -25,7 +16,6 @@ MAX_SEQ = 2**64 - 1
 
 
 def parse_id(stream_id: str) -> tuple[int, int]:
-    """The ``(ms, seq)`` pair of a stream id, for ordering."""
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
 
@@ -35,12 +25,10 @@ def format_id(ms: int, seq: int = 0) -> str:
 
 
 def id_ms(stream_id: str) -> int:
-    """The id's millisecond timestamp (when Redis assigned it)."""
     return int(stream_id.partition("-")[0])
 
 
 def later_id(a: str, b: str) -> str:
-    """The later of two ids."""
     return a if parse_id(a) >= parse_id(b) else b
 
 

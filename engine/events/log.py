@@ -1,44 +1,29 @@
 """The event log port: typed events on ordered streams, with consumer groups.
 
-:class:`EventLog` is what actors, projections' rebuilds, the client and the operator tools
-talk to; :class:`engine.events.redis_log.RedisEventLog` implements it on Redis Streams
-(built with :func:`engine.events.redis_log.open_log`). The contract suite
-``tests/events/test_log_contract.py`` holds every implementation to it.
+Implementations: :class:`engine.events.redis_log.RedisEventLog` (Redis Streams, what the
+engine's processes run on) and :class:`engine.events.memory_log.MemoryEventLog` (one event
+loop, for tests and embedding), both held to ``tests/events/test_log_contract.py``.
 
 Contract
 --------
 * A stream id (``engine.events.ids``) is an event's position and identity; ids grow.
-* ``append`` / ``append_many`` write events (``append_many`` in one round trip);
-  ``append_if_last`` is the compare-and-append used by single-writer invariants: it appends
-  only if the stream's last id is the one the writer folded to, atomically, together with
-  the follow-up appends in ``also``, else raises :class:`AppendConflict` carrying the
-  current last id.
-* Every typed read decodes and validates, and skips an entry that does not: a reader never
-  crashes on a bad entry. Only the stream's owner writes it to the dead-letter stream (with
-  its source stream, id, raw bytes and the reason), once per entry however often it is
-  read: a consumer-group read, or a read with ``dead_letter=True`` (the owner of a stream
-  without a group). The entry is acked when it came through a group and counted in
-  ``dead_lettered``; other readers write nothing. The raw reads (``read_raw``,
-  ``tail_raw``) return the stored bytes undecoded and dead-letter nothing (archives and
-  viewers).
-* Consumer groups give at-least-once delivery: ``read_group`` (new entries, or the
-  consumer's own pending ones after a restart), ``ack``, ``keep_alive`` (resets the idle
-  time of entries still being worked on, so a live worker's batches are not stolen),
-  ``hand_back`` (gives entries back unfinished, claimable at once, without counting a
-  delivery), ``claim_idle`` (entries idle past a window) and ``read_own_pending`` (the
-  consumer's own unacked entries after a restart). Both can check delivery counts: an
-  entry delivered more than ``max_deliveries`` times is dead-lettered instead and handed
-  back to the caller so it can abort the work it stood for. With ``ack_dead=False`` it stays
-  pending (owned by the caller) until the caller acks it once the abort is recorded, so a
-  crash in between leaves it to be dead-lettered and aborted again, never forgotten.
-* ``append_once`` appends an event only if its marker key was not set before, atomically
-  (marker and stream on one cluster slot): a copy that several writers may attempt, or one
-  writer may retry after a crash, lands once.
-* Snapshots are opaque bytes stored by name beside the streams. ``trim_before`` drops a
-  stream's entries below an id whatever reads it (a stream folded from a snapshot).
-* Failures of the store raise :class:`LogUnavailable` (cannot reach it) or
-  :class:`LogError` (it refused); an implementation translates its own exceptions.
-* ``aclose`` releases the connections; the log is unusable afterwards.
+* ``append_if_last`` is the compare-and-append of single-writer invariants: it appends only
+  if the stream's last id is the one the writer folded to, atomically with the follow-ups
+  in ``also``, else raises :class:`AppendConflict` carrying the current last id.
+* A typed read skips an entry that does not decode; a reader never crashes on one. Only
+  the stream's owner (a consumer-group read, or ``dead_letter=True``) writes it to the
+  dead-letter stream, once per entry however often it is read, acks it when it came
+  through a group and counts it in ``dead_lettered``. Raw reads dead-letter nothing.
+* Consumer groups deliver at least once. ``claim_idle`` and ``read_own_pending``
+  dead-letter an entry delivered more than ``max_deliveries`` times and hand it back in
+  ``dead`` so the caller can abort its work; with ``ack_dead=False`` it stays pending until
+  the caller acks it once the abort is recorded, so a crash in between cannot forget it.
+* ``append_once`` lands a copy once however many writers attempt it (marker and stream on
+  one cluster slot).
+* Blocking reads wait up to ``block_ms`` (None: the log's) and wake on an append;
+  ``block_ms=0`` does not block.
+* Store failures raise :class:`LogUnavailable` (unreachable) or :class:`LogError`
+  (refused); refused credentials raise ``ConfigError``. ``aclose`` ends the log's use.
 """
 
 from __future__ import annotations
@@ -51,14 +36,7 @@ from engine.events.base import Envelope, Event
 from engine.events.ids import EMPTY_ID
 from engine.events.names import StreamNames
 
-__all__ = [
-    "EMPTY_ID",
-    "ClaimResult",
-    "DeadEntry",
-    "EventLog",
-    "RawEntry",
-    "RawStreamEntry",
-]
+__all__ = ["EMPTY_ID", "ClaimResult", "DeadEntry", "EventLog", "RawEntry", "RawStreamEntry"]
 
 RawEntry = tuple[str, bytes]
 """An entry as stored: ``(id, raw event bytes)``."""
@@ -69,7 +47,7 @@ RawStreamEntry = tuple[str, str, bytes]
 
 @dataclass(frozen=True, slots=True)
 class DeadEntry:
-    """An entry that was dead-lettered instead of delivered."""
+    """An entry dead-lettered instead of delivered."""
 
     stream: str
     id: str
@@ -107,7 +85,6 @@ class EventLog(Protocol):
         causation: Envelope | str | None = None,
     ) -> list[str]:
         """Append many events (to one or several streams) in one round trip, in order."""
-        ...
 
     async def append_if_last(
         self,
@@ -118,10 +95,9 @@ class EventLog(Protocol):
         also: Sequence[tuple[str, Event]] = (),
         causation: Envelope | str | None = None,
     ) -> list[str]:
-        """Append atomically iff the stream's last id is ``expected_last`` (``0-0``: empty),
-        with the follow-ups ``also`` in the same step; returns the ids of the guarded
-        events followed by those of ``also``."""
-        ...
+        """Append iff the stream's last id is ``expected_last`` (``0-0``: empty), with
+        ``also`` in the same atomic step (keys of one cluster slot, else ``LogError``);
+        the ids of ``events``, then of ``also``."""
 
     async def append_once(
         self,
@@ -132,18 +108,14 @@ class EventLog(Protocol):
         ttl_s: int = 86_400,
         causation: Envelope | str | None = None,
     ) -> str | None:
-        """Append ``event`` unless ``marker`` (a key, e.g. ``names.once(...)``) is set, and
-        set it, in one atomic step; the id, or None when the marker was already set. The
-        marker expires after ``ttl_s``."""
-        ...
+        """Append ``event`` and set ``marker`` (``names.once(...)``, expiring after
+        ``ttl_s``) atomically unless it is set; the id, or None when it was."""
 
     async def last_id(self, stream: str) -> str:
         """The stream's last id (``0-0`` when empty or missing)."""
-        ...
 
     async def first_id(self, stream: str) -> str:
-        """The stream's first id (``0-0`` when empty or missing): where a trim left it."""
-        ...
+        """The stream's first id (``0-0`` when empty or missing)."""
 
     # ------------------------------------------------------------------ reading
 
@@ -156,8 +128,7 @@ class EventLog(Protocol):
         *,
         dead_letter: bool = False,
     ) -> list[Envelope]:
-        """Entries with ``start <= id <= end`` (use ``(id`` for an exclusive start)."""
-        ...
+        """Entries with ``start <= id <= end`` (``(id``: exclusive)."""
 
     async def read_all(
         self,
@@ -167,8 +138,7 @@ class EventLog(Protocol):
         page: int = 2000,
         dead_letter: bool = False,
     ) -> list[Envelope]:
-        """Every entry after ``after`` (exclusive; None = from the start), paging through."""
-        ...
+        """Every entry after ``after`` (None: from the start)."""
 
     async def tail(
         self,
@@ -179,7 +149,6 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> list[Envelope]:
         """Blocking read of entries after each stream's position (``$``: only new ones)."""
-        ...
 
     async def read_after(
         self,
@@ -191,8 +160,7 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> tuple[list[Envelope], str]:
         """Blocking read of one stream past ``after``: the envelopes and the position to
-        continue from, past dead-lettered entries too. ``block_ms=0`` does not block."""
-        ...
+        continue from (past dead-lettered entries too)."""
 
     def subscribe(
         self,
@@ -203,31 +171,25 @@ class EventLog(Protocol):
         dead_letter: bool = False,
     ) -> AsyncIterator[Envelope]:
         """Yield every event appended after ``after``, forever (cancel to stop)."""
-        ...
 
     async def read_raw(
         self, stream: str, *, after: str | None = None, page: int = 2000, limit: int | None = None
     ) -> list[RawEntry]:
-        """Every entry after ``after`` (None: from the start), undecoded; with ``limit``,
-        only the first ``limit`` of them."""
-        ...
+        """The first ``limit`` (None: all) entries after ``after``, undecoded."""
 
     async def tail_raw(
         self, positions: Mapping[str, str], *, block_ms: int | None = None, count: int = 500
     ) -> list[RawStreamEntry]:
-        """Blocking read past each stream's position, undecoded, dead-lettering nothing."""
-        ...
+        """Blocking read past each stream's position, undecoded."""
 
     async def read_raw_ranges(
         self, stream: str, ranges: Sequence[tuple[str, str, int | None]]
     ) -> list[list[RawEntry]]:
-        """For each ``(start, end, count)``: the entries with ``start <= id <= end``
-        (``(id``: exclusive), at most ``count`` (None: all), undecoded; one round trip."""
-        ...
+        """For each ``(start, end, count)``: at most ``count`` (None: all) entries of
+        that range, undecoded; one round trip."""
 
     async def list_streams(self, pattern: str) -> list[str]:
         """Names of the existing streams matching the glob ``pattern``, sorted."""
-        ...
 
     async def stream_length(self, stream: str) -> int: ...
 
@@ -235,7 +197,6 @@ class EventLog(Protocol):
 
     async def ensure_group(self, stream: str, group: str, *, start: str = "0") -> None:
         """Create the group (and the stream) if missing; an existing group is kept."""
-        ...
 
     async def read_group(
         self,
@@ -245,26 +206,22 @@ class EventLog(Protocol):
         *,
         count: int = 100,
         block_ms: int | None = None,
-        pending: bool = False,
     ) -> list[Envelope]:
-        """New entries for this consumer, or (``pending=True``) its own unacked ones."""
-        ...
+        """New entries for this consumer, each one delivery (idle from now)."""
 
     async def ack(self, stream: str, group: str, *ids: str) -> int: ...
 
     async def keep_alive(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> list[str]:
-        """Reset the idle time of entries this consumer still owns; returns the ids it no
-        longer owns."""
-        ...
+        """Reset the idle time of entries this consumer still owns (no delivery counted);
+        returns the ids it no longer owns."""
 
     async def hand_back(
         self, stream: str, group: str, consumer: str, ids: Sequence[str]
     ) -> list[str]:
-        """Give back unfinished entries, claimable at once and without counting a
-        delivery; returns the ids the consumer no longer owned."""
-        ...
+        """Make unfinished entries claimable at once, taking back the delivery they were
+        on; returns the ids the consumer no longer owned."""
 
     async def claim_idle(
         self,
@@ -276,8 +233,7 @@ class EventLog(Protocol):
         count: int = 100,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """Take over entries idle past ``min_idle_ms`` (a dead consumer's work)."""
-        ...
+        """Take over entries idle past ``min_idle_ms``, one more delivery each."""
 
     async def read_own_pending(
         self,
@@ -289,24 +245,20 @@ class EventLog(Protocol):
         limit: bool = True,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """This consumer's own unacked entries (a restart resumes them); ``limit`` applies
+        """This consumer's unacked entries, one more delivery each; ``limit`` applies
         the delivery-count check of :meth:`claim_idle`."""
-        ...
 
     async def unread_own_pending(
         self, group: str, consumer: str, stream: str, *, skip: Collection[str] = ()
     ) -> ClaimResult:
-        """This consumer's pending entries other than ``skip``, read without counting a
-        delivery: after a group read whose reply was lost (the entries were delivered to
-        the consumer, which never saw them). ``deliveries`` holds each entry's count."""
-        ...
+        """This consumer's pending entries but ``skip``, without counting a delivery (for
+        a group read whose reply was lost); ``deliveries`` holds each one's count."""
 
     async def pending_count(self, stream: str, group: str) -> int: ...
 
     async def group_consumers(self, stream: str, group: str) -> dict[str, int]:
-        """The consumers of ``group`` on ``stream`` and how long each has been idle, in ms
-        (since its last read, claim or keep-alive); empty when the stream or group is missing."""
-        ...
+        """Each consumer of the group and its idle ms (since its last read, claim or
+        keep-alive); empty when the stream or group is missing."""
 
     async def trim_acked(
         self, stream: str, *, before: str | None = None, require: Collection[str] = ()
@@ -314,20 +266,13 @@ class EventLog(Protocol):
         """Trim entries every group has acked (never below a pending or undelivered one);
         with ``before``, keep that id and every later one too; nothing while a group named
         in ``require`` does not exist."""
-        ...
 
     async def trim_before(self, stream: str, keep_from: str) -> int:
-        """Delete the entries with ids below ``keep_from``; returns how many. For a stream
-        without consumer groups whose readers start from a snapshot (``rl:pool``)."""
-        ...
+        """Delete the entries below ``keep_from`` whoever reads them; how many (for a
+        stream folded from a snapshot, ``rl:pool``)."""
 
     async def delete_stream(self, stream: str) -> bool:
         """Delete a stream and its consumer groups; whether it existed."""
-        ...
-
-    async def memory_usage(self, key: str) -> int:
-        """Bytes the store holds for ``key`` (0 when absent)."""
-        ...
 
     # ------------------------------------------------------------------ snapshots, close
 

@@ -1,26 +1,24 @@
 """Stream and key names, built in one place.
 
-Every key carries the configurable prefix (default ``rl``) and a Redis Cluster hash tag
-(the part in braces, which alone decides a key's slot):
+Every key carries the prefix (default ``rl``) and a Redis Cluster hash tag (the part in
+braces, which alone decides a key's slot):
 
-* the control plane (``control``, ``pool``, ``data``, every ``work:<evaluator>``,
-  ``capture``, ``dead`` and its seen-set, counters and snapshots) shares the tag
-  ``{<prefix>}``: ``rl:{rl}:control``, ``rl:{rl}:work:math``. Every exactly-once step among
-  these keys (admission: ``TokenAcquired`` on the pool with ``BatchAdmitted`` on a work
-  stream; a dead letter with its seen-set) is therefore one single-slot script;
-* each rollout's stream is tagged by its id, ``rl:{rollout:<id>}``, so rollouts spread over
-  the slots. A step that touches a rollout stream and the control plane is split into
-  idempotent steps (see ``engine.actors.scheduler``), never one cross-slot script.
-
-On a single Redis the tags are just part of the name.
+* the control plane (control, pool, data, work streams, capture, dead letters, markers,
+  counters, snapshots) shares ``{<prefix>}`` (``rl:{rl}:work:math``), so every
+  exactly-once step among them (admission: ``TokenAcquired`` with ``BatchAdmitted``) is
+  one single-slot script;
+* each rollout's stream is tagged by its id (``rl:{rollout:<id>}``), so rollouts spread
+  over the slots; a step touching it and the control plane is split into idempotent steps.
 """
 
 from __future__ import annotations
 
 import re
+from binascii import crc_hqx
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, LogError
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -32,6 +30,33 @@ def _check(kind: str, value: str) -> str:
             "(it becomes part of a Redis key)"
         )
     return value
+
+
+CLUSTER_SLOTS = 16384
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster slot of ``key``: CRC16 of its hash tag (the first non-empty
+    ``{...}``), else of the whole key."""
+    raw = key.encode()
+    start = raw.find(b"{")
+    if start > -1:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1 : end]
+    return crc_hqx(raw, 0) % CLUSTER_SLOTS
+
+
+def check_one_slot(what: str, keys: Sequence[str]) -> None:
+    """Refuse an atomic step over keys of several cluster slots, on any store, so a
+    test on one Redis or in memory catches what a cluster would refuse."""
+    slots = {key: key_slot(key) for key in keys}
+    if len(set(slots.values())) > 1:
+        listed = ", ".join(f"{key} (slot {slot})" for key, slot in slots.items())
+        raise LogError(
+            f"{what}: one atomic step may only touch keys of one cluster slot, got {listed}; "
+            f"give the keys one hash tag (engine.events.names) or split the step"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +100,10 @@ class StreamNames:
 
     @property
     def work_pattern(self) -> str:
-        """A glob matching every work stream."""
         return f"{self.plane}:work:*"
 
     @property
     def rollout_pattern(self) -> str:
-        """A glob matching every per-rollout stream."""
         return f"{self.prefix}:{{rollout:*}}"
 
     def work(self, evaluator_id: str) -> str:

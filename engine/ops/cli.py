@@ -1,78 +1,71 @@
 """The ``rollout`` command.
 
-Log tools (talk to Redis; ``--redis-url`` / ``--prefix`` default to ``engine.settings``):
-
-* ``rollout replay ID [--from FILE] [--out DIR]`` -- rebuild a rollout's samples, summary,
-  eval details and placement log from the log (or an archive file), byte-identical to the
-  files the live finalizer wrote;
-* ``rollout archive ID --out FILE`` -- every event of the rollout's stream, msgpack framed;
-* ``rollout retention --store DIR [--keep-s S] [--every S]`` -- trim the shared streams below
-  what every group acked; archive finished rollouts to DIR, then delete their streams;
-* ``rollout tail [--rollout ID] [--stream S ...]`` -- live events, one readable line each;
-* ``rollout status ID`` -- progress: planned / started / completed / aborted, per batch;
-* ``rollout pool [--at ID]`` -- the placement pool now or right after a past event;
-* ``rollout top [--once]`` -- a live view of rollouts, pool use, workers and consumer lag;
-* ``rollout events --markdown [--out FILE]`` -- the events reference (``docs/events.md``);
-* ``rollout env`` -- every ``ROLLOUT_*`` variable with its type, default and meaning.
-
-A misspelt ``ROLLOUT_*`` variable is refused (exit 2) naming it and its close matches.
-
-Processes (each delegates to its own ``main(argv)``, which owns the flags):
-``worker`` (``workers.evaluator``), ``finalizer``, ``capture``, ``scheduler``
-(``workers.scheduler``), ``sync`` (``workers.sync``, the weight syncer), ``tinylm``
-(``tinylm.cli`` through ``engine.ops.tinylm``, which passes the bundled agents' system
-prompts) and ``demo`` (``engine.ops.demo``).
-Exit status: 0 ok, 1 the operation failed, 2 bad usage.
+Log tools (``replay``, ``archive``, ``retention``, ``tail``, ``status``, ``pool``, ``top``)
+take settings flags generated from ``engine.settings``; ``events`` and ``env`` print the
+generated references. A misspelt ``ROLLOUT_*`` variable is refused naming its close
+matches. Process commands parse their own flags: the engine's processes run through the
+entry points the top layer passes in (``workers.cli``), ``tinylm`` and ``demo`` from
+``engine.ops``. Exit status: 0 ok, 1 the operation failed, 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
-from engine.errors import EngineError
+from engine.errors import ConfigError, EngineError
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
-from engine.settings import Settings
+from engine.settings import CONNECTION, Flags, Settings
 
 __all__ = ["main"]
 
-# command -> (module, function, what it runs)
-_DELEGATES: dict[str, tuple[str, str, str]] = {
-    "worker": ("workers.evaluator", "main", "an evaluator worker process"),
-    "finalizer": ("workers.finalizer", "main", "a finalizer process"),
-    "capture": ("workers.capture", "main", "a teacher capture process"),
-    "scheduler": ("workers.scheduler", "main", "a scheduler process"),
-    "sync": ("workers.sync", "main", "the weight syncer (quiesce, load, verify, resume)"),
-    "tinylm": ("engine.ops.tinylm", "main", "the tiny SGLang-compatible model (init/serve)"),
-    "demo": ("engine.ops.demo", "main", "a whole rollout on embedded defaults"),
+Entry = Callable[[list[str]], int]
+"""A command's ``main(argv)``: its exit status."""
+
+PROCESS_COMMANDS: dict[str, str] = {
+    "worker": "an evaluator worker process",
+    "finalizer": "a finalizer process",
+    "capture": "a teacher capture process",
+    "scheduler": "a scheduler process",
+    "sync": "the weight syncer (quiesce, load, verify, resume)",
+}
+
+_DELEGATES: dict[str, str] = {
+    **PROCESS_COMMANDS,
+    "tinylm": "the tiny SGLang-compatible model (init/serve)",
+    "demo": "a whole rollout on embedded defaults",
 }
 
 
-def _delegate(command: str, argv: list[str]) -> int:
-    module_name, function, what = _DELEGATES[command]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            print(
-                f"error: 'rollout {command}' runs {what} from {module_name}, which is not "
-                f"installed in this version of the engine",
-                file=sys.stderr,
-            )
-            return 1
-        raise
-    entry: Callable[[list[str]], int] = getattr(module, function)
+def _delegate(
+    command: str, argv: list[str], processes: Mapping[str, Entry], rollout: Sequence[str]
+) -> int:
+    if command == "tinylm":
+        from engine.ops.tinylm import main as tinylm
+
+        return int(tinylm(argv) or 0)
+    if command == "demo":
+        from engine.ops.demo import main as demo
+
+        return demo(argv, rollout=rollout)
+    entry = processes.get(command)
+    if entry is None:
+        print(
+            f"error: 'rollout {command}' runs {_DELEGATES[command]}: start it with the "
+            f"rollout command (or python -m workers {command})",
+            file=sys.stderr,
+        )
+        return 2
     return int(entry(argv) or 0)
 
 
 def _stream_id(text: str) -> str:
-    """An argparse type: a stream id ``<ms>-<seq>`` (or a bare ``<ms>``)."""
     ms, dash, seq = text.partition("-")
     if not ms.isdigit() or (dash and not seq.isdigit()):
         raise argparse.ArgumentTypeError(
@@ -83,67 +76,86 @@ def _stream_id(text: str) -> str:
     return text
 
 
+LOG_TOOL = Flags(CONNECTION)
+
+_FLAGS = {
+    "retention": Flags(
+        (*CONNECTION, "retention_store", "retention_keep_s"),
+        aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
+    ),
+}
+
+
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
-    redis_url, prefix = settings.redis_url, settings.stream_prefix
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=redis_url, help="Redis holding the streams")
-    common.add_argument("--prefix", default=prefix, help="stream name prefix")
     parser = argparse.ArgumentParser(
         prog="rollout", description="Event-sourced rollout engine for agentic RL."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("replay", parents=[common], help="rebuild a rollout's outputs")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        _FLAGS.get(name, LOG_TOOL).add_to(p, settings)
+        return p
+
+    p = command("replay", "rebuild a rollout's outputs")
     p.add_argument("rollout_id", metavar="ID")
     p.add_argument("--from", dest="source", type=Path, help="an archive file instead of Redis")
     p.add_argument("--out", type=Path, help="output directory (default ./replay-ID)")
-    p = sub.add_parser("archive", parents=[common], help="write a rollout's events to a file")
+    p = command("archive", "write a rollout's events to a file")
     p.add_argument("rollout_id", metavar="ID")
     p.add_argument("--out", type=Path, required=True)
-    p = sub.add_parser(
-        "retention", parents=[common],
-        help="trim acked shared streams; archive finished rollouts to files, then delete them",
+    p = command(
+        "retention",
+        "trim acked shared streams; archive finished rollouts to files, then delete them",
     )
-    p.add_argument("--store", type=Path, default=settings.retention_store,
-                   help="directory of rollout archives (default ROLLOUT_RETENTION_STORE)")
-    p.add_argument("--keep-s", type=float, default=settings.retention_keep_s,
-                   help="retention window: keep what finished less than this long ago "
-                   "(default ROLLOUT_RETENTION_KEEP_S)")
-    p.add_argument("--every", type=float, default=None,
-                   help="repeat every this many seconds (default: one pass, then exit)")
-    p = sub.add_parser("tail", parents=[common], help="print live events")
+    p.add_argument(
+        "--every",
+        type=float,
+        default=None,
+        help="repeat every this many seconds (default: one pass, then exit)",
+    )
+    p = command("tail", "print live events")
     p.add_argument("--rollout", help="only this rollout's events (and its stream)")
     p.add_argument("--stream", action="append", default=[], help="a stream name to follow")
     p.add_argument("--from-start", action="store_true", help="print existing events first")
     p.add_argument("--count", type=int, help="exit after this many lines")
-    p = sub.add_parser("status", parents=[common], help="a rollout's progress")
+    p = command("status", "a rollout's progress")
     p.add_argument("rollout_id", metavar="ID")
-    p = sub.add_parser("pool", parents=[common],
-                       help="the placement pool now, or as it was at a past event (time travel)")
-    p.add_argument("--at", metavar="ID", type=_stream_id,
-                   help="an rl:pool event id (default: the latest)")
-    p = sub.add_parser("top", parents=[common],
-                       help="a live view of rollouts, pool use, workers and lag")
+    p = command("pool", "the placement pool now, or as it was at a past event (time travel)")
+    p.add_argument(
+        "--at", metavar="ID", type=_stream_id, help="an rl:pool event id (default: the latest)"
+    )
+    p = command("top", "a live view of rollouts, pool use, workers and lag")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
-    sub.add_parser("env", help="every ROLLOUT_* variable: type, default, meaning")
+    p = sub.add_parser("env", help="every ROLLOUT_* variable: type, default, flag, meaning")
+    p.add_argument(
+        "--markdown", action="store_true", help="as the Markdown table of docs/configuration.md"
+    )
     p = sub.add_parser("events", help="the events reference, generated from the catalog")
     p.add_argument("--markdown", action="store_true", help="as Markdown (docs/events.md)")
     p.add_argument("--out", type=Path, help="write it to this file instead of stdout")
-    for name, (_module, _fn, what) in _DELEGATES.items():
+    for name, what in _DELEGATES.items():
         sub.add_parser(name, help=f"run {what} (flags: rollout {name} --help)", add_help=False)
     return parser
 
 
-def _log(args: argparse.Namespace, block_ms: int = 2000) -> EventLog:
-    from engine.settings import Settings
+@contextlib.asynccontextmanager
+async def _log(settings: Settings, block_ms: int = 2000) -> AsyncIterator[EventLog]:
+    # Credentials and TLS files come from ROLLOUT_REDIS_*, never argv.
+    log = open_log(
+        settings.redis(block_ms=block_ms),
+        names=StreamNames(settings.stream_prefix),
+        producer="cli",
+    )
+    try:
+        yield log
+    finally:
+        await log.aclose()
 
-    # Credentials and TLS files from ROLLOUT_REDIS_* (never argv); the URL from the flag.
-    settings = Settings.from_env().redis(url=args.redis_url, block_ms=block_ms)
-    return open_log(settings, names=StreamNames(args.prefix), producer="cli")
 
-
-async def _replay(args: argparse.Namespace) -> int:
+async def _replay(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import (
         decode_entries,
         raw_entries,
@@ -163,12 +175,9 @@ async def _replay(args: argparse.Namespace) -> int:
             return 2
         stream, entries = archive.stream, archive.entries
     else:
-        log = _log(args)
-        try:
+        async with _log(settings) as log:
             stream = log.names.rollout(args.rollout_id)
             entries = await raw_entries(log, stream)
-        finally:
-            await log.aclose()
         if not entries:
             print(f"error: no events for rollout {args.rollout_id} in {stream}", file=sys.stderr)
             return 1
@@ -183,50 +192,44 @@ async def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _archive(args: argparse.Namespace) -> int:
+async def _archive(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.replay import archive_rollout
 
-    log = _log(args)
-    try:
+    async with _log(settings) as log:
         n = await archive_rollout(log, args.rollout_id, args.out)
-    finally:
-        await log.aclose()
     print(f"archived {n} events of rollout {args.rollout_id} to {args.out}")
     return 0
 
 
-async def _retention(args: argparse.Namespace) -> int:
+async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.retention import retention_pass
 
-    if args.store is None:
-        print("error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
-              file=sys.stderr)
-        return 2
-    if args.keep_s < 0:
-        print(f"error: --keep-s must be at least 0, got {args.keep_s}", file=sys.stderr)
+    if settings.retention_store is None:
+        print(
+            "error: rollout retention needs --store DIR (or ROLLOUT_RETENTION_STORE)",
+            file=sys.stderr,
+        )
         return 2
     if args.every is not None and args.every <= 0:
         print(f"error: --every must be positive, got {args.every}", file=sys.stderr)
         return 2
-    log = _log(args)
-    try:
+    async with _log(settings) as log:
         while True:
-            report = await retention_pass(log, args.store, keep_s=args.keep_s)
+            report = await retention_pass(
+                log, settings.retention_store, keep_s=settings.retention_keep_s
+            )
             print(report.summary(), flush=True)
             if args.every is None:
                 return 0
             await asyncio.sleep(args.every)
-    finally:
-        await log.aclose()
 
 
-async def _tail(args: argparse.Namespace) -> int:
+async def _tail(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import tail
 
-    log = _log(args, block_ms=1000)
-    names = log.names
-    streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
-    try:
+    async with _log(settings, block_ms=1000) as log:
+        names = log.names
+        streams = list(args.stream) or [names.control, names.pool, names.capture, names.dead]
         if not args.stream:
             streams.extend(await log.list_streams(names.work_pattern))
         if args.rollout:
@@ -239,23 +242,18 @@ async def _tail(args: argparse.Namespace) -> int:
             from_start=args.from_start,
             count=args.count,
         )
-    finally:
-        await log.aclose()
     return 0
 
 
-async def _status(args: argparse.Namespace) -> int:
+async def _status(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.inspection import status_lines
     from engine.ops.replay import decode_entries, raw_entries
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
 
-    log = _log(args)
-    try:
+    async with _log(settings) as log:
         stream = log.names.rollout(args.rollout_id)
         envelopes, _bad = decode_entries(stream, await raw_entries(log, stream))
-    finally:
-        await log.aclose()
     if not envelopes:
         print(f"error: no events for rollout {args.rollout_id}", file=sys.stderr)
         return 1
@@ -266,15 +264,12 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _pool(args: argparse.Namespace) -> int:
+async def _pool(settings: Settings, args: argparse.Namespace) -> int:
     from engine.projections.placement import render_pool
     from engine.runtime.rebuild import pool_at
 
-    log = _log(args)
-    try:
+    async with _log(settings) as log:
         folded = await pool_at(log, until=args.at)
-    finally:
-        await log.aclose()
     print(render_pool(folded))
     return 0
 
@@ -293,14 +288,11 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _top(args: argparse.Namespace) -> int:
+async def _top(settings: Settings, args: argparse.Namespace) -> int:
     from engine.ops.top import run_top
 
-    log = _log(args)
-    try:
+    async with _log(settings) as log:
         await run_top(log, once=args.once, interval_s=args.interval, rollouts=args.rollouts)
-    finally:
-        await log.aclose()
     return 0
 
 
@@ -315,10 +307,18 @@ _COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    processes: Mapping[str, Entry] | None = None,
+    rollout: Sequence[str] = (),
+) -> int:
+    """Run one ``rollout`` command. ``processes`` (the engine's process entry points) and
+    ``rollout`` (the arguments that run this command anew) come from the top layer,
+    ``workers.cli``; without them the process commands and the demo are refused."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _DELEGATES:
-        return _delegate(args_list[0], args_list[1:])
+        return _delegate(args_list[0], args_list[1:], processes or {}, rollout)
     try:
         settings = Settings.from_env()
     except EngineError as exc:  # a misspelt variable is refused, never silently defaulted
@@ -330,12 +330,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "env":
-        print(Settings.describe())
+        print(Settings.markdown() if args.markdown else Settings.describe() + "\n", end="")
         return 0
     if args.command == "events":
         return _events(args)
     try:
-        return asyncio.run(_COMMANDS[args.command](args))
+        settings = _FLAGS.get(args.command, LOG_TOOL).apply(settings, args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_COMMANDS[args.command](settings, args))
     except KeyboardInterrupt:
         return 0
     except (EngineError, OSError) as exc:

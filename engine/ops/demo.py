@@ -28,27 +28,26 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from engine.errors import EngineError, RolloutFailed
 from engine.events import (
     EventLog,
-    RedisSettings,
     RolloutKind,
     RolloutPlanned,
     SampleAborted,
     SampleCompleted,
     StreamNames,
-    open_log,
 )
 from engine.events.ids import EMPTY_ID
+from engine.events.redis_log import RedisSettings, open_log
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
+from engine.ops.processes import Processes
 from engine.ops.progress import Bar
 
 TASKS = Path(__file__).resolve().parents[1] / "tasks"  # engine/tasks
@@ -91,65 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class Stack:
-    """Everything the demo started, so it can all be stopped."""
+    """What the demo started: Redis (unless it is the user's) and the launcher holding the
+    model server and the engine's processes, so that all of it can be stopped."""
 
     workdir: Path
-    redis_url: str = ""  # the engine's processes' URL (credentials included)
-    trainer_url: str = ""  # the demo's own client: may only request and read
+    processes: Processes
     redis: EmbeddedRedis | None = None
-    server: Any = None
+    redis_url: str = ""  # the engine's processes' URL (credentials included)
+    trainer_url: str = ""  # the trainer's client: may only request and read
     model_dir: Path | None = None
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-    logs: list[IO[bytes]] = field(default_factory=list)
 
-    def spawn(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
-    ) -> None:
-        """Start ``python argv`` with its output in ``logs/<name>.log``. The process gets no
-        ``ROLLOUT_*`` variable of ours but the engine's Redis URL and those in ``env``."""
-        log_path = self.workdir / "logs" / f"{name}.log"
-        fh = open(log_path, "wb")  # closed in stop()
-        self.logs.append(fh)
-        child = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        if self.redis_url:
-            # The URL holds the engine user's password: the environment, unlike argv, is not
-            # readable by other users (sandboxes) in /proc.
-            child["ROLLOUT_REDIS_URL"] = self.redis_url
-        child.update(env or {})
-        proc = subprocess.Popen(
-            [sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=child,
-            start_new_session=True,
-        )
-        self.procs.append((name, proc))
+    @classmethod
+    def open(cls, workdir: Path, *, rollout: Sequence[str], redis_url: str | None) -> Stack:
+        """A stack on ``redis_url``, or on an embedded Redis started now (an engine user for
+        the processes, a trainer user for the client); its processes log to ``workdir/logs``."""
+        redis = start_redis() if redis_url is None else None
+        engine_url = redis.engine_url if redis is not None else str(redis_url)
+        processes = Processes(workdir / "logs", rollout=rollout,
+                              settings={"redis_url": engine_url})
+        trainer_url = redis.trainer_url if redis is not None else engine_url
+        return cls(workdir, processes, redis, engine_url, trainer_url)
 
     def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                log = self.workdir / "logs" / f"{name}.log"
-                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-                raise EngineError(
-                    f"{name} exited with status {proc.returncode}; last lines of {log}:\n  "
-                    + "\n  ".join(tail)
-                )
+        self.processes.check_alive()
 
     def stop(self) -> None:
-        for _name, proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _name, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.procs.clear()
-        for fh in self.logs:
-            fh.close()
-        self.logs.clear()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.processes.stop()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -207,56 +173,56 @@ def redis_for(args: argparse.Namespace) -> str | None:
     return None
 
 
-def start_stack(args: argparse.Namespace) -> Stack:
+def start_stack(args: argparse.Namespace, *, rollout: Sequence[str]) -> Stack:
     workdir: Path = args.workdir.resolve()
     for sub in ("logs", "out", "archives"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
-    stack = Stack(workdir)
     url = redis_for(args)
-    if url is None:
-        stack.redis = start_redis()
-        stack.redis_url = stack.redis.engine_url
-        stack.trainer_url = stack.redis.trainer_url
-        say(f"redis     {stack.redis.kind} at {redact(stack.redis_url)} (started for the demo; "
-            f"set ROLLOUT_REDIS_URL or --redis-url to use your own)")
-        if not stack.redis.authenticated:
-            say("redis     WARNING: the fakeredis fallback has no authentication (see "
-                "docs/security.md); install redis-server for ACL users")
-    else:
-        stack.redis_url = stack.trainer_url = url
-        say(f"redis     {redact(url)} (yours: from --redis-url / ROLLOUT_REDIS_URL)")
+    stack = Stack.open(workdir, rollout=rollout, redis_url=url)
+    try:
+        if stack.redis is not None:
+            say(f"redis     {stack.redis.kind} at {redact(stack.redis_url)} (started for the "
+                f"demo; set ROLLOUT_REDIS_URL or --redis-url to use your own)")
+            if not stack.redis.authenticated:
+                say("redis     WARNING: the fakeredis fallback has no authentication (see "
+                    "docs/security.md); install redis-server for ACL users")
+        else:
+            say(f"redis     {redact(stack.redis_url)} (yours: from --redis-url / "
+                f"ROLLOUT_REDIS_URL)")
+        start_processes(stack, args)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def start_processes(stack: Stack, args: argparse.Namespace) -> None:
     rollout_yaml, evaluators = ROLLOUT_YAML, EVALUATORS
     if args.task == "swe":
         from engine.ops.swe_demo import SWE_EVALUATORS, SWE_ROLLOUT_YAML, ensure_swe_model
 
         rollout_yaml, evaluators = SWE_ROLLOUT_YAML, SWE_EVALUATORS
-        model_dir = workdir / "tinylm-swe"
+        model_dir = stack.workdir / "tinylm-swe"
         ensure_swe_model(model_dir, args.train_steps, say)
     else:
-        model_dir = workdir / "tinylm"
+        model_dir = stack.workdir / "tinylm"
         ensure_model(model_dir, args.train_steps)
     stack.model_dir = model_dir
-    from engine.ops.tinylm import spawn_server
-
-    stack.server = spawn_server(model_dir)
-    say(f"policy    tinylm server at {stack.server.url}")
-    evaluator = ["--evaluator-config", str(evaluators), "--model-dir", str(model_dir)]
+    procs = stack.processes
+    policy = procs.serve_tinylm("tinylm", model_dir).url
+    say(f"policy    tinylm server at {policy}")
     # The scheduler reads only the evaluator profiles: it needs no model.
-    stack.spawn("scheduler", ["-m", "workers.scheduler",
-                              "--rollout-config", str(rollout_yaml),
-                              "--evaluator-config", str(evaluators),
-                              "--scheduler-id", "demo-scheduler"])
+    procs.start("scheduler", "scheduler", settings={
+        "config": rollout_yaml, "evaluator_config": evaluators, "worker_id": "demo-scheduler"})
     for i in range(args.workers):
-        stack.spawn(f"worker-{i}", ["-m", "workers.evaluator", *evaluator,
-                                    "--sglang-url", stack.server.url,
-                                    "--worker-id", f"demo-worker-{i}"])
-    stack.spawn("finalizer", ["-m", "workers.finalizer",
-                              "--out-dir", str(workdir / "out"), "--worker-id", "demo-finalizer"])
-    stack.spawn("sync", ["-m", "workers.sync", "--sglang-url", stack.server.url,
-                         "--worker-id", "demo-sync"])
+        procs.start(f"worker-{i}", "worker", settings={
+            "evaluator_config": evaluators, "model_dir": model_dir, "sglang_url": policy,
+            "worker_id": f"demo-worker-{i}"})
+    procs.start("finalizer", "finalizer", settings={
+        "out_dir": stack.workdir / "out", "worker_id": "demo-finalizer"})
+    procs.start("sync", "sync", settings={"sglang_url": policy, "worker_id": "demo-sync"})
     say(f"processes scheduler, {args.workers} evaluator workers, finalizer, weight syncer "
-        f"(logs in {workdir / 'logs'})")
-    return stack
+        f"(logs in {stack.workdir / 'logs'})")
 
 
 async def follow(log: EventLog, stack: Stack, rollout_id: str, label: str) -> str | None:
@@ -448,14 +414,20 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, rollout: Sequence[str] = ()) -> int:
+    """``rollout demo``; ``rollout``: the Python arguments that run the ``rollout`` command
+    (``workers.cli.ROLLOUT``), through which the demo starts the engine's processes."""
     args = build_parser().parse_args(argv)
+    if not rollout:
+        print("error: the demo starts the engine's processes through the rollout command: "
+              "run it as `rollout demo` (or python -m workers demo)", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     stack: Stack | None = None
     kept = False
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
-        stack = start_stack(args)
+        stack = start_stack(args, rollout=rollout)
         rids = asyncio.run(run(args, stack))
         if args.keep:
             kept = True
@@ -473,7 +445,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.stop()
     say(f"\ndemo finished in {time.monotonic() - t0:.0f}s; every process stopped")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

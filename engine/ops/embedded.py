@@ -1,31 +1,15 @@
 """An embedded Redis for the demo, the benches and the tests: authenticated by default.
 
-``start_redis()`` runs a real ``redis-server`` on a free loopback port when the binary
-exists (persistence off, its own temp dir), else fakeredis's TCP server in a thread, so the
-demo needs nothing beyond ``pip install``. Either way the caller gets URLs and a ``stop()``
-that leaves no process or thread behind.
+``start_redis()`` runs a real ``redis-server`` on a free loopback port (persistence off)
+when the binary exists, else fakeredis's TCP server in a thread; ``stop()`` leaves no
+process or thread behind.
 
-Access control of a real ``redis-server`` (one set of fresh passwords per server, never on a
-command line: they go in a ``0600`` config file in the server's ``0700`` folder, as SHA-256
-hashes):
-
-* ``default`` -- the admin: every command and key (tests flush with it). ``url``.
-* ``engine`` -- what the engine's processes need: every command but the ``@dangerous`` ones
-  (``FLUSHALL``, ``CONFIG``, ``KEYS``, ``SHUTDOWN``, ``ACL``, ``MONITOR`` ...), on the keys of
-  the stack's stream prefix only. ``engine_url``.
-* ``trainer`` -- the trainer's client: it may append to ``<prefix>:control`` and read every
-  key of the prefix, nothing else (no trimming, acking, deleting, no other stream).
-  ``trainer_url``.
-
-A URL carries its user's password (``redis://user:password@127.0.0.1:port/0``): hand it to the
-engine's processes in their environment (``ROLLOUT_REDIS_URL``), never in argv, which every
-local user can read in ``/proc/PID/cmdline``. ``tls=`` serves TLS only (``rediss://`` URLs).
-
-The fakeredis fallback enforces none of this: fakeredis's TCP server has no ``requirepass``
-or ACL enforcement that a client could not bypass, so its URLs carry no password and anyone
-who can connect to the port has full access. ``EmbeddedRedis.authenticated`` says which kind
-you got; the demo prints a warning for the fallback. It binds loopback like the real server,
-and sandboxes with a network namespace of their own cannot reach it.
+Security: a real server gets fresh passwords, never on a command line (SHA-256 hashes in a
+``0600`` config in a ``0700`` folder), for ACL users ``default`` (the admin), ``engine``
+(no ``@dangerous`` command, the stack's prefix only) and ``trainer`` (append to the control
+stream, read the prefix). A URL carries its password: pass it in the environment, never
+argv, which every local user can read. The fakeredis fallback authenticates nobody
+(``authenticated`` is False): anyone who reaches its loopback port has full access.
 """
 
 from __future__ import annotations
@@ -46,6 +30,7 @@ from typing import Literal
 
 from engine.errors import ConfigError, LogUnavailable
 from engine.events.names import StreamNames
+from engine.events.redis_settings import redact
 
 __all__ = [
     "EmbeddedRedis",
@@ -64,18 +49,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and terminals)."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    return f"{scheme}://{credentials.partition(':')[0]}:***@{host}"
-
-
 @dataclass(frozen=True, slots=True)
 class RedisTls:
-    """Files of a TLS-only server: its certificate and key, and the CA clients verify it with."""
+    """A TLS-only server's certificate and key, and the CA clients verify it with."""
 
     cert_file: Path
     key_file: Path
@@ -120,7 +96,6 @@ class EmbeddedRedis:
     kind: Literal["redis-server", "fakeredis"]
     port: int
     passwords: dict[str, str] = field(default_factory=dict, repr=False)
-    """Password of each ACL user (empty for fakeredis: no authentication)."""
     prefix: str = "rl"
     tls: RedisTls | None = None
     _proc: subprocess.Popen[bytes] | None = None
@@ -145,17 +120,15 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """The admin's URL (every command): for tests and tools, not for agents."""
+        """The admin's URL: for tests and tools, not for agents."""
         return self.url_for("default")
 
     @property
     def engine_url(self) -> str:
-        """The URL the engine's processes use: no ``@dangerous`` command, only its prefix."""
         return self.url_for("engine")
 
     @property
     def trainer_url(self) -> str:
-        """The trainer client's URL: append to the control stream, read the rest."""
         return self.url_for("trainer")
 
     def stop(self) -> None:
@@ -187,7 +160,7 @@ class EmbeddedRedis:
 
 
 def _acl_rules(prefix: str) -> dict[str, str]:
-    """What each user may do (after ``reset``: no keys, no channels, no commands)."""
+    """Each user's ACL rules (after ``reset``: no keys, channels or commands)."""
     keys = f"~{prefix}:*"
     return {
         "default": "~* &* +@all",
@@ -201,7 +174,11 @@ def _acl_rules(prefix: str) -> dict[str, str]:
 
 
 def _write_config(
-    workdir: str, port: int, prefix: str, passwords: dict[str, str], tls: RedisTls | None,
+    workdir: str,
+    port: int,
+    prefix: str,
+    passwords: dict[str, str],
+    tls: RedisTls | None,
     appendonly: bool,
 ) -> str:
     lines = [
@@ -239,8 +216,8 @@ def start_redis_server(
     prefix: str = "rl",
     tls: RedisTls | None = None,
 ) -> EmbeddedRedis:
-    """A real redis-server on a free port with fresh ACL users (see the module docstring);
-    raises FileNotFoundError when not installed."""
+    """A real redis-server on a free port with fresh ACL users; FileNotFoundError when
+    not installed."""
     path = shutil.which(binary)
     if path is None:
         raise FileNotFoundError(binary)

@@ -1,10 +1,8 @@
-"""The events reference (``docs/events.md``), generated from the catalog.
+"""The events reference (``docs/events.md``), generated from the catalog; a test fails when
+the file differs, so it cannot drift.
 
-``rollout events --markdown`` prints it and ``rollout events --markdown --out docs/events.md``
-writes it; a test fails when the file in the repository differs from what the catalog gives,
-so the reference cannot drift. Fields, types, defaults, schema versions, upcasters and the
-descriptions come from the event classes themselves; where each event is written and who
-writes and reads it is :data:`ROUTES`, which must name every registered event (checked).
+Fields, types, defaults, versions and descriptions come from the event classes; where each
+event goes and who writes and reads it is :data:`ROUTES`, which must name every event.
 """
 
 from __future__ import annotations
@@ -203,7 +201,7 @@ def render_markdown() -> str:
 
 
 def _engine_events() -> dict[str, type[Event]]:
-    """The engine's own events (a process may register others, e.g. tests' probes)."""
+    """The engine's own events, not those a test registers."""
     return {
         name: cls for name, cls in registered_types().items()
         if cls.__module__.startswith("engine.")

@@ -201,9 +201,9 @@ def progress(state: RolloutState) -> list[BatchProgress]:
                 batch_id=batch.batch_id,
                 evaluator_id=batch.evaluator_id,
                 planned=len(batch.sample_ids),
-                started=sum(1 for s in samples if s.started is not None or s.done),
-                completed=sum(1 for s in samples if s.completed is not None),
-                aborted=sum(1 for s in samples if s.aborted is not None),
+                started=sum(1 for s in samples if s.started or s.done),
+                completed=sum(1 for s in samples if s.completed),
+                aborted=sum(1 for s in samples if s.aborted),
             )
         )
     return out
@@ -229,9 +229,9 @@ def status_lines(state: RolloutState) -> list[str]:
         _totals(
             planned,
             len(state.samples),
-            sum(1 for s in state.samples.values() if s.started is not None or s.done),
-            sum(1 for s in state.samples.values() if s.completed is not None),
-            sum(1 for s in state.samples.values() if s.aborted is not None),
+            sum(1 for s in state.samples.values() if s.started or s.done),
+            sum(1 for s in state.samples.values() if s.completed),
+            sum(1 for s in state.samples.values() if s.aborted),
         ),
     ]
     lines.extend(
@@ -243,7 +243,7 @@ def status_lines(state: RolloutState) -> list[str]:
 
 
 def _partial_and_stale(ready: RolloutReady) -> str:
-    """What the staleness bound excluded and a partial rollout left out (issue 12)."""
+    """What the staleness bound excluded and a partial rollout left out."""
     out = ""
     if ready.trainer_version is not None:
         out += (f", {len(ready.stale_sample_ids)} stale ({ready.stale_tokens} tokens; trainer "

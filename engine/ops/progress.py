@@ -1,9 +1,7 @@
 """Progress bars for the operator tools: rich on a terminal, plain lines elsewhere.
 
-On a terminal a :class:`Bar` is a rich progress bar (count, elapsed, time left, a note).
-Without one (a log file, CI, a pipe) it prints a plain line only when what it shows has
-changed, and at most one every ``every_s`` seconds except for the final state, so a log
-never fills with the same line repeated.
+Without a terminal a :class:`Bar` prints a line only when it changed, at most one every
+``every_s`` seconds but for the final state, so a log never fills with repeats.
 """
 
 from __future__ import annotations
@@ -27,11 +25,8 @@ __all__ = ["Bar"]
 
 
 class Bar:
-    """One progress bar: ``update(done, total, note)`` as often as wanted, then ``close()``.
-
-    ``console`` decides the mode (``Console().is_terminal``); ``file`` and ``clock`` are for
-    the plain mode (default: stdout and the monotonic clock).
-    """
+    """``update(done, total, note)`` as often as wanted, then ``close()``. ``console``
+    decides the mode (``is_terminal``); ``file`` and ``clock`` serve the plain mode."""
 
     def __init__(
         self,

@@ -1,16 +1,9 @@
-"""Archive a rollout's stream to a file and replay a rollout from the log or an archive.
+"""Archive a rollout's stream to a file (format: :mod:`engine.runtime.archive`) and replay
+a rollout from the log or an archive.
 
-Archive format (``rollout archive ID --out FILE``; written and read by
-:mod:`engine.runtime.archive`): a sequence of msgpack values. The first
-is a header map ``{"format": "rollout-archive", "version": 1, "stream": <stream name>,
-"rollout_id": <id>, "count": <entries>}``; each following value is a two-element array
-``[<stream id>, <raw event bytes>]``, in stream order, exactly as stored in Redis (an entry
-that does not decode is archived as it is and skipped on replay, as a live reader would).
-
-Replay folds the entries with ``RolloutProjection`` up to and including the first
-``RolloutReady`` -- the state the live finalizer wrote its artifacts from -- and writes the
-artifacts with :func:`engine.actors.artifacts.write_artifacts`, so the files are
-byte-identical to the live run's.
+Replay folds the stream up to and including the first ``RolloutReady`` (the state the live
+finalizer wrote from) and writes the artifacts with the finalizer's own
+:func:`engine.actors.artifacts.write_artifacts`, so the files are byte-identical.
 """
 
 from __future__ import annotations
@@ -26,7 +19,8 @@ from engine.events.catalog import RolloutReady
 from engine.events.codec import decode
 from engine.events.log import EventLog, RawEntry
 from engine.projections.base import fold, start
-from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.projections.readback import Rollout, in_memory
+from engine.projections.rollout import RolloutProjection
 from engine.runtime.archive import ARCHIVE_FORMAT, Archive, read_archive, write_archive
 
 __all__ = [
@@ -44,7 +38,6 @@ __all__ = [
 
 
 async def raw_entries(log: EventLog, stream: str, *, page: int = 2000) -> list[RawEntry]:
-    """Every entry of ``stream`` as ``(id, raw bytes)``, undecoded."""
     return await log.read_raw(stream, page=page)
 
 
@@ -58,7 +51,7 @@ async def archive_rollout(log: EventLog, rollout_id: str, path: str | os.PathLik
 
 
 def decode_entries(stream: str, entries: Iterable[RawEntry]) -> tuple[list[Envelope], int]:
-    """Decode raw entries; returns the envelopes and how many did not decode."""
+    """The envelopes of the entries, and how many did not decode."""
     out: list[Envelope] = []
     bad = 0
     for entry_id, raw in entries:
@@ -69,19 +62,21 @@ def decode_entries(stream: str, entries: Iterable[RawEntry]) -> tuple[list[Envel
     return out, bad
 
 
-def replay_state(envelopes: Iterable[Envelope]) -> RolloutState:
-    """Fold a rollout stream up to and including its first ``RolloutReady``."""
+def replay_state(envelopes: Iterable[Envelope]) -> Rollout:
+    """Fold a rollout stream up to and including its first ``RolloutReady``, with the
+    stream's entries at hand for building its samples."""
     envs = list(envelopes)
     until = next((e.id for e in envs if isinstance(e.event, RolloutReady)), None)
     projection = RolloutProjection()
-    return fold(projection, start(projection), envs, until=until).state
+    return in_memory(fold(projection, start(projection), envs, until=until).state, envs)
 
 
-def replay_to_dir(state: RolloutState, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write the artifacts of a replayed rollout (the same function the finalizer uses)."""
+def replay_to_dir(rollout: Rollout, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write the artifacts of a replayed rollout; ``RolloutError`` if it is not ready."""
+    state = rollout.state
     if state.ready is None:
         raise RolloutError(
             f"rollout {state.rollout_id} has no RolloutReady: nothing to replay yet "
-            f"({state.n_done} of {len(state.samples)} samples terminal)"
+            f"({state.n_terminal} of {len(state.samples)} samples terminal)"
         )
-    return write_artifacts(state, out_dir)
+    return write_artifacts(rollout, out_dir)

@@ -1,11 +1,8 @@
 """``rollout demo --task swe``: the pieces the demo swaps in for the SWE-style task.
 
-The stack is the demo's own (Redis, a tinylm server, a scheduler, workers, a finalizer); with
-``--task swe`` it runs the bundled ``swe`` task (``engine/tasks/swe_rollout.yaml``) with
-mini-swe-agent through the recording proxy (``engine/tasks/swe_evaluators.py``), on a tinylm
-taught mini-swe-agent's reply format (``engine.tasks.swe_format``), and shows one captured
-trajectory token by token: each generated reply (``loss_mask`` 1, with its logprobs) and each
-observation (``loss_mask`` 0) as the trainer receives them.
+The bundled ``swe`` task runs mini-swe-agent through the recording proxy on a tinylm
+taught mini-swe-agent's reply format; the demo then shows one captured trajectory as the
+trainer receives it, each reply (``loss_mask`` 1, with logprobs) and observation (0).
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ SWE_TRAIN_STEPS = 200
 """Format-training steps of the demo's SWE model (about a minute on 2 free cores)."""
 
 
-def ensure_swe_model(
-    model_dir: Path, train_steps: int | None, say: Callable[[str], None]
-) -> None:
+def ensure_swe_model(model_dir: Path, train_steps: int | None, say: Callable[[str], None]) -> None:
     """Build the format-trained tinylm once; later runs reuse it."""
     if (model_dir / "config.json").is_file():
         say(f"model     tinylm (mini-swe-agent format) at {model_dir} (built earlier)")

@@ -3,15 +3,15 @@
 tinylm imports nothing from the engine. This module hands it what the engine knows, the
 bundled agents' system prompts (``engine.tasks.prompts``), so the model is trained on the
 context it will be served in, and translates tinylm's errors into the engine's:
-``tinylm.errors.ConfigError`` -> :class:`engine.errors.ConfigError`,
-``tinylm.errors.ServerUnavailable`` -> :class:`engine.errors.BackendUnavailable`.
+``tinylm.errors.ConfigError`` -> :class:`engine.errors.ConfigError`.
 ``rollout tinylm ...`` runs :func:`main`.
 
-The engine's launchers serve tinylm as an RL deployment must run SGLang: with
-``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, so the logprobs of sampled tokens are those of the raw
-distribution (what a re-score computes), not the temperature-scaled one. A variable the
-caller set explicitly is left alone. An evaluator worker refuses, at start, a server that
-returns temperature-scaled logprobs (``engine.backends.fidelity.check_server_logprobs``).
+``rollout tinylm serve`` (how the launcher, ``engine.ops.processes``, starts it) serves tinylm
+as an RL deployment must run SGLang: with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, so the logprobs
+of sampled tokens are those of the raw distribution (what a re-score computes), not the
+temperature-scaled one. A variable the caller set explicitly is left alone. An evaluator
+worker refuses, at start, a server that returns temperature-scaled logprobs
+(``engine.backends.fidelity.check_server_logprobs``).
 """
 
 from __future__ import annotations
@@ -20,19 +20,18 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import BackendUnavailable, ConfigError
+from engine.errors import ConfigError
 from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
 from tinylm import errors as tinylm_errors
 from tinylm.corpus import SystemPrompts
 
 if TYPE_CHECKING:
     from tinylm.model import InitReport
-    from tinylm.process import ServerProcess
 
-__all__ = ["RL_SERVER_ENV", "SYSTEM_PROMPTS", "init_model", "main", "spawn_server"]
+__all__ = ["RL_SERVER_ENV", "SYSTEM_PROMPTS", "init_model", "main"]
 
 RL_SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-"""What an RL deployment of SGLang must set, and the engine's launchers of tinylm set."""
+"""What an RL deployment of SGLang must set, and ``rollout tinylm`` sets."""
 
 SYSTEM_PROMPTS = SystemPrompts(math=MATH_SYSTEM_PROMPT, shell=SHELL_SYSTEM_PROMPT)
 """The bundled agents' system prompts, as the tinylm corpus takes them."""
@@ -47,19 +46,6 @@ def init_model(model_dir: str | Path, **kwargs: Any) -> InitReport:
         return build(model_dir, **kwargs)
     except tinylm_errors.ConfigError as exc:
         raise ConfigError(str(exc)) from exc
-
-
-def spawn_server(model_dir: str | Path, **kwargs: Any) -> ServerProcess:
-    """``tinylm.process.spawn_server``; a server that never becomes ready raises
-    :class:`BackendUnavailable`."""
-    from tinylm.process import spawn_server as spawn
-
-    env = {k: v for k, v in RL_SERVER_ENV.items() if k not in os.environ}
-    kwargs["env"] = {**env, **(kwargs.get("env") or {})}
-    try:
-        return spawn(model_dir, **kwargs)
-    except tinylm_errors.ServerUnavailable as exc:
-        raise BackendUnavailable(str(exc)) from exc
 
 
 def main(argv: list[str]) -> int:

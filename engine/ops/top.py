@@ -174,8 +174,8 @@ class TopSource:
             state: RolloutState = tail.folded.state
             rows.append(self._row(rid, state, now))
             for s in state.samples.values():
-                if s.started is not None and s.started.worker and not s.done:
-                    running[s.started.worker] = running.get(s.started.worker, 0) + 1
+                if s.worker and not s.done:
+                    running[s.worker] = running.get(s.worker, 0) + 1
         pool: PoolState = self._pool.folded.state
         return TopView(
             at=now,
@@ -201,7 +201,7 @@ class TopSource:
             verdict = "planning"
         else:
             verdict = "running"
-        started_batches = {s.started.batch_id for s in samples if s.started is not None}
+        started_batches = {s.batch_id for s in samples if s.started}
         pool: PoolState = self._pool.folded.state
         admitted = {batch for (r, batch) in pool.acquired if r == rid}
         return RolloutRow(
@@ -209,9 +209,9 @@ class TopSource:
             kind=request.kind.value,
             state=verdict,
             planned=state.planned.n_samples if state.planned is not None else None,
-            started=sum(1 for s in samples if s.started is not None or s.done),
-            completed=sum(1 for s in samples if s.completed is not None),
-            aborted=sum(1 for s in samples if s.aborted is not None),
+            started=sum(1 for s in samples if s.started or s.done),
+            completed=sum(1 for s in samples if s.completed),
+            aborted=sum(1 for s in samples if s.aborted),
             waiting_admission=0 if state.decided else len(set(state.batches) - admitted),
             queued=0 if state.decided else len(admitted - started_batches),
             age_s=max(0.0, now - self._control.requested_ms[rid] / 1000),

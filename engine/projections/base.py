@@ -1,19 +1,13 @@
 """Projections: pure folds of events.
 
-A projection is ``evolve(state, envelope) -> state``: no clock, no randomness, no I/O, and
-the state is never mutated in place (return a new value). Live actors and the replay tool
-fold with the same :func:`fold` (reading the log is :func:`engine.runtime.rebuild.rebuild`'s
-business), so a replay is identical by construction. Nothing in ``engine.projections``
-touches Redis or files.
+A projection is ``evolve(state, envelope) -> state``: no clock, no randomness, no I/O, nothing
+from Redis or files. A state that grows with its stream is updated in place and returned, so
+folding stays linear; the fold owns that state. Live actors and the replay tool fold with the
+same :func:`fold`, so a replay is identical by construction.
 
-Idempotence: a :class:`Folded` remembers the last stream id it applied; entries at or below
-it are skipped, so a redelivered or re-read entry changes nothing. Domain-level duplicates
-(a second ``SampleCompleted`` for the same ``(sample_id, attempt)``) are the projection's
-own business and are ignored inside ``evolve``.
-
-Snapshots: a :class:`Folded` *is* a snapshot (state + position). ``rebuild(..., since=snap)``
-folds only the tail after it. Projections that implement :class:`Snapshottable` can also be
-stored beside the log with ``engine.runtime.rebuild.save_snapshot`` / ``load_snapshot``.
+A :class:`Folded` is a snapshot (state + the last stream id applied): entries at or below its
+position are skipped, so a redelivered or re-read entry changes nothing. Domain-level
+duplicates are each projection's business.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""The data-cursor projection: where the training data source stands, folded from ``rl:data``.
+"""Where the training data source stands, folded from ``rl:data``.
 
-``rl:data`` holds one ``DataCursorAdvanced`` per planned rollout, written by the scheduler in
-the same atomic step as the rollout's plan (so a cursor never advances without its plan, nor a
-plan exist without its cursor). The fold keeps:
-
-* ``cursors``: the latest training cursor per dataset set (``DataCursor.datasets``), from
-  ``kind=train`` events only; eval rollouts record their event (for exclusivity) but never
-  move a training cursor;
-* ``rollouts``: the first ``DataCursorAdvanced`` of every rollout. A rollout present here has
-  been planned (or is being completed): no scheduler plans it again. Later events for the same
-  rollout are duplicates and ignored.
-
-A cursor mapping that does not validate as a ``DataCursor`` is skipped (the rollout still
-counts as planned), so a bad entry can never crash a scheduler's fold.
-
-Like the other accumulator projections, ``evolve`` updates the state in place and returns it.
+``rl:data`` holds one ``DataCursorAdvanced`` per planned rollout, appended atomically with the
+rollout's plan. The fold keeps the latest training cursor per dataset set (eval rollouts never
+move one), the first event of every rollout (a rollout present has been planned; later events
+for it are duplicates), and the carried tails no later rollout has taken over. A cursor that does
+not validate is skipped (the rollout still counts as planned), so a bad entry cannot crash a
+scheduler's fold.
 """
 
 from __future__ import annotations
@@ -34,13 +25,12 @@ __all__ = ["DataCursorProjection", "DataState"]
 class DataState:
     cursors: dict[tuple[str, ...], DataCursor] = field(default_factory=dict)
     rollouts: dict[str, DataCursorAdvanced] = field(default_factory=dict)
-    # Carried tails (issue 12), by the rollout they come from, in log order, and the
-    # rollouts whose tail a later rollout took over (its ``DataCursorAdvanced.carried``).
+    # Carried tails by the rollout they come from, in log order, and the rollouts whose tail
+    # a later rollout took over (its ``DataCursorAdvanced.carried``).
     tails: dict[str, TailCarried] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
 
     def cursor_for(self, datasets: tuple[str, ...]) -> DataCursor | None:
-        """The training cursor over exactly these datasets, if any rollout advanced one."""
         return self.cursors.get(datasets)
 
     def carried_for(self, request_stream: str) -> list[TailCarried]:

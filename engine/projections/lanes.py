@@ -1,45 +1,33 @@
 """Trajectory post-processing lanes: how a finished rollout's samples are shaped for the loss.
 
-The lane is chosen by the request's ``algorithm`` alone (:func:`lane_of`), and the order is
-fixed (rollout-engine §5): **filter** (the finalizer's rejection and finish-only filters) ->
-**route** (this module's :func:`lane_of`) -> **shape** (this module). Every function here is
-pure: it reads the folded :class:`~engine.projections.rollout.RolloutState` and returns
-records, so the finalizer, the trainer's ``load`` and ``rollout replay`` shape a rollout the
-same way, byte for byte.
+The request's ``algorithm`` alone picks the lane (:func:`lane_of`); samples are filtered (by
+the finalizer), then shaped here. Every function is pure, so the finalizer, the trainer's
+``load`` and ``rollout replay`` shape a rollout the same way, byte for byte.
 
-The lanes
----------
-``plain`` (``grpo``, ``ppo`` and any algorithm not named below)
-    Samples as the episodes recorded them; nothing is captured or reshaped. (A request that
-    sets ``teacher_capture`` itself gets the ``per_token`` shaping of its scored samples.)
+``plain`` (``grpo``, ``ppo`` and any other name)
+    Samples as the episodes recorded them (a request setting ``teacher_capture`` itself gets
+    the ``per_token`` shaping of its scored samples).
 ``per_token`` (``opd``, ``k3``, ``distill``)
-    The finalizer asks the capture worker to force-decode every *kept* completed sample on the
-    teacher with top-K (``TeacherScored``). The sample then carries the teacher's logprob of
-    each response token (``teacher_log_probs``), its top-K ids and logprobs, the action mask
-    (student action tokens only: the tokens the student emitted, never an observation or a
-    teacher's token) and the is-teacher mask; its ``loss_mask`` *is* the action mask, so the
-    K3 loss reduces over student actions only.
+    Every kept completed sample is force-decoded on the teacher with top-K (``TeacherScored``)
+    and carries the teacher's logprob of each response token, its top-K, the action mask (the
+    tokens the student emitted) and the is-teacher mask; its ``loss_mask`` *is* the action
+    mask, so the K3 loss reduces over student actions only.
 ``mixed`` (``mixed_ce_k3``, ``dagger_k3``)
-    As ``per_token``, then the teacher's positions (``SampleCompleted.teacher_mask``, the
-    DAgger rollin's) get the sentinel :data:`TEACHER_SENTINEL` (+1.0) in
-    ``teacher_log_probs``; real logprobs are <= 0, so the mixed kernel reads the sign: > 0 is
-    CE on a teacher token, <= 0 is K3 on a student token. ``loss_mask`` is the action mask
-    *or* the is-teacher mask (both kinds of position are trained); the original is-teacher
-    mask travels as ``is_teacher_mask``. beta 1 is pure CE, beta 0 pure K3 (OPD).
+    As ``per_token``, and the teacher's positions get :data:`TEACHER_SENTINEL` (+1.0) in
+    ``teacher_log_probs``: real logprobs are <= 0, so the mixed kernel reads the sign (> 0 CE
+    on a teacher token, <= 0 K3 on a student token). ``loss_mask`` is action *or* is-teacher.
 ``ce`` (``dagger_ce``, ``dagger_sft``)
-    No teacher capture. Each kept completed DAgger trajectory is expanded into its SFT
-    sub-samples at its student cut points (:func:`ce_chunks`); a trajectory any of whose
-    sub-samples exceeds ``knobs["max_seq_len"]`` is dropped whole (the finalizer lists it in
-    ``dropped_sample_ids``); the sub-samples of the rollout are shuffled deterministically
-    per iteration (:func:`ce_order`, keyed by the request's ``seed`` and ``iteration``); and
-    ``RolloutReady.gbs_scale`` is the mean number of sub-samples per contributing
-    trajectory, the factor that keeps tasks per optimizer step constant as chunks multiply.
+    No teacher capture. Each kept DAgger trajectory is expanded into SFT sub-samples at its
+    student cut points (:func:`ce_chunks`); a trajectory with a sub-sample over
+    ``knobs["max_seq_len"]`` is dropped whole; sub-samples are shuffled deterministically per
+    iteration (:func:`ce_order`); ``RolloutReady.gbs_scale`` is the mean number of sub-samples
+    per trajectory, which keeps tasks per optimizer step constant as chunks multiply.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -49,7 +37,6 @@ import numpy as np
 from engine.errors import ConfigError
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.catalog import RolloutRequested, SampleCompleted, TeacherScored
-from engine.projections.rollout import RolloutState, SampleState
 
 __all__ = [
     "CE_ALGORITHMS",
@@ -62,15 +49,12 @@ __all__ = [
     "TeacherShape",
     "ce_chunks",
     "ce_order",
-    "ce_plan",
     "plan_ce",
-    "Routed",
     "action_mask_of",
     "lane_of",
     "max_seq_len_of",
     "needs_teacher",
     "request_lane",
-    "route",
     "teacher_shape",
 ]
 
@@ -90,7 +74,6 @@ class Lane(StrEnum):
 
 
 def lane_of(algorithm: str) -> Lane:
-    """The lane of ``algorithm`` (see the module docstring); unknown names are ``plain``."""
     if algorithm in PER_TOKEN_ALGORITHMS:
         return Lane.PER_TOKEN
     if algorithm in MIXED_ALGORITHMS:
@@ -105,8 +88,7 @@ def request_lane(request: RolloutRequested | None) -> Lane:
 
 
 def needs_teacher(request: RolloutRequested | None) -> bool:
-    """Whether kept samples are force-decoded on the teacher: the per-token lanes, and any
-    request that asks for it itself (``teacher_capture``). The CE lane never is."""
+    """Whether kept samples are force-decoded on the teacher (never in the CE lane)."""
     if request is None:
         return False
     lane = request_lane(request)
@@ -146,8 +128,8 @@ def action_mask_of(done: SampleCompleted) -> Mask:
 
 
 def teacher_shape(done: SampleCompleted, scored: TeacherScored, lane: Lane) -> TeacherShape:
-    """The per-token shaping of a completed sample with its ``TeacherScored`` (see the
-    module docstring; ``lane`` other than ``mixed`` shapes as ``per_token``)."""
+    """The per-token shaping of a completed sample (any ``lane`` but ``mixed`` shapes as
+    ``per_token``); raises ``ValueError`` if the scoring does not cover the response."""
     n = len(done.response_ids)
     if len(scored.teacher_logprobs) != n:
         raise ValueError(
@@ -195,13 +177,10 @@ class CeChunk:
 def ce_chunks(done: SampleCompleted) -> list[CeChunk]:
     """A trajectory's SFT sub-samples, in order.
 
-    The student cut points ``c_1 < ... < c_M`` (where each student-executed turn begins)
-    split the response into the segments ``[0, c_1), [c_1, c_2), ..., [c_M, n)``. Segment
-    ``j`` gives sub-sample ``j`` when it holds at least one teacher token: the prompt and
-    the response up to its last teacher token, with the loss mask on the segment's teacher
-    tokens only (earlier segments, student turns and observations are context). So a
-    trajectory with M student turns gives up to M + 1 sub-samples, and one with no teacher
-    token none.
+    The student cut points (where each student turn begins) split the response into
+    segments; segment ``j`` with at least one teacher token gives sub-sample ``j``: the
+    prompt and the response up to that last teacher token, CE on the segment's teacher
+    tokens only (everything earlier is context).
     """
     n = len(done.response_ids)
     teacher = _teacher_mask(done)
@@ -254,9 +233,8 @@ class CePlan:
 
 
 def ce_order(chunks: Iterable[CeChunk], *, seed: int, iteration: int) -> list[CeChunk]:
-    """``chunks`` in the iteration's deterministic order: sorted by a hash of the rollout's
-    seed, its iteration and the chunk's identity, which de-clusters sibling chunks and is the
-    same on every machine and every replay."""
+    """``chunks`` sorted by a hash of seed, iteration and chunk identity: sibling chunks are
+    de-clustered, and the order is the same on every machine and replay."""
 
     def key(c: CeChunk) -> bytes:
         text = f"ce\0{seed}\0{iteration}\0{c.sample_id}\0{c.chunk}"
@@ -265,26 +243,11 @@ def ce_order(chunks: Iterable[CeChunk], *, seed: int, iteration: int) -> list[Ce
     return sorted(chunks, key=key)
 
 
-def ce_plan(state: RolloutState, kept: Sequence[str]) -> CePlan:
-    """Expand the kept completed samples (aborted ones have no trajectory to expand): a
-    trajectory whose chunks include one over ``max_seq_len`` is dropped atomically."""
-
-    def expanded() -> Iterator[tuple[str, Sequence[CeChunk]]]:
-        for sid in kept:
-            s: SampleState | None = state.samples.get(sid)
-            done = s.completed if s is not None else None
-            if done is not None:
-                yield sid, ce_chunks(done)
-
-    return plan_ce(state.request, expanded())
-
-
 def plan_ce(
     request: RolloutRequested | None, trajectories: Iterable[tuple[str, Sequence[CeChunk]]]
 ) -> CePlan:
-    """The CE plan of completed trajectories (sample id, its SFT chunks), in kept order: one
-    with a chunk over ``max_seq_len`` is dropped whole; the rest are shuffled per iteration.
-    The one rule both the loader (whole samples) and the finalizer (compact records) use."""
+    """The CE plan of ``(sample id, chunks)`` trajectories in kept order; the one rule the
+    loader and the finalizer both use."""
     limit = max_seq_len_of(request)
     chunks: list[CeChunk] = []
     too_long: list[str] = []
@@ -300,40 +263,3 @@ def plan_ce(
     iteration = request.iteration if request is not None else 0
     ordered = ce_order(chunks, seed=seed, iteration=iteration)
     return CePlan(chunks=tuple(ordered), too_long=tuple(too_long), n_trajectories=n_traj)
-
-
-# ---------------------------------------------------------------- the finalizer's routing
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """What the lane makes of the filtered samples, for ``RolloutReady``."""
-
-    kept: list[str]
-    dropped: list[str]
-    gbs_scale: float = 1.0
-    metrics: dict[str, float] | None = None
-
-
-def route(state: RolloutState, kept: list[str], dropped: list[str]) -> Routed:
-    """Route the filtered samples by the request's algorithm and shape what the ready event
-    records: the CE lane drops over-long trajectories whole (kept order is kept; dropped ids
-    stay in index order) and reports its ``gbs_scale``; the other lanes change nothing here
-    (their shaping happens when the samples are built, :func:`teacher_shape`)."""
-    lane = request_lane(state.request)
-    if lane is not Lane.CE:
-        return Routed(kept=kept, dropped=dropped)
-    plan = ce_plan(state, kept)
-    too_long = set(plan.too_long)
-    index = {sid: s.task.index for sid, s in state.samples.items()}
-    return Routed(
-        kept=[sid for sid in kept if sid not in too_long],
-        dropped=sorted([*dropped, *plan.too_long], key=lambda sid: index.get(sid, 0)),
-        gbs_scale=plan.gbs_scale,
-        metrics={
-            "ce/n_subsamples": float(len(plan.chunks)),
-            "ce/n_trajectories": float(plan.n_trajectories),
-            "ce/n_dropped_too_long": float(len(plan.too_long)),
-            "ce/gbs_scale": plan.gbs_scale,
-        },
-    )

@@ -1,16 +1,12 @@
-"""One sample's outcome, in one record: the per-sample view every reader shares.
+"""One sample's outcome with its diagnostics: the row ``eval_details.jsonl`` lists and the
+evaluator's progress callback hears, derived once, by :func:`sample_row`:
 
-``SampleRow`` is what the summaries count (``summary.json``), what ``eval_details.jsonl``
-lists, what the evaluator's progress callback hears when a sample ends, and where the trainer
-sample (``samples.jsonl``) takes its identity and outcome from. It is derived in one place,
-:func:`sample_row`, from the sample's ``TaskFetched`` and its terminal event:
-
-* completed: the reward, the status and termination reason the event carries, its class
-  (:meth:`TerminationReason.failure_class`), the response length;
-* aborted: reward 0, status ``aborted``, the abort class as the termination reason (its
-  :attr:`AbortClass.reason`) and the failure class, the agent's own reason and diagnostics;
-* not terminal (a summary of a rollout still running): status ``pending``, counted as
-  ``infra_other`` with error ``"no terminal event"`` so per-dataset totals always add up.
+* completed: the event's reward, status and termination reason, its failure class, the
+  response length;
+* aborted: reward 0, status ``aborted``, the abort class's reason and failure class, the
+  agent's own reason and diagnostics;
+* not terminal: status ``pending``, counted as ``infra_other`` with error
+  ``"no terminal event"`` so per-dataset totals always add up.
 """
 
 from __future__ import annotations
@@ -19,15 +15,13 @@ from dataclasses import dataclass, replace
 
 from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
 from engine.outcomes import AbortClass, FailureClass, SampleStatus, TerminationReason
-from engine.projections.rollout import RolloutState, SampleState
+from engine.projections.readback import Rollout
 
-__all__ = ["SampleRow", "row_of", "sample_row", "sample_rows"]
+__all__ = ["SampleRow", "sample_row", "sample_rows"]
 
 
 @dataclass(frozen=True, slots=True)
 class SampleRow:
-    """One sample's outcome (see the module docstring)."""
-
     rollout_id: str
     sample_id: str
     index: int
@@ -74,9 +68,8 @@ def sample_row(
     node: str = "",
     batch_id: str = "",
 ) -> SampleRow:
-    """The row of one sample. ``attempt``, ``turns`` and ``node`` are what is known besides
-    the terminal event (the current attempt, the turns recorded, where it started); an abort
-    carries its own. ``task`` is None only when the sample's ``TaskFetched`` is missing."""
+    """``attempt``, ``turns`` and ``node`` are what is known besides the terminal event (an
+    abort carries its own); ``task`` is None only when the sample's ``TaskFetched`` is missing."""
     if task is not None:
         sample_id, rollout_id = task.sample_id, task.rollout_id
     elif terminal is not None:
@@ -140,35 +133,27 @@ def sample_row(
     return pending
 
 
-def row_of(s: SampleState) -> SampleRow:
-    """The row of a folded sample."""
-    started = s.started
-    return sample_row(
-        s.task,
-        s.terminal,
-        attempt=max(s.attempt, 0),
-        turns=len(s.turns),
-        node=started.node if started is not None else "",
-        batch_id=started.batch_id if started is not None else "",
-    )
-
-
-def sample_rows(state: RolloutState) -> list[SampleRow]:
-    """Every sample's row, in sample-index order.
-
-    A ready partial rollout's tail samples that had no terminal event when it became ready
-    (issue 12): with ``tail="abort"`` their ``SampleAborted`` (``tail_aborted``) is written
-    in the same step as the ``RolloutReady``, so their rows say so; a carried tail stays
-    ``pending``, its error naming the request stream that takes it over."""
+def sample_rows(rollout: Rollout) -> list[SampleRow]:
+    """Every sample's row, in sample-index order. A ready rollout's tail samples without a
+    terminal event read ``tail_aborted``, or, when the tail is carried, stay ``pending`` with
+    an error naming the request stream that takes it over."""
+    state = rollout.state
     ready = state.ready
-    if ready is None or not ready.tail_sample_ids:
-        return [row_of(s) for s in state.ordered()]
-    tail = set(ready.tail_sample_ids)
+    tail = set(ready.tail_sample_ids) if ready is not None else set()
     stream = state.request.request_stream if state.request is not None else None
     rows: list[SampleRow] = []
-    for s in state.ordered():
-        row = row_of(s)
-        if s.sample_id in tail and s.terminal is None:
+    for r in state.ordered():
+        terminal = rollout.terminal(r)
+        row = sample_row(
+            rollout.task(r),
+            terminal,
+            attempt=max(r.attempt, 0),
+            turns=r.turns,
+            node=r.node,
+            batch_id=r.batch_id,
+        )
+        if terminal is None and r.sample_id in tail:
+            assert ready is not None
             if ready.tail_carried:
                 row = replace(row, error=f"carried to the next request of stream {stream!r}")
             else:

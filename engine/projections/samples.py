@@ -1,29 +1,20 @@
-"""From events to the domain: a ``TaskFetched`` to its ``Task``, and a finished rollout's
-state to the trainer's ``Sample`` list.
+"""From events to the domain: a ``TaskFetched`` to its ``Task``, and a ready rollout's
+samples for the trainer.
 
-``trainer_samples(state)`` is the one way samples are rebuilt from the log: the trainer
-client's ``load`` (on the lean fold of :mod:`engine.projections.loading`) and ``rollout
-replay`` both call it, so they agree by construction; ``iter_load`` builds each chunk with
-:func:`samples_named`, the same per-sample path.
-``trainer_sample_chunks(state, n)`` yields the same samples, in the same order, ``n`` at a
-time, letting go of each sample's folded events as it goes (for a caller that holds a whole
-fold already; ``RolloutClient.iter_load`` streams from the log instead).
+:func:`trainer_samples` is the one way samples are rebuilt from the log (the client's ``load``
+and ``iter_load`` and ``rollout replay`` all call it, so they agree by construction):
 
-* The samples are those ``RolloutReady.sample_ids`` names, in that order (training order).
-* A completed sample carries its prompt + response tokens, loss mask, rollout logprobs and
-  reward, shaped by the request's lane (:mod:`engine.projections.lanes`): with teacher
-  logprobs captured (``TeacherScored``, the per-token lanes) it carries ``teacher_log_probs``,
-  the teacher's top-K ids and logprobs, the action mask and the is-teacher mask, and its
-  ``loss_mask`` becomes the action mask (inference-backend §3 role B: the loss sees exactly
-  the student-emitted tokens); the mixed lane writes the +1.0 sentinel at teacher positions
-  and trains those too. The CE lane gives, instead of the trajectories, their SFT
-  sub-samples in the iteration's shuffled order (``sample_id`` ``<id>/ce<j>``).
-* An aborted sample becomes ``Sample.masked_dummy`` (two zero tokens, zero loss mask,
-  ``remove_sample``, reward 0) keeping its index, group, prompt and the agent's own reason.
-* ``RolloutReady.dummy`` (filters emptied the rollout) gives exactly one masked dummy.
+* the samples ``RolloutReady.sample_ids`` names, in that order (training order);
+* a completed sample carries its tokens, loss mask, rollout logprobs and reward, shaped by the
+  request's lane (:mod:`engine.projections.lanes`): with ``TeacherScored`` it carries the
+  teacher's logprobs, top-K, action and is-teacher masks, and its loss mask becomes the action
+  mask; the CE lane gives instead the SFT sub-samples in the rollout's shuffled order
+  (``sample_id`` ``<id>/ce<j>``);
+* an aborted sample becomes ``Sample.masked_dummy`` keeping its index, group, prompt and the
+  agent's own reason; ``RolloutReady.dummy`` gives exactly one masked dummy.
 
-A reward given as a dict of named scores keeps the dict on the sample; its scalar (for
-``SampleCompleted.reward`` and collation) is the ``"score"`` entry (:func:`scalar_reward`).
+A reward given as a dict of named scores stays a dict on the sample; its scalar is the
+``"score"`` entry (:func:`scalar_reward`).
 """
 
 from __future__ import annotations
@@ -38,17 +29,26 @@ from pydantic import ValidationError
 from engine.domain import Task
 from engine.errors import ConfigError, RolloutError
 from engine.events.arrays import Mask, concat
-from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched
-from engine.projections.lanes import CeChunk, Lane, ce_plan, request_lane, teacher_shape
-from engine.projections.rollout import RolloutState, SampleState
+from engine.events.catalog import SampleAborted, SampleCompleted, TaskFetched, TeacherScored
+from engine.projections.lanes import (
+    CeChunk,
+    CePlan,
+    Lane,
+    ce_chunks,
+    plan_ce,
+    request_lane,
+    teacher_shape,
+)
+from engine.projections.readback import Rollout
+from engine.projections.rollout import SampleRecord
 from engine.sample import Sample
 
 __all__ = [
+    "ce_plan",
     "ce_samples",
-    "no_terminal",
+    "check_terminal",
     "sample_of",
     "samples_named",
-    "trainer_sample_chunks",
     "scalar_reward",
     "task_of",
     "trainer_samples",
@@ -84,11 +84,7 @@ def task_of(ev: TaskFetched) -> Task:
         ) from None
 
 
-
-
 def _metadata(ev: TaskFetched) -> dict[str, Any]:
-    """A sample's metadata: the dataset's metadata keys, the prompt's line (as
-    ``_source_line``, where it always was), its task type and dataset."""
     if ev.source_line is None:
         return {**ev.metadata, "task_type": ev.task_type, "dataset": ev.dataset}
     return {
@@ -100,16 +96,18 @@ def _metadata(ev: TaskFetched) -> dict[str, Any]:
 
 
 def sample_of(
-    s: SampleState, *, policy_version: int | None = None, lane: Lane = Lane.PLAIN
+    task: TaskFetched,
+    terminal: SampleCompleted | SampleAborted | None,
+    teacher: TeacherScored | None = None,
+    *,
+    policy_version: int | None = None,
+    lane: Lane = Lane.PLAIN,
 ) -> Sample:
-    """The trainer's view of one terminal sample (see the module docstring)."""
-    task = s.task
-    terminal = s.terminal
+    """The trainer's view of one sample from its task, first terminal event and teacher
+    scoring."""
     done = terminal if isinstance(terminal, SampleCompleted) else None
     if done is None:
-        # Identity and outcome as the sample's row (``rows.sample_row``) has them: an abort's
-        # class names the reason, the agent's own reason is kept; a sample with no terminal
-        # event has neither.
+        # As ``rows.sample_row``: an abort's class names the reason, the agent's own is kept.
         aborted = terminal if isinstance(terminal, SampleAborted) else None
         dummy = Sample.masked_dummy(
             reason=aborted.abort_class.reason if aborted is not None else None,
@@ -129,8 +127,8 @@ def sample_of(
     # The arrays stay packed: the sample takes the event's bytes, no per-token conversion.
     loss_mask = done.loss_mask
     per_token: dict[str, Any] = {}
-    if s.teacher is not None:
-        shaped = teacher_shape(done, s.teacher, lane)
+    if teacher is not None:
+        shaped = teacher_shape(done, teacher, lane)
         loss_mask = shaped.loss_mask
         per_token = {
             "teacher_log_probs": shaped.teacher_log_probs,
@@ -191,16 +189,12 @@ def _score(value: object) -> bool:
 
 
 def _sample(**fields: Any) -> Sample:
-    """``Sample(**fields)`` without running pydantic again over values validated on their
-    way in (validating a rollout's samples field by field was a third of its load).
+    """``Sample(**fields)`` without validating again values the events already validated.
 
-    ``sample_of`` passes the event's arrays (the exact packed classes), enums and strings,
-    which validation returns unchanged; what the events do not constrain as ``Sample``
-    does is checked here: counts >= 0 that are ints (not bools), a string prompt, a flat
-    JSON label and metadata, finite rewards. When those hold, validation would return every
-    value unchanged, so the sample is built from them directly and only the model's own
-    invariants run (``_arrays_line_up``). Anything else -- or an invariant that fails --
-    goes through the constructor, which coerces or raises exactly as it always did."""
+    What the events do not constrain as ``Sample`` does is checked here (non-negative int
+    counts, a string prompt, flat JSON label and metadata, finite rewards); when it holds,
+    validation would return every value unchanged, so only ``_arrays_line_up`` runs. Anything
+    else goes through the constructor, which coerces or raises."""
     reward = fields["reward"]
     version = fields["policy_version"]
     ok = (
@@ -238,14 +232,9 @@ def _sample(**fields: Any) -> Sample:
     return sample
 
 
-def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> Sample:
-    """One SFT sub-sample of a completed trajectory (the CE lane; see
-    :func:`engine.projections.lanes.ce_chunks`): the prompt and the first ``chunk.end``
-    response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``.
-    ``parent`` is ``sample_of(s)`` when the caller has it already."""
-    parent = parent if parent is not None else sample_of(s)
-    done = s.completed
-    assert done is not None
+def ce_sample(done: SampleCompleted, chunk: CeChunk, parent: Sample) -> Sample:
+    """One CE-lane SFT sub-sample of the trajectory ``parent``: the prompt and the first
+    ``chunk.end`` response tokens, CE on the teacher's tokens of ``[chunk.start, chunk.end)``."""
     end = chunk.end
     teacher = done.teacher_mask.numpy()[:end]
     loss = np.zeros(end, dtype=np.uint8)
@@ -278,89 +267,78 @@ def ce_sample(s: SampleState, chunk: CeChunk, parent: Sample | None = None) -> S
     )
 
 
-def trainer_samples(state: RolloutState) -> list[Sample]:
-    """The samples ``RolloutReady`` names, in its order; raises if the rollout is not ready."""
-    return [s for chunk in _chunks(state, None, consume=False) for s in chunk]
-
-
-def trainer_sample_chunks(state: RolloutState, chunk_size: int) -> Iterator[list[Sample]]:
-    """:func:`trainer_samples` in lists of ``chunk_size`` (the last may be shorter).
-
-    It consumes ``state``: each sample's folded events are dropped from ``state.samples``
-    once its ``Sample`` is built, so a caller that lets go of each chunk holds one chunk of
-    samples, never the whole rollout twice. Raises as :func:`trainer_samples` does, before
-    the chunk that names a sample with no terminal event.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    return _chunks(state, chunk_size, consume=True)
-
-
-def _chunks(state: RolloutState, size: int | None, *, consume: bool) -> Iterator[list[Sample]]:
+def trainer_samples(rollout: Rollout) -> list[Sample]:
+    """The samples ``RolloutReady`` names, in its order; raises ``RolloutError`` if the
+    rollout is not ready or names a sample with no terminal event."""
+    state = rollout.state
     ready = state.ready
     if ready is None:
         raise RolloutError(f"rollout {state.rollout_id} has no RolloutReady yet")
     if ready.dummy:
-        yield [Sample.masked_dummy(policy_version=ready.policy_version)]
-        return
+        return [Sample.masked_dummy(policy_version=ready.policy_version)]
     ids = ready.sample_ids
-    step = size or max(1, len(ids))
     lane = request_lane(state.request)
-    if lane is Lane.CE:
-        # The SFT sub-samples are shuffled across the whole rollout, so the lane builds them
-        # all (each parent once), then hands them out in chunks.
-        for sample_id in ids:
-            _check_terminal(state, sample_id)
-        chunks = ce_samples(state, ce_plan(state, ids).chunks)
-        if not chunks:
-            yield [Sample.masked_dummy(policy_version=ready.policy_version)]
-            return
-        for at in range(0, len(chunks), size or len(chunks)):
-            yield chunks[at : at + (size or len(chunks))]
-        return
-    for at in range(0, len(ids), step):
-        part = ids[at : at + step]
-        if consume:
-            for sample_id in part:
-                _check_terminal(state, sample_id)
-            yield [sample_of(state.samples.pop(sample_id), lane=lane) for sample_id in part]
-        else:
-            yield samples_named(state, part, lane)
+    if lane is not Lane.CE:
+        return samples_named(rollout, ids, lane)
+    check_terminal(state.samples, state.rollout_id, ids)
+    # SFT sub-samples are shuffled across the whole rollout, so they are planned first.
+    chunks = ce_plan(rollout, ids).chunks
+    if not chunks:
+        return [Sample.masked_dummy(policy_version=ready.policy_version)]
+    return ce_samples(rollout, chunks)
 
 
-def ce_samples(state: RolloutState, chunks: Sequence[CeChunk]) -> list[Sample]:
-    """The SFT sub-samples of ``chunks`` (a CE plan's, in its order), each parent trajectory
-    built once; ``state`` holds at least their parents."""
-    parents: dict[str, Sample] = {}
+def ce_plan(rollout: Rollout, kept: Sequence[str]) -> CePlan:
+    """The CE plan of the kept completed samples (aborted ones have no trajectory): a
+    trajectory whose chunks include one over ``max_seq_len`` is dropped whole."""
+
+    def expanded() -> Iterator[tuple[str, Sequence[CeChunk]]]:
+        for sid in kept:
+            r = rollout.record(sid)
+            if r is not None and r.completed:
+                yield sid, ce_chunks(rollout.completed(r))
+
+    return plan_ce(rollout.state.request, expanded())
+
+
+def ce_samples(rollout: Rollout, chunks: Sequence[CeChunk]) -> list[Sample]:
+    """The SFT sub-samples of a CE plan's ``chunks``, in order, each parent built once."""
+    parents: dict[str, tuple[SampleCompleted, Sample]] = {}
     out: list[Sample] = []
     for c in chunks:
-        s = state.samples[c.sample_id]
-        parent = parents.get(c.sample_id)
-        if parent is None:
-            parent = parents[c.sample_id] = sample_of(s)
-        out.append(ce_sample(s, c, parent))
+        built = parents.get(c.sample_id)
+        if built is None:
+            r = rollout.record(c.sample_id)
+            assert r is not None
+            done = rollout.completed(r)
+            parent = sample_of(rollout.task(r), done, rollout.teacher(r))
+            built = parents[c.sample_id] = (done, parent)
+        out.append(ce_sample(built[0], c, built[1]))
     return out
 
 
-def samples_named(state: RolloutState, ids: Sequence[str], lane: Lane) -> list[Sample]:
-    """The samples of ``ids``, in that order, shaped by ``lane`` (not the CE lane, whose
-    sub-samples are planned over the whole rollout); raises naming the first id that has no
-    terminal event in ``state``, before building any."""
+def samples_named(rollout: Rollout, ids: Sequence[str], lane: Lane) -> list[Sample]:
+    """The samples of ``ids``, in that order, shaped by ``lane`` (not CE); raises naming the
+    first id with no terminal event, before building any."""
+    samples = rollout.state.samples
+    check_terminal(samples, rollout.state.rollout_id, ids)
+    out: list[Sample] = []
     for sample_id in ids:
-        _check_terminal(state, sample_id)
-    samples = state.samples
-    return [sample_of(samples[sample_id], lane=lane) for sample_id in ids]
+        r = samples[sample_id]
+        out.append(
+            sample_of(rollout.task(r), rollout.terminal(r), rollout.teacher(r), lane=lane)
+        )
+    return out
 
 
-def _check_terminal(state: RolloutState, sample_id: str) -> None:
-    s = state.samples.get(sample_id)
-    if s is None or not s.done:
-        raise no_terminal(state.rollout_id, sample_id)
-
-
-def no_terminal(rollout_id: str | None, sample_id: str) -> RolloutError:
-    """The error of a ready event that names a sample with no terminal event."""
-    return RolloutError(
-        f"rollout {rollout_id}: RolloutReady names {sample_id}, which has no terminal event "
-        f"in the stream"
-    )
+def check_terminal(
+    samples: Mapping[str, SampleRecord], rollout_id: str | None, ids: Sequence[str]
+) -> None:
+    """Raise naming the first of ``ids`` that has no terminal event."""
+    for sample_id in ids:
+        r = samples.get(sample_id)
+        if r is None or not r.done:
+            raise RolloutError(
+                f"rollout {rollout_id}: RolloutReady names {sample_id}, which has no terminal "
+                f"event in the stream"
+            )

@@ -1,40 +1,18 @@
 """Summaries of a finished rollout: failure classes, eval metrics and the eval artifacts.
 
-Everything here is a pure function of a folded :class:`RolloutState` (no clock, no I/O):
-the artifacts are computed as bytes (:func:`render_artifacts`) and written by
-:func:`engine.actors.artifacts.write_artifacts`, which the live finalizer and ``rollout replay``
-both call, so they produce the same bytes from the same events. Output bytes are
-deterministic: keys sorted, compact separators, floats rounded to 6 decimals (:func:`dumps`),
-rows in sample-index order.
+Everything here is a pure function of a folded rollout: ``summary.json`` reads the fold's
+records alone, the other artifacts the entries read back for them. The artifacts are rendered
+as bytes (:func:`render_artifacts`) and written by :func:`engine.actors.artifacts.write_artifacts`,
+which the live finalizer and ``rollout replay`` both call, so both produce the same bytes.
+Output is deterministic: keys sorted, compact separators, floats rounded to 6 decimals, rows in
+sample-index order.
 
-Failure classes (seeds: ``classify_termination(reward, reason)``; the derivation lives with
-the outcome family in :mod:`engine.outcomes`). Every sample falls in exactly one of eight
-classes, read off its :class:`~engine.projections.rows.SampleRow`; the first matching rule
-wins:
-
-=====================  =====================================================================
-class                  rule
-=====================  =====================================================================
-``agent_timeout``      the sample was aborted as ``agent_timeout`` (episode window elapsed)
-``infra_conn``         aborted as ``infra_conn`` (model server unreachable / aborted)
-``infra_sandbox``      aborted as ``infra_sandbox`` (the sandbox failed)
-``infra_other``        aborted as ``infra_other`` (anything else, dead-lettered deliveries)
-``success``            not aborted and ``reward > 0``
-``truncated_turns``    ended by ``max_turns`` with ``reward <= 0``
-``truncated_context``  ended by ``max_context`` or ``length`` with ``reward <= 0``
-``wrong_answer``       any other ending with ``reward <= 0`` (a clean ``finish`` included)
-=====================  =====================================================================
-
-A sample counts as *correct* when its class is ``success``. Per dataset, ``accuracy`` is
-the fraction of correct samples and, for datasets whose prompts have more than one sample,
-``pass@k`` is the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts
-(``n`` samples of the prompt, ``c`` correct), for k = 1, 2, 4, ... up to the smallest ``n``.
-It is computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which never forms a large binomial.
-
-Artifacts (:func:`render_artifacts`): ``summary.json`` (per-dataset class counts and
-metrics, per-task list), ``eval_details.jsonl`` (one line per sample),
-``placement.jsonl`` (one line per turn: node and GPU) and ``samples.jsonl`` (the trainer's
-samples as :func:`engine.projections.samples.trainer_samples` builds them).
+Every sample falls in exactly one failure class (:meth:`engine.outcomes.FailureClass.of`, the
+seeds' ``classify_termination``); it is correct when its class is ``success``. Per dataset,
+``accuracy`` is the fraction correct and, where prompts have more than one sample, ``pass@k``
+is the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts, for k = 1, 2, 4, ...
+up to the smallest ``n``, computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` so that no large
+binomial is formed.
 """
 
 from __future__ import annotations
@@ -44,58 +22,26 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from engine.events.catalog import RolloutReady, RolloutRequested
 from engine.outcomes import FailureClass, TerminationReason
-from engine.projections.rollout import RolloutState
-from engine.projections.rows import SampleRow, sample_rows
+from engine.projections.readback import Rollout, wanted
+from engine.projections.rollout import RolloutState, SampleRecord
+from engine.projections.rows import sample_rows
 
 __all__ = [
     "ARTIFACT_FILES",
     "FailureClass",
-    "SampleRow",
+    "artifact_entries",
     "build_summary",
     "classify_termination",
     "dumps",
     "eval_details",
-    "eval_metrics",
     "pass_at_k",
     "placement_log",
     "render_artifacts",
     "rows_metrics",
-    "sample_rows",
-    "summary_of",
 ]
-
-
-class OutcomeRow(Protocol):
-    """What the metrics and ``summary.json`` read of a sample: a :class:`SampleRow`, or the
-    finalizer's compact record (:class:`engine.projections.decision.Brief`)."""
-
-    @property
-    def sample_id(self) -> str: ...
-
-    @property
-    def dataset(self) -> str: ...
-
-    @property
-    def group_index(self) -> int: ...
-
-    @property
-    def reward(self) -> float: ...
-
-    @property
-    def failure_class(self) -> FailureClass: ...
-
-    @property
-    def turns(self) -> int: ...
-
-    @property
-    def correct(self) -> bool: ...
-
-
-R = TypeVar("R", bound=OutcomeRow)
 
 
 def classify_termination(reward: float, reason: TerminationReason | str | None) -> FailureClass:
@@ -134,9 +80,9 @@ def _power_of_two_ks(n_min: int) -> list[int]:
     return ks
 
 
-def _dataset_metrics(rows: Sequence[OutcomeRow]) -> dict[str, float]:
+def _dataset_metrics(rows: Sequence[SampleRecord]) -> dict[str, float]:
     out = {"accuracy": sum(r.correct for r in rows) / len(rows)}
-    groups: dict[int, list[OutcomeRow]] = defaultdict(list)
+    groups: dict[int, list[SampleRecord]] = defaultdict(list)
     for r in rows:
         groups[r.group_index].append(r)
     n_min = min(len(g) for g in groups.values())
@@ -147,24 +93,15 @@ def _dataset_metrics(rows: Sequence[OutcomeRow]) -> dict[str, float]:
     return out
 
 
-def _by_dataset(rows: Iterable[R]) -> dict[str, list[R]]:
-    out: dict[str, list[R]] = defaultdict(list)
+def _by_dataset(rows: Iterable[SampleRecord]) -> dict[str, list[SampleRecord]]:
+    out: dict[str, list[SampleRecord]] = defaultdict(list)
     for r in rows:
         out[r.dataset].append(r)
     return dict(sorted(out.items()))
 
 
-def eval_metrics(
-    state: RolloutState, *, prefix: str = "eval", rows: list[SampleRow] | None = None
-) -> dict[str, float]:
-    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1).
-
-    ``rows`` saves recomputing :func:`sample_rows` when the caller has them."""
-    return rows_metrics(sample_rows(state) if rows is None else rows, prefix=prefix)
-
-
-def rows_metrics(rows: Sequence[OutcomeRow], *, prefix: str = "eval") -> dict[str, float]:
-    """:func:`eval_metrics` of ``rows`` (index order), whatever record they come as."""
+def rows_metrics(rows: Sequence[SampleRecord], *, prefix: str = "eval") -> dict[str, float]:
+    """``{prefix}/{dataset}/accuracy`` and ``{prefix}/{dataset}/pass@k`` (groups of n > 1)."""
     out: dict[str, float] = {}
     for name, ds_rows in _by_dataset(rows).items():
         for key, value in _dataset_metrics(ds_rows).items():
@@ -199,33 +136,27 @@ def dumps(obj: Any) -> str:
     return json.dumps(_clean(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def build_summary(state: RolloutState) -> dict[str, Any]:
-    """``summary.json``: per-dataset counts per class and metrics, and the per-task list."""
-    return summary_of(
-        sample_rows(state), rollout_id=state.rollout_id, request=state.request, ready=state.ready
-    )
-
-
-def summary_of(
-    rows: Sequence[OutcomeRow],
-    *,
-    rollout_id: str | None,
-    request: RolloutRequested | None,
-    ready: RolloutReady | None,
-) -> dict[str, Any]:
-    """:func:`build_summary` from the rows (index order, a ready tail's rows as
-    :func:`sample_rows` makes them), the request and the ``RolloutReady``."""
+def build_summary(rollout: Rollout) -> dict[str, Any]:
+    """``summary.json``: per-dataset counts per class and metrics, and the per-task list. A
+    ready rollout's aborted tail samples with no terminal event count as ``tail_aborted``."""
+    state = rollout.state
+    rows = state.ordered()
+    request, ready = state.request, state.ready
+    tail: set[str] = set()
+    if ready is not None and not ready.tail_carried:
+        tail = set(ready.tail_sample_ids)
+    classes = {r.sample_id: _class_of(r, tail) for r in rows}
     datasets: dict[str, Any] = {}
     for name, ds_rows in _by_dataset(rows).items():
-        counts = _class_counts(ds_rows)
+        counts = _class_counts(ds_rows, classes)
         datasets[name] = {
             "n": len(ds_rows),
             "counts": counts,
             "metrics": _dataset_metrics(ds_rows),
         }
-    totals = _class_counts(rows)
+    totals = _class_counts(rows, classes)
     out: dict[str, Any] = {
-        "rollout_id": rollout_id,
+        "rollout_id": state.rollout_id,
         "iteration": request.iteration if request is not None else None,
         "kind": request.kind.value if request is not None else None,
         "policy_version": request.policy_version if request is not None else None,
@@ -241,14 +172,13 @@ def summary_of(
                 "dataset": r.dataset,
                 "group": r.group_index,
                 "reward": r.reward,
-                "class": r.failure_class.value,
+                "class": classes[r.sample_id].value,
                 "turns": r.turns,
             }
             for r in rows
         ],
     }
-    # Issue 12's sections, present only for a request that uses them (an older rollout's
-    # summary keeps its bytes).
+    # Present only for a request that uses them, so other summaries keep their bytes.
     if request is not None and request.max_staleness is not None:
         out["staleness"] = {
             "max_staleness": request.max_staleness,
@@ -264,22 +194,31 @@ def summary_of(
             "tail": request.tail,
             "tail_samples": len(ready.tail_sample_ids) if ready is not None else None,
         }
-    # The verification boundary's figures (engine/actors/verify.py), when it re-scored any.
+    # The verification boundary's figures, when it re-scored any.
     checks = {k[7:]: v for k, v in (ready.metrics if ready else {}).items() if k[:7] == "verify/"}
     if checks:
         out["verify"] = checks
     return out
 
 
-def _class_counts(rows: Iterable[OutcomeRow]) -> dict[str, int]:
+def _class_of(r: SampleRecord, tail: set[str]) -> FailureClass:
+    if not r.done and r.sample_id in tail:
+        return FailureClass.TAIL_ABORTED
+    return r.failure_class
+
+
+def _class_counts(
+    rows: Iterable[SampleRecord], classes: Mapping[str, FailureClass]
+) -> dict[str, int]:
     """Samples per failure class: the eight always, the engine's own two when present."""
     counts = {c.value: 0 for c in FailureClass if not c.engine_ended}
     for r in rows:
-        counts[r.failure_class.value] = counts.get(r.failure_class.value, 0) + 1
+        value = classes[r.sample_id].value
+        counts[value] = counts.get(value, 0) + 1
     return counts
 
 
-def eval_details(state: RolloutState) -> list[dict[str, Any]]:
+def eval_details(rollout: Rollout) -> list[dict[str, Any]]:
     """One record per sample, in index order: outcome, class and diagnostics."""
     return [
         {
@@ -303,7 +242,7 @@ def eval_details(state: RolloutState) -> list[dict[str, Any]]:
             "window_s": r.window_s,
             "node": r.node,
         }
-        for r in sample_rows(state)
+        for r in sample_rows(rollout)
     ]
 
 
@@ -311,14 +250,14 @@ def _value(member: StrEnum | None) -> str | None:
     return None if member is None else member.value
 
 
-def placement_log(state: RolloutState) -> list[dict[str, Any]]:
+def placement_log(rollout: Rollout) -> list[dict[str, Any]]:
     """One record per turn of the attempt that ended each sample: where it ran."""
     out: list[dict[str, Any]] = []
-    for s in state.ordered():
-        for t in sorted(s.turns, key=lambda t: t.turn):
+    for r in rollout.state.ordered():
+        for t in sorted(rollout.turns(r), key=lambda t: t.turn):
             out.append(
                 {
-                    "sample_id": s.sample_id,
+                    "sample_id": r.sample_id,
                     "attempt": t.attempt,
                     "turn": t.turn,
                     "node": t.node,
@@ -339,14 +278,20 @@ def _jsonl(records: Iterable[Any]) -> bytes:
     return "".join(dumps(r) + "\n" for r in records).encode()
 
 
-def render_artifacts(state: RolloutState) -> dict[str, bytes]:
-    """The artifact files of a rollout, name -> bytes (see :data:`ARTIFACT_FILES`)."""
+def artifact_entries(state: RolloutState) -> list[str]:
+    """The entry ids the artifacts of ``state`` are built from (every sample's, turns too)."""
+    return wanted(state, state.samples, turns=True)
+
+
+def render_artifacts(rollout: Rollout) -> dict[str, bytes]:
+    """The artifact files of a rollout, name -> bytes (see :data:`ARTIFACT_FILES`);
+    ``rollout`` holds the entries :func:`artifact_entries` names."""
     from engine.projections.samples import trainer_samples
 
-    samples = trainer_samples(state) if state.ready is not None else []
+    samples = trainer_samples(rollout) if rollout.state.ready is not None else []
     return {
-        "summary.json": (dumps(build_summary(state)) + "\n").encode(),
-        "eval_details.jsonl": _jsonl(eval_details(state)),
-        "placement.jsonl": _jsonl(placement_log(state)),
+        "summary.json": (dumps(build_summary(rollout)) + "\n").encode(),
+        "eval_details.jsonl": _jsonl(eval_details(rollout)),
+        "placement.jsonl": _jsonl(placement_log(rollout)),
         "samples.jsonl": _jsonl(s.model_dump(mode="json") for s in samples),
     }

@@ -1,27 +1,17 @@
-"""The recording proxy's token series: one per task, built call by call (inference-backend §4).
+"""The recording proxy's token series: one per task, built call by call.
 
 A black-box scaffold sends its whole conversation on every ``/v1/chat/completions`` call. The
-``Recorder`` turns that sequence of calls into the token series the native tool agent would
-have built for the same conversation (``engine.agents.chat_tokens``):
+``Recorder`` turns those calls into the token series the native tool agent would build for the
+same conversation (``engine.agents.chat_tokens``): the first call's prompt rendered with the
+chat template (``mask 0``); on each later call, the echoed assistant turn (already in the
+series as the generated ids) and the observations after it, tokenized as one increment with
+``ChatTokens.observation`` (``mask 0``); the generated ids verbatim with their logprobs
+(``mask 1``).
 
-1. the first call renders the whole prompt with the model's chat template (``mask 0``);
-2. a later call must *extend* the messages already consumed. Its first new message is the
-   assistant turn the scaffold echoes back (already in the series, as the generated tokens);
-   the messages after it are the observations, tokenized as one increment (``mask 0``) with
-   ``ChatTokens.observation`` exactly as the tool agent tokenizes its tool messages;
-3. the ids the server generated are appended verbatim with their logprobs (``mask 1``).
-
-The part of step 2 that depends only on what is already consumed (the template's rendering of
-the history, the reply's text) can be done ahead with ``Recorder.prepare``; the proxy does it
-once a reply is sent, so a call's path to its generation renders the history only once.
-
-The append-only guard: every consumed message keeps a signature (role, text content, tool
-calls, tool-call id, name). A call whose history is shorter than what was consumed (shrunk),
-whose consumed prefix differs (rewritten, e.g. a summary), whose echoed assistant turn is not
-the reply the proxy gave, or whose tools changed raises ``AppendOnlyViolation``; the proxy then
-turns capture off for the rest of the task. ``trajectory()`` hands the series back only if
-capture stayed valid and every array lines up; otherwise ``None``: no token data rather than a
-corrupt sample.
+Append-only guard: a call whose history shrank, whose consumed prefix was rewritten, whose
+echoed turn is not the proxy's reply, or whose tools changed raises ``AppendOnlyViolation``;
+the proxy then turns capture off for the task, and ``trajectory()`` gives ``None``: no token
+data rather than a corrupt sample.
 """
 
 from __future__ import annotations
@@ -44,7 +34,6 @@ class AppendOnlyViolation(Exception):
 
 
 def _text(content: Any) -> str:
-    """A message's text: a string, a list of ``text`` parts joined, or empty."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -54,19 +43,21 @@ def _text(content: Any) -> str:
     return json.dumps(content, sort_keys=True)
 
 
+def _canonical(args: object) -> str:
+    """Tool-call arguments as sorted JSON: the same call re-spaced is the same call."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return str(args)
+    return json.dumps(args, sort_keys=True)
+
+
 def _calls(message: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     out: list[tuple[str, str]] = []
     for call in message.get("tool_calls") or ():
         fn = call.get("function", {}) if isinstance(call, Mapping) else {}
-        args = fn.get("arguments", "")
-        if not isinstance(args, str):
-            args = json.dumps(args, sort_keys=True)
-        else:
-            try:  # the same call re-serialized with other spacing is the same call
-                args = json.dumps(json.loads(args), sort_keys=True)
-            except json.JSONDecodeError:
-                pass
-        out.append((str(fn.get("name", "")), args))
+        out.append((str(fn.get("name", "")), _canonical(fn.get("arguments", ""))))
     return tuple(out)
 
 
@@ -120,8 +111,6 @@ class _Reply:
 
 @dataclass(frozen=True, slots=True)
 class _Ahead:
-    """``Recorder.prepare``'s work for the reply ``reply``."""
-
     reply: _Reply
     closing: tuple[str, str]  # ChatTokens.closing(history before the reply)
     raw: str  # the reply's text as generated, trailing special tokens dropped
@@ -129,7 +118,7 @@ class _Ahead:
 
 @dataclass
 class Recorder:
-    """Builds one task's series (see the module docstring). Not thread-safe: one call at a time."""
+    """Builds one task's series. Not thread-safe: one call at a time."""
 
     tokenizer: Any
     chat: ChatTokens | None = None
@@ -146,8 +135,7 @@ class Recorder:
     last: _Reply | None = None
     valid: bool = True
     invalid_reason: str | None = None
-    # What the next call's increment needs that its messages do not change, made by
-    # ``prepare`` for the reply ``last`` (so it is used only while ``last`` is that reply).
+    # ``prepare``'s work for the reply ``last``, used only while ``last`` is that reply.
     ahead: _Ahead | None = None
 
     def series(self) -> list[int]:
@@ -157,9 +145,8 @@ class Recorder:
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
     ) -> list[int]:
         """Consume ``messages`` (a call's whole history); the exact ids to generate on.
-
-        Raises ``AppendOnlyViolation`` when they do not extend what was consumed; the series
-        is left as it was (the caller turns capture off)."""
+        Raises ``AppendOnlyViolation``, leaving the series as it was, when they do not extend
+        what was consumed."""
         tool_list = list(tools) if tools else None
         if self.chat is None:
             if not messages:
@@ -172,7 +159,7 @@ class Recorder:
             self.consumed = [message_signature(m) for m in messages]
             self.seen = [copy.deepcopy(dict(m)) for m in messages]
             return self.series()
-        # the same tools as the first call (the usual case) compare equal without re-encoding
+        # The same tools (the usual case) compare equal without re-encoding.
         if tool_list != self.tools_seen and (
             json.dumps(tool_list, sort_keys=True) != self.tools_sig
         ):
@@ -181,16 +168,13 @@ class Recorder:
             raise AppendOnlyViolation(
                 f"history shrank from {len(self.consumed)} to {len(messages)} messages"
             )
-        # A consumed message the scaffold sent back unchanged (the usual case) compares equal
-        # to the deep copy kept when it was consumed (a C-level comparison); only one that
-        # differs is reduced to its signature (re-spaced tool-call arguments and the like are
-        # the same message), so the per-call check does no JSON work.
+        # An unchanged message equals its kept deep copy without JSON work; only one that
+        # differs is compared by signature (re-spaced tool-call arguments are the same).
         for i, (seen, old) in enumerate(zip(self.seen, self.consumed, strict=True)):
             if messages[i] != seen and message_signature(messages[i]) != old:
                 raise AppendOnlyViolation(f"history rewritten at message {i}")
         fresh = list(messages[len(self.consumed) :])
-        # what is kept of the new messages, made before any state changes (a refused or
-        # failing call leaves the series as it was)
+        # Made before any state changes, so a refused call leaves the series as it was.
         fresh_sigs = [message_signature(m) for m in fresh]
         fresh_seen = [copy.deepcopy(dict(m)) for m in fresh]
         if self.last is None:
@@ -226,17 +210,14 @@ class Recorder:
         return self.series()
 
     def prepare(self) -> None:
-        """Do now what the next call's ``sync`` needs that its messages do not change: the
-        chat template's rendering of the history so far (``ChatTokens.closing``) and the text
-        of the reply just given. The proxy calls it once the reply is sent, so this work
-        runs while the scaffold reads the reply instead of between the scaffold's next
-        request and its generation. Without it ``sync`` computes the same values itself."""
+        """Render ahead what the next ``sync`` needs that its messages cannot change (the
+        history's closing, the reply's text), so that the work runs while the scaffold reads
+        the reply rather than on the next call's path; ``sync`` does it itself otherwise."""
         if self.valid and self.chat is not None and self.last is not None and self.ahead is None:
             self.ahead = self._ahead(self.chat, self.last)
 
     def _ahead(self, chat: ChatTokens, last: _Reply) -> _Ahead:
-        raw = chat.decode(_without_trailing_special(last.ids, chat), skip_special_tokens=False)
-        return _Ahead(last, chat.closing(self.history), raw)
+        return _Ahead(last, chat.closing(self.history), chat.reply_text(last.ids))
 
     def generated(
         self,
@@ -253,7 +234,8 @@ class Recorder:
         self.response.extend(int(i) for i in ids)
         self.logprobs.extend(float(x) for x in logprobs)
         self.mask.extend(1 for _ in ids)
-        self.last = _Reply(tuple(int(i) for i in ids), content, tuple(calls))
+        canonical = tuple((name, _canonical(args)) for name, args in calls)
+        self.last = _Reply(tuple(int(i) for i in ids), content, canonical)
         self.turns.append(
             TurnRecord(
                 index=len(self.turns),
@@ -289,11 +271,3 @@ class Recorder:
             loss_mask=tuple(self.mask),
             turns=tuple(self.turns),
         )
-
-
-def _without_trailing_special(ids: Sequence[int], chat: ChatTokens) -> Sequence[int]:
-    special = set(getattr(chat.tokenizer, "all_special_ids", []))
-    end = len(ids)
-    while end > 0 and ids[end - 1] in special:
-        end -= 1
-    return ids[:end]

@@ -6,19 +6,22 @@ One proxy per task, on its own free loopback port, started and torn down by ``as
         run_scaffold(base_url=proxy.url + "/v1")     # the scaffold only speaks OpenAI chat
     trajectory = proxy.trajectory()                   # None unless capture stayed valid
 
-Routes (Starlette, served by uvicorn inside the caller's event loop, so it shares the worker's
-pooled ``SGLangBackend``):
+The backend is any ``ModelBackend`` with the ``token_ids`` capability; a ``BackendPool``'s
+``get()`` brings the pool's hooks. Served by uvicorn inside the caller's event loop, so it
+shares the worker's pooled backend:
 
-- ``POST /v1/chat/completions``: the per-call cycle of ``engine.proxy.series`` on the model
-  server's token-level ``/generate``; the reply is a ``chat.completion`` (or, with
-  ``stream: true``, ``chat.completion.chunk`` server-sent events ending in ``[DONE]``) whose
-  ``tool_calls`` are parsed from the generated text by ``engine.backends.toolcalls``.
+- ``POST /v1/chat/completions``: one ``engine.proxy.series`` step on the model server's
+  token-level ``/generate``; the reply is a ``chat.completion`` (or, with ``stream: true``,
+  ``chat.completion.chunk`` events ending in ``[DONE]``) with ``tool_calls`` parsed by
+  ``engine.backends.toolcalls``.
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the model server's own answer.
 
 Once capture is off (the append-only guard fired, the server aborted a generation, anything
-unexpected failed, or the call asked for something a single series cannot hold such as
-``n > 1``), this call and every later one is passed through unchanged to the model server's own
-``/v1/chat/completions``: the scaffold's run completes, and the task yields no token data.
+unexpected failed, or the call asked for what one series cannot hold, such as ``n > 1``),
+every call passes through unchanged to the model server's ``/v1/chat/completions``, inside the
+backend's ``forwarded_call`` so the pool's hooks bracket it: the scaffold's run completes and
+the task yields no token data. A generation in flight when the proxy stops is aborted where
+the backend can abort.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.backends.base import ModelBackend
-from engine.backends.sglang import SGLangBackend
 from engine.backends.toolcalls import parse_tool_calls
 from engine.errors import ConfigError
 from engine.proxy.series import AppendOnlyViolation, ProxyTrajectory, Recorder
@@ -79,8 +81,6 @@ class _PassThrough(Exception):
 
 
 class RecordingProxy:
-    """One task's recording proxy (see the module docstring)."""
-
     def __init__(
         self,
         *,
@@ -89,16 +89,16 @@ class RecordingProxy:
         host: str = "127.0.0.1",
         task_id: str | None = None,
     ) -> None:
-        if not isinstance(backend, SGLangBackend):
+        if not backend.capabilities.token_ids:
             raise ConfigError(
-                f"RecordingProxy needs a token-level SGLangBackend (a BackendPool's get()), "
-                f"got {type(backend).__name__}"
+                f"RecordingProxy needs a backend with the token_ids capability (a BackendPool's "
+                f"get() on an SGLang server), got {backend!r}"
             )
         self.backend = backend
         self.recorder = Recorder(tokenizer)
         self.host = host
         self.task_id = task_id or uuid.uuid4().hex[:12]
-        self.upstream = backend.config.url
+        self.upstream = backend.base_url
         self.calls = 0
         self.passed_through = 0
         self._lock = asyncio.Lock()
@@ -115,8 +115,6 @@ class RecordingProxy:
                 Route("/v1/models/{model_id:path}", self._models, methods=["GET"]),
             ]
         )
-
-    # -- lifecycle --------------------------------------------------------------------------
 
     @property
     def port(self) -> int:
@@ -142,8 +140,8 @@ class RecordingProxy:
         return self.recorder.trajectory()
 
     async def __aenter__(self) -> RecordingProxy:
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on the connections it accepts only
-        # for sockets whose proto says TCP (proto 0 would leave Nagle on: ~40 ms per reply).
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only for
+        # sockets whose proto says TCP (proto 0 leaves Nagle's delay on every reply).
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
@@ -178,9 +176,8 @@ class RecordingProxy:
 
     async def aclose(self) -> None:
         """Stop serving, abort a generation still in flight, release the pass-through client."""
-        if self._rid is not None:
-            with contextlib.suppress(Exception):
-                await self.backend.abort(self._rid)
+        with contextlib.suppress(Exception):
+            await self.abort()
         if self._server is not None and self._serving is not None:
             self._server.should_exit = True
             await self._serving
@@ -194,15 +191,12 @@ class RecordingProxy:
 
     async def abort(self) -> None:
         """Abort the generation in flight, if any (its call then passes through)."""
-        if self._rid is not None:
+        if self._rid is not None and self.backend.capabilities.abort:
             await self.backend.abort(self._rid)
-
-    # -- routes -----------------------------------------------------------------------------
 
     def _upstream(self) -> httpx.AsyncClient:
         """The client for the model server's own OpenAI routes, made on first use: most tasks
-        never pass a call through, and making an ``httpx.AsyncClient`` costs ~20 ms (it loads
-        the CA bundle) on every proxy start."""
+        never pass a call through, and a client loads the CA bundle when made."""
         if self._client is None:
             self._client = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None))
         return self._client
@@ -280,7 +274,7 @@ class RecordingProxy:
             gen.token_ids,
             gen.logprobs,
             content=content or "",
-            calls=_normalized(calls),
+            calls=calls,
             prompt_tokens=len(series),
             elapsed_s=time.monotonic() - started,
             finish_reason=str(gen.finish_reason),
@@ -311,8 +305,7 @@ class RecordingProxy:
         }
 
     async def _prepare(self) -> None:
-        """After a captured reply is sent: the next call's template work, off its path
-        (``Recorder.prepare``). A failure here is left for that call's ``sync`` to meet."""
+        """``Recorder.prepare`` once a reply is sent; a failure is left for the next ``sync``."""
         async with self._lock:
             with contextlib.suppress(Exception):
                 self.recorder.prepare()
@@ -332,14 +325,14 @@ class RecordingProxy:
         client = self._upstream()
         headers = {"content-type": "application/json"}
         if not stream:
-            async with self.backend.gate.turn():  # a generation: the weight sync's gate
+            async with self.backend.forwarded_call():  # a generation: the pool's hooks
                 reply = await client.post("/v1/chat/completions", content=raw, headers=headers)
             return Response(
                 reply.content,
                 status_code=reply.status_code,
                 media_type=reply.headers.get("content-type"),
             )
-        turn = self.backend.gate.turn()  # held until the stream ends
+        turn = self.backend.forwarded_call()  # held until the stream ends
         await turn.__aenter__()
         try:
             upstream = await client.send(
@@ -363,17 +356,6 @@ class RecordingProxy:
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "text/event-stream"),
         )
-
-
-def _normalized(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    out = []
-    for name, args in calls:
-        try:
-            args = json.dumps(json.loads(args), sort_keys=True)
-        except json.JSONDecodeError:
-            pass
-        out.append((name, args))
-    return out
 
 
 async def _sse(reply: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:

@@ -1,20 +1,15 @@
 """Group commit for an actor's appends: many small emits, few round trips.
 
-Samples of many concurrent episodes each emit a handful of events; sending each as its own
-XADD would cost a round trip per event. ``GroupAppender.emit`` only queues (it never
-blocks); one background task writes whatever has queued up with one pipelined
-``append_many``, and while that write is in flight the next batch accumulates, so the batch
-size adapts to the load (classic group commit). ``flush()`` returns once everything emitted
-before it is in Redis; an actor flushes before it acks a delivery, so an acked entry's
-effects are always recorded.
+``emit`` only queues; one background task writes whatever has queued with one
+``append_many``, and the next batch accumulates while that write is in flight, so batches
+grow with the load. ``flush()`` returns once everything emitted before it is written; an
+actor flushes before it acks, so an acked entry's effects are recorded. Events are written
+in emit order (a batch is sent only after the previous one), so an event is never in the
+log without those emitted before it.
 
-Order is preserved: events are written in emit order, in order within a pipeline, and a
-pipeline is only sent after the previous one finished. A sample's ``TokenReleased`` emitted
-after its terminal event can therefore never be in the log without it.
-
-A failed write keeps its events at the head of the queue and fails the ``flush()`` calls
-waiting on them; the next flush retries them. A retried pipeline may have been partly
-applied, so a retry can duplicate events: every fold ignores duplicates (docs/architecture.md).
+A failed write keeps its events at the head of the queue and fails the waiting
+``flush()`` calls; the next flush retries them. A partly applied batch can be written
+twice: every fold ignores duplicates.
 """
 
 from __future__ import annotations
@@ -42,14 +37,8 @@ class GroupAppender:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self.batches = 0
-
-    @property
-    def pending(self) -> int:
-        return self._emitted - self._written
 
     def emit(self, items: Sequence[tuple[str, Event]]) -> None:
-        """Queue events for writing; returns at once."""
         if self._closed:
             raise RuntimeError("GroupAppender is closed")
         if not items:
@@ -60,7 +49,7 @@ class GroupAppender:
         self._wake.set()
 
     async def flush(self) -> None:
-        """Wait until every event emitted so far is written; raise the write's error if not."""
+        """Wait until every event emitted so far is written; raise the write's error."""
         target = self._emitted
         if self._written >= target:
             return
@@ -100,7 +89,6 @@ class GroupAppender:
                     break
                 del self._queue[: len(batch)]
                 self._written += len(batch)
-                self.batches += 1
                 self._resolve()
 
     def _resolve(self) -> None:

@@ -1,23 +1,17 @@
-"""The rollout archive file: one rollout stream's raw entries, written and read back.
+"""The rollout archive file: one rollout stream's raw entries, written and read back by
+the retention loop and the operator tools alike.
 
 Format: a sequence of msgpack values. The first is a header map ``{"format":
 "rollout-archive", "version": 1, "stream": <stream name>, "rollout_id": <id>, "count":
-<entries>}``; each following value is a two-element array ``[<stream id>, <raw event
-bytes>]``, in stream order, exactly as stored in Redis (an entry that does not decode is
-archived as it is and skipped on replay, as a live reader would).
-
-It lives in the runtime so that long-running actors (the finalizer's retention loop) and
-the operator tools (``rollout archive``, ``rollout replay``, ``rollout retention``) write
-and read the same files; ``engine.ops.replay`` re-exports it.
+<entries>}``; each following value is ``[<stream id>, <raw event bytes>]``, in stream
+order, as stored (an entry that does not decode is kept, and skipped on replay).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import msgpack
 
@@ -57,15 +51,10 @@ def write_archive(path: str | os.PathLike[str], archive: Archive) -> int:
     return len(archive.entries)
 
 
-def _values(fh: BinaryIO) -> Iterator[Any]:
-    unpacker = msgpack.Unpacker(fh, raw=False, strict_map_key=True, max_buffer_size=2**31 - 1)
-    yield from unpacker
-
-
 def read_archive(path: str | os.PathLike[str]) -> Archive:
     """Read an archive file; a file that is not one raises ``DecodeError`` naming it."""
     with open(path, "rb") as fh:
-        values = _values(fh)
+        values = msgpack.Unpacker(fh, raw=False, strict_map_key=True, max_buffer_size=2**31 - 1)
         try:
             header = next(values)
         except StopIteration:

@@ -281,13 +281,14 @@ class GroupConsumer:
         self, count: int, stop_wait: asyncio.Task[object]
     ) -> tuple[list[Delivery], list[DeadEntry]] | None:
         """``fetch(count)``, unless ``stop_wait`` (a task waiting on the caller's stop
-        event) finishes first: then the read is let finish (never cancelled), what it
-        delivered is handed back, and None comes back. A read that fails (Redis
-        unavailable) is logged and comes back empty after the next backoff pause (cut
-        short by a stop), so the caller's loop carries on and reconnects."""
+        event) finishes first, or with a read that succeeded: then the read is let finish
+        (never cancelled), what it delivered is handed back, and None comes back. A read
+        that fails (Redis unavailable) is logged and comes back empty after the next
+        backoff pause (cut short by a stop), so the caller's loop carries on and
+        reconnects."""
         fetch = asyncio.get_running_loop().create_task(self.fetch(count))
         await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-        if not fetch.done():
+        if not fetch.done() or (stop_wait.done() and fetch.exception() is None):
             try:
                 deliveries, dead = await fetch
             except LogError:
@@ -442,10 +443,6 @@ class GroupConsumer:
         hands them back with its unfinished work."""
         backlog, self._backlog = self._backlog, []
         return [d for d in backlog if d.key not in self._in_flight]
-
-    def unreleased(self) -> list[Delivery]:
-        """Deliveries fetched but neither acked nor released."""
-        return list(self._in_flight.values())
 
     async def _beat(self) -> None:
         while True:

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -103,38 +104,122 @@ async def serve(
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be at least 1, got {capacity}")
     tune_gc()
-    served = Served()
-    handed: list[Delivery] = []
-    active: dict[asyncio.Task[None], Delivery] = {}
-    loop = asyncio.get_running_loop()
-    halt = asyncio.Event()  # the stop, or a fatal outage in a handler
-    fatal: list[OutageExceeded] = []
+    hooks = _Hooks(on_dead or _nothing, on_stopping, before_hand_back, settle_writes)
+    return await _Loop(consumer, handle, hooks, capacity, grace_s).run(stop)
 
-    async def run_one(d: Delivery) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _Hooks:
+    on_dead: DeadHandler
+    on_stopping: Hook | None
+    before_hand_back: Hook | None
+    settle_writes: Hook | None
+
+
+class _Loop:
+    """One ``serve``: its deliveries in flight, what it hands back, and its stop."""
+
+    def __init__(
+        self,
+        consumer: GroupConsumer,
+        handle: Handler,
+        hooks: _Hooks,
+        capacity: int | None,
+        grace_s: float | None,
+    ) -> None:
+        self.consumer = consumer
+        self.handle = handle
+        self.hooks = hooks
+        self.capacity = capacity
+        self.grace_s = grace_s
+        self.served = Served()
+        self.handed: list[Delivery] = []  # unfinished work to hand back at the stop
+        self.active: dict[asyncio.Task[None], Delivery] = {}
+        self.lost: set[tuple[str, str]] = set()  # cancelled: another consumer owns them
+        self.halt = asyncio.Event()  # the stop, or a fatal outage in a handler
+        self.fatal: list[OutageExceeded] = []
+
+    async def run(self, stop: asyncio.Event) -> Served:
+        consumer = self.consumer
+        consumer.on_lost = self.on_lost
+
+        async def relay() -> None:
+            await stop.wait()
+            self.halt.set()
+
+        loop = asyncio.get_running_loop()
+        await ride_out(consumer.start, consumer.backoff, what="creating the consumer groups")
+        relay_task = loop.create_task(relay())
+        stop_wait = loop.create_task(self.halt.wait())
         try:
-            await _run_one(d)
-        except OutageExceeded as exc:
-            fatal.append(exc)
-            halt.set()
-        except asyncio.CancelledError:
-            if d.key not in lost:
-                raise
-            lost.discard(d.key)
-            served.failed += 1
+            await self.fetch_until_halted(stop_wait)
+            await self.wind_down()
+        finally:
+            stop_wait.cancel()
+            relay_task.cancel()
+            for task in self.active:
+                task.cancel()
+            await asyncio.gather(*self.active, return_exceptions=True)
+            await consumer.aclose()
+        return self.served
 
-    async def _run_one(d: Delivery) -> None:
+    async def fetch_until_halted(self, stop_wait: asyncio.Task[bool]) -> None:
+        """Fetch as many deliveries as there is room for and start a task for each."""
+        consumer, loop = self.consumer, asyncio.get_running_loop()
+        while not self.halt.is_set():
+            for task in [t for t in self.active if t.done()]:
+                del self.active[task]
+            free = FETCH_COUNT if self.capacity is None else self.capacity - len(self.active)
+            if free <= 0:
+                await asyncio.wait([*self.active, stop_wait], return_when=FIRST_COMPLETED)
+                continue
+            fetched = await consumer.fetch_or_stop(free, stop_wait)
+            if fetched is None:
+                return
+            deliveries, dead = fetched
+            if dead:
+                metrics.DEAD_LETTERS.labels(consumer.group).inc(len(dead))
+                await consumer.handle_dead(dead, self.hooks.on_dead)
+            for d in deliveries:
+                metrics.delivered(consumer.group, d.env.stream, id_ms(d.env.id),
+                                  redelivered=d.redelivered)
+                task = loop.create_task(self.run_one(d), name=f"{consumer.group}-{d.env.id}")
+                self.active[task] = d
+
+    def on_lost(self, d: Delivery) -> None:
+        """Another consumer owns ``d`` now: stop its handler, give nothing back."""
+        for task, held in self.active.items():
+            if held.key == d.key and not task.done():
+                self.lost.add(d.key)
+                task.cancel()
+
+    async def run_one(self, d: Delivery) -> None:
+        try:
+            await self.attempt(d)
+        except OutageExceeded as exc:
+            self.fatal.append(exc)
+            self.halt.set()
+        except asyncio.CancelledError:
+            if d.key not in self.lost:
+                raise
+            self.lost.discard(d.key)
+            self.served.failed += 1
+
+    async def attempt(self, d: Delivery) -> None:
+        """Handle ``d`` until it is done, handed back or failed (module docstring)."""
+        consumer = self.consumer
         backoff = dataclasses.replace(consumer.backoff, failures=0, failing_since=None)
         while True:
             try:
-                await handle(d)
+                await self.handle(d)
                 break
             except HandBack:
-                handed.append(d)
+                self.handed.append(d)
                 return
             except LogUnavailable as exc:
                 metrics.REDIS_ERRORS.labels("handler").inc()
-                if halt.is_set():
-                    handed.append(d)  # stopping: the work is unfinished
+                if self.halt.is_set():
+                    self.handed.append(d)  # stopping: the work is unfinished
                     return
                 pause = backoff.next_pause(exc)
                 logger.error(
@@ -142,76 +227,42 @@ async def serve(
                     consumer.consumer, d.env.id, d.env.stream, pause, exc,
                 )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(halt.wait(), pause)
+                    await asyncio.wait_for(self.halt.wait(), pause)
                 d = dataclasses.replace(d, redelivered=True)
             except Exception as exc:
-                served.failed += 1
+                self.served.failed += 1
                 logger.error(
                     "%s: entry %s of %s failed, left pending for a retry: %r",
                     consumer.consumer, d.env.id, d.env.stream, exc, exc_info=exc,
                 )
-                if settle_writes is not None:
-                    await ride_out(settle_writes, consumer.backoff, what="writing its events")
+                if self.hooks.settle_writes is not None:
+                    await ride_out(self.hooks.settle_writes, consumer.backoff,
+                                   what="writing its events")
                 consumer.release(d)
                 return
         # Its effects are recorded; an ack is idempotent, so it is retried through an outage.
-        await ride_out(
-            lambda: consumer.ack(d), consumer.backoff, what=f"ack of {d.env.id}"
-        )
-        served.handled += 1
+        await ride_out(lambda: consumer.ack(d), consumer.backoff, what=f"ack of {d.env.id}")
+        self.served.handled += 1
 
-    lost: set[tuple[str, str]] = set()
-
-    def on_lost(d: Delivery) -> None:
-        """Another consumer owns ``d`` now: stop its handler, give nothing back."""
-        for task, held in active.items():
-            if held.key == d.key and not task.done():
-                lost.add(d.key)
-                task.cancel()
-
-    consumer.on_lost = on_lost
-
-    async def relay() -> None:
-        await stop.wait()
-        halt.set()
-
-    await ride_out(consumer.start, consumer.backoff, what="creating the consumer groups")
-    relay_task = loop.create_task(relay())
-    stop_wait = loop.create_task(halt.wait())
-    try:
-        while not halt.is_set():
-            for task in [t for t in active if t.done()]:
-                del active[task]
-            free = FETCH_COUNT if capacity is None else capacity - len(active)
-            if free <= 0:
-                await asyncio.wait([*active, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                continue
-            fetched = await consumer.fetch_or_stop(free, stop_wait)
-            if fetched is None:
-                break
-            deliveries, dead = fetched
-            if dead:
-                metrics.DEAD_LETTERS.labels(consumer.group).inc(len(dead))
-                await consumer.handle_dead(dead, on_dead or _nothing)
-            for d in deliveries:
-                metrics.delivered(consumer.group, d.env.stream, id_ms(d.env.id),
-                                  redelivered=d.redelivered)
-                active[loop.create_task(run_one(d), name=f"{consumer.group}-{d.env.id}")] = d
-        if on_stopping is not None:
-            await on_stopping()
-        if active:
-            _done, late = await asyncio.wait(list(active), timeout=grace_s)
+    async def wind_down(self) -> None:
+        """The stop: let running handlers finish within the grace period, cancel the rest,
+        then hand back every unfinished delivery (or leave them pending, module doc)."""
+        consumer = self.consumer
+        if self.hooks.on_stopping is not None:
+            await self.hooks.on_stopping()
+        if self.active:
+            _done, late = await asyncio.wait(list(self.active), timeout=self.grace_s)
             for task in late:
                 task.cancel()
-                if active[task].key not in lost:
-                    handed.append(active[task])
+                if self.active[task].key not in self.lost:
+                    self.handed.append(self.active[task])
             await asyncio.gather(*late, return_exceptions=True)
-        if fatal:
-            raise fatal[0]
-        unfinished = [*handed, *consumer.take_backlog()]
-        if before_hand_back is not None:
+        if self.fatal:
+            raise self.fatal[0]
+        unfinished = [*self.handed, *consumer.take_backlog()]
+        if self.hooks.before_hand_back is not None:
             try:
-                await before_hand_back()
+                await self.hooks.before_hand_back()
             except LogError as exc:
                 # Events for the unfinished work may still be queued: giving it back now
                 # would let another consumer run it beside our late writes. Left pending
@@ -223,16 +274,8 @@ async def serve(
                 for d in unfinished:
                     consumer.release(d)
                 unfinished = []
-        served.handed_back = len(handed)
+        self.served.handed_back = len(self.handed)
         await consumer.hand_back(unfinished)
-    finally:
-        stop_wait.cancel()
-        relay_task.cancel()
-        for task in active:
-            task.cancel()
-        await asyncio.gather(*active, return_exceptions=True)
-        await consumer.aclose()
-    return served
 
 
 async def _nothing(entry: DeadEntry) -> None:

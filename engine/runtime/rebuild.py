@@ -1,20 +1,17 @@
 """Folding a projection from the log: the one rebuild path, snapshots and time travel.
 
-The folds themselves are pure (``engine.projections``); this module is where they meet the
-log. Live actors, the client and the operator tools all rebuild through :func:`rebuild`,
-so a replay folds exactly what the live actor folded.
+Live actors, the client and the operator tools all rebuild through :func:`rebuild`, so a
+replay folds exactly what the live actor folded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
 from typing import TypeVar
 
 import msgpack
 
 from engine.events.log import EventLog
+from engine.events.log_base import gc_paused
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 
@@ -31,29 +28,12 @@ async def rebuild(
     since: Folded[S] | None = None,
     until: str | None = None,
 ) -> Folded[S]:
-    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``.
-
-    The cyclic collector is paused while the fold runs: a fold builds one large, acyclic
-    state, and collections in the middle of it would scan that state again and again (a
-    100k-sample rollout's fold cost twice as much per sample as a 10k one). It is switched
-    back on afterwards, and collects as usual from then on."""
+    """Fold ``stream`` from the start (or from the snapshot ``since``) up to ``until``,
+    the cyclic collector paused (``gc_paused``) while the large acyclic state is built."""
     folded = since if since is not None else start(projection)
     envelopes = await log.read_all(stream, after=folded.position)
     with gc_paused():
         return fold(projection, folded, envelopes, until=until)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while a large, acyclic result is built (a rebuild, a
-    client's load); switched back on afterwards when it was on. Nests."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def save_snapshot(log: EventLog, projection: Snapshottable[S], folded: Folded[S]) -> None:
@@ -74,11 +54,9 @@ async def load_snapshot(log: EventLog, projection: Snapshottable[S]) -> Folded[S
 
 
 async def pool_at(log: EventLog, *, until: str | None = None) -> Folded[PoolState]:
-    """The pool as it was right after event ``until`` of ``rl:pool`` (None: now).
-
-    From the pool's snapshot when it is older than ``until``; a point older than the
-    snapshot is folded from the stream's start, which reaches only as far back as
-    retention has kept ``rl:pool``."""
+    """The pool right after event ``until`` of ``rl:pool`` (None: now): from the pool's
+    snapshot when it is older, else from the stream's start (as far back as retention
+    kept it)."""
     projection = PoolProjection()
     snapshot = await load_snapshot(log, projection)
     if snapshot is not None and (until is None or not snapshot.covers(until)):

@@ -1,8 +1,7 @@
-"""Sandboxes: where agents' commands run (see ``base`` for the contract).
+"""Sandboxes: where agents' commands run (the contract is in ``base``).
 
-``LocalSandboxProvider`` (processes on this machine; the embedded default) and
-``DockerSandboxProvider`` (one container per sandbox; the docker SDK is imported on first use)
-implement ``SandboxProvider``.
+``LocalSandboxProvider`` runs them as contained local processes, ``DockerSandboxProvider`` in
+one container per sandbox (the docker SDK is imported on first use).
 """
 
 from engine.sandbox.base import (

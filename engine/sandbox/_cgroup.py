@@ -1,25 +1,16 @@
-"""Optional cgroup support for the local sandbox: exact process and memory accounting.
+"""Optional cgroups for the local sandbox: exact process and memory accounting.
 
-What it adds over rlimits: ``pids.max`` bounds a sandbox's processes *in total* (rlimits are per
-uid), a memory limit bounds the sandbox's resident memory in total (``RLIMIT_DATA`` is per
-process), the kernel counts hits of both (so a result is classified from counters, not from
-error text), and every exec gets a child group of its own, so a timed-out command is killed
-with all of its descendants -- including ones that left its process group or cleared their
-environment.
+Over rlimits they add: ``pids.max`` bounds a sandbox's processes in total (``RLIMIT_NPROC``
+counts per uid), the memory limit bounds its resident memory in total (``RLIMIT_DATA`` is per
+process), the kernel counts hits of both (results are classified from counters, not error
+text), and each exec gets a child group, so a timed-out command dies with every descendant,
+even ones that left its process group or cleared their environment.
 
-Where it works:
-
-* cgroup v1 with writable ``pids`` and/or ``memory`` hierarchies (a root worker on a host or in
-  a privileged container): groups are made under the worker's own cgroup in each hierarchy, in
-  a ``rollout-sandboxes`` folder.
-* cgroup v2 only with an explicit ``cgroup_parent``: a directory delegated to the worker (e.g. by
-  systemd ``Delegate=yes``) that has no processes of its own, so ``+pids +memory`` can be enabled
-  in its ``cgroup.subtree_control``; sandbox groups are made directly in it. A worker's own
-  v2 cgroup holds the worker, and the kernel refuses to enable controllers below a cgroup
-  that has processes, so there is no automatic v2.
-
-Anything else (read-only ``/sys/fs/cgroup`` in an unprivileged container, no root) makes
-:func:`detect` return ``None`` with the reason, and the sandbox relies on its uid and rlimits.
+Usable with cgroup v1 writable ``pids``/``memory`` hierarchies (groups go in a
+``rollout-sandboxes`` folder under the worker's own cgroup), or with cgroup v2 only given a
+``cgroup_parent`` delegated to the worker and holding no processes: the kernel refuses to
+enable controllers below a cgroup that has processes, so the worker's own v2 cgroup cannot
+serve. Otherwise :func:`detect` returns ``None`` and why; the sandbox relies on uid and rlimits.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ _GROUP_FOLDER = "rollout-sandboxes"
 
 @dataclass(frozen=True, slots=True)
 class CgroupLayout:
-    """Where sandbox groups are created: per hierarchy parent folders (v2: the same folder)."""
+    """Parent folders of sandbox groups per hierarchy (v2: the same folder)."""
 
     version: int
     pids_parent: Path | None
@@ -60,7 +51,7 @@ class CgroupCounters:
 
 
 def _mounts() -> Iterator[tuple[str, Path, str, set[str]]]:
-    """(mount root, mount point, fstype, super options) of each cgroup mount."""
+    """(root, mount point, fstype, super options) of each cgroup mount."""
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:

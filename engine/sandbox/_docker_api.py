@@ -1,8 +1,6 @@
-"""The docker SDK at the adapter's edge: imported on first use, its errors translated.
-
-Every docker or connection failure becomes :class:`~engine.errors.SandboxError` here, naming
-what was being done; ``requests`` errors derive from ``OSError``, so that covers a dead socket.
-"""
+"""The docker SDK at the adapter's edge: imported on first use, and every docker or
+connection failure translated to :class:`~engine.errors.SandboxError` naming what was being
+done (``requests`` errors derive from ``OSError``, which covers a dead socket)."""
 
 from __future__ import annotations
 
@@ -10,12 +8,12 @@ import asyncio
 import io
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from engine.errors import SandboxError
 
-__all__ = ["call", "docker_module", "is_not_found", "tar_member", "translate"]
+__all__ = ["call", "docker_module", "is_not_found", "tar_archive", "translate"]
 
 _T = TypeVar("_T")
 
@@ -46,10 +44,7 @@ def is_not_found(exc: BaseException) -> bool:
 
 
 async def call(what: str, function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """Run a blocking SDK call in a thread; docker and connection errors become SandboxError.
-
-    (``requests`` errors derive from ``OSError``, so ``OSError`` covers a dead socket too.)
-    """
+    """Run a blocking SDK call in a thread, its errors translated."""
     docker = docker_module()
     try:
         return await asyncio.to_thread(function, *args, **kwargs)
@@ -57,17 +52,21 @@ async def call(what: str, function: Callable[..., _T], *args: Any, **kwargs: Any
         raise translate(what, exc) from exc
 
 
-def tar_member(name: str, *, data: bytes | None, mode: int, owner: tuple[int, int]) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.mode = mode
-    info.uid, info.gid = owner
-    info.mtime = int(time.time())
+def tar_archive(
+    members: Sequence[tuple[str, bytes | None, int]], *, owner: tuple[int, int]
+) -> bytes:
+    """A tar of ``(name, data, mode)`` members owned by ``owner``; ``data=None`` is a directory."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
-        if data is None:
-            info.type = tarfile.DIRTYPE
-            archive.addfile(info)
-        else:
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
+        for name, data, mode in members:
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            info.uid, info.gid = owner
+            info.mtime = int(time.time())
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                archive.addfile(info)
+            else:
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()

@@ -1,16 +1,11 @@
 """Files of a Docker sandbox, through the archive endpoints, kept inside the working directory.
 
-Paths are relative to the working directory or absolute inside it. They are resolved one
-component at a time with the archive endpoint's ``stat`` (``HEAD /containers/{id}/archive``):
-Docker reports a symlink's fully resolved target inside the container's root, and a target
-outside the working directory raises :class:`~engine.errors.SandboxEscape` -- the same contract
-as the local backend, although "outside" here is still inside the container. A command can
-change the tree between the check and the copy; the worst it reaches is another path in its own
-container, which Docker itself resolves inside the container's root.
-
-Reads use ``get_archive`` (the file must be regular and within ``max_file_bytes``); writes send
-one tar to ``put_archive`` with the missing parent directories and the file, owned by the exec
-user.
+A path is resolved one component at a time with the archive endpoint's ``stat``, which reports
+a symlink's resolved target inside the container; a target outside the working directory
+raises :class:`~engine.errors.SandboxEscape`, the local backend's contract. A command can change
+the tree between check and copy; the worst it reaches is another path of its own container.
+Reads take a regular file of at most ``max_file_bytes``; a write sends one tar with the missing
+parent directories and the file, owned by the exec user.
 """
 
 from __future__ import annotations
@@ -20,12 +15,11 @@ import io
 import json
 import posixpath
 import tarfile
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import SandboxError, SandboxEscape
-from engine.sandbox._docker_api import call
+from engine.sandbox._docker_api import call, tar_archive
 
 __all__ = ["ArchiveFiles", "Resolved"]
 
@@ -37,8 +31,8 @@ _MODE_TYPE = _MODE_DIR | _MODE_SYMLINK | (1 << 26) | (1 << 25) | (1 << 24) | (1 
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
-    """A path resolved in the container: its stat (``None`` if missing), the deepest existing
-    directory on the way (``base``) and the components still missing below it."""
+    """A resolved path: its stat (``None`` if missing), the deepest existing directory on the
+    way (``base``) and the components missing below it."""
 
     path: str
     stat: dict[str, Any] | None
@@ -93,7 +87,6 @@ class ArchiveFiles:
         )
 
     async def _resolve(self, path: str) -> Resolved:
-        """Resolve ``path`` inside the working directory, one component at a time."""
         if not isinstance(path, str) or not path or "\0" in path:
             raise SandboxError(f"sandbox path must be a non-empty string without NUL, got {path!r}")
         if posixpath.isabs(path):
@@ -143,7 +136,6 @@ class ArchiveFiles:
         return Resolved(current, stat, posixpath.dirname(current), [])
 
     async def read(self, path: str) -> bytes:
-        """Contents of the regular file ``path`` (see the module docstring for paths)."""
         container = self._container
         found = await self._resolve(path)
         resolved, stat = found.path, found.stat
@@ -180,7 +172,6 @@ class ArchiveFiles:
             return extracted.read()
 
     async def write(self, path: str, payload: bytes, mode: int) -> None:
-        """Write ``payload`` to ``path`` with ``mode``, creating missing parent directories."""
         container = self._container
         found = await self._resolve(path)
         resolved, stat, base, missing = found.path, found.stat, found.base, found.missing
@@ -190,24 +181,6 @@ class ArchiveFiles:
             raise SandboxError(f"path {path!r} in sandbox {self._id} is not a regular file")
         if stat is not None:
             base, missing = posixpath.dirname(resolved), [posixpath.basename(resolved)]
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for depth in range(1, len(missing)):
-                info = tarfile.TarInfo("/".join(missing[:depth]))
-                info.type = tarfile.DIRTYPE
-                info.mode = 0o755
-                info.uid, info.gid = self._owner
-                info.mtime = int(time.time())
-                tar.addfile(info)
-            info = tarfile.TarInfo("/".join(missing))
-            info.size = len(payload)
-            info.mode = mode
-            info.uid, info.gid = self._owner
-            info.mtime = int(time.time())
-            tar.addfile(info, io.BytesIO(payload))
-        await call(
-            f"sandbox {self._id}: writing {path!r}",
-            container.put_archive,
-            base,
-            buffer.getvalue(),
-        )
+        parents = [("/".join(missing[:depth]), None, 0o755) for depth in range(1, len(missing))]
+        archive = tar_archive([*parents, ("/".join(missing), payload, mode)], owner=self._owner)
+        await call(f"sandbox {self._id}: writing {path!r}", container.put_archive, base, archive)

@@ -1,13 +1,9 @@
 """One endpoint inside a sandbox's network namespace, forwarded to one service outside.
 
-A sandbox with a network namespace of its own sees only its loopback. When a task needs one
-service of the host (an installed scaffold reaching its recording proxy), the worker opens a
-listening socket *inside* the namespace -- a thread ``setns`` es into it, binds
-``127.0.0.1:port`` there and returns to the worker's namespace; the socket stays in the
-namespace it was made in -- and relays every connection accepted on it to the target, which
-the worker connects to from its own namespace. Commands in the sandbox reach exactly that
-target, at that address, and nothing else of the host.
-
+A task that needs one service of the host (a scaffold reaching its recording proxy) gets a
+socket listening on ``127.0.0.1:port`` *inside* the sandbox's namespace (a socket stays in the
+namespace it was made in); the worker relays each connection to the target from its own
+namespace, so commands reach exactly that target and nothing else of the host.
 ``setns(CLONE_NEWNET)`` changes only the calling thread, so it runs on a thread of its own that
 ends right after: no pooled thread is ever left in a sandbox's namespace.
 """
@@ -32,8 +28,7 @@ _CHUNK = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class NetnsRef:
-    """A network namespace: a process that is in it, and the namespace's inode (the proof that
-    the pid still names that namespace and was not reused)."""
+    """A network namespace: a process in it, and its inode (proof the pid was not reused)."""
 
     pid: int
     ino: int
@@ -57,7 +52,7 @@ def _setns(fd: int, what: str) -> None:
 
 
 def _listen_inside(netns: NetnsRef, port: int) -> socket.socket:
-    """A socket listening on ``127.0.0.1:port`` inside ``netns`` (call on a throwaway thread)."""
+    """A socket listening on ``127.0.0.1:port`` inside ``netns``; call on a throwaway thread."""
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         target = os.open(netns.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -84,7 +79,6 @@ def _listen_inside(netns: NetnsRef, port: int) -> socket.socket:
 
 
 async def listen_inside(netns: NetnsRef, port: int) -> socket.socket:
-    """Run :func:`_listen_inside` on a thread of its own; raise ``SandboxError`` on failure."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[socket.socket] = loop.create_future()
 
@@ -125,6 +119,18 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.write_eof()
     except (OSError, asyncio.IncompleteReadError):
         writer.close()
+
+
+async def forward(netns: NetnsRef, endpoint: Endpoint) -> Forwarder:
+    """A started forwarder from ``127.0.0.1:endpoint.port`` inside ``netns`` to the target."""
+    listener = await listen_inside(netns, endpoint.port)
+    forwarder = Forwarder(endpoint)
+    try:
+        await forwarder.start(listener)
+    except BaseException:
+        listener.close()
+        raise
+    return forwarder
 
 
 class Forwarder:

@@ -1,38 +1,28 @@
 """The local sandboxes' supervisor: spawns their commands and reaps their orphans.
 
-Run as ``python -I -S _init.py SOCKET_FD`` by :class:`engine.sandbox.local.LocalSandboxProvider`,
-one per provider. Why a process of its own:
+Run as ``python -I -S _init.py SOCKET_FD``, one per ``LocalSandboxProvider``. A process of its
+own because:
 
-* **Orphans.** A command's background processes outlive it and are re-parented to the nearest
-  *child subreaper*, else to PID 1. Many PID 1s never reap (a worker running as PID 1 in a
-  container, minimal inits); the zombies would keep counting against the sandbox uid's
-  ``RLIMIT_NPROC`` and its ``pids.max`` and exhaust pids in the long run. The supervisor is a
-  subreaper (``PR_SET_CHILD_SUBREAPER``) and reaps everything that lands on it.
-* **Containment in the right order**, in a small single-threaded process where ``fork`` is safe:
-  the child enters the sandbox's network namespace (``setns``; or makes a new one with only
-  loopback up, for the process that holds a sandbox's namespace), joins the exec's cgroups
-  (needs root, so first), sets the rlimits
-  (``RLIMIT_NPROC`` before ``setuid``), drops to the sandbox uid/gid with no supplementary
-  groups, sets ``no_new_privs`` so setuid binaries cannot regain privileges, restores the
-  signal dispositions Python ignores (SIGPIPE, SIGXFSZ), ``chdir`` s and execs the command.
+* **Orphans** are re-parented to the nearest child subreaper, else to PID 1, and many PID 1s
+  never reap (a worker as PID 1 in a container); the zombies would count against the sandbox
+  uid's ``RLIMIT_NPROC`` and ``pids.max``. The supervisor is a subreaper and reaps them all.
+* **Containment needs an order**, done in a small single-threaded process where ``fork`` is
+  safe: network namespace (``setns``, or a new one with loopback up for a namespace holder),
+  cgroups (needs root, so first), rlimits (``RLIMIT_NPROC`` before ``setuid``), the sandbox
+  uid/gid without supplementary groups, ``no_new_privs`` (setuid binaries cannot regain
+  privileges), the signal dispositions Python ignores, ``chdir``, exec.
 
-Protocol on the socket (a ``SOCK_STREAM`` Unix socket pair):
+Protocol on the Unix socket pair: a request is a 4-byte big-endian length and a JSON object
+``{"id", "argv", "env", "spec"}``, its ``sendmsg`` carrying four descriptors (stdin, stdout,
+stderr, an error pipe). A setup failure is written to the error pipe (exit 125); a successful
+exec closes it empty; a command that cannot be executed gets a shell's message and status
+(127 not found, else 126). Replies are JSON lines: ``{"id", "pid"}`` once forked (the pid leads
+a new session), ``{"id", "status"}`` at its end (``os.waitstatus_to_exitcode``), or
+``{"id", "error"}``. Once the worker's end closes, the supervisor reaps until no child is left.
 
-* request: 4-byte big-endian length, then a JSON object ``{"id", "argv", "env", "spec"}``;
-  the same ``sendmsg`` carries four descriptors (``SCM_RIGHTS``): stdin, stdout, stderr and an
-  error pipe. A setup failure is written to the error pipe (the child exits 125); a successful
-  exec closes it empty (close-on-exec). A command that cannot be executed is reported the way a
-  shell reports it: a message on stderr, exit status 127 (not found) or 126.
-* replies, one JSON object per line: ``{"id", "pid"}`` once forked (the pid leads a new session
-  and process group), ``{"id", "status"}`` when it ends (``os.waitstatus_to_exitcode``: negative
-  for a signal), or ``{"id", "error"}`` when it could not be forked.
-
-When the worker closes its end (or dies), the supervisor keeps reaping and exits once it has no
-children left -- after the worker, or another worker's ``reap``, has killed the sandboxes.
-
-This file is standalone (stdlib only, imported up front, no ``engine``): it runs with ``-I -S``
-so nothing from the worker's environment runs as root, and the children it forks drop
-privileges before they could read a root-only Python installation.
+Standalone (stdlib only, no ``engine``) and run with ``-I -S``: nothing from the worker's
+environment runs as root, and children drop privileges before they could read a root-only
+Python installation.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _loopback_up() -> None:
-    """Bring ``lo`` up in the (new, empty) network namespace: 127.0.0.1 and nothing else."""
+    """Bring ``lo`` up in a new network namespace: 127.0.0.1 and nothing else."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
@@ -103,7 +93,6 @@ def _network(spec: dict[str, object]) -> None:
 
 
 def _setup(spec: dict[str, object]) -> None:
-    """Containment of one command, in the child, in the order the kernel needs."""
     _network(spec)
     cgroup_procs = spec.get("cgroup_procs", [])
     assert isinstance(cgroup_procs, list)
@@ -162,7 +151,7 @@ def _exec(argv: list[str], env: dict[str, str]) -> OSError:
 
 
 def _child(request: dict[str, object], fds: list[int]) -> None:
-    """Runs in the forked child; never returns."""
+    """The forked child; never returns."""
     stdin, stdout, stderr, errfd = fds
     try:
         os.setsid()

@@ -1,10 +1,8 @@
 """Settings of the local backend, and what containment this machine allows.
 
-:func:`plan_containment` runs once per provider: it decides who commands run as (a dedicated uid
-per sandbox, ``nobody``, or the worker's own uid -- see :mod:`engine.sandbox.local`) from the
-worker's euid and the user namespace's uid map, which cgroups are usable
-(:mod:`engine.sandbox._cgroup`), and whether sandboxes can get a network namespace of their own
-(it tries ``unshare(CLONE_NEWNET)`` in a throwaway process).
+:func:`plan_containment` runs once per provider: who commands run as (from the worker's euid and
+the user namespace's uid map), which cgroups are usable, and whether sandboxes can get a network
+namespace of their own (tried in a throwaway process).
 """
 
 from __future__ import annotations
@@ -37,23 +35,17 @@ def _default_root() -> Path:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalSandboxConfig:
-    """Settings of the local backend (validated once, by the provider).
+    """Settings of the local backend.
 
-    ``identity``: ``"auto"`` picks ``"dedicated"`` for a root worker whose uid range is mapped,
-    else ``"nobody"`` for root, else ``"inherit"`` (the worker's own uid).
-    ``cgroups``: ``"auto"`` uses them when :func:`engine.sandbox._cgroup.detect` finds them
-    usable, ``"required"`` refuses to run without, ``"off"`` never touches them.
-    ``cgroup_parent``: a delegated cgroup v2 directory (see ``_cgroup``).
-    ``base_env``: the environment every command starts from (``HOME``, ``TMPDIR`` and the
-    sandbox markers are added). ``python``: the interpreter that runs the supervisor.
-    ``drain_grace_s``: after a command exits, how long to keep reading output that its
-    background processes still write.
-    ``network``: ``"auto"`` gives each sandbox a network namespace of its own (loopback only, no
-    route out; see :mod:`engine.sandbox.local`) when the machine allows it and runs commands on
-    the host's network otherwise (``Containment`` says so); ``"required"`` refuses to run
-    without one; ``"off"`` shares the host's network on purpose.
-    ``require_isolation``: refuse to start (``ConfigError``) unless commands get both their own
-    network namespace and a uid other than the worker's.
+    ``identity``: ``"auto"`` is ``"dedicated"`` for a root worker whose uid range is mapped, else
+    ``"nobody"`` for root, else ``"inherit"`` (the worker's uid). ``cgroups`` and ``network``:
+    ``"auto"`` uses them where the machine allows (``Containment`` says what it got),
+    ``"required"`` refuses to run without, ``"off"`` never uses them. ``cgroup_parent``: a
+    delegated cgroup v2 directory. ``base_env``: every command's starting environment (``HOME``,
+    ``TMPDIR`` and the markers are added). ``python`` runs the supervisor. ``drain_grace_s``: how
+    long to keep reading output that a finished command's background processes still write.
+    ``require_isolation``: ``ConfigError`` unless commands get their own network namespace and
+    a uid other than the worker's.
     """
 
     root: Path = field(default_factory=_default_root)
@@ -97,8 +89,7 @@ class Containment:
     identity: Identity
     cgroup: CgroupLayout | None
     notes: str = ""
-    network: bool = False
-    """Whether each sandbox gets a network namespace of its own (loopback only)."""
+    network: bool = False  # each sandbox gets a network namespace of its own
 
     @property
     def isolated(self) -> bool:
@@ -130,7 +121,7 @@ _PROBE = (
 
 
 def probe_network_namespace(python: str) -> str | None:
-    """``None`` when a process may ``unshare(CLONE_NEWNET)`` here, else the reason it may not."""
+    """``None`` when a process may ``unshare(CLONE_NEWNET)`` here, else why not."""
     try:
         done = subprocess.run(
             [python, "-I", "-S", "-c", _PROBE],
@@ -148,7 +139,6 @@ def probe_network_namespace(python: str) -> str | None:
 
 
 def _mapped(map_file: str, first: int, count: int) -> bool:
-    """Whether ids ``first .. first+count-1`` are all mapped in this user namespace."""
     try:
         lines = Path(map_file).read_text().splitlines()
     except OSError:
@@ -163,7 +153,6 @@ def _mapped(map_file: str, first: int, count: int) -> bool:
 
 
 def plan_containment(config: LocalSandboxConfig) -> Containment:
-    """Inspect this machine once: which identity commands get, which cgroups are usable."""
     notes: list[str] = []
     root = os.geteuid() == 0
     range_mapped = _mapped("/proc/self/uid_map", config.uid_base, config.uid_count) and _mapped(

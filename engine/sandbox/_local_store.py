@@ -128,10 +128,8 @@ class SandboxRecord:
 
 
 async def destroy(meta: SandboxRecord, *, uids_dir: Path, root: Path) -> list[str]:
-    """Kill every process of a sandbox, remove its cgroups and directory, free its uid.
-
-    Returns what could not be cleaned up (empty when all went well).
-    """
+    """Kill every process of a sandbox, remove its cgroups and directory, free its uid; return
+    what could not be cleaned up."""
     group = SandboxCgroup.from_json(meta.cgroup) if meta.cgroup else None
     own_uid = meta.uid if meta.identity == "dedicated" else None
     if own_uid in (0, os.getuid(), os.geteuid()):
@@ -199,7 +197,6 @@ def claim_uid(uids_dir: Path, sandbox_id: str, base: int, count: int) -> int:
 
 
 def matching_records(root: Path, selector: Mapping[str, str]) -> list[SandboxRecord]:
-    """Records of the sandboxes under ``root`` that carry every label of ``selector``."""
     try:
         entries = sorted(os.listdir(root))
     except FileNotFoundError:

@@ -1,18 +1,12 @@
 """Opening files beneath a sandbox's working directory without ever leaving it.
 
-Two steps, because commands in the sandbox can change the tree while the worker works on it:
-
-1. *Resolve and check*: ``realpath`` the requested path (symlinks followed, ``..`` applied the
-   way the kernel would) and refuse anything that does not land inside the working directory,
-   naming the path and where it leads. Symlinks that stay inside are fine.
-2. *Walk without following*: open the resolved path component by component from a descriptor
-   of the working directory with ``O_NOFOLLOW``. The resolved path has no symlinks left, so a
-   symlink met on the walk was planted after step 1 and the call is refused. Nothing is ever
-   opened by a path string that a command could redirect.
-
-Files with several hard links that the sandbox's uid does not own are refused too: an
-unprivileged uid can link a file it does not own only where ``fs.protected_hardlinks`` is off,
-and the worker (possibly root) must not read or overwrite such a file through the link.
+Two steps, because commands can change the tree while the worker works on it: ``realpath`` the
+path and refuse anything that lands outside the working directory (symlinks that stay inside
+are fine); then open the resolved path component by component from a descriptor of the working
+directory with ``O_NOFOLLOW``. The resolved path has no symlinks left, so one met on the walk
+was planted meanwhile and the call is refused: nothing is opened by a path a command could
+redirect. A file with several hard links that the sandbox's uid does not own is refused too
+(possible where ``fs.protected_hardlinks`` is off): the worker, maybe root, must not touch it.
 """
 
 from __future__ import annotations
@@ -28,11 +22,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def resolve_inside(workdir: str, path: str) -> list[str]:
-    """The components of ``path`` relative to ``workdir`` after resolving symlinks.
-
-    ``path`` is relative to ``workdir`` or absolute inside it. Raises ``SandboxEscape`` for
-    anything that resolves outside.
-    """
+    """The components of ``path`` (relative to ``workdir`` or absolute inside it) below
+    ``workdir`` after resolving symlinks; ``SandboxEscape`` when it resolves outside."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise SandboxError(f"sandbox path must be a non-empty string without NUL, got {path!r}")
     base = os.path.realpath(workdir)

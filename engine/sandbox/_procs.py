@@ -1,14 +1,10 @@
 """Finding and killing a sandbox's processes through ``/proc``.
 
-A sandbox's processes are recognised by any of: their uid (when the sandbox has a uid of its
-own), an environment marker every exec carries (``ROLLOUT_SANDBOX_ID=<id>`` and
-``ROLLOUT_SANDBOX_EXEC=<id>/<n>``; inherited by descendants even after ``setsid``), their cgroup,
-or a recorded process group that still holds a marked member. Zombies are ignored everywhere:
-they are already dead and only wait for their parent to collect them.
-
-Killing is a loop of "find, SIGKILL all found" until nothing is found: a killed process cannot
-fork any more, and the sandbox's process limit bounds how many can appear between two scans,
-so the loop ends.
+A sandbox's processes are those with its own uid (if it has one), those carrying its environment
+markers (``ROLLOUT_SANDBOX_ID=<id>``, ``ROLLOUT_SANDBOX_EXEC=<id>/<n>``; inherited even across
+``setsid``), its cgroup's, and recorded process groups that still hold a marked member; zombies
+are already dead and ignored. Killing repeats "find, SIGKILL all" until nothing is found: a
+killed process forks no more and the process limit bounds what appears between scans.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ def iter_pids() -> Iterator[int]:
 
 
 def proc_info(pid: int) -> ProcInfo | None:
-    """State, process group and uids (real, effective, saved, fs) of a live process."""
+    """State, process group and uids (real, effective, saved, fs) of a process."""
     try:
         with open(f"{_PROC}/{pid}/stat", "rb") as handle:
             stat = handle.read()
@@ -66,7 +62,6 @@ def proc_info(pid: int) -> ProcInfo | None:
 
 
 def has_env(pid: int, entry: bytes) -> bool:
-    """Whether the process started with ``entry`` (``b"KEY=value"``) in its environment."""
     try:
         with open(f"{_PROC}/{pid}/environ", "rb") as handle:
             environ = handle.read()
@@ -123,8 +118,8 @@ def kill_all(pids: Iterable[int]) -> int:
 
 
 async def kill_until_gone(find: Callable[[], set[int]], *, deadline_s: float = 10.0) -> set[int]:
-    """SIGKILL whatever ``find`` returns until it returns nothing; the survivors at the deadline
-    (normally none) are returned so the caller can report them."""
+    """SIGKILL whatever ``find`` returns until it returns nothing; return the survivors at the
+    deadline (normally none)."""
     end = time.monotonic() + deadline_s
     while True:
         found = await asyncio.to_thread(find)

@@ -1,11 +1,8 @@
 """Worker side of the supervisor (``_init.py``): spawn a command, capture it, wait for it.
 
-:class:`Supervisor` owns one supervisor process, started on first use and started again if it
-died. Replies are read by a daemon thread and handed to the waiting event loop with
-``call_soon_threadsafe``, so one supervisor serves callers on any loop.
-
-:func:`run_command` is one exec: pipes for the three streams and the error pipe, bounded
-capture, the wall clock, and the kill callback on timeout or cancellation.
+:class:`Supervisor` owns one supervisor process, started on first use and again if it died; a
+daemon thread reads its replies and hands them to the waiting loop, so one supervisor serves
+callers on any event loop. :func:`run_command` is one exec.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +51,11 @@ class _Pending:
 
 @dataclass(frozen=True, slots=True)
 class Spawned:
-    pid: int
-    """Leads the command's session and process group."""
-    exited: asyncio.Future[int]
-    """``os.waitstatus_to_exitcode`` of the command: negative when a signal ended it."""
+    pid: int  # leads the command's session and process group
+    exited: asyncio.Future[int]  # os.waitstatus_to_exitcode: negative for a signal
 
 
 class Supervisor:
-    """Client of one supervisor process (see ``_init.py`` for why it exists)."""
 
     def __init__(self, python: str) -> None:
         self._python = python
@@ -252,8 +246,7 @@ class Capture(asyncio.Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    status: int
-    """``os.waitstatus_to_exitcode`` (negative for a signal)."""
+    status: int  # os.waitstatus_to_exitcode: negative for a signal
     stdout: Capture
     stderr: Capture
     timed_out: bool
@@ -270,6 +263,80 @@ def _read_all(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+@dataclass(slots=True)
+class _Pipes:
+    """One command's pipes: ``child_fds`` are the ends the command gets (stdin, stdout,
+    stderr, error pipe), closed here once it has them; ``diag_r`` reads the error pipe."""
+
+    captures: tuple[Capture, Capture]
+    transports: list[asyncio.BaseTransport] = field(default_factory=list)
+    writer: asyncio.WriteTransport | None = None
+    child_fds: list[int] = field(default_factory=list)
+    diag_r: int = -1
+
+    @classmethod
+    async def open(cls, stdin: bytes | None, max_output_bytes: int) -> _Pipes:
+        loop = asyncio.get_running_loop()
+        pipes = cls((Capture(max_output_bytes), Capture(max_output_bytes)))
+        stdin_w = -1
+        try:
+            if stdin is None:
+                pipes.child_fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            else:
+                stdin_r, stdin_w = os.pipe()
+                pipes.child_fds.append(stdin_r)
+            for capture in pipes.captures:
+                read_end, write_end = os.pipe()
+                pipes.child_fds.append(write_end)
+                reader, _ = await loop.connect_read_pipe(
+                    capture.factory, os.fdopen(read_end, "rb", buffering=0)
+                )
+                pipes.transports.append(reader)
+            pipes.diag_r, diag_w = os.pipe()
+            pipes.child_fds.append(diag_w)
+            if stdin_w >= 0:
+                pipes.writer, _ = await loop.connect_write_pipe(
+                    asyncio.BaseProtocol, os.fdopen(stdin_w, "wb", buffering=0)
+                )
+                pipes.transports.append(pipes.writer)
+                stdin_w = -1
+        except BaseException:
+            pipes.close()
+            if stdin_w >= 0:
+                os.close(stdin_w)
+            raise
+        return pipes
+
+    def close_child_ends(self) -> None:
+        for fd in self.child_fds:
+            os.close(fd)
+        self.child_fds.clear()
+
+    def close(self) -> None:
+        for transport in self.transports:
+            transport.close()
+        self.close_child_ends()
+        if self.diag_r >= 0:
+            os.close(self.diag_r)
+
+
+async def _wait(
+    spawned: Spawned, argv: Sequence[str], timeout: float, kill: Callable[[int], Awaitable[None]]
+) -> tuple[int, bool]:
+    try:
+        return await asyncio.wait_for(asyncio.shield(spawned.exited), timeout), False
+    except TimeoutError:
+        pass
+    await kill(spawned.pid)
+    try:
+        return await asyncio.wait_for(asyncio.shield(spawned.exited), _REAP_GRACE_S), True
+    except TimeoutError:
+        raise SandboxError(
+            f"command {argv[0]!r} (pid {spawned.pid}) survived SIGKILL for "
+            f"{_REAP_GRACE_S:.0f}s (stuck in the kernel?)"
+        ) from None
+
+
 async def run_command(
     supervisor: Supervisor,
     *,
@@ -283,81 +350,37 @@ async def run_command(
     on_started: Callable[[int], Awaitable[None]],
     kill: Callable[[int], Awaitable[None]],
 ) -> Finished:
-    """Run one command to its end (or kill it at ``timeout``); raise SandboxError when the
-    supervisor could not set it up (the message says why)."""
-    loop = asyncio.get_running_loop()
-    captures = (Capture(max_output_bytes), Capture(max_output_bytes))
-    transports: list[asyncio.BaseTransport] = []
-    writer: asyncio.WriteTransport | None = None
-    child_fds: list[int] = []
-    diag_r = -1
+    """Run one command to its end, or kill it at ``timeout``; ``SandboxError`` saying why
+    when the supervisor could not set it up."""
+    pipes = await _Pipes.open(stdin, max_output_bytes)
     try:
-        stdin_w = -1
-        if stdin is None:
-            child_fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-        else:
-            stdin_r, stdin_w = os.pipe()
-            child_fds.append(stdin_r)
-        for capture in captures:
-            read_end, write_end = os.pipe()
-            child_fds.append(write_end)
-            reader, _ = await loop.connect_read_pipe(
-                capture.factory, os.fdopen(read_end, "rb", buffering=0)
-            )
-            transports.append(reader)
-        diag_r, diag_w = os.pipe()
-        child_fds.append(diag_w)
-        if stdin_w >= 0:
-            writer, _ = await loop.connect_write_pipe(
-                asyncio.BaseProtocol, os.fdopen(stdin_w, "wb", buffering=0)
-            )
-            transports.append(writer)
-            stdin_w = -1
         started = time.monotonic()
         try:
-            spawned = await supervisor.spawn(argv=argv, env=env, spec=spec, fds=child_fds)
+            spawned = await supervisor.spawn(argv=argv, env=env, spec=spec, fds=pipes.child_fds)
         finally:
-            for fd in child_fds:
-                os.close(fd)
-            child_fds.clear()
+            pipes.close_child_ends()
     except BaseException:
-        for transport in transports:
-            transport.close()
-        for fd in [*child_fds, diag_r, stdin_w]:
-            if fd >= 0:
-                os.close(fd)
+        pipes.close()
         raise
+    stdout, stderr = pipes.captures
     try:
         await on_started(spawned.pid)
-        if writer is not None and stdin is not None:
-            writer.write(stdin)
-            writer.close()  # closes once the child has taken everything
-        timed_out = False
-        try:
-            status = await asyncio.wait_for(asyncio.shield(spawned.exited), timeout)
-        except TimeoutError:
-            timed_out = True
-            await kill(spawned.pid)
-            try:
-                status = await asyncio.wait_for(asyncio.shield(spawned.exited), _REAP_GRACE_S)
-            except TimeoutError:
-                raise SandboxError(
-                    f"command {argv[0]!r} (pid {spawned.pid}) survived SIGKILL for "
-                    f"{_REAP_GRACE_S:.0f}s (stuck in the kernel?)"
-                ) from None
+        if pipes.writer is not None and stdin is not None:
+            pipes.writer.write(stdin)
+            pipes.writer.close()  # closes once the child has taken everything
+        status, timed_out = await _wait(spawned, argv, timeout, kill)
         elapsed = time.monotonic() - started
         try:
-            closed = (captures[0].closed, captures[1].closed)
-            await asyncio.wait_for(asyncio.gather(*closed), drain_grace_s)
+            await asyncio.wait_for(asyncio.gather(stdout.closed, stderr.closed), drain_grace_s)
         except TimeoutError:
             pass  # background processes still hold the pipes; they get EPIPE from now on
     except BaseException:
         await kill(spawned.pid)  # cancelled, or the supervisor died: nothing may outlive it
         raise
     finally:
-        for transport in transports:
+        for transport in pipes.transports:
             transport.close()
-        setup_error = await asyncio.to_thread(_read_all, diag_r)
+        setup_error = await asyncio.to_thread(_read_all, pipes.diag_r)
     if setup_error:
         raise SandboxError(setup_error)
-    return Finished(status, captures[0], captures[1], timed_out, elapsed)
+    return Finished(status, stdout, stderr, timed_out, elapsed)

@@ -1,34 +1,30 @@
 """The sandbox port: where an agent's commands run, and how their ends are described.
 
-Contract every backend keeps (the contract suite in ``tests/sandbox`` checks it):
+Contract of every backend (checked by the contract suite in ``tests/sandbox``):
 
-* ``provider.create(labels=..., limits=...)`` builds a sandbox without touching anything;
-  ``await sandbox.start()`` allocates it (a directory, a container). From then on the sandbox
-  is findable by its labels, so ``await provider.reap({"rollout.worker": wid})`` run by *another*
-  worker stops and removes every sandbox a crashed worker left behind and returns how many.
-* ``exec`` runs one command in the sandbox's working directory. A string is a shell command line
-  (``/bin/sh -c``); a sequence is an argv run without a shell. The environment is the backend's
-  base environment plus ``env`` -- never the worker's own (it holds credentials).
-  The wall-clock limit is ``timeout_s`` capped by ``limits.wall_timeout_s`` (``None`` means the
-  cap). When it passes, every process the command started is killed.
-* A command that fails *because of the sandbox's limits* is still a result, not an exception:
-  ``ExecResult.killed_by`` names the limit or signal that ended it and :func:`classify` turns a
-  result into an :class:`ExecOutcome` for diagnostics. Callers that want an exception call
-  :func:`raise_for_outcome`. ``exec`` raises :class:`~engine.errors.SandboxError` only when the
-  sandbox itself failed (not started, stopped, the backend broke).
-* ``stdout``/``stderr`` are decoded as UTF-8 (undecodable bytes replaced) and keep at most
-  ``limits.max_output_bytes`` bytes each, from the start; the ``*_truncated`` flags say so.
-* ``read_file``/``write_file`` take a path relative to ``workdir`` (or absolute inside it). A path
-  that leaves the working directory -- ``..``, an absolute path elsewhere, a symlink pointing
-  out -- raises :class:`~engine.errors.SandboxEscape` naming the path. ``write_file`` creates
-  missing parent directories.
-* Network: commands reach no network but the sandbox's own loopback (Docker:
-  ``network_mode=none``; local: a network namespace per sandbox where the machine allows it,
-  see ``LocalSandboxProvider.containment``). ``await sandbox.expose(Endpoint(port=...,
-  target=...))`` after ``start`` makes exactly one service outside reachable at
-  ``127.0.0.1:port`` inside, relayed by the worker; nothing else of the host becomes reachable.
-* ``stop`` kills every process of the sandbox and removes everything it allocated. It is
-  idempotent; afterwards ``exec`` and the file calls raise ``SandboxError``.
+* ``provider.create(labels=..., limits=...)`` touches nothing; ``await sandbox.start()``
+  allocates (a directory, a container). From then on the sandbox is findable by its labels:
+  ``await provider.reap({"rollout.worker": wid})``, run by *another* worker, stops and removes
+  every sandbox a crashed worker left behind and returns how many.
+* ``exec`` runs one command in ``workdir``: a string under ``/bin/sh -c``, a sequence as the
+  argv. The environment is the backend's base environment plus ``env``, never the worker's
+  own (it holds credentials). The wall clock is ``timeout_s`` capped by
+  ``limits.wall_timeout_s``; when it passes, every process the command started is killed.
+* A command ended by the sandbox's limits is a result, not an exception: ``killed_by`` names
+  the limit or signal, :func:`classify` gives an :class:`ExecOutcome`, and
+  :func:`raise_for_outcome` raises for callers that want it. ``exec`` raises
+  :class:`~engine.errors.SandboxError` only when the sandbox itself failed.
+* ``stdout``/``stderr`` are UTF-8 (undecodable bytes replaced), each cut to the first
+  ``limits.max_output_bytes`` bytes; the ``*_truncated`` flags say so.
+* ``read_file``/``write_file`` take a path relative to ``workdir`` or absolute inside it; one
+  that leaves it (``..``, an absolute path elsewhere, a symlink out) raises
+  :class:`~engine.errors.SandboxEscape` naming the path. ``write_file`` creates parents.
+* Network: commands reach nothing but the sandbox's own loopback (Docker: ``network_mode=none``;
+  local: a network namespace per sandbox where the machine allows it, see
+  ``LocalSandboxProvider.containment``). ``expose(Endpoint(port=..., target=...))`` makes one
+  outside service reachable at ``127.0.0.1:port`` inside, relayed by the worker.
+* ``stop`` kills every process of the sandbox and removes what it allocated; it is idempotent,
+  and afterwards ``exec`` and the file calls raise ``SandboxError``.
 """
 
 from __future__ import annotations
@@ -69,7 +65,6 @@ MANAGED_LABEL = "rollout.sandbox"
 """Label every backend puts on its sandboxes (value ``"1"``); reap never touches others."""
 
 SANDBOX_ID_LABEL = "rollout.sandbox.id"
-"""Label carrying the sandbox id."""
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 
@@ -110,13 +105,11 @@ _LIMIT_OUTCOMES: dict[str, ExecOutcome] = {
 class SandboxLimits:
     """Resource limits of one sandbox, validated on construction.
 
-    ``cpu_time_s`` is CPU seconds per process (``RLIMIT_CPU``; rounded up to whole seconds);
-    ``memory_mb`` bounds memory (``RLIMIT_DATA`` per process locally, plus a memory cgroup when
-    one is available; the container's memory limit under Docker); ``max_procs`` bounds processes
-    *and threads*; ``wall_timeout_s`` caps every ``exec``; ``max_output_bytes`` bounds each of
-    stdout and stderr kept per command; ``disk_mb`` (optional) bounds file size locally
-    (``RLIMIT_FSIZE``, per file) and the working directory's size under Docker (a tmpfs);
-    ``max_file_bytes`` bounds what one ``read_file``/``write_file`` moves.
+    ``cpu_time_s``: CPU seconds per process (``RLIMIT_CPU``, rounded up); ``memory_mb``:
+    ``RLIMIT_DATA`` per process plus a memory cgroup locally, the container's limit under
+    Docker; ``max_procs``: processes *and threads*; ``wall_timeout_s`` caps every ``exec``;
+    ``max_output_bytes``: per stream and command; ``disk_mb``: ``RLIMIT_FSIZE`` per file
+    locally, a tmpfs workdir under Docker; ``max_file_bytes``: per ``read_file``/``write_file``.
     """
 
     cpu_time_s: float = 60.0
@@ -152,11 +145,9 @@ class SandboxLimits:
 
     @property
     def cpu_seconds(self) -> int:
-        """``cpu_time_s`` as the whole seconds rlimits take (rounded up, at least 1)."""
         return max(1, math.ceil(self.cpu_time_s))
 
     def effective_timeout(self, timeout_s: float | None) -> float:
-        """The wall-clock limit for one exec: ``timeout_s`` capped by ``wall_timeout_s``."""
         if timeout_s is None:
             return self.wall_timeout_s
         if not math.isfinite(timeout_s) or timeout_s <= 0:
@@ -168,12 +159,11 @@ class SandboxLimits:
 class ExecResult:
     """How one command ended.
 
-    ``exit_code`` follows the shell convention: ``128 + N`` when signal N ended the process.
-    ``killed_by`` is ``None`` when the command ended on its own for its own reasons; otherwise a
-    :class:`KillReason` value -- the limit with the most specific evidence (a cgroup counter, the
-    rlimit's signal, the runtime's out-of-memory or fork error), ``"timeout"`` when only the wall
-    clock ran out -- or the name of the signal (``"SIGSEGV"``) that killed it.
-    ``timed_out`` is true whenever the wall clock ran out, whatever else ``killed_by`` says.
+    ``exit_code`` is ``128 + N`` when signal N ended the process. ``killed_by`` is ``None`` when
+    the command ended on its own; else the :class:`KillReason` with the most specific evidence
+    (a cgroup counter, an rlimit's signal, the runtime's out-of-memory or fork error; ``timeout``
+    when only the wall clock ran out) or the killing signal's name (``"SIGSEGV"``).
+    ``timed_out`` is true whenever the wall clock ran out.
     """
 
     exit_code: int
@@ -314,13 +304,10 @@ def attribute_end(
     oom_killed: bool = False,
     pids_exhausted: bool = False,
 ) -> str | None:
-    """``killed_by`` for a command that ended with ``exit_code`` (``128 + N``: signal N).
-
-    Order: the rlimit signals (SIGXCPU -> cpu, SIGXFSZ -> disk), the kernel's counters
-    (``oom_killed``, ``pids_exhausted``; only for a failed command), the error text, the wall
-    clock, and finally the signal's name. An exit status above 128 counts as that signal even
-    when a shell reported it for its child, as shells and ``docker exec`` do.
-    """
+    """``killed_by`` for a command that ended with ``exit_code``: the rlimit signals first,
+    then the kernel's counters and the error text (for a failed command), the wall clock, the
+    signal's name. A status above 128 counts as that signal even when a shell (or ``docker
+    exec``) reported it for its child."""
     signum = exit_code - 128 if 128 < exit_code < 128 + 32 else None
     failed = timed_out or exit_code != 0
     if signum == signal.SIGXCPU:
@@ -386,7 +373,7 @@ def validate_selector(label_selector: Mapping[str, str]) -> dict[str, str]:
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """One isolated place to run an episode's commands (see the module docstring)."""
+    """One isolated place to run an episode's commands."""
 
     @property
     def id(self) -> str: ...
@@ -418,9 +405,8 @@ class Sandbox(Protocol):
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
 
     async def expose(self, endpoint: Endpoint) -> str:
-        """Make ``endpoint.target`` reachable at ``127.0.0.1:endpoint.port`` inside (after
-        ``start``); returns that address. ``SandboxError`` when this sandbox has no network of
-        its own to put it in (then its commands already share the host's network)."""
+        """Make ``endpoint.target`` reachable at ``127.0.0.1:endpoint.port`` inside and return
+        that address; ``SandboxError`` when the sandbox has no network of its own."""
         ...
 
     async def stop(self) -> None: ...

@@ -1,32 +1,15 @@
-"""Docker sandbox: one container per sandbox, driven through the docker SDK.
+"""Docker sandbox: one container per sandbox, driven through the docker SDK in threads.
 
-A sandbox is a container that idles (``keepalive``, default ``sleep infinity``, under Docker's
-init so orphans are collected) with the sandbox's labels plus ``rollout.sandbox=1``, no network
-unless configured, ``no-new-privileges``, and these limits:
+A sandbox is an idle container (``keepalive`` under Docker's init, which collects orphans) with
+the sandbox's labels, no network unless configured, ``no-new-privileges``, ``max_procs`` as
+``pids_limit``, ``memory_mb`` as ``mem_limit`` without swap, ``cpu_time_s`` as its
+``RLIMIT_CPU``, ``cpus`` as ``nano_cpus`` and, with ``disk_mb``, a tmpfs working directory.
 
-* ``max_procs`` -> ``pids_limit``; ``memory_mb`` -> ``mem_limit`` (and no swap);
-  ``cpu_time_s`` -> the container's ``RLIMIT_CPU`` ulimit; ``cpus`` (config) -> ``nano_cpus``;
-  ``disk_mb`` -> the working directory is a tmpfs of that size (lost when the container goes).
-
-Commands are ``docker exec`` s. Each carries an environment marker
-(``ROLLOUT_SANDBOX_EXEC=<id>/<n>``); on timeout a second exec kills every process in the
-container carrying it (it needs ``/bin/sh``, ``tr`` and ``grep`` in the image, which busybox and
-coreutils images have). When even that cannot run -- a fork bomb holding every pid -- the
-container is killed and the sandbox is marked failed: later calls raise ``SandboxError`` saying
-so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a file in ``scratch_dir`` that
-the command's shell opens and unlinks before the command starts.
-
-Classification: SIGXCPU (exit 152) is ``cpu``; an unrequested SIGKILL (exit 137) is ``memory``
-when the daemon reported an ``oom`` event for the container while the exec ran (concurrent
-execs in one sandbox can be confused), otherwise ``SIGKILL``; otherwise the error text decides,
-as in the local backend.
-
-Files move with ``get_archive``/``put_archive`` (see ``_docker_files``); a symlink leading out of
-the working directory raises ``SandboxEscape``, as in the local backend.
-
-Every docker call runs in a thread (``asyncio.to_thread``); every docker or connection error is
-translated to ``SandboxError`` at this adapter (``_docker_api``). ``docker`` is imported on
-first use.
+Commands are ``docker exec`` s (``_docker_exec``). When even the kill cannot run (a fork bomb
+holding every pid), the container is killed and the sandbox marked failed: later calls raise
+``SandboxError`` saying so, and ``stop``/``reap`` still remove it. ``stdin`` is staged as a file
+in ``scratch_dir`` that the command's shell opens and unlinks before the command starts. Files
+move through the archive endpoints (``_docker_files``).
 """
 
 from __future__ import annotations
@@ -34,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import posixpath
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,16 +25,16 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from engine.errors import ConfigError, SandboxError
-from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_member, translate
+from engine.sandbox import _docker_exec as _exec
+from engine.sandbox._docker_api import call, docker_module, is_not_found, tar_archive, translate
 from engine.sandbox._docker_files import ArchiveFiles
-from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
+from engine.sandbox._forward import Forwarder, NetnsRef, forward
 from engine.sandbox.base import (
     MANAGED_LABEL,
     SANDBOX_ID_LABEL,
     Endpoint,
     ExecResult,
     SandboxLimits,
-    attribute_end,
     command_argv,
     validate_labels,
     validate_selector,
@@ -60,36 +42,16 @@ from engine.sandbox.base import (
 
 __all__ = ["DockerSandbox", "DockerSandboxConfig", "DockerSandboxProvider"]
 
-_EXEC_MARKER = "ROLLOUT_SANDBOX_EXEC"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-# Kills every process whose environment holds the marker given as $1, until none is left.
-# The pipeline's own processes do not carry the marker (it is an argument here, not env).
-_KILLER = r"""
-m="$1"; round=0
-while [ "$round" -lt 100 ]; do
-  found=0
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    [ "$p" = "$$" ] && continue
-    if tr '\000' '\n' < "$d/environ" 2>/dev/null | grep -qxF -- "$m"; then
-      kill -9 "$p" 2>/dev/null && found=1
-    fi
-  done
-  [ "$found" = 0 ] && exit 0
-  round=$((round + 1))
-done
-exit 1
-"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DockerSandboxConfig:
     """Settings of the Docker backend.
 
-    ``image`` must have ``/bin/sh`` and the ``keepalive`` command; ``user`` is who commands run
-    as (image default when ``None``); ``cpus`` becomes ``nano_cpus`` (``None``: no cap);
-    ``base_url`` picks the daemon (``None``: the environment, as the docker CLI does).
+    ``image`` must have ``/bin/sh`` and the ``keepalive`` command; ``user``: who commands run as
+    (``None``: the image's); ``cpus``: ``None`` is no cap; ``base_url``: the daemon (``None``:
+    from the environment, as the docker CLI does).
     """
 
     image: str
@@ -123,31 +85,8 @@ class DockerSandboxConfig:
             raise ConfigError("DockerSandboxConfig.keepalive needs a command")
 
 
-class _Output:
-    """Thread-safe capture of one exec's two streams, keeping the first ``limit`` bytes each."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.data = (bytearray(), bytearray())
-        self.truncated = [False, False]
-        self.lock = threading.Lock()
-
-    def add(self, index: int, chunk: bytes) -> None:
-        with self.lock:
-            buffer = self.data[index]
-            room = self.limit - len(buffer)
-            if room > 0:
-                buffer += chunk[:room]
-            if len(chunk) > room:
-                self.truncated[index] = True
-
-    def text(self, index: int) -> str:
-        with self.lock:
-            return self.data[index].decode("utf-8", "replace")
-
-
 class DockerSandbox:
-    """A sandbox made by :class:`DockerSandboxProvider` (see the module docstring)."""
+    """A sandbox made by :class:`DockerSandboxProvider`."""
 
     def __init__(
         self,
@@ -262,12 +201,9 @@ class DockerSandbox:
         )
 
     async def _prepare_workdir(self) -> None:
-        """Learn the exec user's uid/gid (file ownership) and give it the working directory.
-
-        The directory is handed over with ``put_archive`` (the daemon extracts as root):
-        under ``no-new-privileges`` a root exec in a container whose user is not root has no
-        capabilities, so ``chown`` from inside would be refused.
-        """
+        """Learn the exec user's uid/gid and hand it the working directory with
+        ``put_archive`` (the daemon extracts as root): under ``no-new-privileges`` a root exec
+        in a non-root container has no capabilities, so ``chown`` inside would be refused."""
         if self._config.user is None:
             return
         ids = await self._quick_exec(["/bin/sh", "-c", "id -u; id -g"], user=self._config.user)
@@ -281,7 +217,7 @@ class DockerSandbox:
         self._owner = (uid, gid)
         mode = 0o1777 if self._limits.disk_mb is not None else 0o755
         name = posixpath.basename(self._workdir)
-        archive = tar_member(name, data=None, mode=mode, owner=self._owner)
+        archive = tar_archive([(name, None, mode)], owner=self._owner)
         await call(
             f"sandbox {self._id}: handing {self._workdir} to uid {uid}",
             self._container.put_archive,
@@ -290,7 +226,6 @@ class DockerSandbox:
         )
 
     async def _quick_exec(self, argv: list[str], *, user: str) -> str:
-        """A short helper command; raises SandboxError when it fails."""
         container = self._container
 
         def run() -> tuple[int, bytes]:
@@ -306,9 +241,8 @@ class DockerSandbox:
         return output.decode("utf-8", "replace")
 
     async def expose(self, endpoint: Endpoint) -> str:
-        """Forward ``127.0.0.1:endpoint.port`` in the container's network namespace to
-        ``endpoint.target``. Needs the daemon on this machine and a root worker: the worker
-        joins the namespace through the container's init pid (``/proc/PID/ns/net``)."""
+        """Needs the daemon on this machine and a root worker: the worker joins the
+        container's network namespace through its init pid."""
         container = self._require_running(f"expose {endpoint.target}")
         try:
             await asyncio.to_thread(container.reload)
@@ -320,14 +254,7 @@ class DockerSandbox:
                 f"{endpoint.target} (the daemon must run on this machine and the worker as "
                 f"root): {exc}"
             ) from exc
-        forwarder = Forwarder(endpoint)
-        listener = await listen_inside(netns, endpoint.port)
-        try:
-            await forwarder.start(listener)
-        except BaseException:
-            listener.close()
-            raise
-        self._forwarders.append(forwarder)
+        self._forwarders.append(await forward(netns, endpoint))
         return f"127.0.0.1:{endpoint.port}"
 
     async def stop(self) -> None:
@@ -366,7 +293,7 @@ class DockerSandbox:
         return self._container
 
     async def _fail(self, reason: str) -> None:
-        """Kill the whole container: the last resort when a command cannot be stopped."""
+        """Kill the whole container: the last resort for a command that cannot be stopped."""
         self._state = "failed"
         self._failure = reason
         try:
@@ -390,13 +317,9 @@ class DockerSandbox:
         self._exec_count += 1
         number = self._exec_count
         marker = f"{self._id}/{number}"
-        environment = dict(self._config.base_env)
-        environment["HOME"] = self._workdir
-        for key, value in (env or {}).items():
-            if not key or "=" in key or "\0" in key or "\0" in value or key == _EXEC_MARKER:
-                raise SandboxError(f"exec in sandbox {self._id}: environment name {key!r} invalid")
-            environment[key] = value
-        environment[_EXEC_MARKER] = marker
+        environment = _exec.environment(
+            self._config.base_env, env, home=self._workdir, marker=marker, sandbox_id=self._id
+        )
         if stdin is not None:
             argv = await self._stage_stdin(argv, stdin, number)
         api = self._client.api
@@ -414,7 +337,7 @@ class DockerSandbox:
             user=self._config.user or "",
         )
         exec_id = created["Id"]
-        output = _Output(self._limits.max_output_bytes)
+        output = _exec.Output(self._limits.max_output_bytes)
 
         def pump() -> None:
             for out, err in api.exec_start(exec_id, stream=True, demux=True):
@@ -446,107 +369,32 @@ class DockerSandbox:
             error = task.exception()
             if error is not None:
                 raise error
-        exit_code = await self._exit_code(exec_id, timed_out)
-        return await self._result(
-            exit_code, output, timed_out=timed_out, elapsed=elapsed, since=wall_start
+        code = await _exec.exit_code(
+            api, exec_id, timed_out=timed_out, failed=lambda: self._state == "failed",
+            sandbox_id=self._id,
+        )
+        return await _exec.result(
+            code, output, timed_out=timed_out, elapsed=elapsed, since=wall_start,
+            client=self._client, container_id=container.id,
+            failure=self._failure if self._state == "failed" else None,
         )
 
     async def _stage_stdin(self, argv: list[str], stdin: bytes | str, number: int) -> list[str]:
-        """Put stdin in a file the command's shell opens and unlinks before exec'ing it."""
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
         name = f".rollout-stdin-{self._id}-{number}"
-        archive = tar_member(name, data=data, mode=0o600, owner=self._owner)
+        archive = tar_archive([(name, data, 0o600)], owner=self._owner)
         await call(
             f"sandbox {self._id}: staging stdin",
             self._container.put_archive,
             self._config.scratch_dir,
             archive,
         )
-        path = posixpath.join(self._config.scratch_dir, name)
-        script = 'exec <"$0" || exit 125; rm -f -- "$0" 2>/dev/null; exec "$@"'
-        return ["/bin/sh", "-c", script, path, *argv]
+        return _exec.stdin_argv(posixpath.join(self._config.scratch_dir, name), argv)
 
     async def _kill_exec(self, marker: str) -> bool:
-        """Kill every process of one exec from inside the container; False if that failed."""
-        container = self._container
-
-        def run() -> int:
-            result = container.exec_run(
-                ["/bin/sh", "-c", _KILLER, "rollout-kill", f"{_EXEC_MARKER}={marker}"],
-                user=self._config.user or "",
-            )
-            return int(result.exit_code)
-
-        try:
-            code = await asyncio.wait_for(asyncio.to_thread(run), self._config.kill_grace_s)
-        except Exception:
-            return False
-        return code == 0
-
-    async def _exit_code(self, exec_id: str, timed_out: bool) -> int:
-        api = self._client.api
-        for _ in range(100):
-            try:
-                info = await asyncio.to_thread(api.exec_inspect, exec_id)
-            except Exception as exc:
-                if self._state == "failed":
-                    return 128 + signal.SIGKILL
-                raise translate(f"sandbox {self._id}: inspecting an exec", exc) from exc
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            if timed_out or self._state == "failed":
-                return 128 + signal.SIGKILL
-            await asyncio.sleep(0.02)
-        return 128 + signal.SIGKILL
-
-    async def _oom_killed_between(self, since: float, until: float) -> bool | None:
-        """Whether the daemon reported an OOM kill in the container in ``[since, until]``
-        (Docker's ``oom`` event covers every process of the container's memory cgroup);
-        ``None`` when the events cannot be read."""
-        client, container_id = self._client, self._container.id
-
-        def run() -> list[Any]:
-            return list(
-                client.api.events(
-                    since=since,
-                    until=until,
-                    filters={"container": container_id, "event": "oom"},
-                    decode=True,
-                )
-            )
-
-        try:
-            events = await asyncio.to_thread(run)
-        except Exception:
-            return None
-        return bool(events)
-
-    async def _result(
-        self, exit_code: int, output: _Output, *, timed_out: bool, elapsed: float, since: float
-    ) -> ExecResult:
-        stderr = output.text(1)
-        diagnostics: dict[str, str] = {}
-        oom_killed = False
-        if exit_code == 128 + signal.SIGKILL and not timed_out:
-            oom = await self._oom_killed_between(since, time.time())
-            if oom is not None:
-                diagnostics["docker_oom_event"] = str(oom).lower()
-                oom_killed = oom
-        killed_by = attribute_end(
-            exit_code, timed_out=timed_out, stderr=stderr, oom_killed=oom_killed
-        )
-        if self._state == "failed":
-            diagnostics["sandbox_failed"] = self._failure
-        return ExecResult(
-            exit_code=exit_code,
-            stdout=output.text(0),
-            stderr=stderr,
-            stdout_truncated=output.truncated[0],
-            stderr_truncated=output.truncated[1],
-            timed_out=timed_out,
-            killed_by=killed_by,
-            elapsed_s=elapsed,
-            diagnostics=diagnostics,
+        return await _exec.kill_exec(
+            self._container, marker, user=self._config.user or "",
+            grace_s=self._config.kill_grace_s,
         )
 
     # -- files ---------------------------------------------------------------------------
@@ -579,23 +427,21 @@ class DockerSandboxProvider:
         self._client_lock = threading.Lock()
 
     def _get_client(self) -> Any:
-        """The SDK client, made on first use (it talks to the daemon: call it in a thread)."""
+        """The SDK client, made on first use (it talks to the daemon: call in a thread)."""
         with self._client_lock:
-            return self._connect()
-
-    def _connect(self) -> Any:
-        if self._client is None:
-            docker = docker_module()
-            try:
-                if self.config.base_url is None:
-                    self._client = docker.from_env(timeout=int(self.config.api_timeout_s))
-                else:
-                    self._client = docker.DockerClient(
-                        base_url=self.config.base_url, timeout=int(self.config.api_timeout_s)
-                    )
-            except (docker.errors.DockerException, OSError) as exc:
-                raise translate("connecting to the docker daemon", exc) from exc
-        return self._client
+            if self._client is None:
+                docker = docker_module()
+                timeout = int(self.config.api_timeout_s)
+                try:
+                    if self.config.base_url is None:
+                        self._client = docker.from_env(timeout=timeout)
+                    else:
+                        self._client = docker.DockerClient(
+                            base_url=self.config.base_url, timeout=timeout
+                        )
+                except (docker.errors.DockerException, OSError) as exc:
+                    raise translate("connecting to the docker daemon", exc) from exc
+            return self._client
 
     async def ping(self) -> None:
         """Raise SandboxError unless the daemon answers and has the configured image."""

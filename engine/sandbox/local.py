@@ -8,42 +8,33 @@ Layout (``root`` defaults to ``$TMPDIR/rollout-sandboxes``)::
     <root>/<id>/tmp/          ``TMPDIR`` of the commands
     <root>/.uids/<uid>        which sandbox holds which dedicated uid
 
-Every command is forked by the provider's supervisor process (``_init.py``: a child subreaper
-that also reaps the orphans commands leave behind) in a new session, so it leads its own
-process group, with an environment built from scratch (the worker's environment holds
-credentials), ``cwd`` in the working directory, and these limits:
+The provider's supervisor (``_init.py``) forks every command in a new session, with an
+environment built from scratch (the worker's holds credentials), in the working directory,
+under these limits:
 
-* **processes** -- ``RLIMIT_NPROC``. The kernel ignores it for root, so a root worker runs
-  commands under a *dedicated uid* per sandbox (``uid_base + n``, recorded in ``.uids``), which
-  makes the limit count exactly that sandbox's processes and threads and also keeps commands
-  from writing anything of the worker's. Where the uid range is not mapped (a user namespace),
-  ``nobody`` is used; then the limit is ``max_procs`` *on top of* what ``nobody`` already runs.
-  A non-root worker cannot switch uid: the limit is added to the worker user's current count.
-  When cgroups are usable (see ``_cgroup``), ``pids.max`` bounds the sandbox in total as well.
-* **CPU** -- ``RLIMIT_CPU`` per process (SIGXCPU at the limit, SIGKILL one second later).
-* **memory** -- ``RLIMIT_DATA`` per process (heap and private writable mappings; unlike
-  ``RLIMIT_AS`` it does not count shared libraries or reserved-but-unused address space, so
-  runtimes that reserve big arenas still start), plus the cgroup memory limit when available.
-* **disk** -- ``RLIMIT_FSIZE`` per file when ``limits.disk_mb`` is set.
-* **wall clock** -- on timeout the command's processes are SIGKILLed: its cgroup, its process
-  group and every process carrying its exec marker (descendants that called ``setsid`` too).
-* **network** -- each sandbox gets a network namespace of its own (``LocalSandboxConfig.network``,
-  default ``"auto"``): only a loopback interface, no route anywhere, so commands cannot reach
-  the engine's Redis, the model server or any other service of the host, on loopback or not.
-  A small root process (the *namespace holder*, which the sandbox uid cannot signal) keeps the
-  namespace alive for the sandbox's life; every command ``setns`` es into it before dropping
-  privileges, so commands of one sandbox share their loopback (a server started by one command
-  answers the next) while sandboxes never share one. ``expose(Endpoint(...))`` forwards one
-  port inside to one service outside (see ``_forward``). Where the machine refuses
-  ``unshare(CLONE_NEWNET)``, commands share the host's network and ``containment`` says so.
+* **processes**: ``RLIMIT_NPROC``, which the kernel ignores for root, so a root worker runs
+  commands as a *dedicated uid* per sandbox (which also keeps them off the worker's files);
+  where that uid range is not mapped, as ``nobody``, and a non-root worker as itself, the limit
+  then counting on top of what that uid already runs. Usable cgroups add ``pids.max``.
+* **CPU**: ``RLIMIT_CPU`` per process (SIGXCPU, then SIGKILL a second later).
+* **memory**: ``RLIMIT_DATA`` per process (unlike ``RLIMIT_AS`` it leaves out shared libraries
+  and reserved address space, so runtimes with big arenas start), plus the cgroup limit.
+* **disk**: ``RLIMIT_FSIZE`` per file when ``limits.disk_mb`` is set.
+* **wall clock**: on timeout the command's cgroup, process group and every process carrying its
+  exec marker are SIGKILLed.
+* **network**: a network namespace per sandbox with only loopback, so commands reach neither
+  Redis nor the model server nor any host service. A root *namespace holder*, which the sandbox
+  uid cannot signal, keeps it alive; commands ``setns`` into it before dropping privileges, so
+  one sandbox's commands share a loopback and sandboxes never do. ``expose`` forwards one port
+  to one outside service. Where ``unshare(CLONE_NEWNET)`` is refused, commands share the host's
+  network and ``containment`` says so.
 
-``stop()`` and ``reap()`` kill everything of the sandbox -- its uid's processes when it has a
-dedicated uid, its cgroups, everything carrying its marker, its recorded process groups -- then
-remove its cgroups and its directory and release its uid.
+``stop()`` and ``reap()`` kill the sandbox's processes (its uid's, its cgroups', its markers',
+its recorded process groups'), remove its cgroups and directory and release its uid.
 
-This contains resources and the file API; it is not a filesystem jail. Commands can read what
-the sandbox uid may read on the host and leave files in world-writable places such as ``/tmp``.
-Run untrusted code under the Docker backend when that matters.
+This contains resources and the file API; it is not a filesystem jail: commands can read what
+the sandbox uid may read and write world-writable places such as ``/tmp``. Run untrusted code
+under the Docker backend when that matters.
 """
 
 from __future__ import annotations
@@ -63,7 +54,7 @@ from typing import Literal
 from engine.errors import ConfigError, SandboxError
 from engine.sandbox import _procs
 from engine.sandbox._cgroup import CgroupCounters, SandboxCgroup
-from engine.sandbox._forward import Forwarder, NetnsRef, listen_inside
+from engine.sandbox._forward import Forwarder, NetnsRef, forward
 from engine.sandbox._local_config import (
     NOBODY,
     Containment,
@@ -96,7 +87,7 @@ __all__ = ["Containment", "LocalSandbox", "LocalSandboxConfig", "LocalSandboxPro
 
 
 class LocalSandbox:
-    """A sandbox made by :class:`LocalSandboxProvider` (see the module docstring)."""
+    """A sandbox made by :class:`LocalSandboxProvider`."""
 
     def __init__(
         self,
@@ -154,7 +145,6 @@ class LocalSandbox:
 
     @property
     def path(self) -> Path:
-        """The sandbox's folder (holds ``sandbox.json``, ``work/`` and ``tmp/``)."""
         return self._dir
 
     @property
@@ -173,8 +163,7 @@ class LocalSandbox:
 
     @property
     def network_namespace(self) -> str | None:
-        """``/proc/PID/ns/net`` of the sandbox's own network namespace, or ``None`` when its
-        commands share the host's network."""
+        """``/proc/PID/ns/net`` of the sandbox's network namespace (``None``: the host's)."""
         return None if self._netns is None else self._netns.path
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -237,7 +226,6 @@ class LocalSandbox:
         self._record.save()
 
     async def _hold_network_namespace(self) -> None:
-        """Start the root process that keeps this sandbox's network namespace alive."""
         environment = {
             "PATH": "/usr/bin:/bin",
             _procs.SANDBOX_MARKER: self._id,
@@ -268,14 +256,7 @@ class LocalSandbox:
                 f"the host's network: {self._containment.describe()}), so there is no inside "
                 f"to expose {endpoint.target} in"
             )
-        forwarder = Forwarder(endpoint)
-        listener = await listen_inside(self._netns, endpoint.port)
-        try:
-            await forwarder.start(listener)
-        except BaseException:
-            listener.close()
-            raise
-        self._forwarders.append(forwarder)
+        self._forwarders.append(await forward(self._netns, endpoint))
         return f"127.0.0.1:{endpoint.port}"
 
     async def _close_forwarders(self) -> None:
@@ -527,16 +508,14 @@ class LocalSandbox:
         await _procs.kill_until_gone(find)
 
 
-_HOLD = "import signal\nwhile True:\n    signal.pause()\n"
-"""What the namespace holder runs: nothing, until it is killed with the sandbox."""
+_HOLD = "import signal\nwhile True:\n    signal.pause()\n"  # the namespace holder
 
 
 class LocalSandboxProvider:
     """Creates :class:`LocalSandbox` es under ``config.root`` and reaps them by label.
 
-    Construction inspects the machine once (uid maps, cgroups, network namespaces);
-    ``containment`` reports what it found. Several workers on one machine may share a root:
-    uids are claimed with lock files.
+    Construction inspects the machine once; ``containment`` reports what it found. Workers on
+    one machine may share a root (uids are claimed with lock files).
     """
 
     def __init__(self, config: LocalSandboxConfig | None = None) -> None:
@@ -546,15 +525,11 @@ class LocalSandboxProvider:
 
     @property
     def supervisor_pid(self) -> int | None:
-        """The supervisor process (spawns commands, reaps orphans), once started."""
         return self._supervisor.pid
 
     def close(self) -> None:
-        """Let the supervisor go; it exits once every sandbox's processes are gone.
-
-        Stop the sandboxes first. A provider is usable again after ``close`` (a new supervisor
-        starts on the next exec).
-        """
+        """Let the supervisor go (it exits once every sandbox's processes are gone; stop the
+        sandboxes first). A later exec starts a new one."""
         self._supervisor.close()
 
     async def __aenter__(self) -> LocalSandboxProvider:

@@ -1,15 +1,9 @@
-"""The bundled tasks: arithmetic with a ``python`` tool and file tasks with a ``shell`` tool.
+"""The bundled tasks: arithmetic with a ``python`` tool, file tasks with a ``shell`` tool.
 
-- ``ROLLOUT_CONFIG``: the rollout YAML naming the bundled datasets (``data/*.jsonl``; rows
-  ``{"id", "prompt", "label"}``) and their task types ``math`` and ``shell``;
-- ``DAGGER_ROLLOUT_CONFIG``: the math prompts as task type ``dagger`` (a DAgger rollin with
-  a teacher; see ``engine.tasks.evaluators``);
-- ``EVALUATOR_CONFIG``: the evaluator config file (``evaluator_profiles(args)``,
-  ``build_agents(args)``) that runs them
-  with the native ``ToolAgent`` (``engine.tasks.evaluators``);
-- ``engine.tasks.math`` / ``engine.tasks.shell``: their verifiers.
-
-Importing this package loads nothing heavy; the submodules are imported where used.
+``ROLLOUT_CONFIG`` names the bundled datasets (``data/*.jsonl``) of task types ``math`` and
+``shell``, ``DAGGER_ROLLOUT_CONFIG`` the math prompts as task type ``dagger``, and
+``EVALUATOR_CONFIG`` is the evaluator config file that runs all three. Importing this package
+loads nothing heavy.
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
-"""Evaluator config of the bundled tasks ``math``, ``shell`` and ``dagger``:
-``evaluator_profiles(args)`` and ``build_agents(args)``.
+"""Evaluator config of the bundled tasks ``math``, ``shell`` and ``dagger``
+(``--evaluator-config``; its path is ``engine.tasks.EVALUATOR_CONFIG``).
 
-Pass this file as ``--evaluator-config`` (``ROLLOUT_EVALUATOR_CONFIG``); its path is
-``engine.tasks.EVALUATOR_CONFIG``. The scheduler reads only the profiles (which need nothing
-from ``args``); evaluator workers also build the agents. Each task type gets its own
-``ToolAgent`` (one agent per profile, each with its verifier, rather than one agent
-dispatching on the task type: the profile already routes by task type, and each agent then
-offers only the tool its task needs):
+One ``ToolAgent`` per task type, each offering only the tool its task needs (the profile
+already routes by task type): ``math`` a ``python`` tool and ``MathVerifier``, ``shell`` a
+``shell`` tool and ``ShellVerifier``, ``dagger`` the math task under a DAgger rollin
+(``DAggerAgent``; request it with ``algorithm="dagger_k3"``, ``mixed_ce_k3`` or ``dagger_ce``
+and the knobs ``dagger_beta`` / ``t_max``).
 
-- ``math``: tool ``python``, ``MathVerifier`` (final answer against the label);
-- ``shell``: tool ``shell``, ``ShellVerifier`` (the label's check command, run in the episode's
-  sandbox after the agent is done);
-- ``dagger``: the ``math`` task under a DAgger rollin (``DAggerAgent``: per turn, with
-  probability ``dagger_beta`` and only before turn ``t_max``, the teacher's action is executed
-  instead of the student's). Its datasets are in ``engine.tasks.DAGGER_ROLLOUT_CONFIG``
-  (task type ``dagger``, the math prompts); request it with ``algorithm="dagger_k3"`` (or
-  ``mixed_ce_k3``, ``dagger_ce``) and the knobs ``dagger_beta`` / ``t_max``.
-
-What ``build_agents`` reads from ``args`` (attributes, or keys when ``args`` is a mapping):
-
-- ``tokenizer_path``, else ``model_dir`` (required): the policy's Hugging Face folder, e.g. one
-  written by ``rollout tinylm init DIR``; the tokenizer and its chat template load from it
-  once, shared by both agents;
-- ``sglang_url`` (optional): the SGLang server; without it each episode uses the worker's
-  ``--sglang-url`` (the default endpoint of ``EpisodeContext.backends``);
-- ``teacher`` (optional): the worker's ``TeacherBackend`` (``--teacher-url`` /
-  ``ROLLOUT_TEACHER_URL``), which the ``dagger`` agent uses and never closes. Without it the
-  ``dagger`` agent runs student-only turns, and a turn the teacher should act on fails its
-  sample with an error naming the missing setting.
-
-The sandbox provider is the worker's (``EpisodeContext.sandboxes``); per-sample sandbox
-limits are set here. Resources: no GPU (the model server is its own process), a quarter CPU and
-half a GiB per sample, batches of 8, at most 16 (math) / 8 (shell) samples at once per batch.
-Default stopping matches the bundled ``rollout.yaml``.
+``build_agents`` reads from ``args`` (attributes, or keys of a mapping): ``tokenizer_path``,
+else ``model_dir`` (required: the policy's Hugging Face folder, its tokenizer shared by the
+agents); ``sglang_url`` (optional; default the worker's ``--sglang-url``); ``teacher``
+(optional: the worker's ``TeacherBackend``, never closed here; without it a turn the teacher
+should act on fails its sample naming the missing setting).
 """
 
 from __future__ import annotations
@@ -84,27 +63,23 @@ _OBSERVATION_CHARS = 600
 def math_agent_config(
     tokenizer_path: Path | None = None, sglang_url: str | None = None
 ) -> ToolAgentConfig:
-    """The ``math`` agent: a python tool and the math system prompt."""
-    return ToolAgentConfig(
-        tools=(PythonTool(),),
-        system_prompt=MATH_SYSTEM_PROMPT,
-        tokenizer_path=tokenizer_path,
-        sglang_url=sglang_url,
-        sandbox_limits=_SANDBOX_LIMITS,
-        tool_timeout_s=10.0,
-        max_observation_chars=_OBSERVATION_CHARS,
-    )
+    return _agent_config(PythonTool(), MATH_SYSTEM_PROMPT, tokenizer_path, sglang_url)
 
 
 def shell_agent_config(
     tokenizer_path: Path | None = None, sglang_url: str | None = None
 ) -> ToolAgentConfig:
-    """The ``shell`` agent: a shell tool and the shell system prompt."""
+    return _agent_config(ShellTool(), SHELL_SYSTEM_PROMPT, tokenizer_path, sglang_url)
+
+
+def _agent_config(
+    tool: PythonTool | ShellTool, prompt: str, tokenizer_path: Path | None, url: str | None
+) -> ToolAgentConfig:
     return ToolAgentConfig(
-        tools=(ShellTool(),),
-        system_prompt=SHELL_SYSTEM_PROMPT,
+        tools=(tool,),
+        system_prompt=prompt,
         tokenizer_path=tokenizer_path,
-        sglang_url=sglang_url,
+        sglang_url=url,
         sandbox_limits=_SANDBOX_LIMITS,
         tool_timeout_s=10.0,
         max_observation_chars=_OBSERVATION_CHARS,
@@ -118,38 +93,28 @@ def _arg(args: object, name: str) -> Any:
 
 
 def evaluator_profiles(args: object) -> list[EvaluatorProfile]:
-    """The ``math``, ``shell`` and ``dagger`` profiles (``args`` is not read)."""
+    """The ``math``, ``shell`` and ``dagger`` profiles; ``args`` is not read."""
     per_sample = Resource(cpu=0.25, memory_gb=0.5)
+    math_budget = Resource(cpu=4.0, memory_gb=8.0, concurrency=16)
+    math_check = Resource(cpu=0.25, memory_gb=0.25)
     return [
         EvaluatorProfile(
-            evaluator_id="math",
-            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
+            evaluator_id=evaluator_id,
+            resource=budget,
             run_resource=per_sample,
-            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
+            eval_resource=check,
             batch_size=8,
             default_stopping=DEFAULT_STOPPING,
-        ),
-        EvaluatorProfile(
-            evaluator_id="shell",
-            resource=Resource(cpu=2.0, memory_gb=4.0, concurrency=8),
-            run_resource=per_sample,
-            eval_resource=per_sample,
-            batch_size=8,
-            default_stopping=DEFAULT_STOPPING,
-        ),
-        EvaluatorProfile(
-            evaluator_id="dagger",
-            resource=Resource(cpu=4.0, memory_gb=8.0, concurrency=16),
-            run_resource=per_sample,
-            eval_resource=Resource(cpu=0.25, memory_gb=0.25),
-            batch_size=8,
-            default_stopping=DEFAULT_STOPPING,
-        ),
+        )
+        for evaluator_id, budget, check in (
+            ("math", math_budget, math_check),
+            ("shell", Resource(cpu=2.0, memory_gb=4.0, concurrency=8), per_sample),
+            ("dagger", math_budget, math_check),
+        )
     ]
 
 
 def build_agents(args: object) -> dict[str, BaseAgent]:
-    """The ``math`` and ``shell`` agents (see the module docstring for what ``args`` holds)."""
     raw_path = _arg(args, "tokenizer_path") or _arg(args, "model_dir")
     if not raw_path:
         raise ConfigError(

@@ -1,20 +1,12 @@
 """The ``math`` task's verifier: is the episode's final answer the label?
 
-Extraction (``extract_answer``), from the text of the episode's last generated turn:
-
-1. the content of the last ``<answer>...</answer>`` block, stripped; when that content is not
-   itself a number (``"the answer is 42"``), the last number inside it;
-2. otherwise the last number anywhere in the text;
-3. otherwise nothing (score 0).
-
-Matching (``answers_match``): the extracted text equals the label (both stripped), or both read
-as numbers that agree within ``1e-6`` (absolute below 1, relative above). Numbers may carry a
-sign, decimals, an exponent and thousands separators (``"42"``, ``"42.0"``, ``"4.2e1"``,
-``"1,234"``, ``"-3.5"``), or be a fraction of integers (``"3/4"``); a leading ``$`` and a trailing
-period are ignored.
-
-``MathVerifier`` scores 1.0 or 0.0; the verdict's detail says what was extracted, from where,
-and how it matched. A task without a usable label is a ``ConfigError`` naming the task.
+The answer (``extract_answer``, from the last generated turn) is the content of the last
+``<answer>...</answer>`` block, or the last number inside it when the content is not a number,
+else the last number of the text. It matches (``answers_match``) when it equals the label, both
+stripped, or both read as numbers within ``1e-6`` (absolute below 1, relative above). Numbers
+may carry a sign, decimals, an exponent and thousands separators, or be a fraction of integers
+(``"3/4"``); a leading ``$`` and a trailing period are ignored. ``MathVerifier`` scores 1.0 or
+0.0, its detail saying what was extracted, from where and how it matched.
 """
 
 from __future__ import annotations
@@ -57,7 +49,7 @@ Source = Literal["answer_tag", "answer_tag_number", "last_number", "none"]
 
 
 def parse_number(text: str) -> float | None:
-    """``text`` as a finite number, or ``None`` (see the module docstring for the forms)."""
+    """``text`` as a finite number, or ``None``."""
     s = text.strip()
     if s.startswith("$"):
         s = s[1:].strip()
@@ -91,7 +83,6 @@ def _last_number(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> Extraction:
-    """The final answer of ``text`` (see the module docstring)."""
     tags = _ANSWER.findall(text)
     if tags:
         content = tags[-1].strip()
@@ -120,7 +111,6 @@ def answers_match(
 
 
 def verify_math(text: str, label: str, *, tolerance: float = DEFAULT_TOLERANCE) -> Verdict:
-    """Score ``text`` against ``label``: 1.0 if its final answer matches, else 0.0."""
     found = extract_answer(text)
     match = "none" if found.text is None else answers_match(found.text, label, tolerance=tolerance)
     value = None if found.text is None else parse_number(found.text)

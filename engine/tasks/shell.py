@@ -1,14 +1,10 @@
 """The ``shell`` task's verifier: run the task's check command in the episode's sandbox.
 
-A shell task's label is a POSIX ``sh`` command line that exits 0 when the task is done (e.g.
-``test "$(cat memo.txt)" = "lemon"``). ``ShellVerifier`` runs it, after the agent's ``run``, in
-the *same* sandbox the agent worked in, in its working directory, with ``check_timeout_s`` of
-wall clock: exit status 0 scores 1.0, anything else (non-zero exit, a limit, a timeout) 0.0.
-
-The verdict's detail holds the exit code, the outcome (``engine.sandbox.classify``) and the
-first ``excerpt_chars`` characters of the check's stderr and stdout. A sandbox that fails while
-checking raises ``SandboxError`` (the sample aborts as ``infra_sandbox``); a task without a
-check command is a ``ConfigError`` naming the task.
+The label is an ``sh`` command line that exits 0 when the task is done (``test "$(cat memo.txt)"
+= "lemon"``), run after the agent in the *same* sandbox, within ``check_timeout_s``: exit 0
+scores 1.0, anything else 0.0. The detail holds the exit code, the outcome and the first
+``excerpt_chars`` of stderr and stdout. A sandbox failing meanwhile raises ``SandboxError``
+(the sample aborts as ``infra_sandbox``).
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ def check_command(task: Task) -> str:
 async def run_check(
     sandbox: Sandbox, command: str, *, timeout_s: float, excerpt_chars: int = 500
 ) -> Verdict:
-    """Run ``command`` in ``sandbox``; 1.0 if it exits 0 (see the module docstring)."""
     result = await sandbox.exec(command, timeout_s=timeout_s)
     outcome = classify(result)
     detail: dict[str, JsonValue] = {

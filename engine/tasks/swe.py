@@ -1,27 +1,18 @@
 """The ``swe`` task type: a tiny repository with a failing test, fixed by an installed scaffold.
 
-Each task is a repository of POSIX ``sh`` files (so it runs in a local sandbox and in a bare
-busybox container alike) with one planted bug, an issue text that reports the symptom and
-gives a hint, and a test script. The scaffold edits the repository in the sample's sandbox;
-the reward is whether the test passes afterwards (1.0) or not (0.0).
-
-A dataset line (``engine/tasks/data/swe_*.jsonl``, written by :func:`write_dataset`)::
+Each task is a repository of POSIX ``sh`` files (runnable in a local sandbox and a bare busybox
+container alike) with one planted bug, an issue reporting the symptom with a hint, and a test
+script; the reward is whether the test passes after the scaffold's edits. A dataset line
+(``data/swe_*.jsonl``, from :func:`write_dataset`)::
 
     {"id": "swe-0-3", "prompt": "<the issue>",
      "label": {"repo": {"calc.sh": "...", "test.sh": "..."}, "test": "test.sh",
                "fix": {"file": "calc.sh", "old": "...", "new": "..."}}}
 
-``label.fix`` is the planted bug's fix: the scaffold never sees the label, the format corpus
-(``engine.tasks.swe_format``) and the tests use it. Bug families (all drawn from
-``random.Random(seed)``, no network, the same seed gives the same items):
-
-- ``operator``: ``sum() { echo $(($1 - $2)); }`` where ``+`` is meant (and the reverse);
-- ``word``: a misspelt word in a greeting (``Helo, $1!``);
-- ``constant``: a function that prints a number one off (``limit`` prints 9, not 10).
-
-``SweTask`` is the task side of ``InstalledAgent`` (``engine.agents.installed.InstalledTask``):
-``prepare`` writes the repository into the sandbox, ``collect`` freezes the edited files,
-``verify`` restores the test file (the scaffold may not change the test) and runs it.
+The scaffold never sees the label; ``label.fix`` serves the format corpus and the tests. Bugs
+are a wrong operator, a misspelt greeting or a constant one off, drawn from
+``random.Random(seed)``. ``SweTask`` is the ``InstalledTask`` side: ``verify`` restores the
+test file (the scaffold may not change it) and runs it.
 """
 
 from __future__ import annotations
@@ -167,7 +158,7 @@ def write_dataset(path: Path, n: int, *, seed: int) -> None:
 
 
 def repo_of(task: Task) -> tuple[dict[str, str], str]:
-    """The task's files and its test file; ``ConfigError`` naming the task when malformed."""
+    """The task's files and its test file; ``ConfigError`` naming a malformed task."""
     label = task.label
     where = (
         f"swe task {task.sample_id} (dataset {task.dataset_name!r}, line {task.source_line})"
@@ -186,7 +177,7 @@ def repo_of(task: Task) -> tuple[dict[str, str], str]:
 
 @dataclass(frozen=True, kw_only=True)
 class SweTask:
-    """The ``swe`` task for ``InstalledAgent`` (see the module docstring)."""
+    """The ``swe`` task for ``InstalledAgent``."""
 
     test_timeout_s: float = 30.0
 

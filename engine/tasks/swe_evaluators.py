@@ -1,19 +1,11 @@
 """Evaluator config of the bundled ``swe`` task: mini-swe-agent through the recording proxy.
 
-Pass this file as ``--evaluator-config`` (its path is ``engine.tasks.SWE_EVALUATOR_CONFIG``)
-with ``engine/tasks/swe_rollout.yaml``. One profile, ``swe``; its agent is an
-``InstalledAgent`` running the ``MiniSweAgent`` plug-in on ``SweTask``:
-
-- training rollouts capture tokens: a ``RecordingProxy`` per task sits between mini-swe-agent
-  and the model server, and the episode's ``AgentResult`` is the proxy's series;
-- ``args.capture_tokens`` false (or ``"0"``) runs the same scaffold straight against the
-  model server (eval of a black-box scaffold, no token data).
-
-What ``build_agents`` reads from ``args`` (attributes, or keys of a mapping): ``tokenizer_path``
-or ``model_dir`` (the policy's folder, for the proxy's tokenizer), ``sglang_url`` (optional),
-``scaffold_logs_dir`` (optional: keep each run's folder there), ``capture_tokens`` (optional).
-The scaffold runs on the worker's machine and its commands run in the worker's sandbox
-(``--sandbox local`` or ``docker``). mini-swe-agent must be installed on the worker
+Pass this file as ``--evaluator-config`` with ``engine/tasks/swe_rollout.yaml``. Its one
+profile, ``swe``, runs ``InstalledAgent`` with the ``MiniSweAgent`` plug-in on ``SweTask``; a
+``RecordingProxy`` per task captures the tokens unless ``args.capture_tokens`` is false (eval
+of a black-box scaffold). ``build_agents`` reads ``tokenizer_path`` or ``model_dir`` (the
+proxy's tokenizer), and optionally ``sglang_url``, ``scaffold_logs_dir`` (keep each run's
+folder) and ``capture_tokens``. mini-swe-agent must be installed on the worker
 (``pip install 'rollout-engine[scaffolds]'``).
 """
 
@@ -68,7 +60,6 @@ def swe_agent_config(
     *, tokenizer: Any, capture_tokens: bool = True, logs_dir: Path | None = None,
     model_url: str | None = None,
 ) -> InstalledAgentConfig:  # fmt: skip
-    """The ``swe`` agent's config: mini-swe-agent, the proxy when capturing, the SWE task."""
     return InstalledAgentConfig(
         scaffold=MiniSweAgent(),
         task=SweTask(),

@@ -1,20 +1,10 @@
 """Teach tinylm mini-swe-agent's reply format, as ``tinylm init`` teaches it the tool format.
 
-mini-swe-agent (``engine.agents.scaffolds.mini_swe_agent``) accepts a reply only when it holds
-exactly one fenced ``bash`` block; after three malformed replies in a row it gives up. An
-untrained tiny model never writes one, so every episode would end in format errors. These
-dialogues are the conversations mini-swe-agent itself would hold on generated ``swe`` tasks
-(``engine.tasks.swe``, seeds apart from the bundled datasets'), rendered with the plug-in's
-exact templates (Jinja, as mini-swe-agent renders them):
-
-1. ``THOUGHT: ...`` + the one-line ``sed`` edit the issue's hint names;
-2. the observation, then ``THOUGHT: ...`` + ``sh test.sh``;
-3. the observation (``PASS``), then ``THOUGHT: ...`` + the submit command.
-
-:func:`init_swe_model` builds a tinylm on them (CPU, seconds to a couple of minutes); the model
-needn't solve tasks, only speak the format, so episodes are well-formed even if rewards stay
-low. The test fixture (``tests/agents/test_installed_mswea.py``) and ``rollout demo --task swe``
-use it.
+mini-swe-agent accepts a reply only with exactly one fenced ``bash`` block and gives up after
+three malformed ones, which an untrained tiny model never writes. These dialogues are the
+conversations mini-swe-agent would hold on generated ``swe`` tasks (seeds apart from the bundled
+datasets'), rendered with the plug-in's own templates: the ``sed`` edit the hint names,
+``sh test.sh``, then the submit command. The model needs only to speak the format, not to solve.
 """
 
 from __future__ import annotations
@@ -38,8 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CORPUS_SEED", "format_dialogues", "init_swe_model", "reply", "swe_messages"]
 
-CORPUS_SEED = 1000
-"""Seed of the format corpus's tasks (the bundled datasets use 1 and 2)."""
+CORPUS_SEED = 1000  # the bundled datasets use seeds 1 and 2
 
 
 def _render(template: str, **values: Any) -> str:
@@ -47,12 +36,10 @@ def _render(template: str, **values: Any) -> str:
 
 
 def reply(thought: str, command: str) -> str:
-    """One well-formed mini-swe-agent reply."""
     return f"THOUGHT: {thought}\n\n```bash\n{command}\n```"
 
 
 def observation(returncode: int, output: str) -> str:
-    """An observation exactly as mini-swe-agent renders it with the plug-in's template."""
     return _render(
         OBSERVATION_TEMPLATE,
         output={"returncode": returncode, "output": output, "exception_info": ""},
@@ -90,7 +77,7 @@ def init_swe_model(
     seed: int = 0,
     log: Callable[[str], None] = lambda _msg: None,
 ) -> InitReport:
-    """A tinylm that speaks mini-swe-agent's format (see the module docstring)."""
+    """A tinylm that speaks mini-swe-agent's format."""
     from engine.tasks.prompts import MATH_SYSTEM_PROMPT, SHELL_SYSTEM_PROMPT
     from tinylm.corpus import SystemPrompts
     from tinylm.model import TrainSettings, init_model

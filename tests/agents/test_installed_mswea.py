@@ -32,7 +32,6 @@ from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig, load_tokenizer
 from engine.domain import SamplingParams, StoppingCriteria, Task
 from engine.errors import AgentError, ConfigError, EpisodeTimeout
-from engine.ops.tinylm import spawn_server
 from engine.outcomes import TerminationReason
 from engine.sandbox import LocalSandboxProvider
 from engine.sandbox.base import SandboxProvider
@@ -41,6 +40,7 @@ from engine.tasks.swe_evaluators import swe_agent_config
 from engine.tasks.swe_format import CORPUS_SEED, format_dialogues, init_swe_model
 from tests.conftest import local_sandbox_provider
 from tests.sandbox.conftest import docker_image  # noqa: F401  (fixture)
+from tinylm.process import spawn_server
 
 pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (extra 'scaffolds')")
 # Fixture setup (training the format model) counts against a test's timeout: generous, for

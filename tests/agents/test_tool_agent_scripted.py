@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.actors.batch_run import LabelledProvider, sandbox_labels
+from engine.actors.sandbox_labels import LabelledProvider, sandbox_labels
 from engine.agents.tool_agent import ToolAgent, ToolAgentConfig, derive_turn_seed
 from engine.agents.tools import PythonTool, ShellTool
 from engine.backends.toolcalls import render_tool_call

@@ -33,7 +33,7 @@ from engine.events import (
     TurnCompleted,
 )
 from engine.projections.base import fold, start
-from engine.projections.decision import DecisionProjection
+from engine.projections.readback import in_memory
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import trainer_samples
 from engine.sandbox import LocalSandboxProvider
@@ -165,14 +165,13 @@ async def test_a_mid_episode_update_changes_the_recorded_versions_and_logprobs(
     done = next(e for e in events if isinstance(e, SampleCompleted))
     assert done.token_versions == result.response_versions
     envs = [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
-    decision = DecisionProjection()
-    ready = decide_ready(fold(decision, start(decision), envs).state)
     projection = RolloutProjection()
+    ready = decide_ready(fold(projection, start(projection), envs).state)
     assert ready is not None
     assert ready.version_tokens == {"0": b0 - a0, "1": b1 - a1}
-    (sample,) = trainer_samples(fold(projection, start(projection), [
-        *envs, Envelope("s", f"{len(envs) + 1}-0", ready)
-    ]).state)
+    envs.append(Envelope("s", f"{len(envs) + 1}-0", ready))
+    projection = RolloutProjection()
+    (sample,) = trainer_samples(in_memory(fold(projection, start(projection), envs).state, envs))
     assert sample.token_versions == result.response_versions
     batch = collate([sample])
     row = batch["token_versions"][0].tolist()

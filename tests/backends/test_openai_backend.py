@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from engine.backends import (
+    Capabilities,
     GenerationResult,
     ModelBackend,
     OpenAIBackend,
@@ -190,13 +191,22 @@ def test_sampling_params_translate_or_are_refused_by_name() -> None:
 
 async def test_it_is_a_text_only_backend() -> None:
     backend = OpenAIBackend(config=OpenAIConfig(base_url="http://api.test/v1", model="m"))
-    assert isinstance(backend, ModelBackend) and not backend.supports_token_ids
-    with pytest.raises(NotImplementedError):
+    assert isinstance(backend, ModelBackend) and backend.capabilities == Capabilities()
+    assert backend.base_url == "http://api.test/v1"
+    with pytest.raises(NotImplementedError, match=r"OpenAIBackend\(http://api.test/v1\).*token_ids"):
         backend.tokenize("x")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="token_ids"):
         backend.decode([1])
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="token_ids"):
         await backend.generate(input_ids=[1], sampling_params={})
+    for operation, capability in (
+        (backend.score([1], [2]), "scoring"),
+        (backend.abort("rid"), "abort"),
+        (backend.weight_version(), "weight_version"),
+        (backend.health(), "health"),
+    ):
+        with pytest.raises(NotImplementedError, match=f"has no {capability} capability"):
+            await operation
     assert "sk-secret" not in repr(
         OpenAIConfig(base_url="http://a/v1", model="m", api_key="sk-secret")
     )

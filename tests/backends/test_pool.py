@@ -3,6 +3,7 @@ closed when it stops. Generations go over real sockets to the tinylm server."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from pathlib import Path
 
@@ -163,9 +164,8 @@ async def test_trajectories_over_two_real_servers(tinylm_dir: Path) -> None:
                 used = set()
                 for _ in range(3):  # three turns
                     backend = view.get()
-                    assert isinstance(backend, SGLangBackend)
                     await backend.generate(input_ids=PROMPT, sampling_params=params)
-                    used.add(backend.config.url)
+                    used.add(backend.base_url)
                 return used
 
             used = await asyncio.gather(*(episode(v) for v in views))
@@ -178,17 +178,19 @@ async def test_trajectories_over_two_real_servers(tinylm_dir: Path) -> None:
 
 def test_the_worker_takes_several_servers() -> None:
     from engine.settings import Settings
-    from workers.evaluator import build_parser, policy_urls
+    from workers.evaluator import FLAGS, build_parser, policy_urls
 
-    settings = Settings()
-    parser = build_parser(settings)
-    args = parser.parse_args(
-        ["--sglang-url", "http://a:1,http://b:2", "--sglang-url", "http://c:3"]
-    )
-    assert policy_urls(args, settings) == ["http://a:1", "http://b:2", "http://c:3"]
+    parser = build_parser(Settings())
+
+    def urls(argv: list[str], env: Settings) -> tuple[list[str], argparse.Namespace]:
+        args = parser.parse_args(argv)
+        return policy_urls(args, FLAGS.apply(env, args)), args
+
+    got, args = urls(["--sglang-url", "http://a:1,http://b:2", "--sglang-url", "http://c:3"],
+                     Settings())
+    assert got == ["http://a:1", "http://b:2", "http://c:3"]
     assert args.sglang_url is None  # agents leave the choice to the pool
-    one = parser.parse_args(["--sglang-url", "http://a:1/"])
-    assert policy_urls(one, settings) == ["http://a:1"] and one.sglang_url == "http://a:1"
-    from_env = parser.parse_args([])
-    env = Settings(sglang_url="http://x:1, http://y:2")
-    assert policy_urls(from_env, env) == ["http://x:1", "http://y:2"]
+    got, one = urls(["--sglang-url", "http://a:1/"], Settings())
+    assert got == ["http://a:1"] and one.sglang_url == "http://a:1"
+    got, _ = urls([], Settings(sglang_url="http://x:1, http://y:2"))
+    assert got == ["http://x:1", "http://y:2"]

@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 
 from engine.backends import (
+    Capabilities,
     GenerationResult,
+    HTTPSettings,
     ModelBackend,
     SGLangBackend,
     SGLangConfig,
     TeacherBackend,
     TeacherConfig,
 )
+from engine.errors import BackendUnavailable
 from tests.backends.conftest import MATH_QUESTION
 from tests.backends.test_tinylm_server import wait_until
 from tinylm.corpus import PYTHON_TOOL
@@ -33,7 +36,9 @@ async def sglang(tinylm_server: TinyLMServer, tinylm_dir: Path) -> AsyncIterator
 
 
 async def test_is_a_token_level_model_backend(sglang: SGLangBackend) -> None:
-    assert isinstance(sglang, ModelBackend) and sglang.supports_token_ids
+    assert isinstance(sglang, ModelBackend) and sglang.capabilities == Capabilities(
+        token_ids=True, scoring=True, abort=True, weight_version=True, health=True
+    )
     ids = sglang.tokenize("What is 17 + 25?")
     assert sglang.decode(ids) == "What is 17 + 25?"
 
@@ -123,6 +128,27 @@ async def test_abort_by_rid_gives_an_empty_aborted_result(
     assert result == GenerationResult(
         text="", token_ids=(), logprobs=(), finish_reason="abort", usage=result.usage
     )
+
+
+async def test_health_and_weight_version_read_the_servers_routes(tinylm_dir: Path) -> None:
+    with start_server(tinylm_dir, weight_version="7") as server:
+        backend = SGLangBackend(config=SGLangConfig(url=server.url))
+        try:
+            await backend.health()
+            await backend.health(generate=True)
+            assert await backend.weight_version() == 7
+        finally:
+            await backend.aclose()
+    with start_server(tinylm_dir) as server:  # no --weight-version: SGLang's "default"
+        backend = SGLangBackend(config=SGLangConfig(url=server.url))
+        try:
+            assert await backend.weight_version() is None
+        finally:
+            await backend.aclose()
+    gone = SGLangBackend(config=SGLangConfig(url=server.url, http=HTTPSettings(connect_retries=0)))
+    with pytest.raises(BackendUnavailable, match="/health"):
+        await gone.health()
+    await gone.aclose()
 
 
 async def test_server_shutdown_aborts_a_generation_in_flight(tinylm_dir: Path) -> None:

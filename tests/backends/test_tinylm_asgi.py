@@ -99,7 +99,9 @@ def test_requests_waiting_out_a_pause_leave_the_server_responsive(
             ]
             wait_until(lambda: tinylm_server.weights.waiting() >= 48, "the requests to wait")
             assert not any(f.done() for f in futures)
-            assert httpx.get(url + "/health").status_code == 200
+            # The loop still answers. A paused SGLang is not ready (http_server.py, ready):
+            # its health check would wait for generation to resume (health.py).
+            assert httpx.get(url + "/ready").status_code == 503
             assert httpx.get(url + "/get_model_info").status_code == 200
             assert httpx.post(url + "/continue_generation", json={}).status_code == 200
             assert [f.result().status_code for f in futures] == [200] * 48

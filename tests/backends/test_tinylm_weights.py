@@ -194,10 +194,12 @@ def test_paused_in_place_the_update_lands_at_once_and_requests_continue_on_it(
         flush = admin(server, "/flush_cache")
         assert flush.status_code == 400
         assert flush.headers["content-type"].startswith("text/plain")
+        # flush_cache=false: the default would flush after the swap and fail on "kept"
+        # (see the next test).
         update = admin(
             server,
             "/update_weights_from_disk",
-            {"model_path": str(step1_dir), "weight_version": "3"},
+            {"model_path": str(step1_dir), "weight_version": "3", "flush_cache": False},
         )
         assert update.json()["success"] is True
         assert not running.done()
@@ -207,6 +209,42 @@ def test_paused_in_place_the_update_lands_at_once_and_requests_continue_on_it(
     assert reply["meta_info"]["weight_version"] == "3"
     flushed = admin(server, "/flush_cache")
     assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+
+
+def test_an_update_that_cannot_flush_the_cache_fails_though_the_weights_changed(
+    server: TinyLMServer, tinylm_dir: Path, step1_dir: Path
+) -> None:
+    """SGLang 0.5.23: ``WeightUpdater.update_weights_from_disk`` records the new version on the
+    scheduler, then ``flush_cache_after_weight_update`` fails the call while a request runs;
+    ``TokenizerManager.update_weights_from_disk`` then keeps its model path and version."""
+    body = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, server, input_ids=PROMPT, rid="held", sampling_params=body)
+        wait_until(lambda: "held" in server.scheduler.running_rids(), "the request to run")
+        admin(server, "/pause_generation", {"mode": "in_place"})
+        update = admin(
+            server,
+            "/update_weights_from_disk",
+            {"model_path": str(step1_dir), "weight_version": "5"},
+        )
+        assert update.status_code == 400
+        assert update.json() == {
+            "success": False,
+            "message": "Weights were updated, but the cache was not flushed because requests "
+            "are still running or queued. Retract or finish them, then call /flush_cache.",
+            "num_paused_requests": 0,
+        }
+        info = httpx.get(server.url + "/get_model_info").json()
+        assert (info["weight_version"], info["model_path"]) == ("default", str(tinylm_dir))
+        assert version(server) == "default"
+        admin(server, "/continue_generation")
+        reply = running.result(timeout=120)
+    # The scheduler's view: the request finished on the new weights, reported as "5".
+    assert reply["meta_info"]["weight_version"] == "5"
+    spans = reply["meta_info"]["weight_versions"]
+    assert spans[-1]["version"] == "5" and spans[-1]["end"] == 300
+    _, reported = scores(server)
+    assert reported == "5" and version(server) == "default"
 
 
 def test_pause_abort_mode_aborts_and_new_requests_wait_for_continue(server: TinyLMServer) -> None:

@@ -25,12 +25,14 @@ from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.config.evaluators import load_evaluators
 from engine.errors import ConfigError
-from engine.events import RedisEventLog
+from engine.events.redis_log import RedisEventLog
+from engine.ops.processes import Processes
 from engine.outcomes import TerminationReason
 from tests.backends.test_tinylm_weights import perturbed_copy
 from tinylm.process import spawn_server
 from tinylm.sampling import LogprobMode, logprob_mode_from_env
 from tinylm.server import TinyLMServer, start_server
+from workers.cli import ROLLOUT
 
 ADMIN = "verify-admin"
 FLAG = "SGLANG_RETURN_ORIGINAL_LOGPROB=1"
@@ -270,19 +272,22 @@ async def test_a_worker_refuses_a_server_with_temperature_scaled_logprobs(
     assert FLAG in message and proc.url in message and "temperature" in message
 
 
-async def test_a_server_launched_as_rl_needs_passes_the_start_check(tinylm_dir: Path) -> None:
-    # The engine's launcher sets the variable (engine.ops.tinylm.RL_SERVER_ENV).
-    from engine.ops.tinylm import spawn_server as engine_spawn
-
-    with engine_spawn(tinylm_dir, env={"SGLANG_RETURN_ORIGINAL_LOGPROB": None}) as bare:
+async def test_a_server_launched_as_rl_needs_passes_the_start_check(
+    tinylm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine's launcher serves tinylm with raw logprobs (engine.ops.tinylm.RL_SERVER_ENV)
+    # where nothing in its environment says so.
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    with Processes(tmp_path, rollout=ROLLOUT) as procs:
+        bare = procs.serve_tinylm("bare", tinylm_dir,
+                                  env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"})
         with pytest.raises(TemperatureScaledLogprobs, match=re.escape(FLAG)):
             pool = BackendPool(bare.url)
             try:
                 await check_servers(pool, threshold=1e-3)
             finally:
                 await pool.aclose()
-    with engine_spawn(tinylm_dir) as proc:
-        pool = BackendPool(proc.url)
+        pool = BackendPool(procs.serve_tinylm("rl", tinylm_dir).url)
         try:
             await check_servers(pool, threshold=1e-3)  # no error: raw logprobs
         finally:

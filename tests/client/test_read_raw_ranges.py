@@ -3,17 +3,18 @@ one round trip (what ``RolloutClient.iter_load`` reads each chunk back with)."""
 
 from __future__ import annotations
 
-from engine.events import RedisEventLog
-from engine.events.redis_log import FIELD
+from engine.events.log import EventLog
+from engine.events.log_base import FIELD
+from tests.conftest import write_raw
 
 STREAM = "rl:{rollout:ranges}"
 
 
-async def test_each_range_gives_its_entries_in_order(log: RedisEventLog) -> None:
+async def test_each_range_gives_its_entries_in_order(log: EventLog) -> None:
     ids = []
     for i in range(10):
-        ids.append(await log.redis.xadd(STREAM, {FIELD: f"e{i}".encode()}, id=f"{i + 1}-0"))
-    await log.redis.xadd(STREAM, {"other": b"x"}, id="11-0")  # no event field: empty bytes
+        ids.append(await write_raw(log, STREAM, {FIELD: f"e{i}".encode()}, f"{i + 1}-0"))
+    await write_raw(log, STREAM, {"other": b"x"}, "11-0")  # no event field: empty bytes
     replies = await log.read_raw_ranges(
         STREAM, [("-", "+", 3), ("(3-0", "+", 2), ("7-0", "9-0", None), ("10-0", "+", None)]
     )

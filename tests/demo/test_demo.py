@@ -35,7 +35,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     workdir = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ops.cli", "demo", "--workdir", str(workdir),
+        [sys.executable, "-m", "workers", "demo", "--workdir", str(workdir),
          "--train-steps", "10", "--prompts", "18", "--samples-per-prompt", "2", "--keep"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -55,7 +55,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         inspect_env = {**env, **dict(item.split("=", 1) for item in exports[0])}
         for argv in commands:
             inspected = subprocess.run(
-                [sys.executable, "-m", "engine.ops.cli", *argv], capture_output=True,
+                [sys.executable, "-m", "workers", *argv], capture_output=True,
                 text=True, timeout=60, env=inspect_env, check=False,
             )
             assert inspected.returncode == 0, inspected.stdout + inspected.stderr
@@ -151,7 +151,7 @@ def test_replay_from_archive_is_byte_identical(demo_run: tuple[Path, str],
         archive = workdir / "archives" / f"{d.name}.rollout"
         out = tmp_path / d.name
         proc = subprocess.run(
-            [sys.executable, "-m", "engine.ops.cli", "replay", d.name, "--from", str(archive),
+            [sys.executable, "-m", "workers", "replay", d.name, "--from", str(archive),
              "--out", str(out)],
             capture_output=True, text=True, timeout=120, check=False,
         )

@@ -1,6 +1,7 @@
-"""EventLog contract: runs on the Redis implementation against fakeredis and against a real
-redis-server (see conftest). A few tests write or inspect what Redis holds through the
-adapter's client (poison entries, pending owners): those take a ``RedisEventLog``."""
+"""EventLog contract: every test runs on each implementation of the port, the memory log,
+the Redis adapter on fakeredis and on a real redis-server (``make_log``, ``log``: see the
+conftests). Entries a broken writer leaves are stored with ``write_raw``. The last tests are
+the Redis adapter's own (its client, its translation of redis errors)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,10 @@ import asyncio
 import msgpack
 import pytest
 
-from engine.errors import AppendConflict, LogUnavailable
-from engine.events import (
-    DeadLetter,
-    EventLog,
-    RedisEventLog,
-    RedisSettings,
-    RolloutFailed,
-    SampleCompleted,
-    encode,
-    open_log,
-)
-from tests.conftest import ClientFactory
+from engine.errors import AppendConflict, LogError, LogUnavailable
+from engine.events import DeadLetter, EventLog, RolloutFailed, SampleCompleted, encode
+from engine.events.redis_log import RedisEventLog, RedisSettings, open_log
+from tests.conftest import ClientFactory, LogFactory, write_raw
 from tests.events.examples import example_events
 
 S = "rl:{test}"  # one hash tag: the streams derived from it share a cluster slot
@@ -83,6 +76,27 @@ async def test_64k_token_payload(log: EventLog) -> None:
     assert len(env.event.logprobs) == n
 
 
+async def test_range_bounds_read_as_xrange_reads_them(log: EventLog) -> None:
+    ids = [await write_raw(log, S, {b"e": encode(failed(i))}, f"{ms}-{seq}")
+           for i, (ms, seq) in enumerate([(5, 0), (5, 1), (7, 0), (9, 3)])]
+
+    async def span(start: str, end: str, count: int | None = None) -> list[str]:
+        return [e.id for e in await log.read(S, start, end, count)]
+
+    assert await span("-", "+") == ids
+    assert await span(f"({ids[0]}", "+") == ids[1:]
+    assert await span("5", "5") == ids[:2]  # a bare <ms>: its first id as a start, last as end
+    assert await span("(5", "(9") == ids[1:]  # up to 9-MAX, exclusive
+    assert await span("(5", f"({ids[3]}") == ids[1:3]
+    assert await span(ids[1], ids[2]) == ids[1:3]
+    assert await span("-", "+", 3) == ids[:3]
+    assert await span("8", "+") == [ids[3]]
+    assert await span("9-4", "+") == []
+    assert [rows for rows in await log.read_raw_ranges(S, [("(5-1", "9", 1)])] == [
+        [(ids[2], encode(failed(2)))]
+    ]
+
+
 async def test_compare_and_append(log: EventLog) -> None:
     first = await log.append_if_last(S, failed(0), "0-0")
     with pytest.raises(AppendConflict) as info:
@@ -104,11 +118,11 @@ async def test_compare_and_append_with_follow_ups_is_atomic(log: EventLog) -> No
     assert len(await log.read(f"{S}:a")) == 1  # the follow-up was not written either
 
 
-async def test_concurrent_writers_racing_cas_lose_nothing(redis_factory: ClientFactory) -> None:
+async def test_concurrent_writers_racing_cas_lose_nothing(make_log: LogFactory) -> None:
     writers, per_writer = 6, 15
 
     async def writer(w: int) -> int:
-        log = RedisEventLog(redis_factory(), producer=f"w{w}")
+        log = make_log(producer=f"w{w}")
         conflicts = 0
         for k in range(per_writer):
             while True:
@@ -123,7 +137,7 @@ async def test_concurrent_writers_racing_cas_lose_nothing(redis_factory: ClientF
         return conflicts
 
     conflicts = await asyncio.gather(*(writer(w) for w in range(writers)))
-    log = RedisEventLog(redis_factory())
+    log = make_log()
     events = [e.event for e in await log.read(S)]
     assert len(events) == writers * per_writer
     seen = {(e.rollout_id, e.reason) for e in events if isinstance(e, RolloutFailed)}
@@ -166,27 +180,27 @@ async def test_group_create_is_idempotent_and_delivers_once(log: EventLog) -> No
     assert await log.read_group("g", "c1", [S], count=10, block_ms=50) == []
 
 
-async def test_restart_rereads_own_pending_then_ack(redis_factory: ClientFactory) -> None:
-    log = RedisEventLog(redis_factory())
+async def test_restart_rereads_own_pending_then_ack(make_log: LogFactory) -> None:
+    log = make_log()
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(i)) for i in range(3)])
     got = await log.read_group("g", "worker-1", [S], block_ms=50)
     await log.ack(S, "g", got[0].id)
-    restarted = RedisEventLog(redis_factory())  # same consumer name, new process
-    pending = await restarted.read_group("g", "worker-1", [S], pending=True)
+    restarted = make_log()  # same consumer name, new process
+    pending = (await restarted.read_own_pending("g", "worker-1", S, limit=False)).entries
     assert [e.id for e in pending] == [e.id for e in got[1:]]
     await restarted.ack(S, "g", *(e.id for e in pending))
-    assert await restarted.read_group("g", "worker-1", [S], pending=True) == []
+    assert (await restarted.read_own_pending("g", "worker-1", S, limit=False)).entries == []
     assert await restarted.pending_count(S, "g") == 0
 
 
-async def test_claim_after_consumer_dies(redis_factory: ClientFactory) -> None:
-    dead = RedisEventLog(redis_factory())
+async def test_claim_after_consumer_dies(make_log: LogFactory) -> None:
+    dead = make_log()
     await dead.ensure_group(S, "g")
     await dead.append_many([(S, failed(i)) for i in range(4)])
     taken = await dead.read_group("g", "dead", [S], block_ms=50)
     assert len(taken) == 4
-    live = RedisEventLog(redis_factory())
+    live = make_log()
     assert (await live.claim_idle(S, "g", "live", min_idle_ms=60_000)).entries == []
     await asyncio.sleep(0.15)
     claimed = await live.claim_idle(S, "g", "live", min_idle_ms=100)
@@ -196,41 +210,40 @@ async def test_claim_after_consumer_dies(redis_factory: ClientFactory) -> None:
     assert await live.pending_count(S, "g") == 0
 
 
-async def test_keep_alive_protects_live_work(redis_factory: ClientFactory) -> None:
-    worker = RedisEventLog(redis_factory())
+async def test_keep_alive_protects_live_work(make_log: LogFactory) -> None:
+    worker = make_log()
     await worker.ensure_group(S, "g")
     await worker.append(S, failed(0))
     (env,) = await worker.read_group("g", "w", [S], block_ms=50)
     await asyncio.sleep(0.15)
     await worker.keep_alive(S, "g", "w", [env.id])
-    other = RedisEventLog(redis_factory())
+    other = make_log()
     assert (await other.claim_idle(S, "g", "o", min_idle_ms=100)).entries == []
 
 
 async def test_keep_alive_never_takes_back_a_claimed_entry(
-    redis_factory: ClientFactory,
+    make_log: LogFactory,
 ) -> None:
-    stalled = RedisEventLog(redis_factory())
+    stalled = make_log()
     await stalled.ensure_group(S, "g")
     await stalled.append_many([(S, failed(0)), (S, failed(1))])
     taken = await stalled.read_group("g", "stalled", [S], block_ms=50)
     await asyncio.sleep(0.15)
-    rescuer = RedisEventLog(redis_factory())
+    rescuer = make_log()
     claimed = await rescuer.claim_idle(S, "g", "rescuer", min_idle_ms=100, count=1)
     assert [e.id for e in claimed.entries] == [taken[0].id]
     lost = await stalled.keep_alive(S, "g", "stalled", [e.id for e in taken])
     assert lost == [taken[0].id]  # the stalled worker learns it no longer owns it
-    owner = await rescuer.redis.xpending_range(S, "g", min=taken[0].id, max=taken[0].id, count=1)
-    assert owner[0]["consumer"] in (b"rescuer", "rescuer")  # not taken back
-    mine = await rescuer.redis.xpending_range(S, "g", min=taken[1].id, max=taken[1].id, count=1)
-    assert mine[0]["consumer"] in (b"stalled", "stalled")
-    assert mine[0]["time_since_delivered"] < 100  # refreshed
+    assert await rescuer.keep_alive(S, "g", "rescuer", [taken[0].id]) == []  # not taken back
+    assert await stalled.keep_alive(S, "g", "stalled", [taken[1].id]) == []  # still its own
+    third = make_log()  # both were just refreshed: nothing is idle past the window
+    assert (await third.claim_idle(S, "g", "third", min_idle_ms=100)).entries == []
     await rescuer.ack(S, "g", taken[0].id)
     assert await stalled.keep_alive(S, "g", "stalled", [taken[0].id]) == [taken[0].id]
 
 
-async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFactory) -> None:
-    log = RedisEventLog(redis_factory(), max_deliveries=2)
+async def test_too_many_deliveries_go_to_dead_letters(make_log: LogFactory) -> None:
+    log = make_log(max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append(S, failed(7))
     await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
@@ -252,12 +265,12 @@ async def test_too_many_deliveries_go_to_dead_letters(redis_factory: ClientFacto
 
 
 async def test_dead_entries_can_stay_pending_until_the_caller_settles(
-    redis_factory: ClientFactory,
+    make_log: LogFactory,
 ) -> None:
     # ack_dead=False: the entry is dead-lettered but stays pending, owned by the claimer,
     # until it acks; if the claimer dies first, the next claim hands it out as dead again
     # (to be aborted again), but the dead-letter stream keeps one letter for it.
-    log = RedisEventLog(redis_factory(), max_deliveries=1)
+    log = make_log(max_deliveries=1)
     await log.ensure_group(S, "g")
     await log.append(S, failed(3))
     await log.read_group("g", "a", [S], block_ms=50)  # delivery 1
@@ -279,11 +292,11 @@ async def test_dead_entries_can_stay_pending_until_the_caller_settles(
 
 @pytest.mark.parametrize("ack_dead", [True, False])
 async def test_own_pending_reread_counts_deliveries(
-    redis_factory: ClientFactory, ack_dead: bool
+    make_log: LogFactory, ack_dead: bool
 ) -> None:
     # A consumer that restarts under the same name and dies on the same entry each time
     # ends up dead-lettering it instead of crash-looping.
-    log = RedisEventLog(redis_factory(), max_deliveries=2)
+    log = make_log(max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(0)), (S, failed(1))])
     got = await log.read_group("g", "w", [S], block_ms=50)  # delivery 1 of both
@@ -300,11 +313,11 @@ async def test_own_pending_reread_counts_deliveries(
 
 
 async def test_own_pending_without_limit_returns_every_entry(
-    redis_factory: ClientFactory,
+    make_log: LogFactory,
 ) -> None:
     # Leases held for a long time (a finalizer's rollout request) survive any number of
     # restarts.
-    log = RedisEventLog(redis_factory(), max_deliveries=1)
+    log = make_log(max_deliveries=1)
     await log.ensure_group(S, "g")
     await log.append(S, failed(0))
     (env,) = await log.read_group("g", "f", [S], block_ms=50)
@@ -328,11 +341,11 @@ async def test_own_pending_without_limit_returns_every_entry(
     ids=["garbage", "unknown-type", "missing-field", "newer-version", "no-field"],
 )
 async def test_poison_entries_are_dead_lettered_and_reader_carries_on(
-    log: RedisEventLog, fields: dict[bytes, bytes], reason: str
+    log: EventLog, fields: dict[bytes, bytes], reason: str
 ) -> None:
     await log.ensure_group(S, "g")
     await log.append(S, failed(1))
-    bad_id = (await log.redis.xadd(S, fields)).decode()
+    bad_id = await write_raw(log, S, fields)
     await log.append(S, failed(2))
     got = await log.read_group("g", "c", [S], block_ms=50)
     assert [e.event.rollout_id for e in got] == ["r1", "r2"]  # type: ignore[attr-defined]
@@ -344,14 +357,14 @@ async def test_poison_entries_are_dead_lettered_and_reader_carries_on(
     assert reason in letter.event.error
     assert letter.event.group == "g"
     # acked: nothing of the poison entry is left pending
-    assert [e.id for e in await log.read_group("g", "c", [S], pending=True)] == \
-        [e.id for e in got]
+    pending = await log.read_own_pending("g", "c", S, limit=False)
+    assert [e.id for e in pending.entries] == [e.id for e in got]
 
 
 async def test_plain_reads_skip_bad_entries_and_only_the_owner_dead_letters_them_once(
-    log: RedisEventLog, redis_factory: ClientFactory
+    log: EventLog, make_log: LogFactory
 ) -> None:
-    junk = (await log.redis.xadd(S, {b"e": b"junk"})).decode()
+    junk = await write_raw(log, S, {b"e": b"junk"})
     await log.append(S, failed(3))
     # Readers that do not own the stream skip the entry and write nothing, however often.
     for _ in range(3):
@@ -361,7 +374,7 @@ async def test_plain_reads_skip_bad_entries_and_only_the_owner_dead_letters_them
         assert len(await log.tail({S: "0-0"}, block_ms=10)) == 1
     assert log.dead_lettered == 0 and await log.read(log.names.dead) == []
     # The owner dead-letters it once, even when it (or another owner process) reads again.
-    other_owner = RedisEventLog(redis_factory())
+    other_owner = make_log()
     for reader in (log, log, other_owner):
         assert len(await reader.read_all(S, dead_letter=True)) == 1
     (letter,) = await log.read(log.names.dead)
@@ -380,52 +393,16 @@ async def test_trim_keeps_unacked_entries(log: EventLog) -> None:
     assert remaining == ids[2:]
 
 
-async def test_encoded_bytes_are_what_is_stored(log: RedisEventLog) -> None:
+async def test_encoded_bytes_are_what_is_stored(log: EventLog) -> None:
     ev = failed(5).model_copy(update={"producer": "test"})
     entry = await log.append(S, failed(5))
-    rows = await log.redis.xrange(S, entry, entry)
-    assert rows[0][1][b"e"] == encode(ev)
-
-
-async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(log: RedisEventLog) -> None:
-    # On Python 3.11 asyncio.wait_for (which redis-py sends commands under) returns
-    # normally when a cancellation lands just as the send completes. A reader looping
-    # over the log must still stop at its next call instead of running on forever.
-    await log.append(S, failed(0))
-    real = log._r.xread
-    swallowed: list[bool] = []
-
-    async def xread_swallowing_cancel(*args: object, **kwargs: object) -> object:
-        try:
-            await asyncio.sleep(0.05)
-        except asyncio.CancelledError:
-            swallowed.append(True)  # what wait_for does with a send that completed
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
-
-    log._r.xread = xread_swallowing_cancel  # type: ignore[method-assign]
-
-    async def follow() -> None:
-        position = "0-0"
-        while True:
-            _envs, position = await log.read_after(S, position, block_ms=20)
-
-    task = asyncio.create_task(follow())
-    try:
-        await asyncio.sleep(0.02)
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=5)
-        assert swallowed == [True]
-        assert done and task.cancelled()
-    finally:  # without the fix the reader runs on: stop it for real
-        log._r.xread = real  # type: ignore[method-assign]
-        task.cancel()
-        await asyncio.wait([task], timeout=5)
+    assert await log.read_raw(S) == [(entry, encode(ev))]
 
 
 async def test_a_handed_back_entry_is_claimable_at_once_and_not_charged(
-    redis_factory: ClientFactory,
+    make_log: LogFactory,
 ) -> None:
-    log = RedisEventLog(redis_factory(), max_deliveries=2)
+    log = make_log(max_deliveries=2)
     await log.ensure_group(S, "g")
     await log.append_many([(S, failed(0)), (S, failed(1))])
     got = await log.read_group("g", "a", [S], block_ms=50)  # delivery 1 of both
@@ -439,14 +416,63 @@ async def test_a_handed_back_entry_is_claimable_at_once_and_not_charged(
     again = await log.claim_idle(S, "g", "c", min_idle_ms=60_000)
     assert [e.id for e in again.entries] == [got[1].id]
     assert again.deliveries == {got[1].id: 1} and again.dead == []
-    # the entry "b" holds was not touched
-    pending = await log._r.xpending_range(S, "g", min="-", max="+", count=10)
-    owners = {(p["message_id"].decode(), p["consumer"].decode(), p["times_delivered"])
-              for p in pending}
-    assert owners == {(got[0].id, "b", 2), (got[1].id, "c", 1)}
+    # the entry "b" holds was not touched: still its own, on delivery 2
+    assert taken.deliveries == {got[0].id: 2}
+    assert await log.keep_alive(S, "g", "b", [got[0].id]) == []
+    assert await log.keep_alive(S, "g", "c", [got[1].id]) == []
+    held = await log.unread_own_pending("g", "b", S)
+    assert held.deliveries == {got[0].id: 2}
 
 
-# ------------------------------------------------- what callers used to reach around the port for
+async def test_blocking_reads_wake_on_an_append_and_zero_does_not_block(
+    make_log: LogFactory,
+) -> None:
+    reader, writer = make_log(block_ms=5000), make_log()
+    await reader.ensure_group(S, "g")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await reader.read_group("g", "c", [S], block_ms=0) == []
+    assert await reader.tail({S: "$"}, block_ms=0) == []
+    assert loop.time() - t0 < 2  # neither waited for its 5 s block
+    waiting = asyncio.gather(
+        reader.read_group("g", "c", [S]), reader.tail({S: "0-0"}),
+        reader.read_after(S, "0-0"),
+    )
+    await asyncio.sleep(0.05)
+    entry = await writer.append(S, failed(0))
+    grouped, tailed, (after, position) = await asyncio.wait_for(waiting, 4)
+    assert [e.id for e in grouped] == [e.id for e in tailed] == [e.id for e in after] == [entry]
+    assert position == entry
+
+
+async def test_a_cross_slot_compare_and_append_is_refused_naming_the_keys(
+    log: EventLog,
+) -> None:
+    names = log.names
+    with pytest.raises(LogError, match=r"one cluster slot.*rl:\{rl\}:data.*rl:\{rollout:r1\}"):
+        await log.append_if_last(names.data, failed(0), "0-0",
+                                 also=[(names.rollout("r1"), failed(1))])
+    with pytest.raises(LogError, match="one cluster slot"):
+        await log.append_once(names.rollout("r1"), failed(0), names.once("x"))
+    assert await log.read_raw(names.data) == []
+    assert await log.read_raw(names.rollout("r1")) == []
+    # the same step inside the control plane is one atomic step, on a cluster too
+    ids = await log.append_if_last(names.pool, failed(2), "0-0",
+                                   also=[(names.work("math"), failed(3))])
+    assert len(ids) == 2
+
+
+async def test_group_reads_of_a_missing_group_are_refused(log: EventLog) -> None:
+    await log.append(S, failed(0))
+    with pytest.raises(LogError):
+        await log.read_group("nope", "c", [S], block_ms=0)
+    assert await log.group_consumers(S, "nope") == {}
+    await log.ensure_group(S, "g")
+    await log.read_group("g", "c", [S], block_ms=0)
+    assert set(await log.group_consumers(S, "g")) == {"c"}
+
+
+# ------------------------------------------------- raw reads, listing, snapshots, markers, trims
 
 
 async def test_raw_reads_return_stored_bytes_and_dead_letter_nothing(log: EventLog) -> None:
@@ -464,12 +490,11 @@ async def test_raw_reads_return_stored_bytes_and_dead_letter_nothing(log: EventL
 
 
 async def test_raw_tail_follows_several_streams_without_dead_lettering(
-    log: EventLog, redis_factory: ClientFactory
+    log: EventLog, make_log: LogFactory
 ) -> None:
     a, b = f"{S}:a", f"{S}:b"
     first = await log.append(a, failed(0))
-    raw_client = redis_factory()
-    junk = (await raw_client.xadd(b, {b"e": b"junk"})).decode()
+    junk = await write_raw(make_log(), b, {b"e": b"junk"})
     got = await log.tail_raw({a: "0-0", b: "0-0"}, block_ms=50)
     assert sorted((s, i) for s, i, _ in got) == [(a, first), (b, junk)]
     assert dict((s, raw) for s, _, raw in got)[b] == b"junk"
@@ -490,16 +515,6 @@ async def test_snapshots_round_trip_by_name(log: EventLog) -> None:
     assert await log.read_snapshot("pool") is None
     await log.write_snapshot("pool", b"\x00state")
     assert await log.read_snapshot("pool") == b"\x00state"
-
-
-async def test_an_unreachable_store_raises_log_unavailable() -> None:
-    # A port that nothing listens on: the redis error is translated at the adapter.
-    log = open_log(RedisSettings(url="redis://127.0.0.1:1/0", block_ms=50, connect_timeout_s=1))
-    with pytest.raises(LogUnavailable):
-        await log.append(S, failed(0))
-    with pytest.raises(LogUnavailable):
-        await log.read_raw(S)
-    await log.aclose()
 
 
 async def test_a_closed_log_can_be_closed_again(log: EventLog) -> None:
@@ -530,3 +545,58 @@ async def test_first_id_is_where_a_trim_left_the_stream(log: EventLog) -> None:
     assert await log.first_id(S) == ids[0]
     await log.trim_before(S, ids[2])
     assert await log.first_id(S) == ids[2]
+
+
+# ------------------------------------------------- the Redis adapter's own
+
+
+@pytest.fixture
+def redis_log(redis_factory: ClientFactory) -> RedisEventLog:
+    return RedisEventLog(redis_factory(), producer="test", block_ms=200)
+
+
+async def test_a_cancellation_a_redis_call_swallows_still_takes_effect(
+    redis_log: RedisEventLog,
+) -> None:
+    # On Python 3.11 asyncio.wait_for (which redis-py sends commands under) returns
+    # normally when a cancellation lands just as the send completes. A reader looping
+    # over the log must still stop at its next call instead of running on forever.
+    await redis_log.append(S, failed(0))
+    real = redis_log._r.xread
+    swallowed: list[bool] = []
+
+    async def xread_swallowing_cancel(*args: object, **kwargs: object) -> object:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # what wait_for does with a send that completed
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    redis_log._r.xread = xread_swallowing_cancel  # type: ignore[method-assign]
+
+    async def follow() -> None:
+        position = "0-0"
+        while True:
+            _envs, position = await redis_log.read_after(S, position, block_ms=20)
+
+    task = asyncio.create_task(follow())
+    try:
+        await asyncio.sleep(0.02)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)
+        assert swallowed == [True]
+        assert done and task.cancelled()
+    finally:  # without the fix the reader runs on: stop it for real
+        redis_log._r.xread = real  # type: ignore[method-assign]
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+
+
+async def test_an_unreachable_store_raises_log_unavailable() -> None:
+    # A port that nothing listens on: the redis error is translated at the adapter.
+    log = open_log(RedisSettings(url="redis://127.0.0.1:1/0", block_ms=50, connect_timeout_s=1))
+    with pytest.raises(LogUnavailable):
+        await log.append(S, failed(0))
+    with pytest.raises(LogUnavailable):
+        await log.read_raw(S)
+    await log.aclose()

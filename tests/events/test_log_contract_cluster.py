@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from redis.crc import key_slot
 
-from engine.errors import LogError
-from engine.events import RedisEventLog, RedisSettings, RolloutFailed, StreamNames, connect
-from tests.conftest import ClientFactory
+from engine.events import RolloutFailed, StreamNames
+from engine.events.names import key_slot
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
+from tests.conftest import ClientFactory, LogFactory
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
 from tests.events.test_log_contract import *  # noqa: F403  (the suite, collected here too)
 from tests.events.test_log_contract import failed
@@ -47,6 +47,17 @@ async def redis_factory(redis_cluster: RedisClusterProcs) -> AsyncIterator[Clien
         await client.aclose()
 
 
+@pytest.fixture
+def log_backend() -> str:
+    return "redis-cluster"
+
+
+@pytest.fixture
+def make_log(redis_factory: ClientFactory) -> LogFactory:
+    """Overrides the conftest factory: logs on the cluster only."""
+    return lambda **kwargs: RedisEventLog(redis_factory(), **kwargs)
+
+
 def test_cluster_urls_select_the_cluster_client() -> None:
     assert RedisSettings(url="redis+cluster://127.0.0.1:7000").is_cluster
     assert RedisSettings(url="redis://127.0.0.1:7000/0", cluster=True).is_cluster
@@ -62,8 +73,8 @@ def test_control_plane_shares_a_slot_and_rollouts_spread() -> None:
     plane = [names.control, names.pool, names.data, names.capture, names.dead,
              names.dead_seen, names.work("math"), names.work("code"),
              names.snapshot("pool"), names.counter("x")]
-    assert len({key_slot(k.encode()) for k in plane}) == 1
-    rollouts = {key_slot(names.rollout(f"r{i}").encode()) for i in range(50)}
+    assert len({key_slot(k) for k in plane}) == 1
+    rollouts = {key_slot(names.rollout(f"r{i}")) for i in range(50)}
     assert len(rollouts) > 40
 
 
@@ -77,25 +88,10 @@ async def test_rollout_streams_land_on_every_master(
     assert all(n > 0 for n in per_node), per_node
 
 
-async def test_a_cross_slot_compare_and_append_is_refused_naming_the_keys(
-    log: RedisEventLog,
-) -> None:
-    names = StreamNames()
-    with pytest.raises(LogError, match=r"one cluster slot.*rl:\{rl\}:data.*rl:\{rollout:r1\}"):
-        await log.append_if_last(names.data, failed(0), "0-0",
-                                 also=[(names.rollout("r1"), failed(1))])
-    assert await log.read_raw(names.data) == []
-    assert await log.read_raw(names.rollout("r1")) == []
-    # the same step inside the control plane is one script, on the cluster too
-    ids = await log.append_if_last(names.pool, failed(2), "0-0",
-                                   also=[(names.work("math"), failed(3))])
-    assert len(ids) == 2
-
-
 async def test_a_blocking_read_spans_slots(log: RedisEventLog) -> None:
     names = StreamNames()
     streams = [names.control, *(names.rollout(f"r{i}") for i in range(6))]
-    assert len({key_slot(s.encode()) for s in streams}) > 1
+    assert len({key_slot(s) for s in streams}) > 1
     ids = await log.append_many([(s, RolloutFailed(rollout_id=s, reason="x")) for s in streams])
     raw = await log.tail_raw({s: "0-0" for s in streams}, block_ms=50)
     assert sorted((s, i) for s, i, _ in raw) == sorted(zip(streams, ids, strict=True))

@@ -5,8 +5,8 @@ One :func:`run_scenario` call, seeded, does what a demanding user did before tru
 training run to the engine:
 
 * starts a redis-server with AOF (``appendfsync always``) that it can restart in place, one
-  scheduler, three evaluator workers and one finalizer, each ``python -m workers.*``, on a
-  2-node layout of 6 placement tokens per node;
+  scheduler, three evaluator workers and one finalizer, each started by the engine's launcher
+  (``engine.ops.processes``), on a 2-node layout of 6 placement tokens per node;
 * requests several rollouts and, as they progress, injects every kind of fault in a seeded
   order: SIGKILL of a busy worker, of the scheduler and of the finalizer (each restarted,
   under its name or a new one), SIGTERM of a busy worker (restarted), two redis-server
@@ -30,13 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -46,18 +44,20 @@ from pathlib import Path
 from typing import Any
 
 from engine.client import RolloutClient
-from engine.events import DeadLetter, RedisSettings, connect, open_log
+from engine.events import DeadLetter
 from engine.events.codec import decode
+from engine.events.redis_log import RedisSettings, connect, open_log
 from engine.ops.embedded import free_port
+from engine.ops.processes import Processes
 from engine.ops.replay import decode_entries, raw_entries, replay_state, replay_to_dir
 from engine.projections.placement import PoolProjection
 from tests.faults.agent import RECORD_ENV, SLEEP_ENV, prompt_ids, response_ids
 from tests.faults.evaluators import TOKENS_PER_NODE
+from workers.cli import ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 EVALUATORS = Path(__file__).with_name("evaluators.py")
 NODES = ("node-a", "node-b")
-TIMINGS = ("--heartbeat-ms", "200", "--claim-idle-ms", "1500", "--block-ms", "300")
 
 
 @dataclass(frozen=True)
@@ -142,68 +142,30 @@ def _pong(port: int) -> bool:
         return False
 
 
-class Cluster:
-    """The engine's processes; every one started is logged to ``<name>.<n>.err``."""
+SETTINGS = {"heartbeat_ms": 200, "claim_idle_ms": 1500, "block_ms": 300}
 
-    def __init__(self, root: Path, url: str, record: Path, sleep_s: float) -> None:
-        self.root = root
-        self.url = url
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        self.env |= {"PYTHONPATH": str(ROOT), RECORD_ENV: str(record), SLEEP_ENV: str(sleep_s)}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.argv: dict[str, list[str]] = {}
-        self.killed_pids: dict[int, float] = {}  # SIGKILLed pid -> wall time of the kill
-        self.retired: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self._starts = Counter[str]()
 
-    def start(self, name: str, argv: list[str]) -> None:
-        self._starts[name] += 1
-        log = self.root / f"{name}.{self._starts[name]}.err"
-        self.argv[name] = argv
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *argv], cwd=ROOT, env=self.env,
-            stdout=subprocess.DEVNULL, stderr=open(log, "wb"),  # noqa: SIM115 - the child owns it
-        )
+def _launcher(root: Path, url: str, record: Path, sleep_s: float) -> Processes:
+    """The engine's processes of the scenario, logged to ``root/<name>.log``."""
+    return Processes(root, rollout=ROLLOUT, settings={"redis_url": url, **SETTINGS},
+                     env={"PYTHONPATH": str(ROOT), RECORD_ENV: str(record),
+                          SLEEP_ENV: str(sleep_s)})
 
-    def scheduler(self, name: str, config: Path, layout: str) -> None:
-        self.start(name, ["workers.scheduler", "--redis-url", self.url, "--rollout-config",
-                          str(config), "--evaluator-config", str(EVALUATORS),
-                          "--cluster-layout", layout, "--scheduler-id", name, *TIMINGS])
 
-    def worker(self, name: str) -> None:
-        self.start(name, ["workers.evaluator", "--redis-url", self.url, "--worker-id", name,
-                          "--evaluator-config", str(EVALUATORS), "--sandbox", "none",
-                          "--max-batches", "2", "--grace-s", "30", "--quiet", *TIMINGS])
+def _start_scheduler(procs: Processes, name: str, config: Path, layout: str) -> None:
+    procs.start(name, "scheduler", settings={
+        "worker_id": name, "config": config, "evaluator_config": EVALUATORS,
+        "cluster_layout": layout})
 
-    def finalizer(self, name: str, out: Path) -> None:
-        self.start(name, ["workers.finalizer", "--redis-url", self.url, "--worker-id", name,
-                          "--out-dir", str(out), *TIMINGS])
 
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGKILL)
-        self.killed_pids[proc.pid] = time.time()
-        proc.wait(timeout=20)
-        self.retired.append((name, proc))
+def _start_worker(procs: Processes, name: str) -> None:
+    procs.start(name, "worker", settings={
+        "worker_id": name, "evaluator_config": EVALUATORS, "sandbox": "none",
+        "max_batches": 2, "grace_s": 30, "quiet": True})
 
-    async def terminate(self, name: str, timeout: float = 60) -> int:
-        proc = self.procs.pop(name)
-        proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
-        self.retired.append((name, proc))
-        return code
 
-    def restart(self, old: str, new: str | None = None) -> str:
-        """Start ``old``'s command again, under its name or (``new``) another one."""
-        argv = [a if a != old else (new or old) for a in self.argv[old]]
-        self.start(new or old, argv)
-        return new or old
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=20)
+def _start_finalizer(procs: Processes, name: str, out: Path) -> None:
+    procs.start(name, "finalizer", settings={"worker_id": name, "out_dir": out})
 
 
 def _write_inputs(root: Path, workload: Workload) -> tuple[Path, str]:
@@ -253,16 +215,17 @@ async def run_scenario(seed: int, workload: Workload | None = None,
     record = root / "record.jsonl"
     out = root / "out"
     config, layout = _write_inputs(root, workload)
-    cluster = Cluster(root, redis.url, record, workload.sleep_s)
+    procs = _launcher(root, redis.url, record, workload.sleep_s)
+    killed: dict[int, float] = {}  # SIGKILLed pid -> wall time of the kill
     started = time.monotonic()
     client = RolloutClient.connect(redis.url, block_ms=300, producer="trainer")
     raw = connect(RedisSettings(url=redis.url))
     garbage: list[tuple[str, str]] = []
     try:
-        cluster.scheduler("s1", config, layout)
+        _start_scheduler(procs, "s1", config, layout)
         for w in ("w1", "w2", "w3"):
-            cluster.worker(w)
-        cluster.finalizer("f1", out)
+            _start_worker(procs, w)
+        _start_finalizer(procs, "f1", out)
         rids = [
             await client.request(iteration=i, n_prompts=workload.prompts,
                                  n_samples_per_prompt=workload.samples_per_prompt,
@@ -274,8 +237,8 @@ async def run_scenario(seed: int, workload: Workload | None = None,
         waits = asyncio.gather(*(client.wait_ready(r, timeout=workload.timeout_s)
                                  for r in rids), return_exceptions=True)
         try:
-            await _inject_faults(cluster, redis, raw, client, rids, rng, workload, report,
-                                 garbage, record, total)
+            await _inject_faults(procs, killed, redis, raw, client, rids, rng, workload,
+                                 report, garbage, record, total)
         except TimeoutError as exc:  # progress stalled: what is left is checked below
             report.violations.append(f"progress stalled: {exc}")
         results = await waits
@@ -285,11 +248,11 @@ async def run_scenario(seed: int, workload: Workload | None = None,
             else:
                 report.rollouts_completed += 1
         await _check_samples(client, rids, workload, report)
-        _check_records(_records(record), cluster, report)
-        await _check_processes(cluster, report)
+        _check_records(_records(record), killed, report)
+        await _check_processes(procs, report)
         await _check_log(redis.url, rids, out, root, garbage, report)
     finally:
-        cluster.stop_all()
+        procs.stop()
         with contextlib.suppress(Exception):
             await client.aclose()
         with contextlib.suppress(Exception):
@@ -302,9 +265,9 @@ async def run_scenario(seed: int, workload: Workload | None = None,
 
 
 async def _inject_faults(
-    cluster: Cluster, redis: RestartableRedis, raw: Any, client: RolloutClient,
-    rids: list[str], rng: random.Random, workload: Workload, report: Report,
-    garbage: list[tuple[str, str]], record: Path, total: int,
+    procs: Processes, killed: dict[int, float], redis: RestartableRedis, raw: Any,
+    client: RolloutClient, rids: list[str], rng: random.Random, workload: Workload,
+    report: Report, garbage: list[tuple[str, str]], record: Path, total: int,
 ) -> None:
     """Inject every fault kind once (two Redis restarts) at seeded points of progress."""
 
@@ -318,8 +281,8 @@ async def _inject_faults(
         running: dict[int, int] = defaultdict(int)
         for r in _records(record):
             running[r["pid"]] += 1 if r["ev"] == "start" else -1
-        return [n for n, p in cluster.procs.items()
-                if n.startswith("w") and running.get(p.pid, 0) > 0]
+        return [n for n in procs
+                if n.startswith("w") and procs.alive(n) and running.get(procs[n].pid, 0) > 0]
 
     faults: list[str] = ["kill-worker", "kill-scheduler", "kill-finalizer",
                          "term-worker", "redis-restart", "redis-restart", "garbage"]
@@ -339,22 +302,24 @@ async def _inject_faults(
                 continue
             victim = rng.choice(sorted(busy_workers()))
             if fault == "kill-worker":
-                cluster.kill(victim)
+                killed[procs[victim].pid] = time.time()
+                procs.kill(victim)
             else:
-                code = await cluster.terminate(victim)
+                code = await asyncio.to_thread(procs.terminate, victim, 60)
                 if code != 0:
                     report.violations.append(f"SIGTERM of busy worker {victim}: exit {code}")
             names[victim] += 1
             again = victim if rng.random() < 0.5 else f"{victim}x{names[victim]}"
             report.faults.append(f"{fault} {victim} -> {again}")
             await asyncio.sleep(rng.uniform(0.1, 0.6))
-            cluster.restart(victim, again)
+            procs.restart(victim, as_name=again, settings={"worker_id": again})
         elif fault in ("kill-scheduler", "kill-finalizer"):
             victim = "s1" if fault == "kill-scheduler" else "f1"
-            cluster.kill(victim)
+            killed[procs[victim].pid] = time.time()
+            procs.kill(victim)
             report.faults.append(fault)
             await asyncio.sleep(rng.uniform(0.1, 0.6))
-            cluster.restart(victim)
+            procs.restart(victim)
         elif fault == "redis-restart":
             down = rng.uniform(1.0, 2.0)
             restarts = sum(f.startswith("redis-restart") for f in report.faults)
@@ -443,7 +408,7 @@ async def _check_log(url: str, rids: list[str], out: Path, root: Path,
             envs, _bad = decode_entries(log.names.rollout(rid),
                                         await raw_entries(log, log.names.rollout(rid)))
             state_r = replay_state(envs)
-            if state_r.ready is None:
+            if state_r.state.ready is None:
                 continue  # reported as not ready already
             again = root / "replay" / rid
             replay_to_dir(state_r, again)
@@ -457,7 +422,9 @@ async def _check_log(url: str, rids: list[str], out: Path, root: Path,
         await log.aclose()
 
 
-def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Report) -> None:
+def _check_records(
+    records: list[dict[str, Any]], killed: dict[int, float], report: Report
+) -> None:
     """Repeated runs and over-commit, as the agent observed them."""
     report.runs = sum(1 for r in records if r["ev"] == "start")
     starts: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
@@ -474,7 +441,7 @@ def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Repo
         by_sample[sid].extend(runs)
     report.redundant_attempts = sum(len(runs) - 1 for runs in by_sample.values())
     for sid, runs in by_sample.items():
-        uncut = [r for r in runs if r["pid"] not in cluster.killed_pids]
+        uncut = [r for r in runs if r["pid"] not in killed]
         if len(uncut) > 1:
             report.violations.append(
                 f"{sid} ran {len(uncut)} times outside SIGKILL cuts "
@@ -487,7 +454,7 @@ def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Repo
         for r in runs:
             end = ends.get((sid, attempt, r["pid"]))
             if end is None:
-                end = cluster.killed_pids.get(r["pid"], last)
+                end = killed.get(r["pid"], last)
             edges[r["node"]] += [(r["t"], 1), (end, -1)]
     peak = 0
     for node, marks in edges.items():
@@ -500,18 +467,27 @@ def _check_records(records: list[dict[str, Any]], cluster: Cluster, report: Repo
     report.peak_overcommit = peak - TOKENS_PER_NODE
 
 
-async def _check_processes(cluster: Cluster, report: Report) -> None:
-    for name, proc in list(cluster.procs.items()):
-        if proc.poll() is not None:
-            report.violations.append(f"process {name} died (exit {proc.returncode})")
-    for name in list(cluster.procs):
-        if cluster.procs[name].poll() is not None:
-            cluster.procs.pop(name)
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has its SIGTERM handler in place (``SigCgt`` of /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            caught = next(line for line in fh if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+async def _check_processes(procs: Processes, report: Report) -> None:
+    for name in procs:
+        pid = procs[name].pid
+        try:  # one restarted just now may still be starting: SIGTERM would end it uncleanly
+            await _until(lambda pid=pid, name=name: not procs.alive(name) or _catches_sigterm(pid),
+                         60, f"{name} to handle SIGTERM")
+        except TimeoutError as exc:
+            report.violations.append(f"process {name}: {exc}")
+        if not procs.alive(name):
+            report.violations.append(f"process {name} died (exit {procs.wait(name)})")
             continue
-        try:
-            code = await cluster.terminate(name)
-        except TimeoutError:
-            report.violations.append(f"process {name} did not stop on SIGTERM")
-            continue
+        code = await asyncio.to_thread(procs.terminate, name, 60)
         if code != 0:
             report.violations.append(f"process {name} exited {code} on SIGTERM")

@@ -12,7 +12,7 @@ untrained, so the teacher's turn is a well-formed tool call and the student's is
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +20,9 @@ import torch
 
 from engine.backends.sglang import load_tokenizer
 from engine.client import RolloutClient, collate
-from engine.events import EventLog, RedisEventLog, RedisSettings
-from engine.events import connect as redis_connect
+from engine.events import EventLog
 from engine.events.catalog import SampleCompleted
+from engine.ops.processes import Processes
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.ops.tinylm import init_model
 from engine.projections.lanes import TEACHER_SENTINEL
@@ -30,7 +30,7 @@ from engine.projections.samples import trainer_samples
 from engine.tasks import EVALUATOR_CONFIG
 from tests.agents.conftest import MATH_EPISODE, MATH_QUESTION
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import Procs, events_of
+from tests.rollout.conftest import events_of, launcher, start_finalizer
 from tinylm.process import ServerProcess, spawn_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
@@ -55,18 +55,9 @@ def servers(student_dir: Path, teacher_dir: Path) -> Iterator[tuple[ServerProces
 
 
 @pytest.fixture
-def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(redis_server.url, tmp_path)
-    yield p
-    p.stop_all()
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
+def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Processes]:
+    with launcher(redis_server.url, tmp_path) as processes:
+        yield processes
 
 
 def _digest(batch: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -77,7 +68,7 @@ def _digest(batch: dict[str, torch.Tensor]) -> dict[str, str]:
 
 async def test_a_dagger_k3_request_runs_the_dagger_agent_to_collate(
     real_log: EventLog,
-    procs: Procs,
+    procs: Processes,
     servers: tuple[ServerProcess, ServerProcess],
     student_dir: Path,
     teacher_dir: Path,
@@ -96,20 +87,20 @@ async def test_a_dagger_k3_request_runs_the_dagger_agent_to_collate(
         f"  datasets:\n    math_dagger: {{path: {data}, n_samples_per_prompt: 2}}\n"
     )
     layout = '{"node-a": {"gpus": [], "cpu": 8, "memory_gb": 64}}'
-    procs.spawn(
-        "sched", "workers.scheduler", "--rollout-config", str(config),
+    procs.start(
+        "sched", "scheduler", "--rollout-config", str(config),
         "--evaluator-config", str(EVALUATOR_CONFIG), "--cluster-layout", layout,
         "--scheduler-id", "s1",
     )
-    procs.spawn(
-        "w1", "workers.evaluator", "--worker-id", "w1", "--evaluator-config",
+    procs.start(
+        "w1", "worker", "--worker-id", "w1", "--evaluator-config",
         str(EVALUATOR_CONFIG), "--evaluators", "dagger", "--sandbox", "local",
         "--sglang-url", student.url, "--model-dir", str(student_dir),
         "--teacher-url", teacher.url, "--teacher-tokenizer", str(teacher_dir), "--quiet",
     )
-    procs.finalizer()
-    procs.spawn(
-        "cap", "workers.capture", "--worker-id", "cap", "--teacher-url", teacher.url,
+    start_finalizer(procs)
+    procs.start(
+        "cap", "capture", "--worker-id", "cap", "--teacher-url", teacher.url,
         "--teacher-tokenizer", str(teacher_dir),
     )
     client = RolloutClient(real_log)

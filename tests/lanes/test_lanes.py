@@ -10,11 +10,8 @@ import torch
 from engine.actors.finalizer import decide_capture, decide_ready
 from engine.client import TEACHER_ALGORITHMS, collate
 from engine.errors import ConfigError
-from engine.events.base import Envelope, Event
 from engine.events.catalog import RolloutReady, SampleCompleted
 from engine.events.codec import decode, encode
-from engine.projections.base import fold, start
-from engine.projections.decision import DecisionProjection, DecisionState
 from engine.projections.lanes import (
     CE_ALGORITHMS,
     MIXED_ALGORITHMS,
@@ -23,29 +20,12 @@ from engine.projections.lanes import (
     Lane,
     ce_chunks,
     ce_order,
-    ce_plan,
     lane_of,
     needs_teacher,
 )
-from engine.projections.rollout import RolloutState
-from engine.projections.samples import trainer_samples
+from engine.projections.samples import ce_plan, trainer_samples
 from engine.sample import Sample
 from tests.lanes.trajectories import PROMPT, completed, request, state_of
-
-
-def decision_of(state: RolloutState) -> DecisionState:
-    """The compact decision fold (what the finalizer decides from) over the events that
-    make up a hand-built ``state``: request, tasks, plan, terminals, teacher scores."""
-    assert state.request is not None and state.planned is not None
-    events: list[Event] = [state.request]
-    events += [s.task for s in state.samples.values()]
-    events.append(state.planned)
-    events += [s.terminal for s in state.samples.values() if s.terminal is not None]
-    events += [s.teacher for s in state.samples.values() if s.teacher is not None]
-    projection = DecisionProjection()
-    envs = [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
-    return fold(projection, start(projection), envs).state
-
 
 # teacher turn, observation, student turn, observation, teacher turn, observation
 MIXED_TURNS = [("t", 2), ("o", 1), ("s", 2), ("o", 1), ("t", 1), ("o", 1)]
@@ -205,13 +185,13 @@ def test_an_over_long_sub_sample_drops_its_whole_trajectory() -> None:
     plan = ce_plan(state, ["r:s0", "r:s1", "r:s2"])
     assert plan.too_long == ("r:s1",)
     assert {c.sample_id for c in plan.chunks} == {"r:s0", "r:s2"}  # not even its short chunk
-    decision = decision_of(state)
+    decision = state.state
     ready = decide_ready(decision)
     assert ready is not None
     assert ready.sample_ids == ["r:s0", "r:s2"] and ready.dropped_sample_ids == ["r:s1"]
     assert ready.metrics["ce/n_dropped_too_long"] == 1.0
     assert decide_capture(decision) is None  # the CE lane never asks the teacher
-    state.ready = ready
+    decision.ready = ready
     loaded = [s.sample_id for s in trainer_samples(state)]
     assert loaded == [f"{c.sample_id}/ce{c.chunk}" for c in plan.chunks]
     assert sorted(loaded) == ["r:s0/ce0", "r:s2/ce0"]
@@ -242,12 +222,12 @@ def test_gbs_scale_is_sub_samples_per_contributing_trajectory() -> None:
     one = [("t", 2)]
     none = [("s", 2)]
     state = state_of(request("r", "dagger_ce", 3), [two, one, none])
-    ready = decide_ready(decision_of(state))
+    ready = decide_ready(state.state)
     assert ready is not None
     assert ready.gbs_scale == pytest.approx(1.5)  # 3 chunks over 2 tasks that gave any
     assert ready.metrics["ce/n_subsamples"] == 3.0
     # the other lanes leave it at 1
-    plain = decide_ready(decision_of(state_of(request("r", "grpo", 3), [two, one, none])))
+    plain = decide_ready(state_of(request("r", "grpo", 3), [two, one, none]).state)
     assert plain is not None and plain.gbs_scale == 1.0
 
 

@@ -75,13 +75,13 @@ async def _run_lane(
     )
     stop = asyncio.Event()
     capture = CaptureWorker(
-        make_log(), ScriptedTeacher(),
+        make_log(producer="test", block_ms=100, max_deliveries=3), ScriptedTeacher(),
         CaptureConfig(consumer="c1", heartbeat_ms=50, claim_idle_ms=400, block_ms=100),
     )
     task = asyncio.create_task(capture.run(stop))
     live = tmp_path / "live"
     finalizer = Finalizer(
-        make_log(),
+        make_log(producer="test", block_ms=100, max_deliveries=3),
         FinalizerConfig(consumer="f1", out_dir=live, heartbeat_ms=50, claim_idle_ms=400,
                         block_ms=100),
     )
@@ -105,16 +105,6 @@ async def _run_lane(
     for name in ARTIFACT_FILES:
         assert (out / name).read_bytes() == (live / rid / name).read_bytes(), name
     return ready, batch, live / rid
-
-
-@pytest.fixture
-def make_log(redis_factory: Any) -> Any:
-    from engine.events.redis_log import RedisEventLog
-
-    def make() -> EventLog:
-        return RedisEventLog(redis_factory(), producer="test", block_ms=100, max_deliveries=3)
-
-    return make
 
 
 async def test_the_plain_lane_replays(log: EventLog, make_log: Any, tmp_path: Path) -> None:

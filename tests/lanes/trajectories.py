@@ -1,4 +1,4 @@
-"""Hand-built DAgger trajectories and rollout states for the lane tests.
+"""Hand-built DAgger trajectories and folded rollouts for the lane tests.
 
 A trajectory is written turn by turn: ``("t", n)`` a teacher-executed turn of ``n`` tokens
 (``loss_mask`` 0, ``teacher_mask`` 1), ``("s", n)`` a student turn (``loss_mask`` 1, a cut
@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.events import RolloutRequested, TaskFetched
+from engine.events import Envelope, Event, RolloutRequested, TaskFetched
 from engine.events.catalog import RolloutPlanned, RolloutReady, SampleCompleted, TeacherScored
-from engine.projections.rollout import RolloutState, SampleState
+from engine.projections.base import fold, start
+from engine.projections.readback import Rollout, in_memory
+from engine.projections.rollout import RolloutProjection
 
 Turn = tuple[str, int]
 
@@ -89,25 +91,23 @@ def state_of(
     *,
     teacher: bool = False,
     ready: Sequence[str] | None = None,
-) -> RolloutState:
-    """A folded state: one sample per trajectory (None: a sample with no terminal event yet)."""
+) -> Rollout:
+    """A folded rollout with its entries at hand: the request, one sample per trajectory
+    (None: a sample with no terminal event yet), the plan, the terminals, the teacher's
+    scorings (``teacher``) and a ``RolloutReady`` naming ``ready``."""
     rid = req.rollout_id
-    samples: dict[str, SampleState] = {}
+    events: list[Event] = [req]
+    events += [fetched(rid, i) for i in range(len(trajectories))]
+    events.append(RolloutPlanned(rollout_id=rid, n_samples=len(trajectories), n_batches=1))
     for i, turns in enumerate(trajectories):
-        task = fetched(rid, i)
-        done = completed(rid, i, turns) if turns is not None else None
-        samples[task.sample_id] = SampleState(
-            task=task,
-            attempt=1,
-            terminal=done,
-            teacher=scored(done) if teacher and done is not None else None,
-        )
-    state = RolloutState(
-        rollout_id=rid,
-        request=req,
-        samples=samples,
-        planned=RolloutPlanned(rollout_id=rid, n_samples=len(samples), n_batches=1),
-    )
+        if turns is not None:
+            done = completed(rid, i, turns)
+            events.append(done)
+            if teacher:
+                events.append(scored(done))
     if ready is not None:
-        state.ready = RolloutReady(rollout_id=rid, iteration=req.iteration, sample_ids=list(ready))
-    return state
+        events.append(RolloutReady(rollout_id=rid, iteration=req.iteration,
+                                   sample_ids=list(ready)))
+    envs = [Envelope(f"rl:{{rollout:{rid}}}", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
+    projection = RolloutProjection()
+    return in_memory(fold(projection, start(projection), envs).state, envs)

@@ -24,9 +24,10 @@ from engine.ops import cli
 from engine.ops.inspection import tail
 from engine.ops.progress import Bar
 from engine.outcomes import TerminationReason
+from workers import cli as rollout
 from workers._common import setup_logging
 
-real_redis = pytest.mark.parametrize("redis_factory", ["redis-server"], indirect=True)
+real_redis = pytest.mark.parametrize("log_backend", ["redis-server"])
 
 
 def test_a_misspelt_variable_is_refused_with_its_close_matches(
@@ -54,7 +55,7 @@ def test_pool_at_garbage_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 
 def test_worker_help_says_rollout_worker(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cli.main(["worker", "--help"])
+        rollout.main(["worker", "--help"])  # the installed `rollout` command
     out = capsys.readouterr().out
     assert out.startswith("usage: rollout worker") and "python -m" not in out
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import metrics
 from engine.client import RolloutClient
-from engine.events import EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import EventLog
 from engine.tasks import EVALUATOR_CONFIG
 from tests.redis_server import RedisServer
+from tests.rollout.conftest import launcher
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -105,40 +101,23 @@ def test_per_rollout_streams_share_one_label() -> None:
     assert metrics.stream_label("rl:work:math") == "rl:work:math"
 
 
-def _stderr(proc: subprocess.Popen[bytes]) -> str:
-    proc.send_signal(signal.SIGTERM)
-    return proc.communicate(timeout=60)[1].decode()
-
-
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await client.flushall()
-    yield RedisEventLog(client, producer="trainer", block_ms=200)
-    await client.aclose()
-
-
 async def test_a_scheduler_process_serves_its_metrics(
-    real_log: EventLog, redis_server: RedisServer
+    real_log: EventLog, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-    env.update(PYTHONPATH=str(ROOT), ROLLOUT_METRICS_PORT=str(port))
     # Room for two math batches of 8 samples (0.25 CPU, 0.5 GB each) and no evaluator worker
     # to release them: the third waits for admission (the scheduler admits in order).
     layout = {"n0": {"cpu": 4, "memory_gb": 8}}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.ops.cli", "scheduler", "--redis-url", redis_server.url,
-         "--rollout-config", str(ROLLOUT_YAML), "--evaluator-config", str(EVALUATOR_CONFIG),
-         "--cluster-layout", json.dumps(layout), "--block-ms", "200"],
-        cwd=ROOT, env=env, stderr=subprocess.PIPE,
-    )
-    try:
+    with launcher(redis_server.url, tmp_path, metrics_port=port, heartbeat_ms=10_000,
+                  claim_idle_ms=60_000) as procs:
+        procs.start("sched", "scheduler", "--rollout-config", str(ROLLOUT_YAML),
+                    "--evaluator-config", str(EVALUATOR_CONFIG),
+                    "--cluster-layout", json.dumps(layout))
         await RolloutClient(real_log).request(iteration=0, n_prompts=16, n_samples_per_prompt=2,
                                               datasets=["math_train"])
         seen: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for _ in range(600):  # until the scheduler admitted one batch and waits on the next
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            procs.check_alive()
             try:
                 seen = _scrape(port)
             except OSError:  # not listening yet
@@ -148,7 +127,7 @@ async def test_a_scheduler_process_serves_its_metrics(
             await asyncio.sleep(0.1)
         rollout_metrics = {k: v for k, v in seen.items() if k[0].startswith("rollout_")}
         assert seen.get(("rollout_batches_waiting", (("evaluator", "math"),))) == 1.0, (
-            rollout_metrics, _stderr(proc))
+            rollout_metrics, procs.output("sched"))
         assert seen[("rollout_admission_waits_total", (("evaluator", "math"),))] >= 1
         assert seen[("rollout_pool", (("figure", "used"), ("resource", "cpu")))] == 4.0
         assert seen[("rollout_pool", (("figure", "used"), ("resource", "tokens")))] == 16.0
@@ -159,10 +138,3 @@ async def test_a_scheduler_process_serves_its_metrics(
         lag = seen[("rollout_consumer_lag_seconds",
                     (("group", "schedulers"), ("stream", "rl:control")))]
         assert lag >= 0.0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

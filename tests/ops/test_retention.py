@@ -11,9 +11,10 @@ import pytest
 from engine.actors.evaluator_worker import GROUP as EVALUATOR_GROUP
 from engine.actors.finalizer import GROUP as FINALIZER_GROUP
 from engine.actors.scheduler import SCHEDULER_GROUP
-from engine.events import BatchAdmitted, RedisEventLog, RedisSettings, RolloutFailed, connect
+from engine.events import BatchAdmitted, RolloutFailed
 from engine.events.ids import id_ms
-from engine.events.redis_log import FIELD
+from engine.events.log import EventLog
+from engine.events.redis_log import FIELD, RedisEventLog, RedisSettings, connect
 from engine.ops import cli
 from engine.ops.replay import (
     RawEntry,
@@ -24,16 +25,18 @@ from engine.ops.replay import (
 )
 from engine.ops.retention import archive_path, retention_pass
 from engine.settings import Settings
+from tests.conftest import write_raw
 from tests.redis_server import RedisServer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "e64f068"
 ARTIFACTS = ["summary.json", "samples.jsonl", "eval_details.jsonl", "placement.jsonl"]
 
 
-async def _restore(log: RedisEventLog, stream: str, entries: list[RawEntry]) -> None:
-    """Put archived entries back into Redis under their own ids, as the live run wrote them."""
+async def _restore(log: EventLog, stream: str, entries: list[RawEntry]) -> None:
+    """Put archived entries back into the log under their own ids, as the live run wrote
+    them."""
     for entry_id, raw in entries:
-        await log.redis.xadd(stream, {FIELD: raw}, id=entry_id)
+        await write_raw(log, stream, {FIELD: raw}, entry_id)
 
 
 def _after(entries: list[RawEntry], seconds: float) -> float:
@@ -42,7 +45,7 @@ def _after(entries: list[RawEntry], seconds: float) -> float:
 
 
 async def test_a_finished_rollout_is_archived_deleted_and_replays_byte_identically(
-    log: RedisEventLog, tmp_path: Path
+    log: EventLog, tmp_path: Path
 ) -> None:
     archive = read_archive(FIXTURES / "train.rollout")
     await _restore(log, archive.stream, archive.entries)
@@ -72,7 +75,7 @@ async def test_a_finished_rollout_is_archived_deleted_and_replays_byte_identical
 
 
 async def test_an_unfinished_rollout_stays_and_a_late_write_is_not_deleted(
-    log: RedisEventLog, tmp_path: Path
+    log: EventLog, tmp_path: Path
 ) -> None:
     archive = read_archive(FIXTURES / "train.rollout")
     unfinished = archive.entries[: len(archive.entries) // 2]
@@ -96,7 +99,7 @@ async def test_an_unfinished_rollout_stays_and_a_late_write_is_not_deleted(
 
 
 async def test_shared_streams_are_trimmed_only_below_every_groups_ack_and_the_window(
-    log: RedisEventLog, tmp_path: Path
+    log: EventLog, tmp_path: Path
 ) -> None:
     control = log.names.control
     work = log.names.work("math")
@@ -133,7 +136,7 @@ async def test_shared_streams_are_trimmed_only_below_every_groups_ack_and_the_wi
     assert await log.read(work) == [] and len(work_ids) == 4
 
 
-async def test_memory_usage_and_delete_stream(log: RedisEventLog) -> None:
+async def test_memory_usage_and_delete_stream(log: EventLog) -> None:
     await log.append("rl:x", RolloutFailed(rollout_id="r", reason=""))
     assert await log.delete_stream("rl:x") is True
     assert await log.delete_stream("rl:x") is False
@@ -158,7 +161,9 @@ def test_the_retention_command_runs_one_pass(
     assert "archived and deleted 0 rollouts" in capsys.readouterr().out
     assert cli.main(["retention", "--redis-url", redis_server.url, "--store", str(tmp_path),
                      "--keep-s", "-1"]) == 2
-    assert "--keep-s must be at least 0, got -1.0" in capsys.readouterr().err
+    assert "--keep-s must be at least 0.0, got -1.0 (ROLLOUT_RETENTION_KEEP_S)" in (
+        capsys.readouterr().err
+    )
     assert cli.main(["retention", "--redis-url", redis_server.url]) == 2
     assert "needs --store DIR (or ROLLOUT_RETENTION_STORE)" in capsys.readouterr().err
 
@@ -169,7 +174,7 @@ def test_the_retention_command_reads_its_defaults_from_the_environment(
     monkeypatch.setenv("ROLLOUT_RETENTION_STORE", str(tmp_path / "store"))
     monkeypatch.setenv("ROLLOUT_RETENTION_KEEP_S", "120")
     args = cli.build_parser(Settings.from_env()).parse_args(["retention"])
-    assert (args.store, args.keep_s) == (tmp_path / "store", 120.0)
+    assert (args.retention_store, args.retention_keep_s) == (tmp_path / "store", 120.0)
     assert cli.main(["retention", "--redis-url", redis_server.url]) == 0
     assert (tmp_path / "store").is_dir()
 
@@ -177,7 +182,7 @@ def test_the_retention_command_reads_its_defaults_from_the_environment(
 
 
 async def test_a_finished_rollout_waits_while_unacked_work_names_it(
-    log: RedisEventLog, tmp_path: Path
+    log: EventLog, tmp_path: Path
 ) -> None:
     archive = read_archive(FIXTURES / "train.rollout")
     await _restore(log, archive.stream, archive.entries)

@@ -1,10 +1,14 @@
-"""The loading folds (``engine.projections.loading``) and the client's ``load`` / ``iter_load``
-give exactly the samples of the reference path -- the whole ``RolloutProjection`` fold, then
-``trainer_samples`` -- on random rollout streams: multi-turn samples, retried attempts,
-aborted samples, late duplicate terminals, redelivered plan entries, ``TaskJoined`` groups
-(and chains), prompts stored once, teacher scorings of the right and wrong attempts, every
-lane (CE included), undecodable entries and entries in a non-canonical key order; and the
-same errors where the reference raises."""
+"""The trainer's loading paths give the samples of the in-memory path on random streams.
+
+The in-memory path is replay's: every entry decoded and folded by the rollout fold, the
+samples built from the entries its records name (``trainer_samples``). The client's
+``load`` (the entries samples are built from, folded and kept as read, the rest not
+decoded) and ``iter_load`` (the records first, then each chunk's entries read back by id,
+in a few ranges) must give exactly those samples -- on random rollout streams:
+multi-turn samples, retried attempts, aborted samples, late duplicate terminals,
+redelivered plan entries, ``TaskJoined`` groups (and chains), prompts stored once, teacher
+scorings of the right and wrong attempts, every lane (CE included), undecodable entries
+and entries in a non-canonical key order -- and the same errors where it raises."""
 
 from __future__ import annotations
 
@@ -16,19 +20,23 @@ import pytest
 
 from engine.client import RolloutClient
 from engine.errors import DecodeError, RolloutError
-from engine.events import Envelope, RedisEventLog, TaskJoined
+from engine.events import Envelope, TaskJoined
 from engine.events.arrays import LogProbs, Mask, TokenIds
 from engine.events.base import Event
 from engine.events.codec import decode, encode
+from engine.events.ids import parse_id
+from engine.events.log import EventLog
 from engine.events.redis_log import FIELD
 from engine.outcomes import SampleStatus
 from engine.projections import samples as samples_module
 from engine.projections.base import fold, start
 from engine.projections.lanes import CE_ALGORITHMS, Lane, request_lane
-from engine.projections.loading import MARK_EVERY, IndexFold, LoadFold, type_name
+from engine.projections.readback import Rollout, in_memory, ranges, wanted
 from engine.projections.rollout import RolloutProjection
 from engine.projections.samples import samples_named, trainer_samples
+from engine.runtime.readback import StreamLoad, type_name
 from engine.sample import Sample
+from tests.conftest import write_raw
 from tests.projections.rollout_streams import random_stream
 
 STREAM = "rl:{rollout:t}"
@@ -39,8 +47,8 @@ def _ids(raw: Sequence[bytes]) -> list[tuple[str, bytes]]:
 
 
 def reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
-    """The samples as the full fold gives them, built by the validating constructor (as
-    before ``samples._sample``), or the error it raises (type, message)."""
+    """The samples of the in-memory path, built by the validating constructor, or the
+    error it raises (type, message)."""
     with patch.object(samples_module, "_sample", lambda **fields: Sample(**fields)):
         return _reference(raw)
 
@@ -54,46 +62,46 @@ def _reference(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
             continue  # the log's readers skip it
     p = RolloutProjection()
     try:
-        return trainer_samples(fold(p, start(p), envs).state)
+        return trainer_samples(in_memory(fold(p, start(p), envs).state, envs))
     except Exception as exc:  # noqa: BLE001 - compared with the other path's
         return type(exc).__name__, str(exc)
 
 
-def by_load_fold(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
+def by_load(raw: Sequence[bytes]) -> list[Sample] | tuple[str, str]:
     try:
-        f = LoadFold()
-        f.feed(_ids(raw))
-        return trainer_samples(f.state())
+        load = StreamLoad(STREAM, keep=True)
+        load.feed(_ids(raw))
+        return trainer_samples(load.rollout())
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
 
 
-def by_index_fold(raw: Sequence[bytes], chunk: int) -> list[Sample] | tuple[str, str]:
+def by_read_back(raw: Sequence[bytes], chunk: int) -> list[Sample] | tuple[str, str]:
     """Both passes of ``iter_load``, with the stream in memory: the second reads back each
-    chunk's entries through the fold's ranges, from its marks."""
+    chunk's entries through the fold's ranges (every entry of a range, as XRANGE gives)."""
     entries = _ids(raw)
-    position = {entry_id: i for i, (entry_id, _) in enumerate(entries)}
     try:
-        index = IndexFold()
-        index.feed(entries)
+        load = StreamLoad(STREAM, keep=False)
+        load.feed(entries)
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
-    assert index.ready is not None and not index.ready.dummy
-    lane = request_lane(index.request)
+    state = load.state
+    assert not load.entries and state.ready is not None and not state.ready.dummy
+    lane = request_lane(state.request)
     assert lane is not Lane.CE
-    ids = index.ready.sample_ids
+    ids = state.ready.sample_ids
     out: list[Sample] = []
     for at in range(0, len(ids), chunk):
         part = ids[at : at + chunk]
-        wanted = index.wanted(part)
-        events: dict[int, Event] = {}
-        for start_id, count, first in index.ranges(wanted, gap=2):
-            assert first == position[start_id] and first % MARK_EVERY == 0
-            for ordinal in range(first, first + count):
-                if ordinal in wanted:
-                    events[ordinal] = decode(entries[ordinal][1])
+        want = wanted(state, part)
+        read: dict[str, Event] = {}
+        for first, last in ranges(state, want):
+            for entry_id, r in entries:
+                if parse_id(first) <= parse_id(entry_id) <= parse_id(last) and entry_id in want:
+                    read[entry_id] = decode(r)
+        assert set(read) == set(want)  # the ranges hold every entry wanted
         try:
-            out.extend(samples_named(index.chunk_state(part, events), part, lane))
+            out.extend(samples_named(Rollout(state, read), part, lane))
         except Exception as exc:  # noqa: BLE001
             return type(exc).__name__, str(exc)
     return out
@@ -115,26 +123,26 @@ def _dumps(samples: list[Sample] | tuple[str, str]) -> list[str] | tuple[str, st
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_the_load_fold_gives_the_reference_samples(seed: int) -> None:
+def test_load_gives_the_in_memory_samples(seed: int) -> None:
     ready = ("ok", "ok", "ok", "dummy", "missing", "unknown")[seed % 6]
     raw = random_stream(seed, n_samples=4 + seed % 29, ready=ready)
     expected = reference(raw)
-    got = by_load_fold(raw)
+    got = by_load(raw)
     _same(got, expected)
     if ready == "ok":
         assert isinstance(expected, list) and expected
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_the_index_fold_gives_the_reference_samples_chunk_by_chunk(seed: int) -> None:
+def test_read_back_gives_the_in_memory_samples_chunk_by_chunk(seed: int) -> None:
     raw = random_stream(seed, n_samples=4 + seed % 29, ready=("ok", "unknown")[seed % 5 == 4])
     expected = reference(raw)
-    index = IndexFold()
-    index.feed(_ids(raw))
-    if request_lane(index.request) is Lane.CE:
-        pytest.skip("the CE lane is loaded whole (tested through the client)")
+    load = StreamLoad(STREAM, keep=False)
+    load.feed(_ids(raw))
+    if request_lane(load.state.request) is Lane.CE:
+        pytest.skip("the CE lane is planned over the whole rollout (tested through the client)")
     for chunk in (1, 3, 1000):
-        got = by_index_fold(raw, chunk)
+        got = by_read_back(raw, chunk)
         if isinstance(expected, tuple) and chunk < 1000:
             # A chunk names the sample with no terminal: the same error, possibly after
             # earlier chunks were yielded.
@@ -143,17 +151,31 @@ def test_the_index_fold_gives_the_reference_samples_chunk_by_chunk(seed: int) ->
         _same(got, expected)
 
 
-def test_errors_of_the_writer_are_named_as_the_full_fold_names_them() -> None:
+def test_errors_of_the_writer_are_named_as_the_in_memory_path_names_them() -> None:
     joined = TaskJoined(rollout_id="t", sample_id="s1", index=1, group_index=0, same_as="s0")
     raw = random_stream(3, n_samples=8)
     for bad in ([encode(joined), *raw], _without_prompts(raw)):
         expected = reference(bad)
         assert isinstance(expected, tuple) and expected[0] == "RolloutError"
-        assert by_load_fold(bad) == expected
-        index = IndexFold()
-        with pytest.raises(Exception) as caught:
-            index.feed(_ids(bad))
-        assert (type(caught.value).__name__, str(caught.value)) == expected
+        assert by_load(bad) == expected
+        assert by_read_back(bad, 4) == expected
+
+
+def test_an_entry_that_is_not_the_one_folded_is_named() -> None:
+    raw = random_stream(1, n_samples=8)
+    load = StreamLoad(STREAM, keep=True)
+    load.feed(_ids(raw))
+    state = load.state
+    assert state.ready is not None
+    sid = state.ready.sample_ids[0]
+    at = state.samples[sid].terminal_at
+    assert at is not None
+    entries = {k: v for k, v in load.entries.items() if k != at}  # gone (trimmed, say)
+    with pytest.raises(RolloutError, match=f"entry {at} of the stream is not the"):
+        trainer_samples(Rollout(state, entries))
+    other = next(k for k, v in load.entries.items() if type(v).__name__ == "TaskFetched")
+    with pytest.raises(RolloutError, match=f"entry {at} of the stream"):
+        trainer_samples(Rollout(state, {**load.entries, at: load.entries[other]}))
 
 
 def _without_prompts(raw: Sequence[bytes]) -> list[bytes]:
@@ -222,15 +244,15 @@ def test_type_name_reads_the_canonical_head_only() -> None:
 # ---------------------------------------------------------------- through the client
 
 
-async def _write(log: RedisEventLog, rollout_id: str, raw: Sequence[bytes]) -> None:
+async def _write(log: EventLog, rollout_id: str, raw: Sequence[bytes]) -> None:
     stream = log.names.rollout(rollout_id)
     for entry_id, r in _ids(raw):
-        await log.redis.xadd(stream, {FIELD: r}, id=entry_id)
+        await write_raw(log, stream, {FIELD: r}, entry_id)
 
 
 @pytest.mark.parametrize("seed", [0, 5, 7, 11, 12, 13, 17, 22])
 async def test_load_and_iter_load_give_the_reference_samples(
-    log: RedisEventLog, seed: int
+    log: EventLog, seed: int
 ) -> None:
     raw = random_stream(seed, n_samples=30)
     rollout_id = f"r{seed}"
@@ -245,13 +267,13 @@ async def test_load_and_iter_load_give_the_reference_samples(
         assert _dumps([s for c in chunks for s in c]) == _dumps(expected)
 
 
-async def test_the_lanes_are_all_covered(log: RedisEventLog) -> None:
+async def test_the_lanes_are_all_covered(log: EventLog) -> None:
     """The seeds above hold every lane (so the client's CE path is exercised too)."""
     lanes = set()
     for seed in [0, 5, 7, 11, 12, 13, 17, 22]:
-        index = IndexFold()
-        index.feed(_ids(random_stream(seed, n_samples=30)))
-        lanes.add(request_lane(index.request))
+        load = StreamLoad(STREAM, keep=False)
+        load.feed(_ids(random_stream(seed, n_samples=30)))
+        lanes.add(request_lane(load.state.request))
     assert lanes == set(Lane)
 
 
@@ -260,15 +282,15 @@ _CE_SEEDS = [0, 9, 11, 12, 24, 25, 27, 38, 40, 41, 44, 50]
 
 @pytest.mark.parametrize("seed", _CE_SEEDS)
 async def test_iter_load_streams_the_ce_lane_in_loads_order(
-    log: RedisEventLog, seed: int
+    log: EventLog, seed: int
 ) -> None:
     """The CE lane's sub-samples (planned across the whole rollout, shuffled, over-long
     trajectories dropped: seed 12 sets ``max_seq_len``) come in ``load``'s order, whatever
     the chunk size; a sub-samples' parent split over chunks is read back once per chunk."""
     raw = random_stream(seed, n_samples=30)
-    index = IndexFold()
-    index.feed(_ids(raw))
-    assert request_lane(index.request) is Lane.CE
+    load = StreamLoad(STREAM, keep=False)
+    load.feed(_ids(raw))
+    assert request_lane(load.state.request) is Lane.CE
     rollout_id = f"ce{seed}"
     await _write(log, rollout_id, raw)
     expected = reference(raw)
@@ -283,7 +305,7 @@ async def test_iter_load_streams_the_ce_lane_in_loads_order(
 
 
 async def test_iter_load_of_the_ce_lane_names_a_missing_terminal_first(
-    log: RedisEventLog,
+    log: EventLog,
 ) -> None:
     """A ready event naming a sample with no terminal: the error ``load`` raises, before any
     chunk."""
@@ -298,17 +320,17 @@ async def test_iter_load_of_the_ce_lane_names_a_missing_terminal_first(
     assert got == [] and (type(caught.value).__name__, str(caught.value)) == expected
 
 
-async def test_iter_load_holds_one_chunk_not_the_rollout(log: RedisEventLog) -> None:
+async def test_iter_load_holds_one_chunk_not_the_rollout(log: EventLog) -> None:
     """Peak memory while iterating in chunks of 50 stays well under a whole ``load``'s: the
     whole load holds every sample (and the page being folded); the chunked one holds the
-    per-sample index, one page of raw entries and one chunk."""
+    fold's records, one page of raw entries and one chunk."""
     n, load_peak, iter_peak = await _peaks(log, _big_plain_stream(3000))
     assert n == 3000
     assert iter_peak < load_peak / 10, (iter_peak, load_peak)
 
 
 async def test_iter_load_of_the_ce_lane_holds_the_plan_and_one_chunk(
-    log: RedisEventLog,
+    log: EventLog,
 ) -> None:
     """The CE lane streams too (its plan, then one chunk's parents at a time)."""
     raw = _big_plain_stream(2000, algorithm=sorted(CE_ALGORITHMS)[0])
@@ -317,7 +339,7 @@ async def test_iter_load_of_the_ce_lane_holds_the_plan_and_one_chunk(
     assert iter_peak < load_peak / 10, (iter_peak, load_peak)
 
 
-async def _peaks(log: RedisEventLog, raw: Sequence[bytes]) -> tuple[int, int, int]:
+async def _peaks(log: EventLog, raw: Sequence[bytes]) -> tuple[int, int, int]:
     """The rollout ``raw`` written, loaded whole and then iterated in chunks of 50: how
     many samples each gave (they must agree), ``load``'s traced peak, and ``iter_load``'s
     peak above what was traced before it."""
@@ -374,3 +396,21 @@ def _big_plain_stream(n: int, algorithm: str = "grpo") -> list[bytes]:
         ))
     events.append(RolloutReady(rollout_id="big", sample_ids=[f"big-{i}" for i in range(n)]))
     return [encode(e) for e in events]
+
+
+async def test_reading_back_more_entries_than_a_round_trip_holds_reads_them_all(
+    log: EventLog,
+) -> None:
+    """Every sample's entries of a rollout larger than one read-back round trip (the
+    finalizer's artifacts read them all) come back, each the entry the fold recorded."""
+    from engine.runtime.readback import _READ_BATCH, read_back
+
+    raw = _big_plain_stream(_READ_BATCH // 2 + 100)  # a task and a terminal a sample
+    await _write(log, "many", raw)
+    load = StreamLoad(STREAM, keep=True)
+    load.feed(_ids(raw))
+    state = load.state
+    assert len(wanted(state, state.samples)) > _READ_BATCH
+    rollout = await read_back(log, log.names.rollout("many"), state, state.samples)
+    assert rollout.entries == load.entries
+    assert _dumps(trainer_samples(rollout)) == _dumps(trainer_samples(load.rollout()))

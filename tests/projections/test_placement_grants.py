@@ -1,7 +1,7 @@
 """The grants ``try_acquire_batch`` builds without the validator are the validated ones.
 
 A batch places a token per sample; each ``TokenGrant`` is filled in from values that are
-already validated (``placement._grant``). Here every grant of varied placements -- GPU
+already validated (``placement.allocation._grant``). Here every grant of varied placements -- GPU
 fractions, whole GPUs, CPU and memory only, several nodes, an ungated pool -- equals the
 grant the validating constructor builds from the same values: equal, same fields set, same
 field order, same bytes inside the ``TokenAcquired``.

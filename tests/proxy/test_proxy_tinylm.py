@@ -367,5 +367,5 @@ async def test_the_proxy_needs_a_token_level_backend(random_tokenizer: Any) -> N
     from engine.errors import ConfigError
 
     backend = OpenAIBackend(config=OpenAIConfig(base_url="http://127.0.0.1:9/v1", model="m"))
-    with pytest.raises(ConfigError, match="SGLangBackend"):
+    with pytest.raises(ConfigError, match="token_ids capability"):
         RecordingProxy(backend=backend, tokenizer=random_tokenizer)

@@ -1,13 +1,11 @@
-"""Fixtures of the rollout tests: evaluator specs, in-process engine pieces, rollout starts."""
+"""Fixtures of the rollout tests: evaluator specs, in-process engine pieces, rollout starts,
+and the engine's processes (``engine.ops.processes``) for the tests that run them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +21,6 @@ from engine.events import (
     Event,
     EventLog,
     FilterSpec,
-    RedisEventLog,
-    RedisSettings,
     RolloutKind,
     RolloutPlanned,
     RolloutRequested,
@@ -32,13 +28,14 @@ from engine.events import (
     TokenAcquired,
     TokenReleased,
 )
-from engine.events import connect as redis_connect
+from engine.ops.processes import Process, Processes
 from engine.projections.base import fold, start
-from engine.projections.decision import DecisionProjection, DecisionState
+from engine.projections.readback import Rollout, in_memory
 from engine.projections.rollout import RolloutProjection, RolloutState
-from tests.conftest import ClientFactory
+from tests.conftest import LogFactory
 from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
+from workers.cli import ROLLOUT
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EVALUATOR_CONFIG = FIXTURES / "evaluators.py"
@@ -55,16 +52,17 @@ def envelopes(events: Sequence[Event]) -> list[Envelope]:
 
 
 def rollout_state(events: Sequence[Event]) -> RolloutState:
-    """The rollout projection folded over ``events``: what the finalizer decides from."""
+    """The rollout fold over ``events``: what the finalizer decides from."""
     projection = RolloutProjection()
     return fold(projection, start(projection), envelopes(events)).state
 
 
-def decision_state(events: Sequence[Event]) -> DecisionState:
-    """The compact decision projection folded over ``events``: what the finalizer decides
-    from (``engine.projections.decision``)."""
-    projection = DecisionProjection()
-    return fold(projection, start(projection), envelopes(events)).state
+def rollout_of(events: Sequence[Event]) -> Rollout:
+    """The rollout fold over ``events`` with every entry at hand (what samples, rows and
+    artifacts are built from, as a replay builds them)."""
+    envs = envelopes(events)
+    projection = RolloutProjection()
+    return in_memory(fold(projection, start(projection), envs).state, envs)
 
 
 def plan_events(n_groups: int, per_group: int, request: RolloutRequested) -> list[Event]:
@@ -148,12 +146,9 @@ class Engine:
 
 @pytest.fixture
 async def engine(
-    redis_factory: ClientFactory, specs: Mapping[str, EvaluatorBinding]
+    make_log: LogFactory, specs: Mapping[str, EvaluatorBinding]
 ) -> AsyncIterator[Engine]:
-    def make_log() -> EventLog:
-        return RedisEventLog(redis_factory(), producer="test", block_ms=BLOCK_MS, max_deliveries=3)
-
-    eng = Engine(make_log, specs)
+    eng = Engine(lambda: make_log(producer="test", block_ms=BLOCK_MS, max_deliveries=3), specs)
     yield eng
     await eng.close()
 
@@ -197,19 +192,32 @@ async def wait_state(
     timeout: float = 30.0,
 ) -> RolloutState:
     """Fold the rollout stream with blocking reads until ``predicate(state)`` holds."""
+    return (await wait_rollout(log, rollout_id, predicate, timeout=timeout)).state
+
+
+async def wait_rollout(
+    log: EventLog,
+    rollout_id: str,
+    predicate: Callable[[RolloutState], bool],
+    *,
+    timeout: float = 30.0,
+) -> Rollout:
+    """:func:`wait_state`, with every entry read kept (to build samples and rows from)."""
     projection = RolloutProjection()
     state = projection.initial()
     position = "0-0"
     stream = log.names.rollout(rollout_id)
+    read: list[Envelope] = []
 
-    async def follow() -> RolloutState:
+    async def follow() -> Rollout:
         nonlocal state, position
         while True:
             envs, position = await log.read_after(stream, position, block_ms=BLOCK_MS)
             for env in envs:
                 state = projection.evolve(state, env)
+            read.extend(envs)
             if predicate(state):
-                return state
+                return in_memory(state, read)
 
     return await asyncio.wait_for(follow(), timeout)
 
@@ -256,53 +264,29 @@ def assert_tokens_released_once(ledger: Ledger) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
-TIMINGS = ["--heartbeat-ms", "100", "--claim-idle-ms", "1000", "--block-ms", "200"]
+TIMINGS = {"heartbeat_ms": 100, "claim_idle_ms": 1000, "block_ms": 200}
+
+
+def launcher(url: str, logs: Path, **settings: object) -> Processes:
+    """The engine's launcher for a test: processes on ``url`` (in their environment, never
+    argv) with short timings, running this checkout's code, logs in ``logs``; what is still
+    running at the end gets SIGTERM and, 2 s later, SIGKILL."""
+    return Processes(logs, rollout=ROLLOUT, settings={"redis_url": url, **TIMINGS, **settings},
+                     env={"PYTHONPATH": str(ROOT)}, grace_s=2.0)
+
+
+def start_worker(procs: Processes, worker_id: str, *extra: str) -> Process:
+    """An evaluator worker serving the scripted evaluator without a sandbox."""
+    return procs.start(worker_id, "worker", *extra, settings={
+        "worker_id": worker_id, "evaluator_config": EVALUATOR_CONFIG, "evaluators": "scripted",
+        "sandbox": "none"})
+
+
+def start_finalizer(procs: Processes) -> Process:
+    return procs.start("fin", "finalizer", settings={"worker_id": "fin"})
 
 
 @pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    redis = redis_connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await redis.flushall()
-    yield RedisEventLog(redis, producer="test", block_ms=200)
-    await redis.aclose()
-
-
-class Procs:
-    """Engine processes (``python -m workers.*``) on one Redis, their output in ``tmp``."""
-
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url = url
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env = {k: v for k, v in env.items() if not k.startswith("ROLLOUT_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--redis-url", self.url, *TIMINGS, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=open(self.tmp / f"{name}.out", "wb"),  # noqa: SIM115 - closed with the process
-            stderr=open(self.tmp / f"{name}.err", "wb"),  # noqa: SIM115
-        )
-        self.procs[name] = proc
-        return proc
-
-    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
-        return self.spawn(
-            worker_id, "workers.evaluator", "--worker-id", worker_id,
-            "--evaluator-config", str(EVALUATOR_CONFIG), "--evaluators", "scripted",
-            "--sandbox", "none", *extra,
-        )
-
-    def finalizer(self) -> subprocess.Popen[bytes]:
-        return self.spawn("fin", "workers.finalizer", "--worker-id", "fin")
-
-    def output(self, name: str) -> str:
-        return (self.tmp / f"{name}.out").read_text() + (self.tmp / f"{name}.err").read_text()
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
+def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Processes]:
+    with launcher(redis_server.url, tmp_path) as processes:
+        yield processes

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.events import EventLog, RedisEventLog, RolloutKind
+from engine.events import EventLog, RolloutKind
+from engine.events.redis_log import RedisEventLog
 from engine.ops import cli
 from engine.projections.summary import ARTIFACT_FILES
 from tests.redis_server import RedisServer
 from tests.rollout.conftest import Engine, start_rollout
 
-real_redis = pytest.mark.parametrize("redis_factory", ["redis-server"], indirect=True)
+real_redis = pytest.mark.parametrize("log_backend", ["redis-server"])
 
 
 async def _rollout_live(engine: Engine, log: EventLog, rid: str, out: Path) -> None:

@@ -112,7 +112,7 @@ async def test_subscribe_ready_yields_new_rollouts(log: EventLog) -> None:
     assert task.result().rollout_id == "z"
 
 
-@pytest.mark.parametrize("redis_factory", ["redis-server"], indirect=True)
+@pytest.mark.parametrize("log_backend", ["redis-server"])
 async def test_sync_client(engine: Engine, log: EventLog, redis_server: RedisServer) -> None:
     engine.start_worker()
     engine.start_finalizer()

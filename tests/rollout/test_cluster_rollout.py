@@ -1,5 +1,5 @@
 """A whole rollout on a real 3-master Redis Cluster: scheduler, two evaluator workers and a
-finalizer as processes (``python -m workers.*`` with a ``redis+cluster://`` URL), the
+finalizer as processes (the engine's launcher, with a ``redis+cluster://`` URL), the
 trainer's client requesting, waiting and loading. Nothing in the engine knows it is on a
 cluster beyond the URL: the control plane shares one slot, the rollout streams spread. The
 operator tools (status, pool, top, tail, retention) then run against the same cluster."""
@@ -16,22 +16,19 @@ import pytest
 from redis.crc import key_slot
 
 from engine.client import RolloutClient, collate
-from engine.events import (
-    AdmissionClosed,
-    EventLog,
-    RedisEventLog,
-    RedisSettings,
-    SampleCompleted,
-    connect,
-)
+from engine.events import AdmissionClosed, EventLog, SampleCompleted
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.ops import cli
+from engine.ops.processes import Processes
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
 from tests.rollout.conftest import (
     EVALUATOR_CONFIG,
-    Procs,
     assert_tokens_released_once,
     events_of,
+    launcher,
     released_tokens,
+    start_finalizer,
+    start_worker,
 )
 
 pytestmark = [pytest.mark.slow]
@@ -52,10 +49,9 @@ async def cluster_log(redis_cluster: RedisClusterProcs) -> AsyncIterator[EventLo
 
 
 @pytest.fixture
-def procs(redis_cluster: RedisClusterProcs, tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(redis_cluster.url, tmp_path)
-    yield p
-    p.stop_all()
+def procs(redis_cluster: RedisClusterProcs, tmp_path: Path) -> Iterator[Processes]:
+    with launcher(redis_cluster.url, tmp_path) as processes:
+        yield processes
 
 
 async def _cli(*argv: str) -> int:
@@ -63,7 +59,7 @@ async def _cli(*argv: str) -> int:
 
 
 async def test_rollouts_on_a_redis_cluster(
-    cluster_log: EventLog, procs: Procs, redis_cluster: RedisClusterProcs, tmp_path: Path,
+    cluster_log: EventLog, procs: Processes, redis_cluster: RedisClusterProcs, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     log = cluster_log
@@ -75,14 +71,14 @@ async def test_rollouts_on_a_redis_cluster(
         f"  datasets:\n    ds: {{path: {data}, n_samples_per_prompt: 2}}\n"
     )
     layout = '{"node-a": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
-    sched = procs.spawn(
-        "sched", "workers.scheduler", "--rollout-config", str(config),
+    procs.start(
+        "sched", "scheduler", "--rollout-config", str(config),
         "--evaluator-config", str(EVALUATOR_CONFIG), "--cluster-layout", layout,
         "--scheduler-id", "s1",
     )
-    procs.worker("w1")
-    procs.worker("w2")
-    procs.finalizer()
+    start_worker(procs, "w1")
+    start_worker(procs, "w2")
+    start_finalizer(procs)
     client = RolloutClient(log)
     rids = [await client.request(iteration=i, n_prompts=6, n_samples_per_prompt=2, seed=5)
             for i in range(4)]
@@ -125,5 +121,5 @@ async def test_rollouts_on_a_redis_cluster(
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted(
         f"{rid}.rollout" for rid in rids)
     assert await log.read_snapshot("pool") is not None
-    sched.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(asyncio.to_thread(sched.wait), 30) == 0
+    procs.signal("sched", signal.SIGTERM)
+    assert await asyncio.to_thread(procs.wait, "sched", 30) == 0

@@ -34,12 +34,10 @@ from engine.events import (
     Envelope,
     Event,
     EventLog,
-    RedisEventLog,
-    RedisSettings,
     RolloutReady,
     TokenAcquired,
-    connect,
 )
+from engine.events.redis_log import RedisEventLog, RedisSettings, connect
 from engine.projections.data_cursor import DataState
 from tests.events.redis_cluster import RedisClusterProcs, cluster_fixture
 from tests.rollout.conftest import Engine, events_of, start_rollout, wait_state

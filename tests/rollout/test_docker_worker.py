@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ import pytest
 
 from engine.client import RolloutClient
 from engine.events import EventLog
+from engine.ops.processes import Processes
 from engine.sandbox import MANAGED_LABEL
-from tests.redis_server import RedisServer
-from tests.rollout.conftest import Procs, start_rollout
+from tests.rollout.conftest import start_finalizer, start_rollout
 from tests.rollout.fixtures.docker_evaluators import RUN_CPU, RUN_MEMORY_GB
 from tests.sandbox.conftest import docker_image  # noqa: F401 - the session fixture
 
@@ -39,28 +38,11 @@ def docker_client(docker_image: str) -> Iterator[Any]:  # noqa: F811 - the impor
     client.close()
 
 
-class Workers(Procs):
-    """The engine processes of ``tests/rollout/conftest.py``, with Docker-sandboxed workers."""
-
-    def __init__(self, url: str, tmp: Path, image: str) -> None:
-        super().__init__(url, tmp)
-        self.image = image
-
-    def worker(self, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
-        return self.spawn(
-            worker_id, "workers.evaluator", "--worker-id", worker_id,
-            "--evaluator-config", str(CONFIG), "--sandbox", "docker",
-            "--docker-image", self.image, *extra,
-        )
-
-
-@pytest.fixture
-def workers(
-    redis_server: RedisServer, tmp_path: Path, docker_image: str  # noqa: F811
-) -> Iterator[Workers]:
-    w = Workers(redis_server.url, tmp_path, docker_image)
-    yield w
-    w.stop_all()
+def docker_worker(procs: Processes, worker_id: str, image: str) -> None:
+    """An evaluator worker whose sandboxes are containers of ``image``."""
+    procs.start(worker_id, "worker", settings={
+        "worker_id": worker_id, "evaluator_config": CONFIG, "sandbox": "docker",
+        "docker_image": image})
 
 
 def _containers(client: Any, **labels: str) -> list[Any]:
@@ -75,11 +57,11 @@ def _remove(client: Any, marker: str) -> None:
 
 
 async def test_a_docker_worker_runs_the_agents_command_in_a_container(
-    real_log: EventLog, workers: Workers, docker_client: Any
+    real_log: EventLog, procs: Processes, docker_image: str, docker_client: Any  # noqa: F811
 ) -> None:
     marker = f"echo-{os.getpid()}"
-    workers.spawn("fin", "workers.finalizer", "--worker-id", "fin")
-    workers.worker("wD")
+    start_finalizer(procs)
+    docker_worker(procs, "wD", docker_image)
     try:
         await start_rollout(
             real_log, "rd", n_prompts=2, evaluator_id="boxed",
@@ -90,7 +72,7 @@ async def test_a_docker_worker_runs_the_agents_command_in_a_container(
             },
         )
         ready = await RolloutClient(real_log).wait_ready("rd", timeout=60)
-        assert (ready.n_completed, ready.n_aborted) == (2, 0), workers.output("wD")
+        assert (ready.n_completed, ready.n_aborted) == (2, 0), procs.output("wD")
         samples = await RolloutClient(real_log).load("rd")
         for sample in samples:
             assert sample.response == "exit=0 out=pid1=docker-init net=lo", sample.response
@@ -101,11 +83,11 @@ async def test_a_docker_worker_runs_the_agents_command_in_a_container(
 
 
 async def test_limits_labels_and_reaping_after_a_sigkill(
-    real_log: EventLog, workers: Workers, docker_client: Any
+    real_log: EventLog, procs: Processes, docker_image: str, docker_client: Any  # noqa: F811
 ) -> None:
     marker = f"reap-me-{os.getpid()}"
-    workers.spawn("fin", "workers.finalizer", "--worker-id", "fin")
-    worker_a = workers.worker("wA")
+    start_finalizer(procs)
+    docker_worker(procs, "wA", docker_image)
     try:
         await start_rollout(
             real_log, "rk", n_prompts=2, evaluator_id="boxed",
@@ -133,25 +115,23 @@ async def test_limits_labels_and_reaping_after_a_sigkill(
         assert labels["rollout.batch"] == "rk:b0"
         assert labels["rollout.sample"] == "rk:s0"
 
-        worker_a.send_signal(signal.SIGKILL)
-        assert await asyncio.to_thread(worker_a.wait, 30) == -signal.SIGKILL
+        assert procs.kill("wA") == -signal.SIGKILL
         # The dead worker's container outlives it...
         assert _containers(docker_client, **{"rollout.worker": "wA"})
-        workers.worker("wB")
+        docker_worker(procs, "wB", docker_image)
         ready = await RolloutClient(real_log).wait_ready("rk", timeout=60)
-        assert ready.n_completed == 2, workers.output("wB")
+        assert ready.n_completed == 2, procs.output("wB")
         # ...until the worker that claims the batch reaps it.
         assert _containers(docker_client, **{"rollout.worker": "wA"}) == []
-        assert "reaped 1 sandboxes wA left for batch rk:b0" in workers.output("wB")
+        assert "reaped 1 sandboxes wA left for batch rk:b0" in procs.output("wB")
     finally:
         _remove(docker_client, marker)
 
 
 async def test_a_docker_worker_refuses_to_start_without_the_image(
-    real_log: EventLog, workers: Workers
+    real_log: EventLog, procs: Processes, docker_image: str  # noqa: F811 - the daemon is up
 ) -> None:
-    workers.image = "rollout-sandbox-test:no-such-tag"
-    worker = workers.worker("wX")
-    assert await asyncio.to_thread(worker.wait, 60) == 2
-    output = workers.output("wX")
+    docker_worker(procs, "wX", "rollout-sandbox-test:no-such-tag")
+    assert await asyncio.to_thread(procs.wait, "wX", 60) == 2
+    output = procs.output("wX")
     assert "--sandbox docker" in output and "no-such-tag" in output, output

@@ -26,6 +26,7 @@ from engine.events import (
 from engine.events.ids import parse_id
 from engine.projections.rollout import RolloutState
 from engine.sample import DUMMY_TOKENS
+from tests.conftest import write_raw
 from tests.rollout.conftest import (
     Engine,
     assert_tokens_released_once,
@@ -193,7 +194,7 @@ async def test_tokens_leave_as_soon_as_no_sample_needs_them(
         for env in envs:
             if isinstance(env.event, TokenReleased) and env.event.rollout_id == "r3c":
                 released.extend(env.event.token_ids or [])
-    state = await wait_state(log, "r3c", lambda s: s.n_done == 2, timeout=5)
+    state = await wait_state(log, "r3c", lambda s: s.n_terminal == 2, timeout=5)
     assert state.samples["r3c:s2"].done is False  # still running
     assert len(set(released)) == 2
     stop.set()
@@ -242,7 +243,7 @@ async def test_a_handed_back_batch_is_finished_by_another_worker(
 
     def only_hung_left(state: RolloutState) -> bool:
         hung = state.samples.get("r4:s1")
-        return state.n_done == 3 and hung is not None and hung.started is not None
+        return state.n_terminal == 3 and hung is not None and hung.started
 
     await wait_state(log, "r4", only_hung_left)
     stop_a.set()
@@ -301,7 +302,7 @@ async def leave_a_hung_batch(
         log, rollout_id, n_prompts=3,
         script=lambda i: {"hang_attempts": list(hang_attempts)} if i == 0 else {},
     )
-    await wait_state(log, rollout_id, lambda s: s.n_done == 2)
+    await wait_state(log, rollout_id, lambda s: s.n_terminal == 2)
     stop_a.set()
     await asyncio.wait_for(engine.tasks[0], 30)
 
@@ -419,7 +420,7 @@ async def test_stop_with_grace_finishes_running_batches(engine: Engine, log: Eve
     stop.set()
     await asyncio.wait_for(engine.tasks[-1], 30)
     state = await wait_state(log, "r6", _all_done, timeout=1)
-    assert state.n_done == 4
+    assert state.n_terminal == 4
     assert worker.batches_done == 1 and worker.batches_handed_back == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
@@ -447,7 +448,7 @@ def test_the_worker_progress_printer_counts_from_batch_reports() -> None:
 def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() -> None:
     from pathlib import Path
 
-    from engine.actors.batch_run import _with_node
+    from engine.actors.attempt_context import with_node
     from engine.agents.base import EpisodeContext
     from engine.domain import SamplingParams, StoppingCriteria
 
@@ -455,7 +456,7 @@ def test_an_episode_context_gets_its_token_node_and_keeps_every_other_field() ->
         rollout_id="r1", sample_id="s1", attempt=2, stopping=StoppingCriteria(),
         sampling_params=SamplingParams(), tmp_dir=Path("/tmp/x"), seed=7, dagger_beta=0.5,
     )  # fmt: skip
-    moved = _with_node(ctx, "node-a")
+    moved = with_node(ctx, "node-a")
     assert moved.node == "node-a" and ctx.node is None
     assert moved == EpisodeContext(**{**ctx.__dict__, "node": "node-a"})
 
@@ -465,8 +466,9 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
 ) -> None:
     from engine.actors.evaluator_worker import WorkerConfig
     from engine.events import RolloutRequested, TaskFetched, TaskJoined
-    from engine.events.redis_log import FIELD, RedisEventLog
+    from engine.events.redis_log import FIELD
     from engine.projections.rollout import RolloutProjection
+    from engine.runtime.readback import read_tasks
     from engine.runtime.rebuild import rebuild
 
     def task(i: int) -> TaskFetched:
@@ -480,23 +482,23 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
         joined = TaskJoined.of(task(i), task(i - 1)) if i % 2 else None
         events.append(joined or task(i))
     await log.append_many([(stream, ev) for ev in events[:4]])
-    assert isinstance(log, RedisEventLog)
-    await log.redis.xadd(stream, {FIELD: b"\xc1 not msgpack"})  # skipped, not fatal
+    await write_raw(log, stream, {FIELD: b"\xc1 not msgpack"})  # skipped, not fatal
     await log.append_many([(stream, ev) for ev in events[4:]])
 
     evaluator = next(iter(specs))
     folded = (await rebuild(log, stream, RolloutProjection())).state
     assert folded.request is not None
+    whole = await read_tasks(log, stream, folded, folded.samples)
     for window in (2048, 0):  # entries kept as read, or every one re-read from the index
         config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), task_window=window)
         worker = EvaluatorWorker(log, specs, config)
-        request, tasks = await worker._batch_tasks("r1", ["s3"])
+        request, tasks = await worker.tasks.batch_tasks("r1", ["s3"])
         assert request == folded.request
         assert list(tasks) == ["s3"]  # joined on s2, which is decoded but not kept
-        cached = worker._tasks["r1"]
+        cached = worker.tasks.cache["r1"]
         assert sorted(cached.recent) == (["s0", "s1", "s4", "s5"] if window else [])
-        request, more = await worker._batch_tasks("r1", ["s1", "s4", "missing", "s2"])
+        request, more = await worker.tasks.batch_tasks("r1", ["s1", "s4", "missing", "s2"])
         assert list(more) == ["s1", "s4", "s2"]  # no entry for "missing": left out
         tasks.update(more)
         for sid, ev in tasks.items():
-            assert ev == folded.samples[sid].task  # what the rollout fold makes of the stream
+            assert ev == whole[sid]  # what the rollout fold makes of the stream

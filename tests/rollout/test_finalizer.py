@@ -6,7 +6,6 @@ import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -74,9 +73,8 @@ async def test_a_finalizer_follows_a_bounded_number_of_rollouts(
     while await log.pending_count(control, "finalizers") == 0:
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)  # several block windows: time for a second fetch to happen
-    redis: Any = log.redis
-    pending = await redis.xpending_range(control, "finalizers", "-", "+", 10)
-    assert len(pending) == 1 and pending[0]["consumer"].decode() == "f1"
+    held = await log.unread_own_pending("finalizers", "f1", control)
+    assert len(held.deliveries) == 1 and await log.pending_count(control, "finalizers") == 1
     assert len(finalizer._following) == 1
     # With a worker the rollouts end and the waiting requests are followed one by one.
     engine.start_worker()
@@ -294,7 +292,7 @@ async def test_a_stopped_finalizer_returns_while_following_a_rollout(
     await start_rollout(
         log, "r13", n_prompts=2, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
     )
-    await wait_state(log, "r13", lambda s: s.n_done == 1)
+    await wait_state(log, "r13", lambda s: s.n_terminal == 1)
     stop.set()
     done, _ = await asyncio.wait([run], timeout=10)
     assert done, "the finalizer did not stop"

@@ -19,7 +19,7 @@ from engine.events import (
     TeacherScored,
     TokenIds,
 )
-from tests.rollout.conftest import decision_state, plan_events
+from tests.rollout.conftest import plan_events, rollout_state
 
 RID = "r"
 
@@ -54,8 +54,8 @@ def _abort(i: int) -> SampleAborted:
 
 def test_not_ready_until_every_sample_is_terminal() -> None:
     events = [*_plan(1, 2), _done(0, 1.0)]
-    assert decide_ready(decision_state(events)) is None
-    ready = decide_ready(decision_state([*events, _abort(1)]))
+    assert decide_ready(rollout_state(events)) is None
+    ready = decide_ready(rollout_state([*events, _abort(1)]))
     assert ready is not None
     assert ready.sample_ids == [_sid(0), _sid(1)]
     assert (ready.n_completed, ready.n_aborted, ready.dummy) == (1, 1, False)
@@ -64,14 +64,14 @@ def test_not_ready_until_every_sample_is_terminal() -> None:
 
 def test_not_ready_before_the_plan_is_complete() -> None:
     events = [e for e in _plan(1, 1) if not isinstance(e, RolloutPlanned)] + [_done(0, 1.0)]
-    assert decide_ready(decision_state(events)) is None
+    assert decide_ready(rollout_state(events)) is None
 
 
 def test_already_decided_is_not_decided_again() -> None:
     events = [*_plan(1, 1), _done(0, 1.0)]
-    ready = decide_ready(decision_state(events))
+    ready = decide_ready(rollout_state(events))
     assert ready is not None
-    assert decide_ready(decision_state([*events, ready])) is None
+    assert decide_ready(rollout_state([*events, ready])) is None
 
 
 def test_rejection_drops_groups_with_equal_rewards() -> None:
@@ -81,7 +81,7 @@ def test_rejection_drops_groups_with_equal_rewards() -> None:
         _done(2, 1.0), _done(3, 1.0),  # group 1: all equal -> dropped
         _done(4, 0.0), _abort(5),  # group 2: 0 and an abort (counts 0) -> dropped
     ]
-    kept, dropped = apply_filters(decision_state(events))
+    kept, dropped = apply_filters(rollout_state(events))
     assert kept == [_sid(0), _sid(1)]
     assert dropped == [_sid(2), _sid(3), _sid(4), _sid(5)]
 
@@ -91,7 +91,7 @@ def test_finish_only_keeps_clean_finishes() -> None:
         *_plan(1, 4, filters=FilterSpec(finish_only=True)),
         _done(0, 1.0), _done(1, 1.0, "max_turns"), _abort(2), _done(3, 0.0, "finish"),
     ]
-    assert apply_filters(decision_state(events))[0] == [_sid(0), _sid(3)]
+    assert apply_filters(rollout_state(events))[0] == [_sid(0), _sid(3)]
 
 
 def test_rejection_runs_before_finish_only() -> None:
@@ -102,7 +102,7 @@ def test_rejection_runs_before_finish_only() -> None:
         *_plan(1, 2, filters=FilterSpec(reject_equal_rewards=True, finish_only=True)),
         _done(0, 1.0), _done(1, 0.0, "max_turns"),
     ]
-    assert apply_filters(decision_state(events)) == ([_sid(0)], [_sid(1)])
+    assert apply_filters(rollout_state(events)) == ([_sid(0)], [_sid(1)])
 
 
 def test_an_emptied_rollout_is_one_dummy() -> None:
@@ -110,14 +110,14 @@ def test_an_emptied_rollout_is_one_dummy() -> None:
         *_plan(1, 2, filters=FilterSpec(reject_equal_rewards=True)),
         _done(0, 1.0), _done(1, 1.0),
     ]
-    ready = decide_ready(decision_state(events))
+    ready = decide_ready(rollout_state(events))
     assert ready is not None and ready.dummy and ready.sample_ids == []
     assert ready.dropped_sample_ids == [_sid(0), _sid(1)]
 
 
 def test_teacher_lane_waits_for_kept_samples_scores() -> None:
     events = [*_plan(1, 3, teacher_capture=True), _done(0, 1.0), _done(1, 0.0), _abort(2)]
-    state = decision_state(events)
+    state = rollout_state(events)
     assert decide_ready(state) is None
     capture = decide_capture(state, top_k=5)
     assert capture is not None
@@ -127,38 +127,38 @@ def test_teacher_lane_waits_for_kept_samples_scores() -> None:
                       teacher_logprobs=LogProbs.from_values([-0.5, -0.5]))
         for i in (0, 1)
     ]
-    assert decide_ready(decision_state([*events, scored[0]])) is None
-    state = decision_state([*events, *scored])
+    assert decide_ready(rollout_state([*events, scored[0]])) is None
+    state = rollout_state([*events, *scored])
     assert decide_capture(state) is None
     ready = decide_ready(state)
     assert isinstance(ready, RolloutReady) and len(ready.sample_ids) == 3
 
 
 def test_no_capture_without_teacher_capture() -> None:
-    assert decide_capture(decision_state([*_plan(1, 1), _done(0, 1.0)])) is None
+    assert decide_capture(rollout_state([*_plan(1, 1), _done(0, 1.0)])) is None
 
 
 def test_the_fold_counts_what_makes_a_decision_worth_computing() -> None:
     # The decision fold keeps the capture request and counts terminal and scored samples;
     # worth_deciding reads only those (the finalizer keeps no counters of its own).
     events = [*_plan(1, 3, teacher_capture=True), _done(0, 1.0), _done(1, 0.0)]
-    state = decision_state(events)
+    state = rollout_state(events)
     assert (state.n_terminal, state.n_scored, state.capture) == (2, 0, None)
     assert not worth_deciding(state)
     events.append(_abort(2))
     events.append(_abort(2))  # a duplicate terminal counts once
-    state = decision_state(events)
+    state = rollout_state(events)
     n_done = sum(b.done for b in state.samples.values())
     assert state.n_terminal == n_done == 3 and worth_deciding(state)
     capture = decide_capture(state)
     assert capture is not None
     events.append(capture)
     events.append(capture.model_copy(update={"sample_ids": [_sid(0)]}))  # the first wins
-    state = decision_state(events)
+    state = rollout_state(events)
     assert state.capture == capture and not worth_deciding(state)  # waiting for 2 scores
     for i in (0, 1, 0):  # a repeated score counts once
         events.append(TeacherScored(rollout_id=RID, sample_id=_sid(i), attempt=1,
                                     teacher_logprobs=LogProbs.from_values([-0.5, -0.5])))
-        state = decision_state(events)
+        state = rollout_state(events)
         assert worth_deciding(state) == (state.n_scored == 2)
     assert state.n_scored == 2 and decide_ready(state) is not None

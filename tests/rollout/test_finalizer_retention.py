@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from engine.actors.finalizer import Finalizer, FinalizerConfig, RetentionConfig
-from engine.events import RedisEventLog
+from engine.events.log import EventLog
 from engine.events.redis_log import FIELD
 from engine.ops.retention import ACTOR_GROUPS
 from engine.runtime.archive import read_archive
 from engine.runtime.retention import archive_path
+from tests.conftest import write_raw
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "e64f068"
 
@@ -33,11 +34,11 @@ async def _run_until(finalizer: Finalizer, done: asyncio.Event, timeout: float) 
 
 
 async def test_the_finalizer_archives_and_deletes_finished_rollouts_itself(
-    log: RedisEventLog, tmp_path: Path
+    log: EventLog, tmp_path: Path
 ) -> None:
     old = read_archive(FIXTURES / "train.rollout")  # finished long ago (its ids say when)
     for entry_id, raw in old.entries:
-        await log.redis.xadd(old.stream, {FIELD: raw}, id=entry_id)
+        await write_raw(log, old.stream, {FIELD: raw}, entry_id)
     store = tmp_path / "store"
     config = FinalizerConfig(
         consumer="fin",
@@ -62,10 +63,10 @@ async def test_the_finalizer_archives_and_deletes_finished_rollouts_itself(
     assert read_archive(archive_path(store, old.rollout_id)).entries == old.entries
 
 
-async def test_a_rollout_inside_the_window_stays(log: RedisEventLog, tmp_path: Path) -> None:
+async def test_a_rollout_inside_the_window_stays(log: EventLog, tmp_path: Path) -> None:
     old = read_archive(FIXTURES / "train.rollout")
     for entry_id, raw in old.entries:
-        await log.redis.xadd(old.stream, {FIELD: raw}, id=entry_id)
+        await write_raw(log, old.stream, {FIELD: raw}, entry_id)
     store = tmp_path / "store"
     window = 10 * 365 * 86400.0  # longer than the fixture's age
     config = FinalizerConfig(

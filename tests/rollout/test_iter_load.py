@@ -8,28 +8,26 @@ from pathlib import Path
 import pytest
 
 from engine.client import RolloutClient, SyncRolloutClient
-from engine.events import RedisEventLog, RedisSettings, connect
-from engine.events.redis_log import FIELD
-from engine.projections.rollout import RolloutProjection
-from engine.projections.samples import trainer_sample_chunks
+from engine.events.log import EventLog
+from engine.events.redis_log import FIELD, RedisEventLog, RedisSettings, connect
 from engine.runtime.archive import Archive, read_archive
-from engine.runtime.rebuild import rebuild
 from engine.sample import Sample
+from tests.conftest import write_raw
 from tests.redis_server import RedisServer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "e64f068"
 
 
-async def _restore(log: RedisEventLog, name: str) -> Archive:
+async def _restore(log: EventLog, name: str) -> Archive:
     archive = read_archive(FIXTURES / name)
     for entry_id, raw in archive.entries:
-        await log.redis.xadd(archive.stream, {FIELD: raw}, id=entry_id)
+        await write_raw(log, archive.stream, {FIELD: raw}, entry_id)
     return archive
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 10_000])
 async def test_iter_load_yields_loads_samples_in_chunks(
-    log: RedisEventLog, chunk_size: int
+    log: EventLog, chunk_size: int
 ) -> None:
     archive = await _restore(log, "train.rollout")
     client = RolloutClient(log)
@@ -39,20 +37,6 @@ async def test_iter_load_yields_loads_samples_in_chunks(
     assert [len(c) for c in chunks[:-1]] == [chunk_size] * (len(chunks) - 1)
     assert 1 <= len(chunks[-1]) <= chunk_size
     assert [s for c in chunks for s in c] == whole
-
-
-async def test_chunks_let_go_of_each_samples_events(log: RedisEventLog) -> None:
-    archive = await _restore(log, "train.rollout")
-    folded = await rebuild(log, archive.stream, RolloutProjection())
-    state = folded.state
-    n = len(state.samples)
-    chunks = trainer_sample_chunks(state, 2)
-    first = next(chunks)
-    assert len(first) == 2 and len(state.samples) == n - 2
-    rest = [s for c in chunks for s in c]
-    assert len(first) + len(rest) == len(state.ready.sample_ids)  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match="chunk_size"):
-        trainer_sample_chunks(state, 0)
 
 
 def test_the_sync_client_iterates_too(redis_server: RedisServer) -> None:

@@ -13,10 +13,13 @@ groups are let finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from engine.actors.finalizer import decide_ready
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
@@ -39,9 +42,22 @@ from tests.rollout.test_staleness import (
     fold_until_ready,
     rig,  # noqa: F401 - the fixture
     same_decision,
-    server,  # noqa: F401 - the fixture
     wait_ready,
 )
+from tinylm.process import spawn_server
+
+
+@pytest.fixture
+def server(tinylm_dir: Path) -> Any:
+    # The worker aborts the tail by the attempt's rid prefix, which no request holds exactly:
+    # SGLang 0.5.23 forwards such an abort to the scheduler's prefix match only with several
+    # tokenizer workers (TokenizerManager.abort_request), so the server runs with two.
+    args = ["--weight-version", "0", "--tokenizer-worker-num", "2"]
+    with spawn_server(tinylm_dir, extra_args=args) as proc:
+        yield proc
+    if proc.process.stdout is not None:
+        with contextlib.suppress(Exception):
+            proc.process.stdout.close()
 
 
 @dataclass
@@ -137,7 +153,7 @@ async def test_the_tail_is_aborted_on_the_server_and_recorded(rig: Rig, tmp_path
         assert all(g.finish_reason == FinishReason.ABORT for g in agent.slow_results.values())
         assert await running_rids(client, url) == []
         await client.post(url + "/continue_generation")
-    before, state = await fold_until_ready(log, "part")
+    before, rollout = await fold_until_ready(log, "part")
     assert same_decision(decide_ready(before), ready)
     # recorded with their own reason, in the same step as the RolloutReady
     envs = await log.read_all(log.names.rollout("part"))
@@ -146,7 +162,7 @@ async def test_the_tail_is_aborted_on_the_server_and_recorded(rig: Rig, tmp_path
     assert all(isinstance(e, SampleAborted) and e.abort_class is AbortClass.TAIL_ABORTED
                for e in follow)
     assert [e.sample_id for e in follow if isinstance(e, SampleAborted)] == ["part:s4", "part:s5"]
-    assert "tail 2 aborted" in status_lines(state)[0]
+    assert "tail 2 aborted" in status_lines(rollout.state)[0]
     # replay byte identity
     archive = tmp_path / "part.archive"
     await archive_rollout(log, "part", archive)

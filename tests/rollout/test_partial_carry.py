@@ -29,19 +29,20 @@ from engine.events import (
     EventLog,
     LogProbs,
     Mask,
-    RedisSettings,
     RolloutPlanned,
     RolloutRequested,
     SampleAborted,
     SampleCompleted,
     TokenIds,
 )
-from engine.events import connect as redis_connect
+from engine.events.catalog import RolloutReady, TailCarried
 from engine.events.codec import decode, encode
+from engine.events.redis_log import RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start
 from engine.projections.data_cursor import DataCursorProjection, DataState
-from engine.projections.decision import DecisionProjection, DecisionState
+from engine.projections.readback import Rollout, in_memory
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import render_artifacts
 from tests.redis_server import RedisServer
@@ -54,17 +55,23 @@ def _planner(tmp_path: Path) -> Planner:
     return Planner(load_rollout_config(config), load_specs())
 
 
-def _fold(events: list[Event]) -> RolloutState:
+def _fold(events: list[Event]) -> Rollout:
+    """The rollout fold over ``events`` (through the wire format), its entries at hand."""
     envs = [Envelope("s", f"{i + 1}-0", decode(encode(ev))) for i, ev in enumerate(events)]
     projection = RolloutProjection()
-    return fold(projection, start(projection), envs).state
+    return in_memory(fold(projection, start(projection), envs).state, envs)
 
 
-def _decide(events: list[Event]) -> DecisionState:
-    """The compact decision fold over ``events`` (what the finalizer decides from)."""
-    envs = [Envelope("s", f"{i + 1}-0", decode(encode(ev))) for i, ev in enumerate(events)]
-    projection = DecisionProjection()
-    return fold(projection, start(projection), envs).state
+def _decide(events: list[Event]) -> RolloutState:
+    """The rollout fold over ``events`` (what the finalizer decides from)."""
+    return _fold(events).state
+
+
+def _tail_carried(events: list[Event], ready: RolloutReady) -> TailCarried | None:
+    """The ``TailCarried`` the finalizer hands over, the tail's tasks read from ``events``."""
+    rollout = _fold(events)
+    tasks = {sid: rollout.task(rollout.state.samples[sid]) for sid in ready.tail_sample_ids}
+    return tail_carried(rollout.state, ready, tasks)
 
 
 def _data(*events: Event) -> DataState:
@@ -97,7 +104,7 @@ def test_the_next_request_of_the_stream_takes_the_carried_groups_over(tmp_path: 
     ready_a = decide_ready(state_a)
     assert ready_a is not None and ready_a.tail_carried
     assert ready_a.tail_sample_ids == [plan_a.sample_ids[i] for i in (2, 3, 4, 5)]
-    carried = tail_carried(state_a, ready_a)
+    carried = _tail_carried(a_events, ready_a)
     assert carried is not None and carried.request_stream == "run"
     assert [t.sample_id for t in carried.tasks] == ready_a.tail_sample_ids
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import yaml
 
-from engine.actors.finalizer import decide_ready, tail_carried
+from engine.actors.finalizer import decide_ready
 from engine.actors.planning import Plan, Planner
 from engine.config.rollout import load_rollout_config
 from engine.events import Event, RolloutRequested, TaskFetched
 from engine.events.catalog import TaskJoined
 from engine.events.codec import encode
 from engine.projections.data_cursor import DataState
-from tests.rollout.test_partial_carry import _data, _decide, _done
+from tests.rollout.test_partial_carry import _data, _decide, _done, _tail_carried
 from tests.scheduler.helpers import load_specs, request, write_config
 
 
@@ -104,7 +104,7 @@ def test_carried_samples_are_compared_as_events(tmp_path: Path) -> None:
     state_a = _decide(a_events)
     ready_a = decide_ready(state_a)
     assert ready_a is not None
-    carried = tail_carried(state_a, ready_a)
+    carried = _tail_carried(a_events, ready_a)
     assert carried is not None
     req_b = RolloutRequested(rollout_id="B", n_prompts=3, n_samples_per_prompt=2, seed=1,
                              request_stream="run")

@@ -6,10 +6,9 @@ import asyncio
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,44 +20,38 @@ from engine.events import (
     SampleCompleted,
     SampleStarted,
 )
+from engine.ops.processes import Processes
 from engine.projections.rollout import RolloutState
-from tests.redis_server import RedisServer
 from tests.rollout.conftest import (
     EVALUATOR_CONFIG,
-    Procs,
     assert_tokens_released_once,
     events_of,
     released_tokens,
+    start_finalizer,
     start_rollout,
+    start_worker,
     wait_state,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]
 
-@pytest.fixture
-def procs(redis_server: RedisServer, tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(redis_server.url, tmp_path)
-    yield p
-    p.stop_all()
-
-
 def _hung_started(hung: set[str], n_done: int) -> Callable[[RolloutState], bool]:
     def check(state: RolloutState) -> bool:
-        return state.n_done == n_done and all(
-            (s := state.samples.get(sid)) is not None and s.started is not None for sid in hung
+        return state.n_terminal == n_done and all(
+            (s := state.samples.get(sid)) is not None and s.started for sid in hung
         )
 
     return check
 
 
-async def _exit_code(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
-    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
+async def _exit_code(procs: Processes, name: str, timeout: float = 30) -> int:
+    return await asyncio.to_thread(procs.wait, name, timeout)
 
 
-async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs) -> None:
+async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Processes) -> None:
     log = real_log
-    procs.finalizer()
-    worker_a = procs.worker("wA", "--max-batches", "4")
+    start_finalizer(procs)
+    start_worker(procs, "wA", "--max-batches", "4")
     hung = {1, 6, 9}  # one hangs in each of the three batches; the others finish
     await start_rollout(
         log, "rk", n_prompts=12,
@@ -66,9 +59,8 @@ async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs
     )
     hung_ids = {f"rk:s{i}" for i in hung}
     await wait_state(log, "rk", _hung_started(hung_ids, 9), timeout=60)
-    worker_a.send_signal(signal.SIGKILL)
-    assert await _exit_code(worker_a) == -signal.SIGKILL
-    procs.worker("wB")
+    assert procs.kill("wA") == -signal.SIGKILL
+    start_worker(procs, "wB")
 
     client = RolloutClient(log)
     ready = await client.wait_ready("rk", timeout=60)
@@ -85,8 +77,8 @@ async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs
                     if s.worker == "wB"}
     assert started_by_b == hung_ids
     assert_tokens_released_once(await released_tokens(log, "rk"))
-    procs.procs["wB"].send_signal(signal.SIGTERM)  # finishes (and acks) what it runs
-    assert await _exit_code(procs.procs["wB"]) == 0
+    procs.signal("wB", signal.SIGTERM)  # finishes (and acks) what it runs
+    assert await _exit_code(procs, "wB") == 0
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 0
 
     batch = collate(await client.load("rk"))
@@ -94,28 +86,28 @@ async def test_a_sigkilled_worker_loses_nothing(real_log: EventLog, procs: Procs
     assert "(recovered)" in procs.output("wB")
 
 
-async def test_sigterm_hands_running_work_back(real_log: EventLog, procs: Procs) -> None:
+async def test_sigterm_hands_running_work_back(real_log: EventLog, procs: Processes) -> None:
     log = real_log
-    procs.finalizer()
-    worker_a = procs.worker("wA", "--grace-s", "0.5")
+    start_finalizer(procs)
+    start_worker(procs, "wA", "--grace-s", "0.5")
     await start_rollout(
         log, "rt", n_prompts=4, script=lambda i: {"hang_attempts": [1]} if i == 0 else {}
     )
     await wait_state(log, "rt", _hung_started({"rt:s0"}, 3), timeout=60)
-    worker_a.send_signal(signal.SIGTERM)
-    assert await _exit_code(worker_a) == 0  # a clean exit, the batch left pending
+    procs.signal("wA", signal.SIGTERM)
+    assert await _exit_code(procs, "wA") == 0  # a clean exit, the batch left pending
     assert await log.pending_count(log.names.work("scripted"), "evaluators") == 1
-    procs.worker("wB")
+    start_worker(procs, "wB")
     ready = await RolloutClient(log).wait_ready("rt", timeout=60)
     assert ready.n_completed == 4
     assert_tokens_released_once(await released_tokens(log, "rt"))
     for name in ("wB", "fin"):
-        procs.procs[name].send_signal(signal.SIGTERM)
-        assert await _exit_code(procs.procs[name]) == 0
+        procs.signal(name, signal.SIGTERM)
+        assert await _exit_code(procs, name) == 0
 
 
 async def test_through_the_real_scheduler(
-    real_log: EventLog, procs: Procs, tmp_path: Path
+    real_log: EventLog, procs: Processes, tmp_path: Path
 ) -> None:
     """request -> scheduler -> workers -> finalizer -> RolloutReady -> load -> collate."""
     pytest.importorskip("workers.scheduler")
@@ -127,14 +119,14 @@ async def test_through_the_real_scheduler(
         f"  datasets:\n    ds: {{path: {data}, n_samples_per_prompt: 2}}\n"
     )
     layout = '{"node-a": {"gpus": [0, 1], "cpu": 8, "memory_gb": 64}}'
-    procs.spawn(
-        "sched", "workers.scheduler", "--rollout-config", str(config),
+    procs.start(
+        "sched", "scheduler", "--rollout-config", str(config),
         "--evaluator-config", str(EVALUATOR_CONFIG), "--cluster-layout", layout,
         "--scheduler-id", "s1",
     )
-    procs.worker("w1")
-    procs.worker("w2")
-    procs.finalizer()
+    start_worker(procs, "w1")
+    start_worker(procs, "w2")
+    start_finalizer(procs)
     client = RolloutClient(real_log)
     rid = await client.request(iteration=2, n_prompts=6, n_samples_per_prompt=2, seed=5)
     ready = await client.wait_ready(rid, timeout=60)
@@ -166,15 +158,15 @@ def _running(marker: str) -> bool:
 
 
 async def test_the_claiming_worker_reaps_the_dead_workers_sandbox(
-    real_log: EventLog, procs: Procs, request: pytest.FixtureRequest
+    real_log: EventLog, procs: Processes, request: pytest.FixtureRequest
 ) -> None:
     log = real_log
     marker = f"reap-me-{os.getpid()}"
     # A root under /tmp: sandboxes run as their own uid, which cannot enter pytest's tmp_path.
     root = Path(tempfile.mkdtemp(prefix="sbx-"))
     request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
-    procs.finalizer()
-    worker_a = procs.worker("wA", "--sandbox", "local", "--sandbox-root", str(root))
+    start_finalizer(procs)
+    start_worker(procs, "wA", "--sandbox", "local", "--sandbox-root", str(root))
     await start_rollout(
         log, "rs", n_prompts=2,
         script=lambda i: {"sandbox_hang_attempts": [1], "marker": marker} if i == 0 else {},
@@ -185,10 +177,9 @@ async def test_the_claiming_worker_reaps_the_dead_workers_sandbox(
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(sandbox_running(), 30)
-    worker_a.send_signal(signal.SIGKILL)
-    assert await _exit_code(worker_a) == -signal.SIGKILL
+    assert procs.kill("wA") == -signal.SIGKILL
     assert _running(marker)  # the dead worker's sandbox outlives it
-    procs.worker("wB", "--sandbox", "local", "--sandbox-root", str(root))
+    start_worker(procs, "wB", "--sandbox", "local", "--sandbox-root", str(root))
     ready = await RolloutClient(log).wait_ready("rs", timeout=60)
     assert ready.n_completed == 2
     assert not _running(marker)

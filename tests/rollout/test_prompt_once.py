@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engine.actors.batch_run import PromptStore
+from engine.actors.prompt_store import PromptStore
 from engine.client import RolloutClient
 from engine.errors import RolloutError
 from engine.events import EventLog, PromptStored, SampleCompleted, TaskFetched, TokenIds

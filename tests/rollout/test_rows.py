@@ -17,7 +17,7 @@ from tests.rollout.conftest import (
     HEARTBEAT_MS,
     Engine,
     start_rollout,
-    wait_state,
+    wait_rollout,
 )
 
 
@@ -38,9 +38,9 @@ async def test_progress_rows_are_the_rows_of_the_log(engine: Engine, log: EventL
         3: {"reason": "infra_conn"},
     }
     await start_rollout(log, "rw", n_prompts=4, script=lambda i: {"turns": 2, **scripts.get(i, {})})
-    state = await wait_state(log, "rw", lambda s: s.ready is not None)
+    rollout = await wait_rollout(log, "rw", lambda s: s.ready is not None)
 
-    rows = sample_rows(state)
+    rows = sample_rows(rollout)
     assert sorted(heard, key=lambda r: r.index) == rows
     by_index = {r.index: r for r in rows}
     assert by_index[0].completed and by_index[0].status is SampleStatus.COMPLETED
@@ -50,7 +50,7 @@ async def test_progress_rows_are_the_rows_of_the_log(engine: Engine, log: EventL
     assert by_index[3].agent_reason is TerminationReason.INFRA_CONN
     assert all(r.batch_id for r in rows)
 
-    samples = {s.index: s for s in trainer_samples(state)}
+    samples = {s.index: s for s in trainer_samples(rollout)}
     for r in rows:
         assert (samples[r.index].status, samples[r.index].termination_reason) == (
             r.status, r.termination_reason

@@ -35,17 +35,16 @@ from engine.events import (
     AbortClass,
     EventLog,
     PolicyVersionPublished,
-    RedisEventLog,
-    RedisSettings,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
 )
-from engine.events import connect as redis_connect
+from engine.events.redis_log import RedisEventLog, RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.inspection import status_lines
 from engine.ops.replay import archive_rollout, decode_entries, read_archive, replay_state
 from engine.projections.base import fold, start
-from engine.projections.decision import DecisionProjection, DecisionState
+from engine.projections.readback import Rollout, in_memory
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import render_artifacts
 from tests.redis_server import RedisServer
@@ -211,18 +210,16 @@ async def wait_ready(log: EventLog, rollout_id: str, timeout: float = 90.0) -> R
     return await asyncio.wait_for(follow(), timeout)
 
 
-async def fold_until_ready(
-    log: EventLog, rollout_id: str
-) -> tuple[DecisionState, RolloutState]:
-    """The decision fold up to just before the rollout's RolloutReady (what the finalizer
-    decided from), and the rollout folded up to and including it."""
+async def fold_until_ready(log: EventLog, rollout_id: str) -> tuple[RolloutState, Rollout]:
+    """The rollout fold up to just before its RolloutReady (what the finalizer decided
+    from), and folded up to and including it, with the stream's entries at hand."""
     envs = await log.read_all(log.names.rollout(rollout_id))
     at = next(i for i, e in enumerate(envs) if isinstance(e.event, RolloutReady))
-    decision = DecisionProjection()
-    before = fold(decision, start(decision), envs[:at]).state
+    projection = RolloutProjection()
+    before = fold(projection, start(projection), envs[:at]).state
     projection = RolloutProjection()
     upto = fold(projection, start(projection), envs[: at + 1]).state
-    return before, upto
+    return before, in_memory(upto, envs)
 
 
 def same_decision(a: RolloutReady | None, b: RolloutReady) -> bool:
@@ -231,12 +228,12 @@ def same_decision(a: RolloutReady | None, b: RolloutReady) -> bool:
     return a is not None and a.model_dump(exclude=envelope) == b.model_dump(exclude=envelope)
 
 
-def assert_bound_respected(ready: RolloutReady, state: RolloutState, bound: int) -> None:
+def assert_bound_respected(ready: RolloutReady, rollout: Rollout, bound: int) -> None:
     assert ready.trainer_version is not None
     floor = ready.trainer_version - bound
+    state = rollout.state
     for sid in ready.sample_ids:
-        done = state.samples[sid].completed
-        assert done is not None
+        done = rollout.completed(state.samples[sid])
         sampled = done.token_versions.numpy()[done.loss_mask.numpy().astype(bool)]
         assert (sampled >= floor).all(), (sid, sampled.tolist(), floor)
     counted = len(ready.sample_ids) + len(ready.dropped_sample_ids) + len(ready.stale_sample_ids)
@@ -268,9 +265,9 @@ async def test_a_sample_whose_first_turn_fell_behind_the_bound_runs_no_second_tu
     # every sample ran exactly its first turn, on version 0, and was then ended as stale
     assert sorted(agent.versions) == [f"gated:s{i}" for i in range(6)]
     assert all(v == [0] for v in agent.versions.values())
-    before, state = await fold_until_ready(log, "gated")
-    aborts = [s.aborted for s in state.ordered()]
-    assert all(a is not None and a.abort_class is AbortClass.STALE for a in aborts)
+    before, rollout = await fold_until_ready(log, "gated")
+    state = rollout.state
+    assert all(r.aborted and r.abort_class is AbortClass.STALE for r in state.ordered())
     assert ready.stale_sample_ids == [f"gated:s{i}" for i in range(6)]
     assert ready.sample_ids == [] and ready.dummy and ready.trainer_version == 2
     assert ready.metrics["class/stale"] == 6.0 and ready.metrics["n_stale"] == 6.0
@@ -304,13 +301,13 @@ async def test_a_random_publish_schedule_never_lets_a_stale_token_into_a_ready_r
     publishing = asyncio.create_task(trainer())
     ready = await wait_ready(log, rid)
     await publishing
-    before, state = await fold_until_ready(log, rid)
-    assert_bound_respected(ready, state, bound=1)
+    before, rollout = await fold_until_ready(log, rid)
+    assert_bound_respected(ready, rollout, bound=1)
     # what the bound excluded is counted, and the decision is the log's alone
     assert same_decision(decide_ready(before, ready.trainer_version), ready)
-    stale_ended = [s for s in state.ordered()
-                   if isinstance(s.terminal, SampleAborted)
-                   and s.terminal.abort_class is AbortClass.STALE]
+    stale_ended = [r for r in rollout.state.ordered()
+                   if isinstance(rollout.terminal(r), SampleAborted)
+                   and r.abort_class is AbortClass.STALE]
     for s in stale_ended:
         assert s.sample_id in ready.stale_sample_ids
         assert len(agent.versions[s.sample_id]) < 4  # it stopped before its last turn

@@ -20,11 +20,10 @@ from engine.events import (
     Envelope,
     EventLog,
     PolicyVersionPublished,
-    RedisEventLog,
-    RedisSettings,
     RolloutRequested,
 )
-from engine.events import connect as redis_connect
+from engine.events.redis_log import RedisEventLog, RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection
 from tests.redis_server import RedisServer

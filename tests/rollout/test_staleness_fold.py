@@ -45,7 +45,7 @@ from engine.projections.rollout import (
 )
 from engine.projections.rows import sample_rows
 from engine.projections.summary import build_summary, render_artifacts
-from tests.rollout.conftest import decision_state, envelopes, plan_events, rollout_state
+from tests.rollout.conftest import envelopes, plan_events, rollout_of, rollout_state
 
 RID = "r"
 
@@ -114,7 +114,7 @@ def test_no_kept_token_is_older_than_the_bound(
     pairs = enumerate(zip(samples, observation, strict=True))
     done = [_done(i, v, observation_at=o) for i, (v, o) in pairs]
     events = plan_events(2, 2, request) + list(done)
-    state = decision_state(events)
+    state = rollout_state(events)
     ready = decide_ready(state, trainer)
     assert ready is not None
     current = max(policy_version, trainer if trainer is not None else policy_version)
@@ -140,7 +140,7 @@ def test_no_kept_token_is_older_than_the_bound(
     # the spread counts only kept tokens, all of them within the bound
     assert all(int(v) >= floor for v in ready.version_tokens)
     # pure: the same log and recorded version decide the same event
-    assert decide_ready(decision_state(events), ready.trainer_version) == ready
+    assert decide_ready(rollout_state(events), ready.trainer_version) == ready
 
 
 def test_a_sample_the_worker_ended_stale_is_excluded_and_counted() -> None:
@@ -150,7 +150,7 @@ def test_a_sample_the_worker_ended_stale_is_excluded_and_counted() -> None:
         SampleAborted(rollout_id=RID, sample_id=_sid(3), attempt=1,
                       abort_class=AbortClass.STALE, error="stale", turns=1),
     ]
-    ready = decide_ready(decision_state(events), 3)
+    ready = decide_ready(rollout_state(events), 3)
     assert ready is not None
     assert ready.stale_sample_ids == [_sid(3)] and ready.stale_tokens == 0
     assert ready.sample_ids == [_sid(0), _sid(1), _sid(2)]
@@ -159,11 +159,11 @@ def test_a_sample_the_worker_ended_stale_is_excluded_and_counted() -> None:
 
 def test_without_a_bound_nothing_is_excluded_and_no_new_fields_appear() -> None:
     events = plan_events(2, 2, _request()) + [_done(i, [-1, 0]) for i in range(4)]
-    ready = decide_ready(decision_state(events), 50)
+    ready = decide_ready(rollout_state(events), 50)
     assert ready is not None
     assert ready.trainer_version is None and ready.stale_sample_ids == []
     assert "n_stale" not in ready.metrics and "class/stale" not in ready.metrics
-    fresh, stale, tokens = stale_split(decision_state(events).ordered(), None)
+    fresh, stale, tokens = stale_split(rollout_state(events).ordered(), None)
     assert len(fresh) == 4 and not stale and tokens == 0
 
 
@@ -183,7 +183,7 @@ def test_partial_rollout_takes_the_first_whole_groups_in_log_order(
     request = _request(n_prompts=4, overprovision=1.25)
     assert request.n_planned_prompts == 5
     events = plan_events(5, 2, request) + [_done(i, [1]) for i in order[:cut]]
-    state = decision_state(events)
+    state = rollout_state(events)
     whole: list[int] = []
     seen: set[int] = set()
     for i in order[:cut]:
@@ -214,7 +214,7 @@ def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     body = plan_events(3, 2, request) + [
         _done(4, [2]), _done(0, [2]), _done(5, [1]), _done(1, [0, 2]), _done(2, [2]),
     ]
-    state = decision_state(body)
+    state = rollout_state(body)
     ready = decide_ready(state, 2)
     assert ready is not None
     # groups 2 and 0 were whole first; sample 1 has a version-0 token: floor is 1
@@ -225,11 +225,11 @@ def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     # through the wire format, as replay reads it
     envs = [Envelope(e.stream, e.id, decode(encode(e.event))) for e in envelopes(log)]
     replayed = replay_state(envs)
-    live = rollout_state(body + [ready])
+    live = rollout_of(body + [ready])
     assert render_artifacts(replayed) == render_artifacts(live)
     # re-deciding from the replayed stream (before the RolloutReady) gives the same event
-    version = replayed.ready.trainer_version if replayed.ready else None
-    assert decide_ready(decision_state(body), version) == ready
+    version = replayed.state.ready.trainer_version if replayed.state.ready else None
+    assert decide_ready(rollout_state(body), version) == ready
     rows = {r.sample_id: r for r in sample_rows(replayed)}
     assert rows[_sid(3)].failure_class.value == "tail_aborted"
     assert rows[_sid(2)].failure_class.value != "tail_aborted"  # it ended before the ready
@@ -240,7 +240,7 @@ def test_partial_replay_is_byte_identical_and_rows_name_the_tail() -> None:
     }
     assert summary["staleness"]["excluded"] == 1 and summary["staleness"]["trainer_version"] == 2
     # the scheduler admits nothing more of it
-    assert admission_refused(replayed) is not None
+    assert admission_refused(replayed.state) is not None
     assert admission_refused(rollout_state(body)) is None
 
 
@@ -292,12 +292,11 @@ def test_control_projection_follows_the_highest_published_version() -> None:
 async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server() -> None:
     """The worker's per-turn check: a sample whose earlier turn ran below the floor gets no
     further generation (the server here does not exist: a request would fail otherwise),
-    and the guarded backend is still an SGLangBackend (the recording proxy needs one)."""
-    from engine.actors.batch_run import SampleGuard, _GuardedPool
+    and the guarded backend still has token ids (the recording proxy needs them)."""
     from engine.actors.outcomes import ReportedAbort
+    from engine.actors.sample_guard import SampleGuard
     from engine.backends.base import GenerationResult
     from engine.backends.pool import BackendPool
-    from engine.backends.sglang import SGLangBackend
     from engine.outcomes import TerminationReason
 
     class Watch:  # what the guard reads of the worker's ControlWatch
@@ -308,8 +307,8 @@ async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server()
 
     guard = SampleGuard(_request(max_staleness=1), Watch(), RID, _sid(0), 1)  # type: ignore[arg-type]
     async with BackendPool("http://127.0.0.1:9") as pool:
-        backend = _GuardedPool(pool.bind("k"), guard).get()
-        assert isinstance(backend, SGLangBackend)
+        backend = pool.bind("k", hooks=(guard,)).get()
+        assert backend.capabilities.token_ids
         guard.before_turn()  # nothing generated yet: the sample may start
         guard.record(GenerationResult(text="", token_ids=(1,), logprobs=(-0.1,),
                                       finish_reason="stop", weight_version=1))

@@ -26,7 +26,8 @@ from engine.events import (
     TurnCompleted,
 )
 from engine.outcomes import TerminationReason
-from engine.projections.rollout import RolloutState
+from engine.projections.readback import Rollout
+from engine.projections.rows import sample_rows
 from engine.projections.summary import (
     ARTIFACT_FILES,
     FailureClass,
@@ -34,13 +35,12 @@ from engine.projections.summary import (
     classify_termination,
     dumps,
     eval_details,
-    eval_metrics,
     pass_at_k,
     placement_log,
     render_artifacts,
-    sample_rows,
+    rows_metrics,
 )
-from tests.rollout.conftest import rollout_state
+from tests.rollout.conftest import rollout_of, rollout_state
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def _done(rid: str, index: int, reward: float, reason: str = "finish") -> Sample
     )
 
 
-def _eval_rollout() -> RolloutState:
+def _eval_rollout() -> Rollout:
     """Dataset a: 2 prompts x 3 samples (2 and 0 correct); dataset b: 1 prompt x 3 (1 abort)."""
     rid = "r"
     events: list[Event] = [
@@ -155,11 +155,11 @@ def _eval_rollout() -> RolloutState:
                       abort_class=AbortClass.INFRA_SANDBOX, phase="run", error="boom")
     )
     events.append(RolloutReady(rollout_id=rid, sample_ids=[f"{rid}:s{i}" for i in range(9)]))
-    return rollout_state(events)
+    return rollout_of(events)
 
 
 def test_eval_metrics_per_dataset() -> None:
-    metrics = eval_metrics(_eval_rollout())
+    metrics = rows_metrics(_eval_rollout().state.ordered())
     assert metrics["eval/a/accuracy"] == pytest.approx(2 / 6)
     # prompt 0: n=3 c=2, prompt 1: n=3 c=0
     assert metrics["eval/a/pass@1"] == pytest.approx((2 / 3 + 0) / 2)
@@ -177,7 +177,7 @@ def test_no_pass_at_k_with_one_sample_per_prompt() -> None:
     rid = "r1"
     events: list[Event] = [_task(rid, 0, 0, "a"), _task(rid, 1, 1, "a"),
                            _done(rid, 0, 1.0), _done(rid, 1, 0.0)]
-    assert eval_metrics(rollout_state(events)) == {"eval/a/accuracy": 0.5}
+    assert rows_metrics(rollout_state(events).ordered()) == {"eval/a/accuracy": 0.5}
 
 
 def test_summary_counts_and_task_list() -> None:

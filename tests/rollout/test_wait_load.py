@@ -13,14 +13,14 @@ import pytest
 
 from engine.client import RolloutClient, SyncRolloutClient
 from engine.errors import RolloutError, RolloutFailed
-from engine.events import RedisEventLog, RedisSettings, connect
 from engine.events.catalog import RolloutFailed as RolloutFailedEvent
 from engine.events.catalog import RolloutReady
 from engine.events.codec import decode
-from engine.events.log import RawStreamEntry
-from engine.events.redis_log import FIELD
+from engine.events.log import EventLog, RawStreamEntry
+from engine.events.redis_log import FIELD, RedisEventLog, RedisSettings, connect
 from engine.runtime.archive import Archive, read_archive
 from engine.sample import Sample
+from tests.conftest import write_raw
 from tests.faults.harness import RestartableRedis
 from tests.redis_server import RedisServer
 from tests.rollout.test_iter_load import FIXTURES
@@ -32,7 +32,7 @@ class _Watched:
     """The log, with the entry ids every ``tail_raw`` returned recorded (the follower's
     reads), so a test can wait until the follower has folded an entry."""
 
-    def __init__(self, log: RedisEventLog) -> None:
+    def __init__(self, log: EventLog) -> None:
         self._log = log
         self.tailed: list[str] = []
 
@@ -61,12 +61,12 @@ def _ready_at(archive: Archive) -> int:
 
 
 async def _append(
-    log: RedisEventLog, stream: str, entries: Sequence[tuple[str, bytes]]
+    log: EventLog, stream: str, entries: Sequence[tuple[str, bytes]]
 ) -> list[str]:
     """Append the entries' events under new ids; returns the ids."""
     ids = []
     for _entry_id, raw in entries:
-        ids.append((await log.redis.xadd(stream, {FIELD: raw})).decode())
+        ids.append(await write_raw(log, stream, {FIELD: raw}))
         await asyncio.sleep(0)  # the follower may read between two appends
     return ids
 
@@ -80,7 +80,7 @@ def _running(name: str) -> list[asyncio.Task[Any]]:
 
 
 @pytest.mark.parametrize("name", ["train.rollout", "eval.rollout"])
-async def test_the_stream_is_folded_while_written(log: RedisEventLog, name: str) -> None:
+async def test_the_stream_is_folded_while_written(log: EventLog, name: str) -> None:
     """The result is what wait_ready and load give; and the entries up to the ready event
     were folded while they were appended: once the follower has read them they are trimmed
     from Redis, and the samples still come back whole."""
@@ -93,44 +93,44 @@ async def test_the_stream_is_folded_while_written(log: RedisEventLog, name: str)
     # What load gives on the whole stream; then the stream is written again, from empty.
     await _append(log, stream, archive.entries)
     expected = await RolloutClient(log).load(rid)
-    await log.redis.delete(stream)
+    await log.delete_stream(stream)
 
     watched = _Watched(log)
     client = RolloutClient(watched)  # type: ignore[arg-type]
     waiting = asyncio.create_task(client.wait_load(rid, timeout=_DEADLINE_S))
     half = at // 2
     await _append(log, stream, archive.entries[:half])
-    await log.redis.xadd(stream, {FIELD: b"\x01not an event"})  # skipped, as load skips it
+    await write_raw(log, stream, {FIELD: b"\x01not an event"})  # skipped, as load skips it
     ready_id = (await _append(log, stream, archive.entries[half : at + 1]))[-1]
     await _until(lambda: ready_id in watched.tailed)
     assert not waiting.done()  # the control plane has no ready event yet
     # Entries after the ready event (an aborted tail) are read after the wait ends.
     await _append(log, stream, archive.entries[at + 1 :])
-    await log.redis.xtrim(stream, minid=ready_id)  # what the follower read is gone
+    await log.trim_before(stream, ready_id)  # what the follower read is gone
     await log.append(log.names.control, ready)
     got_ready, samples = await waiting
     assert got_ready == ready
     assert samples == expected and len(samples) >= 1
 
 
-async def test_a_failed_rollout_raises_and_stops_the_follower(log: RedisEventLog) -> None:
+async def test_a_failed_rollout_raises_and_stops_the_follower(log: EventLog) -> None:
     client = RolloutClient(log)
     waiting = asyncio.create_task(client.wait_load("r-failed", timeout=_DEADLINE_S))
-    await _until(lambda: _running("_follow"))
+    await _until(lambda: _running("follow"))
     await log.append(log.names.control, RolloutFailedEvent(rollout_id="r-failed", reason="x"))
     with pytest.raises(RolloutFailed, match="x"):
         await waiting
-    assert _running("_follow") == []
+    assert _running("follow") == []
 
 
-async def test_it_times_out_as_wait_ready_does(log: RedisEventLog) -> None:
+async def test_it_times_out_as_wait_ready_does(log: EventLog) -> None:
     client = RolloutClient(log)
     with pytest.raises(TimeoutError, match="r-late not ready"):
         await client.wait_load("r-late", timeout=0.2)
-    assert _running("_follow") == []
+    assert _running("follow") == []
 
 
-async def test_a_ready_rollout_without_its_stream_fails_as_load_does(log: RedisEventLog) -> None:
+async def test_a_ready_rollout_without_its_stream_fails_as_load_does(log: EventLog) -> None:
     """The control plane has the ready event, the rollout stream is gone (archived and
     deleted): the follower stops, and the error is load's."""
     ready = RolloutReady(rollout_id="r-gone", sample_ids=["s0"])
@@ -180,7 +180,7 @@ async def test_it_waits_and_follows_through_a_redis_restart(tmp_path: Path) -> N
     try:
         waiting = asyncio.create_task(client.wait_load(archive.rollout_id, timeout=60))
         await _append(log, archive.stream, archive.entries[: at // 2])
-        await _until(lambda: _running("_follow"))
+        await _until(lambda: _running("follow"))
         await asyncio.to_thread(server.stop)
         await asyncio.sleep(1.0)
         assert not waiting.done()  # the outage ends neither the wait nor the follower

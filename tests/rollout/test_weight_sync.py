@@ -35,21 +35,20 @@ from engine.events import (
     PolicyVersionActivated,
     QuiesceCompleted,
     QuiesceRequested,
-    RedisEventLog,
-    RedisSettings,
     RolloutRequested,
     SampleCompleted,
     TurnCompleted,
     WorkerParked,
 )
 from engine.events import WeightSyncFailed as WeightSyncFailedEvent
-from engine.events import connect as redis_connect
+from engine.events.redis_log import RedisEventLog, RedisSettings
+from engine.events.redis_log import connect as redis_connect
 from engine.ops.embedded import free_port
+from engine.ops.processes import Process, Processes
 from tests.backends.test_tinylm_weights import perturbed_copy
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import Procs, events_of
+from tests.rollout.conftest import events_of
 from tests.rollout.play import play_scheduler
-from tinylm.process import ServerProcess, spawn_server
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
@@ -198,11 +197,13 @@ def v1_dir(tinylm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return perturbed_copy(tinylm_dir, tmp_path_factory.mktemp("v1") / "model", seed=11)
 
 
-def serve(model_dir: Path, port: int = 0, *, admin_key: bool = True) -> ServerProcess:
-    return spawn_server(
-        model_dir, port=port, extra_args=["--weight-version", "0"],
-        env={"TINYLM_ADMIN_API_KEY": ADMIN} if admin_key else None,
-    )
+def serve(
+    procs: Processes, name: str, model_dir: Path, port: int | None = None, *,
+    admin_key: bool = True,
+) -> Process:
+    """A tinylm server at version 0, holding the admin key unless ``admin_key`` is false."""
+    return procs.serve_tinylm(name, model_dir, "--weight-version", "0", port=port,
+                              env={"TINYLM_ADMIN_API_KEY": ADMIN} if admin_key else None)
 
 
 async def request_rollout(
@@ -241,123 +242,123 @@ def _segments(mask: list[int]) -> list[tuple[int, int]]:
 
 
 async def test_a_version_published_mid_rollout_lands_between_turns(
-    stack: Stack, tinylm_dir: Path, v1_dir: Path
+    stack: Stack, procs: Processes, tinylm_dir: Path, v1_dir: Path
 ) -> None:
-    with serve(tinylm_dir) as server:
-        stack.start([server.url], TurnsAgent(turns=8, pause_s=0.15))
-        log = stack.log()
-        client = RolloutClient(stack.log())
-        await request_rollout(client, log, "mid", 4, version=0)
-        stream = log.names.rollout("mid")
-        # Publish once the trajectories have made two turns each (8 replies), mid-episode.
-        while stack.trace.count(("gen-end", server.url)) < 8:
-            await asyncio.sleep(0.02)
-        await client.publish_version(1, f"file://{v1_dir}")
-        activated = await client.wait_version_active(1, timeout=60)
-        assert activated.servers == [server.url] and activated.version == 1
-        ready = await client.wait_ready("mid", timeout=120)
-        assert len(ready.sample_ids) == 4
+    server = serve(procs, "tinylm", tinylm_dir)
+    stack.start([server.url], TurnsAgent(turns=8, pause_s=0.15))
+    log = stack.log()
+    client = RolloutClient(stack.log())
+    await request_rollout(client, log, "mid", 4, version=0)
+    stream = log.names.rollout("mid")
+    # Publish once the trajectories have made two turns each (8 replies), mid-episode.
+    while stack.trace.count(("gen-end", server.url)) < 8:
+        await asyncio.sleep(0.02)
+    await client.publish_version(1, f"file://{v1_dir}")
+    activated = await client.wait_version_active(1, timeout=60)
+    assert activated.servers == [server.url] and activated.version == 1
+    ready = await client.wait_ready("mid", timeout=120)
+    assert len(ready.sample_ids) == 4
 
-        # The server really runs version 1 now.
-        info = httpx.get(server.url + "/get_model_info", timeout=30).json()
-        assert info["weight_version"] == "1"
+    # The server really runs version 1 now.
+    info = httpx.get(server.url + "/get_model_info", timeout=30).json()
+    assert info["weight_version"] == "1"
 
-        # What each turn recorded: version 0, then (once the sync landed) version 1, never
-        # back; some trajectory has both -- the update landed in the middle of it.
-        turns: dict[str, list[tuple[int, int | None]]] = {}
-        for ev in await events_of(log, stream, TurnCompleted):
-            turns.setdefault(ev.sample_id, []).append((ev.turn, ev.weight_version))
-        versions = {sid: [v for _, v in sorted(ts)] for sid, ts in turns.items()}
-        assert all(len(vs) == 8 for vs in versions.values())
-        assert all(vs == sorted(vs) and set(vs) <= {0, 1} for vs in versions.values())
-        assert any(set(vs) == {0, 1} for vs in versions.values()), versions
-        assert 0 in {v for vs in versions.values() for v in vs}
+    # What each turn recorded: version 0, then (once the sync landed) version 1, never
+    # back; some trajectory has both -- the update landed in the middle of it.
+    turns: dict[str, list[tuple[int, int | None]]] = {}
+    for ev in await events_of(log, stream, TurnCompleted):
+        turns.setdefault(ev.sample_id, []).append((ev.turn, ev.weight_version))
+    versions = {sid: [v for _, v in sorted(ts)] for sid, ts in turns.items()}
+    assert all(len(vs) == 8 for vs in versions.values())
+    assert all(vs == sorted(vs) and set(vs) <= {0, 1} for vs in versions.values())
+    assert any(set(vs) == {0, 1} for vs in versions.values()), versions
+    assert 0 in {v for vs in versions.values() for v in vs}
 
-        # Quiesce never split a turn: each turn's tokens carry one version ...
-        samples = await client.load("mid")
-        for sample in samples:
-            mask = sample.loss_mask.tolist()
-            token_versions = (sample.token_versions.tolist()
-                              if sample.token_versions is not None else [])
-            n_prompt = len(sample.tokens) - sample.response_length
-            response_versions = token_versions[-sample.response_length:]
-            assert len(response_versions) == len(mask) and n_prompt > 0
-            for a, b in _segments(mask):
-                assert len(set(response_versions[a:b])) == 1
-        # ... and while the weights were loading, no generate call was in flight or began:
-        # every call that started before the load had ended, none started until it answered.
-        load_start = stack.trace.index(("load-start", server.url))
-        load_end = stack.trace.index(("load-end", server.url))
-        before = stack.trace[:load_start]
-        assert before.count(("gen-start", server.url)) == before.count(("gen-end", server.url))
-        assert before.count(("gen-start", server.url)) > 0
-        assert not [t for t in stack.trace[load_start + 1 : load_end] if t[0].startswith("gen")]
+    # Quiesce never split a turn: each turn's tokens carry one version ...
+    samples = await client.load("mid")
+    for sample in samples:
+        mask = sample.loss_mask.tolist()
+        token_versions = (sample.token_versions.tolist()
+                          if sample.token_versions is not None else [])
+        n_prompt = len(sample.tokens) - sample.response_length
+        response_versions = token_versions[-sample.response_length:]
+        assert len(response_versions) == len(mask) and n_prompt > 0
+        for a, b in _segments(mask):
+            assert len(set(response_versions[a:b])) == 1
+    # ... and while the weights were loading, no generate call was in flight or began:
+    # every call that started before the load had ended, none started until it answered.
+    load_start = stack.trace.index(("load-start", server.url))
+    load_end = stack.trace.index(("load-end", server.url))
+    before = stack.trace[:load_start]
+    assert before.count(("gen-start", server.url)) == before.count(("gen-end", server.url))
+    assert before.count(("gen-start", server.url)) > 0
+    assert not [t for t in stack.trace[load_start + 1 : load_end] if t[0].startswith("gen")]
 
-        # The worker said it was parked before the load; the syncer waited for it.
-        control = log.names.control
-        assert [e.worker for e in await events_of(log, control, WorkerParked)] == ["w1"]
-        (done,) = await events_of(log, control, QuiesceCompleted)
-        assert done.parked == ["w1"] and done.unparked == [] and done.version == 1
+    # The worker said it was parked before the load; the syncer waited for it.
+    control = log.names.control
+    assert [e.worker for e in await events_of(log, control, WorkerParked)] == ["w1"]
+    (done,) = await events_of(log, control, QuiesceCompleted)
+    assert done.parked == ["w1"] and done.unparked == [] and done.version == 1
 
-        # The weights really changed: a version-0 turn, scored again now, gets other logprobs.
-        sample = next(s for s in samples if 0 in s.token_versions.tolist())
-        completed = next(e for e in await events_of(log, stream, SampleCompleted)
-                         if e.sample_id == sample.sample_id)
-        a, b = _segments(completed.loss_mask.tolist())[0]
-        prompt = completed.prompt_ids.tolist()
-        turn0 = completed.response_ids.tolist()[a:b]
-        rescored = httpx.post(server.url + "/generate", json={
-            "input_ids": prompt + turn0, "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True, "logprob_start_len": len(prompt) - 1,
-        }, timeout=60).json()
-        assert rescored["meta_info"]["weight_version"] == "1"
-        new = np.array([e[0] for e in rescored["meta_info"]["input_token_logprobs"][1:]])
-        old = np.array(completed.logprobs.tolist()[a:b])
-        assert new.shape == old.shape and float(np.abs(new - old).max()) > 1e-3
+    # The weights really changed: a version-0 turn, scored again now, gets other logprobs.
+    sample = next(s for s in samples if 0 in s.token_versions.tolist())
+    completed = next(e for e in await events_of(log, stream, SampleCompleted)
+                     if e.sample_id == sample.sample_id)
+    a, b = _segments(completed.loss_mask.tolist())[0]
+    prompt = completed.prompt_ids.tolist()
+    turn0 = completed.response_ids.tolist()[a:b]
+    rescored = httpx.post(server.url + "/generate", json={
+        "input_ids": prompt + turn0, "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": len(prompt) - 1,
+    }, timeout=60).json()
+    assert rescored["meta_info"]["weight_version"] == "1"
+    new = np.array([e[0] for e in rescored["meta_info"]["input_token_logprobs"][1:]])
+    old = np.array(completed.logprobs.tolist()[a:b])
+    assert new.shape == old.shape and float(np.abs(new - old).max()) > 1e-3
 
 
 async def test_a_sync_failing_on_one_server_poisons_generation_until_a_good_sync(
-    stack: Stack, tinylm_dir: Path, v1_dir: Path
+    stack: Stack, procs: Processes, tinylm_dir: Path, v1_dir: Path
 ) -> None:
     late_port = free_port()
     late_url = f"http://127.0.0.1:{late_port}"
-    with serve(tinylm_dir) as first:
-        stack.start([first.url, late_url], TurnsAgent(turns=2, pause_s=0.0))
-        log = stack.log()
-        client = RolloutClient(stack.log())
+    first = serve(procs, "first", tinylm_dir)
+    stack.start([first.url, late_url], TurnsAgent(turns=2, pause_s=0.0))
+    log = stack.log()
+    client = RolloutClient(stack.log())
 
-        # Version 1: the second server is not up, so the sync fails there.
-        await client.publish_version(1, str(v1_dir))
-        with pytest.raises(WeightSyncFailed) as failed:
-            await client.wait_version_active(1, timeout=60)
-        assert late_url in failed.value.error and "connect" in failed.value.error
-        assert failed.value.servers_failed == [late_url]
-        (event,) = await events_of(log, log.names.control, WeightSyncFailedEvent)
-        assert event.servers_ok == [first.url] and event.servers_failed == [late_url]
+    # Version 1: the second server is not up, so the sync fails there.
+    await client.publish_version(1, str(v1_dir))
+    with pytest.raises(WeightSyncFailed) as failed:
+        await client.wait_version_active(1, timeout=60)
+    assert late_url in failed.value.error and "connect" in failed.value.error
+    assert failed.value.servers_failed == [late_url]
+    (event,) = await events_of(log, log.names.control, WeightSyncFailedEvent)
+    assert event.servers_ok == [first.url] and event.servers_failed == [late_url]
 
-        # Poisoned: a rollout requested now cannot run, and waiting for it says why.
-        await request_rollout(client, log, "poisoned", 4, version=1)
-        with pytest.raises(WeightSyncFailed) as waited:
-            await client.wait_ready("poisoned", timeout=60)
-        assert waited.value.error == event.error
+    # Poisoned: a rollout requested now cannot run, and waiting for it says why.
+    await request_rollout(client, log, "poisoned", 4, version=1)
+    with pytest.raises(WeightSyncFailed) as waited:
+        await client.wait_ready("poisoned", timeout=60)
+    assert waited.value.error == event.error
 
-        # The second server comes up; version 2 syncs on both and generation resumes.
-        with serve(tinylm_dir, port=late_port) as late:
-            assert late.url == late_url
-            await client.publish_version(2, str(v1_dir))
-            activated = await client.wait_version_active(2, timeout=60)
-            assert isinstance(activated, PolicyVersionActivated)
-            assert activated.servers == [first.url, late_url]
-            ready = await client.wait_ready("poisoned", timeout=120)
-            assert len(ready.sample_ids) == 4
-            # Nothing was generated while the engine was poisoned: the first server had
-            # loaded version 1, yet every turn ran on version 2.
-            turns = await events_of(log, log.names.rollout("poisoned"), TurnCompleted)
-            assert len(turns) == 8 and {t.weight_version for t in turns} == {2}
+    # The second server comes up; version 2 syncs on both and generation resumes.
+    late = serve(procs, "late", tinylm_dir, port=late_port)
+    assert late.url == late_url
+    await client.publish_version(2, str(v1_dir))
+    activated = await client.wait_version_active(2, timeout=60)
+    assert isinstance(activated, PolicyVersionActivated)
+    assert activated.servers == [first.url, late_url]
+    ready = await client.wait_ready("poisoned", timeout=120)
+    assert len(ready.sample_ids) == 4
+    # Nothing was generated while the engine was poisoned: the first server had
+    # loaded version 1, yet every turn ran on version 2.
+    turns = await events_of(log, log.names.rollout("poisoned"), TurnCompleted)
+    assert len(turns) == 8 and {t.weight_version for t in turns} == {2}
 
 
 async def test_a_syncer_killed_mid_sync_is_replaced_and_a_dead_worker_does_not_block_it(
-    redis_server: RedisServer, tinylm_dir: Path, v1_dir: Path, tmp_path: Path
+    redis_server: RedisServer, procs: Processes, tinylm_dir: Path, v1_dir: Path
 ) -> None:
     """Syncer A opens the sync of version 1 and waits for a live worker that never parks
     ("ghost": it reads its work stream but runs no gate). A is killed (SIGKILL); syncer B
@@ -367,7 +368,6 @@ async def test_a_syncer_killed_mid_sync_is_replaced_and_a_dead_worker_does_not_b
     await redis.flushall()
     log = RedisEventLog(redis, producer="test", block_ms=BLOCK_MS)
     client = RolloutClient(log)
-    procs = Procs(redis_server.url, tmp_path)
     sync_args = ["--live-window-ms", "5000", "--park-timeout-s", "120"]
     ghost_alive = asyncio.Event()
     ghost_alive.set()
@@ -378,29 +378,27 @@ async def test_a_syncer_killed_mid_sync_is_replaced_and_a_dead_worker_does_not_b
         while ghost_alive.is_set():
             await log.read_group("evaluators", "ghost", [stream], block_ms=100)
 
-    with serve(tinylm_dir, admin_key=False) as server:  # the syncers run with no key
-        haunting = asyncio.create_task(ghost())
-        try:
-            procs.spawn("syncA", "workers.sync", "--worker-id", "syncA",
-                        "--sglang-url", server.url, *sync_args)
-            await client.publish_version(1, str(v1_dir))
-            control = log.names.control
-            await until(log, control, lambda evs: any(
-                isinstance(e, QuiesceRequested) for e in evs))
-            procs.procs["syncA"].kill()
-            procs.procs["syncA"].wait(10)
-            ghost_alive.clear()
-            await haunting
-            procs.spawn("syncB", "workers.sync", "--worker-id", "syncB",
-                        "--sglang-url", server.url, *sync_args)
-            activated = await client.wait_version_active(1, timeout=120)
-        finally:
-            ghost_alive.clear()
-            await asyncio.gather(haunting, return_exceptions=True)
-            procs.stop_all()
-        assert activated.producer == "syncB" and activated.servers == [server.url]
-        assert httpx.get(server.url + "/get_model_info", timeout=30).json()[
-            "weight_version"] == "1"
+    server = serve(procs, "tinylm", tinylm_dir, admin_key=False)  # the syncers hold no key
+    haunting = asyncio.create_task(ghost())
+    try:
+        procs.start("syncA", "sync", "--worker-id", "syncA", "--sglang-url", server.url,
+                    *sync_args)
+        await client.publish_version(1, str(v1_dir))
+        control = log.names.control
+        await until(log, control, lambda evs: any(
+            isinstance(e, QuiesceRequested) for e in evs))
+        procs.kill("syncA")
+        ghost_alive.clear()
+        await haunting
+        procs.start("syncB", "sync", "--worker-id", "syncB", "--sglang-url", server.url,
+                    *sync_args)
+        activated = await client.wait_version_active(1, timeout=120)
+    finally:
+        ghost_alive.clear()
+        await asyncio.gather(haunting, return_exceptions=True)
+    assert activated.producer == "syncB" and activated.servers == [server.url]
+    assert httpx.get(server.url + "/get_model_info", timeout=30).json()[
+        "weight_version"] == "1"
     (requested,) = await events_of(log, control, QuiesceRequested)
     assert requested.producer == "syncA" and requested.version == 1
     (done,) = await events_of(log, control, QuiesceCompleted)

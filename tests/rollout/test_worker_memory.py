@@ -74,7 +74,7 @@ async def _held_after_rollout(log: EventLog, specs: Mapping[str, Any], n: int) -
         own = batches[0::WORKERS]
         claimed = batches[1::WORKERS][::-1]  # long read and gone from the window
         for batch in [*own, *claimed]:
-            request, got = await worker._batch_tasks(rollout_id, batch)
+            request, got = await worker.tasks.batch_tasks(rollout_id, batch)
             assert request is not None and _same(request, events[0])
             assert list(got) == batch
             for sid, task in got.items():  # a TaskJoined: its group's task
@@ -84,7 +84,7 @@ async def _held_after_rollout(log: EventLog, specs: Mapping[str, Any], n: int) -
         held, _peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert worker._tasks[rollout_id].count > n - WORKERS * BATCH  # read (nearly) to the end
+    assert worker.tasks.cache[rollout_id].count > n - WORKERS * BATCH  # read (nearly) to the end
     return held - base
 
 
@@ -101,7 +101,7 @@ async def test_a_workers_task_cache_stays_bounded_over_a_rollout(
 
 
 def test_the_task_index_places_each_samples_first_entry() -> None:
-    from engine.actors.evaluator_worker import MARK_EVERY, _RolloutTasks
+    from engine.actors.task_reader import MARK_EVERY, _RolloutTasks
 
     index = _RolloutTasks("r", window=2)
     order = ["r:s0", "r:s1", "carried:s7", "r:s3", "r:s1", "r:s05", "r:s9", *(

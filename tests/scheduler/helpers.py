@@ -24,11 +24,11 @@ from engine.events import (
     BatchAdmitted,
     Envelope,
     EventLog,
-    RedisEventLog,
     RolloutPlanned,
     RolloutRequested,
     TokenReleased,
 )
+from engine.events.redis_log import RedisEventLog
 from engine.projections.placement import PoolProjection, PoolState
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -20,11 +20,11 @@ from engine.events import (
     Event,
     NodeDecl,
     PoolDeclared,
-    RedisEventLog,
     TokenAcquired,
     TokenGrant,
     TokenReleased,
 )
+from engine.events.redis_log import RedisEventLog
 from engine.projections.placement import (
     UNBOUNDED,
     PoolState,

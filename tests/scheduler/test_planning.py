@@ -20,7 +20,9 @@ from engine.domain import (
 from engine.errors import ConfigError
 from engine.events import BatchSealed, Envelope, RolloutPlanned, RolloutRequested, TaskFetched
 from engine.events.catalog import TaskJoined
+from engine.projections.base import fold, start
 from engine.projections.data_cursor import DataCursorProjection, DataState
+from engine.projections.readback import in_memory
 from engine.projections.rollout import RolloutProjection
 from tests.scheduler.helpers import load_specs, request, write_config
 
@@ -53,10 +55,10 @@ def test_every_range_of_rollout_events_is_a_slice_of_the_whole(tmp_path: Path) -
     joined = whole[6]  # sample 5: the second of group 2
     assert isinstance(joined, TaskJoined) and joined.same_as == plan.tasks(4, 5)[0].sample_id
     # Folded, the stream holds every sample's whole task, as the plan built it.
-    state = RolloutProjection().initial()
-    for i, ev in enumerate(whole):
-        state = RolloutProjection().evolve(state, Envelope("rl:{rollout:r}", f"1-{i}", ev))
-    assert [s.task for s in state.ordered()] == plan.tasks()
+    envs = [Envelope("rl:{rollout:r}", f"1-{i}", ev) for i, ev in enumerate(whole)]
+    projection = RolloutProjection()
+    rollout = in_memory(fold(projection, start(projection), envs).state, envs)
+    assert [rollout.task(r) for r in rollout.state.ordered()] == plan.tasks()
 
 
 def test_planning_is_deterministic_and_replan_reproduces_the_plan(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 from engine.actors.admission import PoolGate
 from engine.errors import LogUnavailable
-from engine.events import NodeDecl, PoolDeclared, RedisEventLog
+from engine.events import NodeDecl, PoolDeclared
+from engine.events.redis_log import RedisEventLog
 from engine.runtime.consumer import Backoff
 
 

@@ -1,5 +1,6 @@
-"""Real scheduler processes (``python -m workers.scheduler``) against a real redis-server:
-racing on one pool, killed with SIGKILL mid-rollout and resumed, refusing bad input."""
+"""Real scheduler processes (``rollout scheduler``, started by the engine's launcher) against a
+real redis-server: racing on one pool, killed with SIGKILL mid-rollout and resumed, refusing
+bad input."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis.exceptions import ResponseError
 
 from engine.actors.scheduler import SCHEDULER_GROUP
-from engine.events import Envelope, EventLog, RedisEventLog, RedisSettings, connect
+from engine.events import Envelope, EventLog
+from engine.ops.processes import Processes
 from tests.redis_server import RedisServer
+from tests.rollout.conftest import launcher
 from tests.scheduler.helpers import (
     EVALUATORS,
     FIXTURES,
@@ -32,65 +33,28 @@ from workers.scheduler import main
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60
 
 
-@pytest.fixture
-async def real_log(redis_server: RedisServer) -> AsyncIterator[EventLog]:
-    client = connect(RedisSettings(url=redis_server.url, block_ms=200))
-    await client.flushall()
-    yield RedisEventLog(client, producer="trainer", block_ms=200)
-    await client.aclose()
+def start_scheduler(procs: Processes, scheduler_id: str, config: Path, evaluators: Path,
+                    layout: object, *extra: str) -> None:
+    argv = ["--rollout-config", str(config), "--evaluator-config", str(evaluators),
+            "--scheduler-id", scheduler_id, *extra]
+    if layout is not None:
+        argv += ["--cluster-layout", json.dumps(layout)]
+    procs.start(scheduler_id, "scheduler", *argv)
 
 
-class Processes:
-    """Scheduler subprocesses; whatever is still running at the end is killed."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, scheduler_id: str, config: Path, evaluators: Path, layout: object,
-              *extra: str) -> subprocess.Popen[bytes]:
-        argv = [
-            sys.executable, "-m", "workers.scheduler",
-            "--redis-url", self.url,
-            "--rollout-config", str(config),
-            "--evaluator-config", str(evaluators),
-            "--scheduler-id", scheduler_id,
-            "--block-ms", "200",
-            "--heartbeat-ms", "100",
-            "--claim-idle-ms", "600",
-            "--log-level", "WARNING",
-            *extra,
-        ]
-        if layout is not None:
-            argv += ["--cluster-layout", json.dumps(layout)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-        env["PYTHONPATH"] = str(ROOT)
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> int:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=TIMEOUT)
-        assert proc.returncode == 0, err.decode()
-        return proc.returncode
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+def stop(procs: Processes, name: str) -> None:
+    """SIGTERM: a clean exit 0."""
+    procs.signal(name, signal.SIGTERM)
+    assert procs.wait(name, TIMEOUT) == 0, procs.output(name)
 
 
 @pytest.fixture
-def processes(redis_server: RedisServer) -> Iterator[Processes]:
-    procs = Processes(redis_server.url)
-    yield procs
-    procs.kill_all()
+def processes(redis_server: RedisServer, tmp_path: Path) -> Iterator[Processes]:
+    with launcher(redis_server.url, tmp_path, claim_idle_ms=600, log_level="WARNING") as procs:
+        yield procs
 
 
 async def wait_serving(log: EventLog, scheduler_ids: list[str]) -> None:
@@ -123,15 +87,14 @@ async def test_three_scheduler_processes_race_on_one_pool(
     rollout_ids = [f"r{i}" for i in range(6)]
     for i, rid in enumerate(rollout_ids):
         await log.append(log.names.control, request(rid, n_prompts=3 + i, seed=4))
-    procs = [
-        processes.start(f"p{i}", config, RANDOM_EVALUATORS, RANDOM_LAYOUT) for i in range(3)
-    ]
+    for i in range(3):
+        start_scheduler(processes, f"p{i}", config, RANDOM_EVALUATORS, RANDOM_LAYOUT)
     await asyncio.wait_for(wait_serving(log, ["p0", "p1", "p2"]), TIMEOUT)
     evaluators = FakeEvaluators(log, ["alpha", "beta", "gamma"], hold=3, seed=1)
     await asyncio.wait_for(evaluators.run(all_admitted(log, rollout_ids)), TIMEOUT)
     await asyncio.wait_for(drain_pending(log), TIMEOUT)
-    for proc in procs:
-        processes.stop(proc)  # SIGTERM: clean exit 0
+    for i in range(3):
+        stop(processes, f"p{i}")
     await assert_exactly_once(log, rollout_ids, ["alpha", "beta", "gamma"])
 
 
@@ -142,7 +105,7 @@ async def test_sigkill_mid_rollout_resumes_without_duplicates(
     config = write_config(tmp_path, {"gsm": ("math", 12), "py": ("code", 4)})
     one_math_batch = {"n1": {"gpus": [0, 1], "cpu": 8, "memory_gb": 32}}
     await log.append(log.names.control, request("r1", n_prompts=14, seed=2))
-    first = processes.start("k1", config, EVALUATORS, one_math_batch, "--plan-chunk", "5")
+    start_scheduler(processes, "k1", config, EVALUATORS, one_math_batch, "--plan-chunk", "5")
     evaluators = FakeEvaluators(log, ["math", "code"], hold=0, released=False)
 
     async def first_batch(admitted: list[Envelope]) -> bool:
@@ -150,25 +113,24 @@ async def test_sigkill_mid_rollout_resumes_without_duplicates(
 
     await asyncio.wait_for(evaluators.run(first_batch), TIMEOUT)
     # The scheduler now waits for capacity with the rollout half admitted.
-    first.send_signal(signal.SIGKILL)
-    first.communicate(timeout=TIMEOUT)
+    processes.kill("k1")
     assert await log.pending_count(log.names.control, SCHEDULER_GROUP) == 1
     # Another scheduler claims the dead one's request once it has been idle long enough.
-    second = processes.start("k2", config, EVALUATORS, one_math_batch, "--plan-chunk", "5")
+    start_scheduler(processes, "k2", config, EVALUATORS, one_math_batch, "--plan-chunk", "5")
     evaluators.released = True
     await asyncio.wait_for(evaluators.run(all_admitted(log, ["r1"])), TIMEOUT)
     await asyncio.wait_for(drain_pending(log), TIMEOUT)
-    processes.stop(second)
+    stop(processes, "k2")
     await assert_exactly_once(log, ["r1"], ["math", "code"])
 
 
 def test_a_bad_layout_stops_the_process_at_start_up(processes: Processes, tmp_path: Path) -> None:
     config = write_config(tmp_path, {"gsm": ("math", 3)})
-    proc = processes.start("bad", config, EVALUATORS, {"n1": {"gpus": [0, 0], "cpu": 8,
-                                                              "memory_gb": 8}})
-    _, err = proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == 2
-    assert "node 'n1'" in err.decode() and "GPU ids [0] more than once" in err.decode()
+    start_scheduler(processes, "bad", config, EVALUATORS, {"n1": {"gpus": [0, 0], "cpu": 8,
+                                                                  "memory_gb": 8}})
+    assert processes.wait("bad", TIMEOUT) == 2
+    err = processes.output("bad")
+    assert "node 'n1'" in err and "GPU ids [0] more than once" in err
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -267,20 +229,19 @@ async def test_sigkill_while_writing_a_long_plan_completes_it_once(
     log = real_log
     config = write_config(tmp_path, {"gsm": ("math", 400)})
     await log.append(log.names.control, request("big", n_prompts=400, n_samples_per_prompt=3))
-    first = processes.start("w1", config, EVALUATORS, None, "--plan-chunk", "4")
+    start_scheduler(processes, "w1", config, EVALUATORS, None, "--plan-chunk", "4")
     # Kill as soon as the plan's first step (the cursor) is on the log; the 1,602 events
     # of the plan go in chained chunks of 4 and are then still missing, in part or all
     # (or, on a fast machine, complete: the assertions hold either way).
     while not await log.read_all(log.names.data):
         await log.tail({log.names.data: "0-0"}, block_ms=100)
-    first.send_signal(signal.SIGKILL)
-    first.communicate(timeout=TIMEOUT)
+    processes.kill("w1")
     written = await log.stream_length(log.names.rollout("big"))
-    second = processes.start("w2", config, EVALUATORS, None, "--plan-chunk", "64")
+    start_scheduler(processes, "w2", config, EVALUATORS, None, "--plan-chunk", "64")
     evaluators = FakeEvaluators(log, ["math"], hold=0)
     await asyncio.wait_for(evaluators.run(all_admitted(log, ["big"])), TIMEOUT)
     await asyncio.wait_for(drain_pending(log), TIMEOUT)
-    processes.stop(second)
+    stop(processes, "w2")
     await assert_exactly_once(log, ["big"], ["math"])
     assert await log.stream_length(log.names.rollout("big")) == 1 + 1200 + 400 + 1
     assert written % 4 == 0 or written == 1602  # whole chunks only: each is one step

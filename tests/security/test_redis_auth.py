@@ -6,19 +6,24 @@ and server certificate with the ``openssl`` CLI.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import redis.exceptions as redis_exceptions
 
+from engine.client import SyncRolloutClient
 from engine.errors import ConfigError, LogError, LogUnavailable
-from engine.events import RedisSettings, connect, open_log
 from engine.events.catalog import RolloutRequested
 from engine.events.names import StreamNames
+from engine.events.redis_log import RedisSettings, connect, open_log
+from engine.ops import cli
 from engine.ops.embedded import EmbeddedRedis, RedisTls, start_fake_redis, start_redis_server
 from engine.settings import Settings
 
@@ -198,3 +203,91 @@ async def test_settings_hand_the_engine_its_credentials_from_a_file(
     missing = Settings.from_env({"ROLLOUT_REDIS_PASSWORD_FILE": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="ROLLOUT_REDIS_PASSWORD_FILE: cannot read"):
         missing.redis()
+
+
+# ------------------------------------------------- credentials are configuration, not an outage
+
+
+@pytest.mark.parametrize(
+    ("userinfo", "user"),
+    [("", "default"), ("engine@", "engine"), ("engine:wrong@", "engine"), ("nobody:x@", "nobody")],
+    ids=["no-password", "user-without-password", "wrong-password", "unknown-user"],
+)
+async def test_refused_credentials_fail_at_once_naming_the_user_and_server(
+    secured_redis: EmbeddedRedis, userinfo: str, user: str
+) -> None:
+    where = f"127.0.0.1:{secured_redis.port}"
+    log = open_log(RedisSettings(url=f"redis://{userinfo}{where}/0", block_ms=100))
+    try:
+        for _attempt in range(2):  # a retry meets the same refusal, not a recursion
+            with pytest.raises(ConfigError, match=f"user '{user}' at {where}") as refused:
+                await log.last_id("rl:control")
+            assert "recursion" not in str(refused.value).lower()
+            assert not isinstance(refused.value, LogError)  # never ridden out as an outage
+    finally:
+        await log.aclose()
+    client = connect(RedisSettings(url=f"redis://{userinfo}{where}/0"))
+    try:  # the raw client refuses too, with redis's own error
+        with pytest.raises(redis_exceptions.AuthenticationError):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("userinfo", ["", "engine:wrong@"], ids=["no-password", "wrong-password"])
+def test_a_process_with_refused_credentials_exits_at_once(
+    secured_redis: EmbeddedRedis, tmp_path: Path, userinfo: str
+) -> None:
+    where = f"127.0.0.1:{secured_redis.port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env["ROLLOUT_REDIS_URL"] = f"redis://{userinfo}{where}/0"
+    done = subprocess.run(  # an outage would be ridden out for 300 s, past the timeout
+        [sys.executable, "-m", "workers", "finalizer", "--outage-limit-s", "300",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"at {where}" in done.stderr and "refused the login" in done.stderr
+    assert "RecursionError" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_url_without_a_scheme_is_refused_naming_the_variable_and_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = Settings.from_env({"ROLLOUT_REDIS_URL": "127.0.0.1:6379"})
+    with pytest.raises(ConfigError, match="ROLLOUT_REDIS_URL") as refused:
+        settings.redis()
+    assert "--redis-url" in str(refused.value) and "needs a scheme" in str(refused.value)
+    with pytest.raises(ConfigError, match="needs a scheme"):
+        RedisSettings(url="localhost")
+    assert cli.main(["status", "r1", "--redis-url", "localhost:6379"]) == 1
+    assert "needs a scheme" in capsys.readouterr().err
+
+
+def test_the_sync_client_reads_the_redis_settings_the_cli_reads(
+    secured_redis: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in [k for k in os.environ if k.startswith("ROLLOUT_")]:
+        monkeypatch.delenv(key)
+    secret = tmp_path / "trainer.password"
+    secret.write_text(secured_redis.passwords["trainer"] + "\n")
+    secret.chmod(0o600)
+    monkeypatch.setenv("ROLLOUT_REDIS_URL", f"redis://127.0.0.1:{secured_redis.port}/0")
+    with SyncRolloutClient() as anonymous, pytest.raises(ConfigError, match="user 'default'"):
+        anonymous.request(iteration=0, n_prompts=1)
+    # What the demo prints for the inspect commands reaches the trainer's client too.
+    monkeypatch.setenv("ROLLOUT_REDIS_USERNAME", "trainer")
+    monkeypatch.setenv("ROLLOUT_REDIS_PASSWORD_FILE", str(secret))
+    monkeypatch.setenv("ROLLOUT_STREAM_PREFIX", "rl")
+    with SyncRolloutClient() as client:
+        rid = client.request(iteration=0, n_prompts=1)
+        assert client._client.log.names.prefix == "rl"
+
+    async def requested() -> list[str]:
+        admin = open_log(RedisSettings(url=secured_redis.url))
+        try:
+            return [env.event.rollout_id for env in await admin.read(admin.names.control)]  # type: ignore[attr-defined]
+        finally:
+            await admin.aclose()
+
+    assert asyncio.run(requested())[-1] == rid  # the last request on the control plane

@@ -1,8 +1,6 @@
-"""Scaffold plug-ins for ``InstalledAgent`` (see ``base`` for the port).
-
-``MiniSweAgent`` runs the real mini-swe-agent from PyPI; ``OpenHandsRules`` and
-``Terminus2Rules`` are those scaffolds' termination precedence (inference-backend §5).
-"""
+"""Scaffold plug-ins for ``InstalledAgent`` (the port is ``base``): ``MiniSweAgent`` runs
+mini-swe-agent from PyPI; ``OpenHandsRules`` and ``Terminus2Rules`` are those scaffolds'
+termination precedence."""
 
 from engine.agents.scaffolds.base import (
     OpenHandsRules,

@@ -1,24 +1,16 @@
 """The scaffold plug-in port: what an installed scaffold supplies to ``InstalledAgent``.
 
-A scaffold is a program the engine does not control (mini-swe-agent, OpenHands, Terminus-2): it
-speaks the OpenAI chat API to a model and runs commands somewhere. ``InstalledAgent``
-(``engine.agents.installed``) owns everything around it, once per task: the sandbox, the
-recording proxy, the command bridge, the process, its logs and the teardown. The plug-in
-supplies only what differs between scaffolds, as plain data in and out:
+A scaffold is a program the engine does not control: it speaks the OpenAI chat API to a model
+and runs commands somewhere. ``InstalledAgent`` owns everything around it; the plug-in
+supplies only what differs between scaffolds, as plain data in and out: ``check_command``
+(exits 0 when installed), ``install_command`` / ``install_hint``, ``prepare(run)`` (write its
+config into ``run.run_dir``; the argv and environment), ``parse(run)`` (its artifacts as a
+``ScaffoldReport``) and ``termination_reason(exit)``.
 
-- ``check_command``: an argv that exits 0 when the scaffold is installed; ``install_command``
-  installs it (run when the agent is allowed to install), ``install_hint`` says how otherwise;
-- ``prepare(run)``: write its config files into ``run.run_dir`` and return the argv and extra
-  environment of the run (shell commands in, files out);
-- ``parse(run, stdout_tail)``: read the artifacts the run left (its trajectory file) into a
-  ``ScaffoldReport``;
-- ``termination_reason(exit)``: how the run ended, from a pure ``ScaffoldExit``.
-
-Termination classification (inference-backend §5): the base classifier keys off how the process
-ended (wall clock ran out: ``agent_timeout``; a nonzero exit: ``infra_conn`` when its log says
-the model could not be reached, else ``infra_other``); each scaffold refines the *clean* exit
-from its own report. The rules are pure functions of a ``ScaffoldExit``, so every case is a
-unit test (``tests/agents/test_installed_termination.py``).
+Termination: the base classifier keys off how the process ended (wall clock: ``agent_timeout``;
+a nonzero exit: ``infra_conn`` when its log says the model could not be reached, else
+``infra_other``); each scaffold refines the *clean* exit from its own report. The rules are
+pure functions of a ``ScaffoldExit``, so every case is a unit test.
 """
 
 from __future__ import annotations
@@ -46,15 +38,9 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class ScaffoldRun:
-    """Everything a scaffold is told about one task's run.
-
-    ``base_url`` is the OpenAI base URL (ending in ``/v1``): the recording proxy when tokens are
-    captured, the model server itself otherwise. ``bridge`` is the address of the command
-    bridge that runs a command in the task's sandbox (``"unix:/path"``). ``instruction`` is the
-    task as the scaffold's user sees it. ``max_turns``/``max_new_tokens``/``timeout_s`` come
-    from the episode's stopping criteria; ``context_cap`` is the installed-scaffold context cap
-    (131072, inference-backend §2, not the episode's ``max_context_len``).
-    """
+    """Everything a scaffold is told about one task's run. ``base_url`` ends in ``/v1`` (the
+    recording proxy when tokens are captured, else the model server); ``bridge`` is the
+    command bridge's address (``"unix:/path"``)."""
 
     run_dir: Path
     base_url: str
@@ -80,13 +66,8 @@ class ScaffoldInvocation:
 @dataclass(frozen=True, kw_only=True)
 class ScaffoldReport:
     """What the scaffold's artifacts say about its run (a missing artifact: the defaults).
-
-    ``status`` is the scaffold's own word for the end (mini-swe-agent's ``exit_status``,
-    OpenHands' error or final state); ``finished`` whether the agent declared the task done
-    (a submit / finish / ``mark_task_complete`` call); ``steps`` the model calls it made;
-    ``step_limit_hit`` whether its step budget ended it; ``context_exceeded`` whether its
-    context window did; ``messages`` the trajectory as the scaffold recorded it.
-    """
+    ``status`` is the scaffold's own word for the end; ``finished`` whether the agent declared
+    the task done; ``steps`` the model calls it made."""
 
     status: str = ""
     finished: bool = False
@@ -102,10 +83,7 @@ class ScaffoldReport:
 @dataclass(frozen=True, kw_only=True)
 class ScaffoldExit:
     """How a scaffold's process ended, and its report: the input of every termination rule.
-
-    ``exit_code`` is ``None`` when the process was killed (it ran past its wall clock).
-    ``log_tail`` is the end of its combined stdout/stderr.
-    """
+    ``exit_code`` is ``None`` when the process was killed on its wall clock."""
 
     exit_code: int | None
     timed_out: bool = False
@@ -121,12 +99,7 @@ _CONNECTION = re.compile(
 
 
 def base_termination(exit: ScaffoldExit) -> TerminationReason | None:
-    """The base classifier: ``None`` for a clean exit (the scaffold refines it).
-
-    First match wins: the wall clock ran out (``agent_timeout``); a nonzero exit whose log or
-    report names a connection failure (``infra_conn``); any other nonzero exit or kill
-    (``infra_other``).
-    """
+    """The base classifier; ``None`` for a clean exit, which the scaffold refines."""
     if exit.timed_out:
         return TerminationReason.AGENT_TIMEOUT
     if exit.exit_code == 0:
@@ -138,8 +111,6 @@ def base_termination(exit: ScaffoldExit) -> TerminationReason | None:
 
 
 class Scaffold(abc.ABC):
-    """A scaffold plug-in (see the module docstring)."""
-
     name: str = "scaffold"
     install_hint: str = ""
     rewrites_history: bool = False
@@ -172,28 +143,18 @@ class Scaffold(abc.ABC):
 
 
 class OpenHandsRules:
-    """OpenHands' termination precedence (inference-backend §5), first match wins.
-
-    On a nonzero exit or a kill the base classifier decides. On a clean exit:
-
-    1. the agent called ``finish`` (its final state is FINISHED)         -> ``finish``
-    2. the context window was exceeded (``ContextWindowExceededError``)  -> ``max_context``
-    3. the iteration budget was hit ("maximum iteration")               -> ``max_turns``
-    4. the stuck-in-a-loop detector ended it                            -> ``max_turns``
-    5. any other error recorded in the run's output                     -> ``infra_other``
-    6. otherwise                                                        -> ``finish``
-
-    A finish wins over what follows it: the task was declared done, and the reward decides.
-    """
+    """OpenHands' termination precedence on a clean exit, first match wins. A ``finish``
+    call wins over any error after it: the task was declared done, and the reward decides."""
 
     @staticmethod
     def report_from_output(output: Mapping[str, Any]) -> ScaffoldReport:
         """A report from one line of OpenHands' ``output.jsonl`` (``error``, ``history``)."""
         error = str(output.get("error") or "")
         history = output.get("history") or []
-        finished = any(
-            isinstance(ev, Mapping) and ev.get("action") == "finish" for ev in history
-        ) or str(output.get("agent_state", "")).lower() == "finished"
+        finished = (
+            any(isinstance(ev, Mapping) and ev.get("action") == "finish" for ev in history)
+            or str(output.get("agent_state", "")).lower() == "finished"
+        )
         lowered = error.lower()
         return ScaffoldReport(
             status=str(output.get("agent_state", "")),
@@ -224,9 +185,8 @@ class OpenHandsRules:
 
 
 class Terminus2Rules:
-    """Terminus-2's termination (inference-backend §5): a clean exit with a
-    ``mark_task_complete`` call is ``finish``, else ``max_turns`` if the step budget was hit,
-    else ``finish``; nonzero exits (and kills) defer to the base classifier."""
+    """Terminus-2's termination on a clean exit: ``max_turns`` when the step budget was hit
+    without a ``mark_task_complete`` call, else ``finish``."""
 
     @staticmethod
     def report_from_run(

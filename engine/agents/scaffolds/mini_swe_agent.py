@@ -1,24 +1,16 @@
 """The mini-swe-agent plug-in: the ``mini`` program from PyPI (``mini-swe-agent``) as a scaffold.
 
-Installed with the engine's ``scaffolds`` extra (``pip install 'rollout-engine[scaffolds]'``),
-never as an engine dependency. Per task it writes one YAML config into the run folder and runs
-``python -m minisweagent.run.mini -c config.yaml ...`` with:
+Installed with the engine's ``scaffolds`` extra, never as an engine dependency. Per task it
+writes one YAML config into the run folder and runs ``python -m minisweagent.run.mini`` with
+the text-based LiteLLM model (a ``THOUGHT`` and exactly one fenced ``bash`` block per reply)
+pointed at the run's base URL, ``rollout_sandbox_env.SandboxEnvironment`` (each action runs in
+the task's sandbox through the command bridge, not on the host), ``step_limit`` from
+``max_turns`` and its own wall clock a little inside the engine's.
 
-- the *text-based* LiteLLM model (``litellm_textbased``): replies are a ``THOUGHT`` and exactly
-  one fenced ``bash`` block (``action_regex``); it is pointed at the run's OpenAI base URL (the
-  recording proxy when tokens are captured), with the episode's sampling settings;
-- ``rollout_sandbox_env.SandboxEnvironment`` (``engine/agents/scaffolds/mswea/``): each action
-  runs in the task's sandbox through the engine's command bridge, not on the host;
-- the default agent (no confirmation), ``step_limit`` from ``max_turns``, its own wall clock a
-  little inside the engine's, and the trajectory saved to ``trajectory.json``.
-
-Submitting is mini-swe-agent's own protocol: ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``.
-
-Termination (a clean exit; the base classifier handles the rest), by ``info.exit_status``:
-``Submitted`` -> ``finish``; ``LimitsExceeded`` -> ``max_turns``; ``TimeExceeded`` ->
-``agent_timeout``; ``ContextWindowExceededError`` -> ``max_context``;
-``RepeatedFormatError`` -> ``finish`` (the model ended the run by not following the format: a
-well-formed episode whose reward says so); no trajectory or any other status ->
+A clean exit ends by ``info.exit_status``: ``Submitted`` -> ``finish``; ``LimitsExceeded`` ->
+``max_turns``; ``TimeExceeded`` -> ``agent_timeout``; ``ContextWindowExceededError`` ->
+``max_context``; ``RepeatedFormatError`` -> ``finish`` (the model ended the run by not
+following the format: a well-formed episode whose reward says so); anything else ->
 ``infra_other``.
 """
 
@@ -59,10 +51,13 @@ MSWEA_VERSION = "2.4.6"
 SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 ACTION_REGEX = r"```bash\s*\n(.*?)\n```"
 
-SYSTEM_TEMPLATE = """\
+SYSTEM_TEMPLATE = (
+    """\
 You are a helpful assistant that fixes bugs in a small repository with shell commands.
 Every reply is a THOUGHT line, then exactly ONE ```bash block with ONE command.
-When the tests pass, submit with: """ + SUBMIT_COMMAND
+When the tests pass, submit with: """
+    + SUBMIT_COMMAND
+)
 
 INSTANCE_TEMPLATE = """\
 {{task}}
@@ -90,7 +85,6 @@ _REASONS: dict[str, TerminationReason] = {
 
 
 def mini_swe_agent_reason(exit: ScaffoldExit) -> TerminationReason:
-    """mini-swe-agent's termination rules (see the module docstring)."""
     reason = base_termination(exit)
     if reason is not None:
         return reason
@@ -99,13 +93,9 @@ def mini_swe_agent_reason(exit: ScaffoldExit) -> TerminationReason:
 
 @dataclass(frozen=True, kw_only=True)
 class MiniSweAgent(Scaffold):
-    """mini-swe-agent (``mini``) as a scaffold plug-in.
-
-    ``python``: the interpreter that has ``minisweagent`` installed (default: this one).
-    ``system_template`` / ``instance_template``: its prompts (``{{task}}`` is the instruction);
-    the tiny model is trained on these exact ones. ``model_retries``: attempts per model call
-    (mini-swe-agent retries with backoff; few, so a dead server fails the episode soon).
-    """
+    """mini-swe-agent as a scaffold plug-in. ``python`` is the interpreter that has
+    ``minisweagent``; the tiny model is trained on the default templates; ``model_retries`` is
+    small so that a dead server fails the episode soon."""
 
     python: str = sys.executable
     system_template: str = SYSTEM_TEMPLATE

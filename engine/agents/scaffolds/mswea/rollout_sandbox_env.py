@@ -1,14 +1,11 @@
 """mini-swe-agent environment that runs each action in the task's sandbox.
 
-mini-swe-agent's ``LocalEnvironment`` runs commands on the host. This one, selected with
-``environment_class: rollout_sandbox_env.SandboxEnvironment``, sends each command to the
-engine's command bridge (``engine.agents.installed``) over a Unix socket: one JSON line
-``{"command", "timeout"}`` in, one JSON line ``{"output", "returncode", "exception_info"}`` out.
-The bridge runs it with ``Sandbox.exec`` in the sandbox's working directory (a local sandbox or
-a Docker container alike), so the scaffold never touches the host's files.
-
-The submit protocol is mini-swe-agent's own: a command whose output starts with the line
-``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` and that exits 0 ends the run (``Submitted``).
+Selected with ``environment_class: rollout_sandbox_env.SandboxEnvironment``, it sends each
+command to the engine's command bridge over a Unix socket (one JSON line
+``{"command", "timeout"}`` in, ``{"output", "returncode", "exception_info"}`` out), so the
+scaffold never touches the host's files. A command whose output starts with the line
+``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` and that exits 0 ends the run (``Submitted``), as in
+mini-swe-agent's own protocol.
 """
 
 from __future__ import annotations
@@ -25,14 +22,22 @@ SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 class SandboxEnvironment:
     """``execute`` through the bridge at ``bridge`` (``unix:/path``)."""
 
-    def __init__(self, *, bridge: str, timeout: int = 30, env: dict[str, str] | None = None,
-                 cwd: str = "", **_ignored: Any) -> None:
+    def __init__(
+        self,
+        *,
+        bridge: str,
+        timeout: int = 30,
+        env: dict[str, str] | None = None,
+        cwd: str = "",
+        **_ignored: Any,
+    ) -> None:
         if not bridge.startswith("unix:"):
             raise ValueError(f"bridge must be 'unix:/path', got {bridge!r}")
         self.config = {"bridge": bridge, "timeout": timeout, "env": dict(env or {}), "cwd": cwd}
 
-    def execute(self, action: dict[str, Any], cwd: str = "", *,
-                timeout: int | None = None) -> dict[str, Any]:
+    def execute(
+        self, action: dict[str, Any], cwd: str = "", *, timeout: int | None = None
+    ) -> dict[str, Any]:
         request = {
             "command": str(action.get("command", "")),
             "timeout": timeout or self.config["timeout"],
@@ -50,7 +55,7 @@ class SandboxEnvironment:
         return output
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
-        path = str(self.config["bridge"])[len("unix:"):]
+        path = str(self.config["bridge"])[len("unix:") :]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(path)
             sock.sendall(json.dumps(request).encode() + b"\n")
@@ -78,8 +83,14 @@ class SandboxEnvironment:
             )
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
-        return {**self.config, "system": "Linux", "release": "", "version": "",
-                "machine": "", **kwargs}
+        return {
+            **self.config,
+            "system": "Linux",
+            "release": "",
+            "version": "",
+            "machine": "",
+            **kwargs,
+        }
 
     def serialize(self) -> dict[str, Any]:
         return {

@@ -1,90 +1,36 @@
-"""The placement pool: a pure projection of ``rl:pool`` and pure allocation on its state.
+"""The placement pool as folded from ``rl:pool``: a pure projection, snapshottable.
 
-Fold (``PoolProjection``)
--------------------------
-* ``PoolDeclared`` replaces the node set. Tokens already held stay held and are re-counted
-  against the new nodes (a token on a node that is gone counts against nothing); a
-  declaration with no nodes means "no layout": the pool is *ungated*. Before any declaration
-  the pool is ungated too.
-* ``TokenAcquired`` takes the listed tokens' capacity. A second ``TokenAcquired`` for a batch
-  that has ever acquired (same ``(rollout_id, batch_id)``) is a duplicate and ignored, so a
-  batch is placed at most once; ``acquired`` remembers every such batch, which is what a
-  resuming scheduler asks ("does this batch already have tokens?").
-* ``TokenReleased`` gives back the listed tokens the batch still holds or, with
-  ``token_ids=None``, every token it still holds. Unknown batches, unknown tokens and
-  repeated releases are ignored, so releasing is idempotent.
-* ``BatchLeased`` records that a worker took the batch over under a newer lease (the work
-  entry's delivery count); a later ``TokenReleased`` with an older ``lease`` is a late write
-  of a previous holder and is ignored (fencing): its tokens are still in use by the new
-  holder. Releases written before leases existed carry lease 0 and no ``BatchLeased``
-  precedes them, so old logs fold as before.
-* ``AdmissionClosed`` records that the scheduler admitted the rollout's last batch. From
-  then on every batch of the rollout answers ``has_acquired`` (a resumed request admits
-  nothing more), a ``TokenAcquired`` for it is ignored, and the fold *forgets* each of its
-  batches once the batch holds no token: its ``acquired`` key and lease go. So the record
-  of admitted batches holds the batches of rollouts still being admitted plus the batches
-  still holding tokens, and ``closed`` one id per rollout, instead of one key per batch
-  ever admitted. Forgetting never changes a decision: a forgotten batch holds nothing, and
-  a late release or lease for it is ignored as it would be after its last release.
-* The fold applies acquisitions as written, even ones that do not fit: it records what
-  happened, and ``over_allocation`` reports any node, GPU, CPU or memory over capacity (the
-  invariant every prefix of the stream must satisfy).
+* ``PoolDeclared`` replaces the node set; held tokens stay held and are re-counted against
+  the new nodes (one on a node that is gone counts against nothing). No declaration, or one
+  with no nodes, means an *ungated* pool.
+* ``TokenAcquired`` takes the listed tokens' capacity. A second one for a batch that has ever
+  acquired is a duplicate and ignored, so a batch is placed at most once; ``acquired``
+  answers a resuming scheduler's "does this batch already have tokens?".
+* ``TokenReleased`` gives back the listed tokens (all, with ``token_ids=None``) the batch
+  still holds; unknown batches or tokens and repeated releases are ignored (idempotent).
+* ``BatchLeased`` fences: a later release with an older ``lease`` is a late write of a
+  previous holder and is ignored, its tokens being in use by the new holder.
+* ``AdmissionClosed``: every batch of the rollout then answers ``has_acquired``, further
+  acquisitions are ignored, and each batch is forgotten once it holds no token, so the record
+  stays bounded. Forgetting never changes a decision: a late release or lease for a forgotten
+  batch is ignored as it would be after its last release.
+* Acquisitions are applied as written, even ones that do not fit: the fold records what
+  happened, and ``over_allocation`` reports any capacity exceeded (the invariant every prefix
+  of the stream must satisfy).
 
-Allocation (pure; the state is never modified)
-----------------------------------------------
-``try_acquire_batch(state, budget, per_sample, max_tokens)`` follows the seed
-(task-scheduler §3, ``PlacementPool.try_acquire_batch``): it takes tokens one ``per_sample``
-at a time until the evaluator's ``budget`` is spent or ``max_tokens`` (the batch's sample
-count) is reached, so a batch needs exactly ``n = min(budget_tokens(budget, per_sample),
-max_tokens)`` tokens. "Spending the budget" is field by field: ``gpu``, ``cpu`` and
-``memory_gb`` of the budget pay for as many per-sample amounts as they cover (a field the
-sample does not use never limits), and ``concurrency`` too (each token is one sample running
-at once, so a budget with ``concurrency=c`` pays for at most ``c`` tokens). Every one of the
-``n`` tokens must be placed or none is: on the first token that fits nowhere the result is
-``None`` and nothing is taken (all-or-nothing; the batch waits instead of half-committing).
-
-Each token goes to the node with the most free GPU capacity (ties: most free CPU, then
-memory, then layout order) among those it fits on; cross-node batches are normal. On a node a
-fractional sample (``0 < gpu <= 1``) best-fits: it takes the GPU whose remaining capacity is
-the smallest that still covers it (each GPU has capacity 1.0, so ``gpu=0.33`` packs three per
-GPU); a sample of ``k >= 2`` whole GPUs takes ``k`` completely free GPUs of one node; a
-``gpu=0`` sample gates on CPU and memory alone.
-
-Ungated pools admit everything: the grants carry no resources and ``node=""``. Tokens are
-named ``f"{token_prefix}:t{i}"`` (``i`` counts from 0 within the batch) whether gated or not;
-the scheduler uses the batch id as the prefix, so token ids are unique across the pool.
-
-``max_tokens_for(state, per_sample)`` is how many such tokens the declared pool can ever hold
-at once (on an empty pool): per node the minimum over GPU slots (``floor(1/gpu)`` per GPU, or
-``floor(gpus/k)`` for whole GPUs), ``floor(cpu/cpu)`` and ``floor(memory/memory)``, summed
-over nodes. ``UNBOUNDED`` when nothing gates (ungated pool, or an all-zero sample).
-
-Time travel: ``engine.runtime.rebuild.pool_at(log, until=id)`` folds ``rl:pool`` up to an
-event id and ``render_pool`` prints it as a table.
-
-Performance note: like the rollout projection, ``evolve`` updates the state in place and
-returns it, so folding a long pool history stays linear; take ``copy()`` before keeping a
-state that a later fold would extend. Held tokens are kept as compact ``Held`` tuples
-(``held_by`` turns them back into grants) and the nodes' placement order is maintained by
-the fold, so a decision costs O(tokens x nodes) whatever the pool holds.
-
-Snapshot: ``PoolProjection`` is ``Snapshottable`` (``dump`` / ``load`` turn a state into
-plain msgpack-able values and back), so a reader starts from the stored snapshot and folds
-only the tail (``engine.runtime.live.LiveFold`` does so by itself); this is what lets
-retention trim ``rl:pool`` below a snapshot (``engine.ops.retention``).
+``evolve`` updates the state in place (take ``copy()`` before keeping one). Held tokens are
+compact ``Held`` tuples and the fold keeps the nodes' placement order, so a decision costs
+O(tokens x nodes) whatever the pool holds. ``dump`` / ``load`` let a reader start from a stored
+snapshot and fold only the tail, which lets retention trim ``rl:pool`` below it.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.domain import Resource
-from engine.errors import PlacementError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     AdmissionClosed,
@@ -100,26 +46,19 @@ from engine.projections.base import Folded
 
 __all__ = [
     "EPS",
-    "Held",
-    "UNBOUNDED",
     "BatchKey",
+    "Held",
+    "NodeKey",
     "NodeUsage",
     "PoolProjection",
     "PoolState",
-    "budget_tokens",
-    "describe_resource",
     "fold_all",
-    "max_tokens_for",
     "pool_of",
     "render_pool",
-    "try_acquire_batch",
 ]
 
 EPS = 1e-9
 """Tolerance of capacity comparisons (``3 * 0.33`` must fit on one GPU, ``3 * (1/3)`` too)."""
-
-UNBOUNDED = sys.maxsize
-"""What ``max_tokens_for`` answers when nothing limits the number of tokens."""
 
 BatchKey = tuple[str, str]
 """``(rollout_id, batch_id)``."""
@@ -128,8 +67,8 @@ NodeKey = tuple[float, float, float, int]
 
 
 class Held(NamedTuple):
-    """A held token, compactly: a 100k-token pool keeps no pydantic objects alive (they
-    would cost memory and every garbage-collector pass)."""
+    """A held token without pydantic objects, which a large pool would pay for in memory
+    and in every garbage-collector pass."""
 
     node: str
     gpus: tuple[tuple[int, float], ...]
@@ -157,11 +96,9 @@ class Held(NamedTuple):
 
 @dataclass(slots=True)
 class NodeUsage:
-    """One declared node and what the held tokens use of it.
-
-    Usage returns to exactly zero when the last holder of a GPU (or of the node) releases,
-    so float rounding never leaves a pool short after a full cycle.
-    """
+    """One declared node and what the held tokens use of it. Usage returns to exactly zero
+    when the last holder of a GPU (or node) releases, so float rounding never leaves a pool
+    short after a full cycle."""
 
     decl: NodeDecl
     order: int
@@ -246,8 +183,6 @@ class NodeUsage:
 
 @dataclass(slots=True)
 class PoolState:
-    """The pool as folded from ``rl:pool``; see the module docstring for the rules."""
-
     declared: PoolDeclared | None = None
     nodes: dict[str, NodeUsage] = field(default_factory=dict)
     held: dict[BatchKey, dict[str, Held]] = field(default_factory=dict)
@@ -256,8 +191,7 @@ class PoolState:
     closed: set[str] = field(default_factory=set)  # rollouts whose admission is closed
     fenced: int = 0  # releases ignored as late writes of a previous holder
     events: int = 0
-    # Nodes sorted by placement preference, kept current by the fold so that a decision
-    # does not re-sort the whole cluster.
+    # Nodes by placement preference, kept current so that a decision does not re-sort.
     order: list[tuple[NodeKey, str]] = field(default_factory=list)
 
     @property
@@ -275,11 +209,9 @@ class PoolState:
         return (rollout_id, batch_id) in self.acquired or rollout_id in self.closed
 
     def is_closed(self, rollout_id: str) -> bool:
-        """Whether ``AdmissionClosed`` was recorded for the rollout."""
         return rollout_id in self.closed
 
     def held_by(self, rollout_id: str, batch_id: str) -> dict[str, TokenGrant]:
-        """The tokens the batch still holds, as grants."""
         tokens = self.held.get((rollout_id, batch_id), {})
         return {token_id: held.grant(token_id) for token_id, held in tokens.items()}
 
@@ -326,8 +258,6 @@ class PoolState:
 
 
 class PoolProjection:
-    """Folds ``rl:pool`` into a :class:`PoolState`; snapshottable (module docstring)."""
-
     name = "pool"
 
     def initial(self) -> PoolState:
@@ -369,16 +299,14 @@ def _declare(state: PoolState, ev: PoolDeclared) -> None:
 
 
 def _touch(state: PoolState, node: NodeUsage, before: NodeKey) -> None:
-    """Move ``node`` to its new place in ``state.order`` after its usage changed."""
     order = state.order
     del order[bisect.bisect_left(order, (before, node.name))]
     bisect.insort(order, (node.key, node.name))
 
 
 def _reorder(state: PoolState, before: dict[str, NodeKey]) -> None:
-    """Re-place every node in ``before`` (its key before a whole event's grants changed
-    it): one move per node and event instead of one per token -- a batch's 256 tokens
-    usually land on one node."""
+    """Re-place every node of ``before`` (its key before the event): one move per node and
+    event rather than per token, since a batch's tokens usually land on one node."""
     for name, key in before.items():
         _touch(state, state.nodes[name], key)
 
@@ -441,185 +369,7 @@ def _release(state: PoolState, ev: TokenReleased) -> None:
             _forget(state, key)
 
 
-# ---------------------------------------------------------------- allocation
-
-
-def budget_tokens(budget: Resource, per_sample: Resource) -> int:
-    """How many ``per_sample`` tokens the evaluator's ``budget`` pays for (see module doc)."""
-    limits = [budget.concurrency // per_sample.concurrency]
-    for have, need in (
-        (budget.gpu, per_sample.gpu),
-        (budget.cpu, per_sample.cpu),
-        (budget.memory_gb, per_sample.memory_gb),
-    ):
-        if need > 0:
-            limits.append(math.floor(have / need + EPS))
-    return max(0, min(limits))
-
-
-def _node_slots(decl: NodeDecl, per_sample: Resource) -> int:
-    """Tokens of ``per_sample`` an empty node holds (``UNBOUNDED`` if nothing limits)."""
-    limits: list[int] = []
-    gpu = per_sample.gpu
-    if gpu > 0:
-        if gpu <= 1:
-            limits.append(len(decl.gpus) * math.floor(1.0 / gpu + EPS))
-        else:
-            limits.append(len(decl.gpus) // round(gpu))
-    if per_sample.cpu > 0:
-        limits.append(math.floor(decl.cpu / per_sample.cpu + EPS))
-    if per_sample.memory_gb > 0:
-        limits.append(math.floor(decl.memory_gb / per_sample.memory_gb + EPS))
-    return min(limits) if limits else UNBOUNDED
-
-
-def max_tokens_for(state: PoolState, per_sample: Resource) -> int:
-    """How many ``per_sample`` tokens the declared pool can ever hold at once."""
-    if not state.gated:
-        return UNBOUNDED
-    total = 0
-    for node in state.nodes.values():
-        slots = _node_slots(node.decl, per_sample)
-        if slots == UNBOUNDED:
-            return UNBOUNDED
-        total += slots
-    return total
-
-
-@dataclass(slots=True)
-class _Free:
-    """Scratch copy of one node's free capacity while a batch is being placed."""
-
-    name: str
-    order: int
-    cpu: float
-    memory: float
-    gpus: dict[int, float]
-    gpu_total: float
-
-    @classmethod
-    def of(cls, node: NodeUsage) -> _Free:
-        return cls(
-            name=node.name,
-            order=node.order,
-            cpu=node.free_cpu,
-            memory=node.free_memory,
-            gpus={gpu: 1.0 - used for gpu, used in node.gpu_used.items()},
-            gpu_total=node.free_gpu,
-        )
-
-    @property
-    def key(self) -> NodeKey:
-        return (-self.gpu_total, -self.cpu, -self.memory, self.order)
-
-    def fit(self, per_sample: Resource) -> list[GpuShare] | None:
-        if per_sample.cpu > self.cpu + EPS or per_sample.memory_gb > self.memory + EPS:
-            return None
-        want = per_sample.gpu
-        if want == 0:
-            return []
-        if want <= 1:
-            best: int | None = None
-            best_left = math.inf
-            for gpu, left in self.gpus.items():
-                if left + EPS >= want and left < best_left:
-                    best, best_left = gpu, left
-            if best is None:
-                return None
-            return [GpuShare(gpu=best, fraction=want)]
-        whole = round(want)
-        free = [gpu for gpu, left in self.gpus.items() if left >= 1.0 - EPS][:whole]
-        if len(free) < whole:
-            return None
-        return [GpuShare(gpu=gpu, fraction=1.0) for gpu in free]
-
-    def take(self, per_sample: Resource, shares: list[GpuShare]) -> None:
-        self.cpu -= per_sample.cpu
-        self.memory -= per_sample.memory_gb
-        for share in shares:
-            self.gpus[share.gpu] -= share.fraction
-            self.gpu_total -= share.fraction
-
-
-_new = object.__new__
-_set = object.__setattr__
-_GRANT_FIELDS = frozenset(TokenGrant.model_fields)
-
-
-def _grant(token_id: str, node: str, shares: list[GpuShare], per_sample: Resource) -> TokenGrant:
-    """``TokenGrant(token_id=..., node=..., gpus=shares, cpu=..., memory_gb=...)`` for the
-    batch's hot loop (a token per sample). Every value already has its field's exact type
-    -- strings, a fresh list of validated ``GpuShare``, the validated resource's floats --
-    so the instance is filled in as ``model_construct`` would, without the validator; equal
-    to the validated one, fields set included. Anything else is validated."""
-    cpu, memory = per_sample.cpu, per_sample.memory_gb
-    if type(cpu) is not float or type(memory) is not float or type(node) is not str:
-        return TokenGrant(token_id=token_id, node=node, gpus=shares, cpu=cpu, memory_gb=memory)
-    grant = _new(TokenGrant)
-    _set(grant, "__dict__", {
-        "token_id": token_id, "node": node, "gpus": shares, "cpu": cpu, "memory_gb": memory,
-    })
-    _set(grant, "__pydantic_fields_set__", set(_GRANT_FIELDS))
-    _set(grant, "__pydantic_extra__", None)
-    _set(grant, "__pydantic_private__", None)
-    return grant
-
-
-def try_acquire_batch(
-    state: PoolState,
-    budget: Resource,
-    per_sample: Resource,
-    max_tokens: int,
-    *,
-    token_prefix: str = "batch",
-) -> list[TokenGrant] | None:
-    """All-or-nothing placement of ``min(budget_tokens, max_tokens)`` tokens, or ``None``.
-
-    Pure: ``state`` is not modified; the caller records the grants as a ``TokenAcquired``.
-    Raises ``PlacementError`` when the budget pays for no token at all (a configuration the
-    start-up deadlock check refuses) and ``ValueError`` for ``max_tokens < 1``.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    affordable = budget_tokens(budget, per_sample)
-    if affordable < 1:
-        raise PlacementError(
-            f"budget {describe_resource(budget)} pays for no token of "
-            f"{describe_resource(per_sample)}"
-        )
-    n = min(affordable, max_tokens)
-    if not state.gated:
-        return [TokenGrant(token_id=f"{token_prefix}:t{i}", node="") for i in range(n)]
-    # Nodes in placement preference (the fold keeps the order); only the nodes a token
-    # lands on get a scratch copy, and only they move in the order.
-    order = list(state.order)
-    scratch: dict[str, _Free] = {}
-    grants: list[TokenGrant] = []
-    for i in range(n):
-        for position, (_, name) in enumerate(order):
-            free = scratch.get(name) or _Free.of(state.nodes[name])
-            shares = free.fit(per_sample)
-            if shares is None:
-                continue
-            scratch[name] = free
-            free.take(per_sample, shares)
-            del order[position]
-            bisect.insort(order, (free.key, name))
-            grants.append(_grant(f"{token_prefix}:t{i}", name, shares, per_sample))
-            break
-        else:
-            return None
-    return grants
-
-
 # ---------------------------------------------------------------- rendering
-
-
-def describe_resource(resource: Resource) -> str:
-    return (
-        f"gpu={resource.gpu:g} cpu={resource.cpu:g} memory_gb={resource.memory_gb:g} "
-        f"concurrency={resource.concurrency}"
-    )
 
 
 def _count(n: int, noun: str) -> str:
@@ -683,8 +433,7 @@ def _dump(state: PoolState) -> dict[str, Any]:
 
 
 def _load(doc: Any) -> PoolState:
-    """The state ``_dump`` wrote: held tokens, node usage (re-counted from the tokens), the
-    record of admitted batches, leases and closed rollouts."""
+    """The state ``_dump`` wrote; node usage is re-counted from the held tokens."""
     if not isinstance(doc, dict) or doc.get("v") != _SNAPSHOT_VERSION:
         found = doc.get("v") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"pool snapshot: version {found!r}, expected {_SNAPSHOT_VERSION}")
@@ -708,14 +457,14 @@ def _load(doc: Any) -> PoolState:
 
 
 def pool_of(declaration: PoolDeclared) -> PoolState:
-    """A fresh pool with ``declaration`` and nothing held (what a layout alone provides)."""
+    """A fresh pool with ``declaration`` and nothing held."""
     state = PoolState()
     _declare(state, declaration)
     return state
 
 
 def fold_all(envelopes: Iterable[Envelope]) -> PoolState:
-    """Fold envelopes into a fresh state (a convenience for tests and tools)."""
+    """Fold envelopes into a fresh state."""
     projection = PoolProjection()
     state = projection.initial()
     for env in envelopes:

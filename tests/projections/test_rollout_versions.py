@@ -1,4 +1,4 @@
-"""The compact fold's count of sampled tokens per weight version (decision._versions).
+"""The rollout fold's count of sampled tokens per weight version (``rollout.versions_of``).
 
 Its byte-level shortcut for one version throughout must give exactly what the numpy
 reference gives, and refuse what numpy refuses (arrays of different lengths)."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.events import LogProbs, Mask, SampleCompleted, TokenIds
-from engine.projections.decision import UNKNOWN_VERSION, _versions
+from engine.projections.rollout import UNKNOWN_VERSION, versions_of
 
 
 def _done(mask: list[int], versions: list[int]) -> SampleCompleted:
@@ -22,6 +22,10 @@ def _done(mask: list[int], versions: list[int]) -> SampleCompleted:
         logprobs=LogProbs.from_values([-0.5] * n), loss_mask=Mask.from_values(mask),
         token_versions=TokenIds.from_values(versions),
     )
+
+
+def _versions(done: SampleCompleted) -> tuple[tuple[int, int], ...]:
+    return versions_of(done.loss_mask.data, done.token_versions.data)
 
 
 def _reference(mask: list[int], versions: list[int]) -> tuple[tuple[int, int], ...]:

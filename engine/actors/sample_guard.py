@@ -1,0 +1,173 @@
+"""``SampleGuard``: one attempt's checks against its rollout's staleness bound and aborted tail.
+
+A ``BatchRun`` guards the samples of a request with a staleness bound or an over-provisioned
+plan (the others cannot become unusable while they run). The guard is a hook of the attempt's
+bound view of the worker's ``BackendPool`` (``pool.bind(key, hooks=(guard,))``,
+``engine/backends/hooks.py``), so it runs around every generation of the policy, whatever the
+backend's class:
+
+- before each generation (and before the sample starts) it refuses work the sample can no
+  longer use: a turn of a sample whose earlier turns already ran on weights older than the
+  bound (the trainer's current version minus ``max_staleness``; a turn of unknown version
+  never meets a bound), or anything of a sample in the aborted tail of a rollout that became
+  ready. ``ended`` is then the reason, which wins over whatever the agent made of the refusal;
+- it names each generation with a rid under the attempt's prefix, and keeps the servers that
+  can abort by rid, so one ``/abort_request`` per server (rids match by prefix) reaches all of
+  the attempt's generations;
+- after each generation it records the weight version the server reported.
+
+``supervise`` runs the attempt's ``run`` phase and ends it when the sample falls into the
+aborted tail of its rollout while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from engine.actors.control_watch import ControlWatch
+from engine.actors.outcomes import ReportedAbort
+from engine.agents.result import AgentResult
+from engine.backends.base import GenerationResult, ModelBackend
+from engine.backends.hooks import CallKind, ModelCall
+from engine.events.catalog import RolloutRequested
+from engine.outcomes import TerminationReason
+from engine.projections.rollout import staleness_floor, version_meets
+
+__all__ = ["SampleGuard"]
+
+logger = logging.getLogger(__name__)
+
+
+class SampleGuard:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        request: RolloutRequested | None,
+        watch: ControlWatch | None,
+        rollout_id: str,
+        sample_id: str,
+        attempt: int,
+    ) -> None:
+        self.request = request
+        self.watch = watch
+        self.rollout_id = rollout_id
+        self.sample_id = sample_id
+        self.rid_prefix = f"{sample_id}/a{attempt}/"
+        self.oldest: int | None = None  # oldest weight version a turn ran on (-1: unknown)
+        self.turns = 0
+        self.ended: TerminationReason | None = None
+        self.servers: list[ModelBackend] = []  # where it generated, with the abort capability
+
+    def floor(self) -> int | None:
+        published = self.watch.published if self.watch is not None else None
+        return staleness_floor(self.request, published)
+
+    def tail_aborted(self) -> bool:
+        if self.watch is None:
+            return False
+        tail = self.watch.tail_of(self.rollout_id)
+        return tail is not None and tail[0] == "abort" and self.sample_id in tail[1]
+
+    def verdict(self) -> TerminationReason | None:
+        """Why the sample cannot go on (None: it can)."""
+        if self.tail_aborted():
+            return TerminationReason.TAIL_ABORTED
+        floor = self.floor()
+        if floor is not None and self.oldest is not None and not version_meets(
+            self.oldest, floor
+        ):
+            return TerminationReason.STALE
+        return None
+
+    def before_turn(self) -> None:
+        reason = self.verdict()
+        if reason is not None:
+            self.ended = self.ended or reason
+            raise ReportedAbort(self.ended)
+
+    def record(self, result: GenerationResult) -> None:
+        self.turns += 1
+        version = result.weight_version if result.weight_version is not None else -1
+        if self.oldest is None or version < self.oldest:
+            self.oldest = version
+
+    def next_rid(self) -> str:
+        return f"{self.rid_prefix}t{self.turns}"
+
+    # -- the hook of the attempt's backends ----------------------------------------------------
+
+    async def before(self, call: ModelCall) -> None:
+        if call.kind is not CallKind.GENERATE:
+            return  # a re-score or a pass-through is no turn of the policy
+        self.before_turn()
+        if call.rid is None:
+            call.rid = self.next_rid()
+        server = call.backend
+        if server.capabilities.abort and server not in self.servers:
+            self.servers.append(server)
+
+    def after(
+        self, call: ModelCall, result: GenerationResult | None, error: BaseException | None
+    ) -> None:
+        if result is not None:
+            self.record(result)
+
+    # -- the run phase -------------------------------------------------------------------------
+
+    async def abort_on_servers(self) -> None:
+        """``/abort_request`` for the attempt's rid prefix on every server it generated on."""
+        for server in self.servers:
+            try:
+                await server.abort(self.rid_prefix)
+            except Exception as exc:  # the generation ends on its own then
+                logger.warning("abort of %s on a model server failed: %s", self.rid_prefix, exc)
+
+    async def supervise(
+        self, run: Coroutine[Any, Any, AgentResult], *, abort_grace_s: float
+    ) -> AgentResult:
+        """The run phase, watched: a sample that falls into the aborted tail of its rollout
+        has its generations aborted on the model servers and ends as ``tail_aborted`` (the
+        run is cancelled if it has not ended ``abort_grace_s`` later); a verdict of the guard
+        (stale, tail) wins over what the agent made of a refused turn."""
+        watch = self.watch
+        if watch is None:
+            return await run
+        task = asyncio.ensure_future(run)
+        try:
+            while not task.done():
+                # the waiter first: a change after the check below still wakes it
+                waiter = asyncio.ensure_future(watch.wait_changed())
+                try:
+                    if not self.tail_aborted():
+                        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if not task.done() and self.tail_aborted():
+                    await self._end_tail(task, abort_grace_s)
+            try:
+                result = task.result()
+            except Exception as exc:
+                if self.ended is not None:
+                    raise ReportedAbort(self.ended) from exc
+                raise
+            if self.ended is not None:
+                raise ReportedAbort(self.ended)
+            return result
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _end_tail(self, task: asyncio.Future[AgentResult], grace_s: float) -> None:
+        self.ended = TerminationReason.TAIL_ABORTED
+        if self.servers:  # let the aborted generations end the run itself
+            await self.abort_on_servers()
+            await asyncio.wait({task}, timeout=grace_s)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        ended = None if task.cancelled() else task.exception()
+        raise ReportedAbort(TerminationReason.TAIL_ABORTED) from ended

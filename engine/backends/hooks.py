@@ -1,0 +1,168 @@
+"""Hooks around the model calls of a ``BackendPool``'s backends, and the one wrapper that runs them.
+
+A pool hands out each endpoint's backend wrapped in a ``HookedBackend``: every ``generate``,
+every ``score`` and every ``forwarded_call`` span passes its hooks, so what must bracket a
+model call (the worker's ``TurnGate``, an attempt's ``SampleGuard``) wraps any backend by
+composition, whatever its class. The other operations of the port (``abort``,
+``weight_version``, ``health``, ``tokenize``, ``decode``) go straight to the endpoint's backend.
+
+A hook (``CallHook``) has two methods, run for each call in this order:
+
+- ``await hook.before(call)``: may wait (a closed gate) or raise to refuse the call (a stale
+  sample); it may set ``call.rid``, the request id the call is sent with. A call a hook
+  refused reaches neither the server nor the hooks after it;
+- ``hook.after(call, result, error)``: once for every ``before`` that returned, in reverse
+  order, when the call ended: ``result`` is a ``generate``'s result (None for the other
+  kinds), ``error`` what it raised (a refusal by a later hook and cancellation included). It
+  must not raise.
+
+``ModelCall`` names what the hooks see: the kind of call, the endpoint and its backend (the
+server's own, to abort a request on or probe), the request id. A ``HookedBackend`` is cheap (an
+object per ``get`` of a guarded view, one ``ModelCall`` per call) and owns nothing:
+``aclose`` leaves the endpoint's backend to the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from enum import StrEnum
+from typing import Any, Protocol
+
+from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
+
+__all__ = ["CallHook", "CallKind", "HookedBackend", "ModelCall"]
+
+
+class CallKind(StrEnum):
+    GENERATE = "generate"
+    SCORE = "score"
+    FORWARD = "forward"  # a call the caller sent itself, inside ``forwarded_call``
+
+
+class ModelCall:
+    """One model call as its hooks see it (``rid`` may be set by a hook's ``before``)."""
+
+    __slots__ = ("kind", "url", "backend", "rid")
+
+    def __init__(self, kind: CallKind, url: str, backend: ModelBackend, rid: str | None) -> None:
+        self.kind = kind
+        self.url = url
+        self.backend = backend
+        self.rid = rid
+
+
+class CallHook(Protocol):
+    """Runs around each model call of a pool's backends (see the module docstring)."""
+
+    async def before(self, call: ModelCall) -> None: ...
+
+    def after(
+        self, call: ModelCall, result: GenerationResult | None, error: BaseException | None
+    ) -> None: ...
+
+
+class HookedBackend(ModelBackend):
+    """An endpoint's backend whose calls pass ``hooks`` (see the module docstring)."""
+
+    def __init__(self, inner: ModelBackend, url: str, hooks: tuple[CallHook, ...]) -> None:
+        self._inner = inner
+        self._url = url
+        self._hooks = hooks
+        self.capabilities = inner.capabilities
+        self.base_url = inner.base_url
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+    async def generate(
+        self,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+        rid: str | None = None,
+    ) -> GenerationResult:
+        call = ModelCall(CallKind.GENERATE, self._url, self._inner, rid)
+        entered = await self._before(call)
+        try:
+            result = await self._inner.generate(
+                input_ids=input_ids,
+                messages=messages,
+                tools=tools,
+                sampling_params=sampling_params,
+                rid=call.rid,
+            )
+        except BaseException as exc:
+            self._after(call, entered, None, exc)
+            raise
+        self._after(call, entered, result, None)
+        return result
+
+    async def score(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
+    ) -> ForceDecodeScore:
+        call = ModelCall(CallKind.SCORE, self._url, self._inner, None)
+        entered = await self._before(call)
+        try:
+            score = await self._inner.score(
+                prompt_ids, response_ids, top_logprobs_num=top_logprobs_num
+            )
+        except BaseException as exc:
+            self._after(call, entered, None, exc)
+            raise
+        self._after(call, entered, None, None)
+        return score
+
+    @asynccontextmanager
+    async def forwarded_call(self) -> AsyncIterator[None]:
+        call = ModelCall(CallKind.FORWARD, self._url, self._inner, None)
+        entered = await self._before(call)
+        try:
+            yield
+        except BaseException as exc:
+            self._after(call, entered, None, exc)
+            raise
+        self._after(call, entered, None, None)
+
+    async def _before(self, call: ModelCall) -> int:
+        """Run the hooks' ``before`` in order; how many returned."""
+        entered = 0
+        try:
+            for hook in self._hooks:
+                await hook.before(call)
+                entered += 1
+        except BaseException as exc:
+            self._after(call, entered, None, exc)
+            raise
+        return entered
+
+    def _after(
+        self,
+        call: ModelCall,
+        entered: int,
+        result: GenerationResult | None,
+        error: BaseException | None,
+    ) -> None:
+        hooks = self._hooks
+        for i in range(entered - 1, -1, -1):
+            hooks[i].after(call, result, error)
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self._inner.abort(rid)
+
+    async def weight_version(self) -> int | None:
+        return await self._inner.weight_version()
+
+    async def health(self, *, generate: bool = False) -> None:
+        await self._inner.health(generate=generate)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._inner.tokenize(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._inner.decode(token_ids)
+
+    async def aclose(self) -> None:
+        """The pool owns the endpoint's backend and closes it."""

@@ -1,0 +1,7 @@
+"""``python -m workers ...``: the ``rollout`` command."""
+
+import sys
+
+from workers.cli import main
+
+sys.exit(main())
