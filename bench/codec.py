@@ -1,17 +1,14 @@
-"""Codec CPU per event: the compact array form beside the raw form, and ``decode`` beside
-``decode_flat``.
+"""Codec CPU per event: the compact array form beside the raw form.
 
 Arms (microseconds of process CPU per event, the best of interleaved rounds):
   encode / encode_raw      ``encode`` of a SampleCompleted (compact arrays) and of the same
                            values in a class without ``compact_arrays`` (every array raw)
   decode / decode_raw      ``decode`` of those bytes (the compiled path; compact arrays lazy)
   decode_reference         the msgpack + pydantic reference decoder, compact bytes
-  fold_decode              ``decode`` + what the finalizer's fold reads of a sample (the
-                           lengths of its ids, its loss mask's bytes)
-  fold_flat                ``decode_flat`` + the same values read off the compact wire form
+  fold_decode              ``decode`` + what a fold reads of a sample (the lengths of its
+                           ids, its loss mask's bytes)
   decode_expand            ``decode`` + every array's values (``numpy()``)
-Ratios: ``encode_vs_raw`` and ``decode_vs_raw`` (compact / raw CPU; 1.0: no extra cost),
-``fold_decode_vs_flat`` (1.0: building the event costs what reading its fields does).
+Ratios: ``encode_vs_raw`` and ``decode_vs_raw`` (compact / raw CPU; 1.0: no extra cost).
 
     python bench/codec.py [--events 5000] [--tokens 256] [--prompt 64] [--rounds 7]
 
@@ -29,9 +26,8 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from engine.events import Mask, SampleCompleted, TokenIds, decode, encode
-from engine.events.arrays import compact_size, from_compact
-from engine.events.codec import decode_flat, decode_reference
+from engine.events import SampleCompleted, decode, encode
+from engine.events.codec import decode_reference
 
 
 class RawSample(SampleCompleted):
@@ -64,23 +60,17 @@ def fold_decode(raw: bytes) -> tuple[int, int, bytes]:
     return len(ev.prompt_ids), len(ev.response_ids), ev.loss_mask.data
 
 
-def fold_flat(raw: bytes) -> tuple[int, int, bytes]:
-    got = decode_flat(raw)
-    assert got is not None
-    fields = got[1]
-    mask = fields.loss_mask
-    return (
-        compact_size(TokenIds, fields.prompt_ids),
-        compact_size(TokenIds, fields.response_ids),
-        mask[1:] if mask[0] == 0 else from_compact(Mask, mask).data,
-    )
-
-
 def decode_expand(raw: bytes) -> None:
     ev = decode(raw)
     assert isinstance(ev, SampleCompleted)
-    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions",
-                 "teacher_mask"):
+    for name in (
+        "prompt_ids",
+        "response_ids",
+        "logprobs",
+        "loss_mask",
+        "token_versions",
+        "teacher_mask",
+    ):
         getattr(ev, name).numpy()
 
 
@@ -89,7 +79,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     raw_form = make_events(args.events, args.tokens, args.prompt, RawSample)
     blobs = [encode(e) for e in compact]
     raw_blobs = [encode(e) for e in raw_form]
-    assert fold_decode(blobs[0]) == fold_flat(blobs[0])
     arms: dict[str, Callable[[], object]] = {
         "encode": lambda: [encode(e) for e in compact],
         "encode_raw": lambda: [encode(e) for e in raw_form],
@@ -97,8 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "decode_raw": lambda: [decode(b) for b in raw_blobs],
         "decode_reference": lambda: [decode_reference(b) for b in blobs],
         "fold_decode": lambda: [fold_decode(b) for b in blobs],
-        "fold_flat": lambda: [fold_flat(b) for b in blobs],
-        "decode_expand": lambda: [decode_expand(b) for b in blobs],
+        "decode_expand": lambda: list(map(decode_expand, blobs)),
     }
     gc.collect()
     gc.freeze()  # the inputs are not the arms' garbage: collections skip them
@@ -118,7 +106,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         **{f"{name}_us": value for name, value in us.items()},
         "encode_vs_raw": round(us["encode"] / us["encode_raw"], 3),
         "decode_vs_raw": round(us["decode"] / us["decode_raw"], 3),
-        "fold_decode_vs_flat": round(us["fold_decode"] / us["fold_flat"], 3),
     }
     for name, value in us.items():
         print(f"{name:18s} {value:8.3f} us/event")

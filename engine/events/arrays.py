@@ -394,16 +394,6 @@ def from_compact(kind: type[_P], wire: bytes) -> _P:
     return out
 
 
-def _well_formed(kind: type[PackedArray], wire: bytes) -> bool:
-    """Whether ``wire``, a compact value with a non-zero tag, is one of ``kind``'s compact
-    forms with a length that fits it: the only checks a compact value needs, since any such
-    value expands."""
-    tag, size = wire[0], len(wire) - 1
-    if kind is TokenIds:
-        return not size % 3 if tag == _U24 else tag == _U16 and not size % 2
-    return tag == _BITS and kind is Mask and 0 < size and wire[1] < 8 and (size > 1 or not wire[1])
-
-
 def _malformed(kind: type[PackedArray], wire: bytes) -> str:
     """What is wrong with ``wire``, a compact value of ``kind`` that is not well formed."""
     tag, size = (wire[0], len(wire) - 1) if wire else (-1, 0)
@@ -429,33 +419,27 @@ def read_fields(
     for name, kind, compact in fields:
         wire = values[name]
         if compact:
-            if not wire or (wire[0] and not _well_formed(kind, wire)):
-                raise ValueError(_malformed(kind, wire))
-            if wire[0]:
+            tag = wire[0] if wire else -1
+            if tag:  # a compact form (or -1: an empty value); its tag and length fit
+                size = len(wire) - 1
+                if kind is TokenIds:
+                    ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
+                else:
+                    pad = wire[1] if size > 0 else 8
+                    ok = tag == _BITS and kind is Mask and pad < 8 and (size > 1 or not pad)
+                if not ok:
+                    raise ValueError(_malformed(kind, wire))
                 lazy = _new(kind)
                 lazy._wire = wire
                 values[name] = lazy
                 continue
             wire = wire[1:]
+        if not wire:
+            values[name] = _EMPTY[kind] if kind in _EMPTY else kind.empty()
+            continue
         if len(wire) % kind.itemsize:
             kind(wire)  # raises the constructor's error, naming the class and the length
-        if wire:
-            array = _new(kind)
-            array._data = wire
-            array._wire = None
-            values[name] = array
-        else:
-            values[name] = kind.empty()
-
-
-def compact_size(kind: type[PackedArray], wire: bytes) -> int:
-    """``len(from_compact(kind, wire))`` read off the value's tag and length, refusing (with
-    a ``ValueError``) exactly what :func:`from_compact` refuses."""
-    if not wire or (wire[0] and not _well_formed(kind, wire)):
-        raise ValueError(_malformed(kind, wire))
-    if wire[0]:
-        return _compact_len(wire)
-    size = len(wire) - 1
-    if size % kind.itemsize:
-        kind(wire[1:])  # raises the constructor's error, naming the class and the length
-    return size // kind.itemsize
+        array = _new(kind)
+        array._data = wire
+        array._wire = None
+        values[name] = array

@@ -32,7 +32,6 @@ from engine.events.arrays import (
 )
 from engine.events.base import Event, event_class, upcast
 from engine.events.fastpath import decode_fast, ext_array
-from engine.events.fastpath import decode_flat as decode_flat  # peek's sibling (below)
 
 _RESERVED = ("type", "v")
 
@@ -131,12 +130,6 @@ def peek(raw: bytes) -> tuple[str, str, str] | None:
     except (msgspec.MsgspecError, ValueError, TypeError):
         return None
     return head.type, head.sample_id, head.same_as
-
-
-# ``decode_flat(raw)`` (engine.events.fastpath) is peek's checked sibling: ``(class,
-# fields)`` of an event, every field read and checked exactly as ``decode`` checks it but no
-# event built. ``decode`` builds the event for about the same CPU (its compact arrays stay
-# unexpanded until used; bench/codec.py measures both), so new readers use ``decode``.
 
 
 def decode_payload(raw: bytes) -> dict[str, Any]:

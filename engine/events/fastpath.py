@@ -38,7 +38,6 @@ from engine.errors import DecodeError
 from engine.events.arrays import (
     EXT_TYPES,
     PackedArray,
-    compact_size,
     read_fields,
 )
 from engine.events.base import Event, on_register, registered_types
@@ -46,8 +45,14 @@ from engine.events.base import Event, on_register, registered_types
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
 _SCALARS: tuple[type, ...] = (str, int, float, bool, bytes)
 # pydantic's field bounds (annotated-types metadata) and the msgspec Meta argument for each
-_BOUNDS = {"Ge": "ge", "Gt": "gt", "Le": "le", "Lt": "lt", "MinLen": "min_length",
-           "MaxLen": "max_length"}
+_BOUNDS = {
+    "Ge": "ge",
+    "Gt": "gt",
+    "Le": "le",
+    "Lt": "lt",
+    "MinLen": "min_length",
+    "MaxLen": "max_length",
+}
 
 
 def ext_array(code: int, data: bytes | memoryview) -> PackedArray:
@@ -199,9 +204,7 @@ def _plan(cls: type[Event]) -> _Plan | None:
         fields.append((name, spec))
     fields.append(("v", typing.Literal[cls.schema_version]))
     try:
-        struct = msgspec.defstruct(
-            f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True
-        )
+        struct = msgspec.defstruct(f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True)
         decoder = msgspec.msgpack.Decoder(struct, ext_hook=ext_array)
     except TypeError:  # a union msgspec cannot tell apart
         return None
@@ -261,33 +264,6 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     if plan is None or plan.n_keys != n_keys:
         return None
     return plan
-
-
-def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
-    """``(class, fields)`` of an event read into its class's checked msgspec struct without
-    building the event; None for anything :func:`decode_fast` would not take (another
-    class, not canonical, refused) and for a class with nested models or validators.
-
-    Every field is read and checked as :func:`decode_fast` checks it, packed arrays
-    included (their lengths and compact forms, without building them): whenever this
-    returns fields, :func:`engine.events.codec.decode` returns the event with these values.
-    A packed array stays in its wire form in the struct -- the raw little-endian bytes, or
-    for a field of the class's ``compact_arrays`` the compact value (``arrays.from_compact``
-    / ``arrays.compact_size`` read it). :func:`decode_fast` builds the event for about the
-    same CPU (its compact arrays are lazy), so new readers use ``codec.decode``."""
-    plan = _canonical_plan(raw)
-    if plan is None or plan.nested or plan.checks:
-        return None
-    try:
-        fields = plan.decode(raw)
-        for name, kind, compact in plan.arrays:
-            if compact:
-                compact_size(kind, getattr(fields, name))
-            elif len(getattr(fields, name)) % kind.itemsize:
-                return None
-    except _Refused:
-        return None
-    return plan.cls, fields
 
 
 def decode_fast(raw: bytes) -> Event | None:

@@ -96,8 +96,12 @@ def test_compact_round_trip_is_exact_lazy_and_reencodes_to_the_same_bytes(
 
 def _sample(**arrays: Any) -> SampleCompleted:
     n = len(arrays.get("response_ids", ()))
-    values: dict[str, Any] = {"prompt_ids": [], "response_ids": [0] * n, "loss_mask": [1] * n,
-                              "logprobs": [-0.5] * n}
+    values: dict[str, Any] = {
+        "prompt_ids": [],
+        "response_ids": [0] * n,
+        "loss_mask": [1] * n,
+        "logprobs": [-0.5] * n,
+    }
     values.update(arrays)
     return SampleCompleted(rollout_id="r", sample_id="s", **values)
 
@@ -121,8 +125,12 @@ def test_events_with_lazy_arrays_decode_equal_on_both_paths_and_reencode_identic
 
 
 def test_decoding_expands_nothing_and_first_use_expands_once() -> None:
-    event = _sample(prompt_ids=list(range(70_000, 70_300)), response_ids=list(range(500)),
-                    loss_mask=[1, 0] * 250, logprobs=[-1.0] * 500)
+    event = _sample(
+        prompt_ids=list(range(70_000, 70_300)),
+        response_ids=list(range(500)),
+        loss_mask=[1, 0] * 250,
+        logprobs=[-1.0] * 500,
+    )
     got = decode(encode(event))
     assert isinstance(got, SampleCompleted)
     lazy = (got.prompt_ids, got.response_ids, got.loss_mask)
@@ -133,6 +141,61 @@ def test_decoding_expands_nothing_and_first_use_expands_once() -> None:
     assert expanded(got.loss_mask) and got.loss_mask.data is data  # kept, not re-expanded
     assert got.response_ids.torch().tolist() == list(range(500))
     assert got == event
+
+
+def _completed(
+    n: int,
+    *,
+    mask: list[int] | None = None,
+    versions: list[int] | None = None,
+    ids_from: int = 0,
+    prompt_key: str = "",
+) -> SampleCompleted:
+    return SampleCompleted(
+        rollout_id="r",
+        sample_id="r:s0",
+        attempt=1,
+        prompt_ids=[] if prompt_key else list(range(ids_from, ids_from + 70)),
+        prompt_key=prompt_key,
+        response_ids=list(range(ids_from, ids_from + n)),
+        logprobs=[-0.5] * n,
+        loss_mask=mask if mask is not None else [1] * n,
+        reward=1.0,
+        n_turns=2,
+        token_versions=versions if versions is not None else [3] * n,
+        teacher_mask=[0, 1] * (n // 2),
+    )
+
+
+@pytest.mark.parametrize(
+    "done",
+    [
+        _completed(5),
+        _completed(300),  # compact: a bit mask, uint16 ids
+        _completed(300, ids_from=70_000),  # uint24 ids
+        _completed(300, ids_from=2**24),  # raw ids
+        _completed(300, mask=[2, 0, 1] * 100),  # not 0/1: a raw mask
+        _completed(300, mask=[0, 1, 1] * 100, versions=[1, 2, 2] * 100),
+        _completed(9, versions=[]),
+        _completed(9, prompt_key="p0"),
+    ],
+    ids=["short", "bits-u16", "u24", "raw-ids", "raw-mask", "runs", "no-versions", "keyed"],
+)
+def test_a_fold_reads_a_completed_sample_off_the_compiled_decoder_unexpanded(
+    done: SampleCompleted,
+) -> None:
+    """What a fold reads of a sample (the lengths of its arrays) comes off ``decode`` with
+    every compact array still lazy, and equals the event's values."""
+    raw = encode(done)
+    got = decode_fast(raw)
+    assert isinstance(got, SampleCompleted)
+    compact = [getattr(got, name) for name in SampleCompleted.compact_arrays]
+    lazy = [a for a in compact if not expanded(a)]
+    for name in SampleCompleted.compact_arrays:
+        assert len(getattr(got, name)) == len(getattr(done, name)), name
+    assert not any(expanded(a) for a in lazy)
+    assert got.__dict__ == done.__dict__ and got == decode_reference(raw)
+    assert encode(got) == raw
 
 
 def _mask_wire(bits: bytes, pad: int) -> bytes:
@@ -197,8 +260,11 @@ def test_every_compact_value_that_is_accepted_expands(tag: int, body: bytes) -> 
     ("kind", "values", "wire"),
     [
         # uint24 for values that fit uint16: re-encoded as uint16
-        (TokenIds, list(range(100)), b"\x03" + np.arange(100, dtype="<u4").view("u1")
-         .reshape(-1, 4)[:, :3].tobytes()),
+        (
+            TokenIds,
+            list(range(100)),
+            b"\x03" + np.arange(100, dtype="<u4").view("u1").reshape(-1, 4)[:, :3].tobytes(),
+        ),
         # a compact form for an array under the threshold: re-encoded raw
         (TokenIds, [5, 6], b"\x02" + np.array([5, 6], "<u2").tobytes()),
         # bits whose padding is not zero: the same values, re-encoded with zero padding
@@ -213,4 +279,3 @@ def test_a_non_canonical_compact_value_reads_exactly_and_reencodes_canonically(
     plain = kind.from_values(values)
     assert array == plain and array.tolist() == values
     assert to_compact(array) == to_compact(plain) != wire
-
