@@ -62,8 +62,16 @@ def _task_fetched_v1(payload: dict[str, Any]) -> dict[str, Any]:
 
 # The fields a group's samples share: a TaskJoined takes them from its group's TaskFetched.
 GROUP_FIELDS = (
-    "rollout_id", "prompt", "label", "dataset", "task_type", "source_line", "metadata",
-    "stopping", "sampling_params", "carried_from",
+    "rollout_id",
+    "prompt",
+    "label",
+    "dataset",
+    "task_type",
+    "source_line",
+    "metadata",
+    "stopping",
+    "sampling_params",
+    "carried_from",
 )
 
 
