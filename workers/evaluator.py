@@ -78,8 +78,7 @@ class Progress:
     """The live progress printer: a line per finished batch with the running totals.
 
     It counts from each batch's report, not from a row per sample: building every sample's
-    row in the worker only to count it was a measurable share of the worker's CPU
-    (docs/benchmarks.md, "Worker and scheduler CPU per sample")."""
+    row in the worker only to count it is a measurable share of the worker's CPU."""
 
     def __init__(self, worker_id: str, *, out: Any = sys.stdout, quiet: bool = False) -> None:
         self.worker_id = worker_id
