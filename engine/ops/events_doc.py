@@ -31,68 +31,128 @@ class Route:
 
 
 ROUTES: dict[str, Route] = {
-    "RolloutRequested": Route("`rl:control`, then copied to `rl:{rollout:ID}`",
-                              "the trainer (`RolloutClient.request`); the scheduler's plan",
-                              "the scheduler (group `schedulers`), the finalizer"),
-    "TaskFetched": Route("`rl:{rollout:ID}`", "the scheduler (plan)",
-                         "evaluator workers, the finalizer, replay"),
-    "TaskJoined": Route("`rl:{rollout:ID}`", "the scheduler (plan; a group's samples after "
-                        "its first)", "evaluator workers, the finalizer, replay (as the "
-                        "`TaskFetched` it stands for)"),
-    "BatchSealed": Route("`rl:{rollout:ID}`", "the scheduler (plan)",
-                         "the scheduler (admission), `rollout status`"),
-    "RolloutPlanned": Route("`rl:{rollout:ID}`", "the scheduler (plan, last)",
-                            "the finalizer (how many samples to wait for)"),
-    "DataCursorAdvanced": Route("`rl:data`", "the scheduler, before the plan's events",
-                                "the scheduler (exact resume of the data source)"),
-    "TailCarried": Route("`rl:data`", "the finalizer, with a `RolloutReady` whose tail is "
-                         "carried", "the scheduler (the next request of the stream takes it over)"),
-    "PoolDeclared": Route("`rl:pool`", "the scheduler at start (the cluster layout)",
-                          "the scheduler's pool fold, `rollout pool`, `rollout top`"),
-    "TokenAcquired": Route("`rl:pool`", "the scheduler (compare-and-append with the admission)",
-                           "the pool fold; evaluator workers on recovery"),
-    "BatchAdmitted": Route("`rl:work:{evaluator}`", "the scheduler, atomically with "
-                           "`TokenAcquired`", "evaluator workers (group `evaluators`)"),
+    "RolloutRequested": Route(
+        "`rl:control`, then copied to `rl:{rollout:ID}`",
+        "the trainer (`RolloutClient.request`); the scheduler's plan",
+        "the scheduler (group `schedulers`), the finalizer",
+    ),
+    "TaskFetched": Route(
+        "`rl:{rollout:ID}`", "the scheduler (plan)", "evaluator workers, the finalizer, replay"
+    ),
+    "TaskJoined": Route(
+        "`rl:{rollout:ID}`",
+        "the scheduler (plan; a group's samples after its first)",
+        "evaluator workers, the finalizer, replay (as the `TaskFetched` it stands for)",
+    ),
+    "BatchSealed": Route(
+        "`rl:{rollout:ID}`", "the scheduler (plan)", "the scheduler (admission), `rollout status`"
+    ),
+    "RolloutPlanned": Route(
+        "`rl:{rollout:ID}`",
+        "the scheduler (plan, last)",
+        "the finalizer (how many samples to wait for)",
+    ),
+    "DataCursorAdvanced": Route(
+        "`rl:data`",
+        "the scheduler, before the plan's events",
+        "the scheduler (exact resume of the data source)",
+    ),
+    "TailCarried": Route(
+        "`rl:data`",
+        "the finalizer, with a `RolloutReady` whose tail is carried",
+        "the scheduler (the next request of the stream takes it over)",
+    ),
+    "PoolDeclared": Route(
+        "`rl:pool`",
+        "the scheduler at start (the cluster layout)",
+        "the scheduler's pool fold, `rollout pool`, `rollout top`",
+    ),
+    "TokenAcquired": Route(
+        "`rl:pool`",
+        "the scheduler (compare-and-append with the admission)",
+        "the pool fold; evaluator workers on recovery",
+    ),
+    "BatchAdmitted": Route(
+        "`rl:work:{evaluator}`",
+        "the scheduler, atomically with `TokenAcquired`",
+        "evaluator workers (group `evaluators`)",
+    ),
     "TokenReleased": Route("`rl:pool`", "evaluator workers", "the pool fold"),
-    "BatchLeased": Route("`rl:pool`", "an evaluator worker taking over a redelivered batch",
-                         "the pool fold (fences releases of older leases)"),
-    "AdmissionClosed": Route("`rl:pool`", "the scheduler, after a rollout's last admission",
-                             "the pool fold (forgets released batches), a resuming scheduler"),
-    "SampleStarted": Route("`rl:{rollout:ID}`", "evaluator workers",
-                           "folds (attempt, node, worker), `rollout top`"),
+    "BatchLeased": Route(
+        "`rl:pool`",
+        "an evaluator worker taking over a redelivered batch",
+        "the pool fold (fences releases of older leases)",
+    ),
+    "AdmissionClosed": Route(
+        "`rl:pool`",
+        "the scheduler, after a rollout's last admission",
+        "the pool fold (forgets released batches), a resuming scheduler",
+    ),
+    "SampleStarted": Route(
+        "`rl:{rollout:ID}`", "evaluator workers", "folds (attempt, node, worker), `rollout top`"
+    ),
     "TurnCompleted": Route("`rl:{rollout:ID}`", "evaluator workers", "folds, summaries"),
-    "SampleCompleted": Route("`rl:{rollout:ID}`", "evaluator workers",
-                             "the finalizer, the trainer's `load`, replay"),
-    "SampleAborted": Route("`rl:{rollout:ID}`", "evaluator workers (also for every open "
-                           "sample of a dead-lettered batch)",
-                           "the finalizer (masked dummies), summaries"),
-    "CaptureRequested": Route("`rl:capture` and `rl:{rollout:ID}`", "the finalizer",
-                              "capture workers (group `capture`)"),
-    "PromptStored": Route("`rl:{rollout:ID}`", "evaluator workers",
-                          "the rollout fold (fills in the SampleCompleted that refer to it)"),
+    "SampleCompleted": Route(
+        "`rl:{rollout:ID}`", "evaluator workers", "the finalizer, the trainer's `load`, replay"
+    ),
+    "SampleAborted": Route(
+        "`rl:{rollout:ID}`",
+        "evaluator workers (also for every open sample of a dead-lettered batch)",
+        "the finalizer (masked dummies), summaries",
+    ),
+    "CaptureRequested": Route(
+        "`rl:capture` and `rl:{rollout:ID}`", "the finalizer", "capture workers (group `capture`)"
+    ),
+    "PromptStored": Route(
+        "`rl:{rollout:ID}`",
+        "evaluator workers",
+        "the rollout fold (fills in the SampleCompleted that refer to it)",
+    ),
     "TeacherScored": Route("`rl:{rollout:ID}`", "capture workers", "the finalizer, `load`"),
-    "SampleVerified": Route("`rl:{rollout:ID}`", "evaluator workers (before the sample's "
-                            "`SampleCompleted`)", "the finalizer (fails past the threshold, "
-                            "folds the rest into `RolloutReady.metrics`)"),
-    "RolloutReady": Route("`rl:{rollout:ID}`, then a copy on `rl:control`", "the finalizer",
-                          "the trainer (`wait_ready`), `rollout status`"),
-    "RolloutFailed": Route("`rl:{rollout:ID}` and `rl:control`",
-                           "the scheduler, the finalizer or a capture worker",
-                           "the trainer (`wait_ready` raises with the reason)"),
-    "DeadLetter": Route("`rl:dead`", "the log adapter (an entry past `max_deliveries`, or "
-                        "one that does not decode)", "operators (`rollout tail`)"),
-    "PolicyVersionPublished": Route("`rl:control`", "the trainer (`publish_version`)",
-                                    "the weight syncer (group `sync`), `wait_version_active`"),
-    "QuiesceRequested": Route("`rl:control`", "the weight syncer",
-                              "schedulers (admission pauses), evaluator workers (gate closes)"),
-    "WorkerParked": Route("`rl:control`", "evaluator workers (no generate call in flight)",
-                          "the weight syncer"),
+    "SampleVerified": Route(
+        "`rl:{rollout:ID}`",
+        "evaluator workers (before the sample's `SampleCompleted`)",
+        "the finalizer (fails past the threshold, folds the rest into `RolloutReady.metrics`)",
+    ),
+    "RolloutReady": Route(
+        "`rl:{rollout:ID}`, then a copy on `rl:control`",
+        "the finalizer",
+        "the trainer (`wait_ready`), `rollout status`",
+    ),
+    "RolloutFailed": Route(
+        "`rl:{rollout:ID}` and `rl:control`",
+        "the scheduler, the finalizer or a capture worker",
+        "the trainer (`wait_ready` raises with the reason)",
+    ),
+    "DeadLetter": Route(
+        "`rl:dead`",
+        "the log adapter (an entry past `max_deliveries`, or one that does not decode)",
+        "operators (`rollout tail`)",
+    ),
+    "PolicyVersionPublished": Route(
+        "`rl:control`",
+        "the trainer (`publish_version`)",
+        "the weight syncer (group `sync`), `wait_version_active`",
+    ),
+    "QuiesceRequested": Route(
+        "`rl:control`",
+        "the weight syncer",
+        "schedulers (admission pauses), evaluator workers (gate closes)",
+    ),
+    "WorkerParked": Route(
+        "`rl:control`", "evaluator workers (no generate call in flight)", "the weight syncer"
+    ),
     "QuiesceCompleted": Route("`rl:control`", "the weight syncer", "operators"),
-    "PolicyVersionActivated": Route("`rl:control`", "the weight syncer",
-                                    "schedulers and workers (resume), `wait_version_active`"),
-    "WeightSyncFailed": Route("`rl:control`", "the weight syncer",
-                              "workers keep generation stopped; `wait_ready` and "
-                              "`wait_version_active` raise the error"),
+    "PolicyVersionActivated": Route(
+        "`rl:control`",
+        "the weight syncer",
+        "schedulers and workers (resume), `wait_version_active`",
+    ),
+    "WeightSyncFailed": Route(
+        "`rl:control`",
+        "the weight syncer",
+        "workers keep generation stopped; `wait_ready` and `wait_version_active` raise the error",
+    ),
 }
 
 _COMMON = ("type", "producer", "causation")
@@ -157,7 +217,7 @@ def render_markdown() -> str:
         "when this file is stale). -->",
         "",
         "Every fact the engine knows is one of these events on a Redis stream "
-        "(docs/architecture.md, \"Events and the log\"). Every event also carries "
+        '(docs/architecture.md, "Events and the log"). Every event also carries '
         "`producer` (who appended it, e.g. `scheduler:ID`) and `causation` (the "
         "`stream@id` of the event that caused it, or none). Stream names are shown with the "
         "default prefix `rl`. Token arrays (`TokenIds`, `LogProbs`, `Mask`) are packed "
@@ -169,8 +229,10 @@ def render_markdown() -> str:
     for name in sorted(events, key=lambda n: list(ROUTES).index(n)):
         cls = events[name]
         r = ROUTES[name]
-        out.append(f"| [{name}](#{name.lower()}) | v{cls.schema_version} | {r.streams} | "
-                   f"{r.written_by} | {r.read_by} |")
+        out.append(
+            f"| [{name}](#{name.lower()}) | v{cls.schema_version} | {r.streams} | "
+            f"{r.written_by} | {r.read_by} |"
+        )
     nested: dict[str, type[BaseModel]] = {}
     for name in sorted(events, key=lambda n: list(ROUTES).index(n)):
         cls = events[name]
@@ -181,8 +243,11 @@ def render_markdown() -> str:
         versions = sorted(v for (n, v) in _UPCASTERS if n == name)
         version = f"Schema version {cls.schema_version}."
         if versions:
-            version += " Older versions read through upcasters: " + ", ".join(
-                f"v{v}" for v in versions) + "."
+            version += (
+                " Older versions read through upcasters: "
+                + ", ".join(f"v{v}" for v in versions)
+                + "."
+            )
         out += [version, ""]
         out += _fields_table(cls, skip=_COMMON)
         for info in cls.model_fields.values():
@@ -203,7 +268,8 @@ def render_markdown() -> str:
 def _engine_events() -> dict[str, type[Event]]:
     """The engine's own events, not those a test registers."""
     return {
-        name: cls for name, cls in registered_types().items()
+        name: cls
+        for name, cls in registered_types().items()
         if cls.__module__.startswith("engine.")
     }
 
@@ -223,4 +289,3 @@ def write_markdown(path: Path) -> bool:
         return False
     path.write_text(text)
     return True
-
