@@ -6,8 +6,10 @@ Contract
   id (given, or ``it<iteration>-<random hex>``). Per-iteration knobs (DAgger beta, t_max)
   travel in ``knobs``; nothing is read from the environment.
 * ``wait_ready(rollout_id)`` returns the rollout's ``RolloutReady`` (or raises
-  ``engine.errors.RolloutFailed`` with the reason); it reads ``rl:control`` from the request's
-  position with blocking reads, so a rollout that became ready before the call is found too.
+  ``engine.errors.RolloutFailed`` with the reason). The client folds ``rl:control`` once
+  (``control``, a follower of :mod:`engine.projections.control`, read by the waits with
+  blocking reads), and that fold keeps each rollout's outcome, so a rollout that became
+  ready before the call is found too; the event is then read back by its entry id.
   A Redis outage does not end the wait: reads are retried with the runtime's capped backoff
   until Redis answers again (or the ``timeout`` passes).
 * Reading never writes: an entry that does not decode is skipped by the client (its
@@ -21,11 +23,11 @@ Contract
   not even decoded), with the cyclic collector paused while it builds.
 * ``wait_load(rollout_id)`` is ``wait_ready`` followed by ``load``, overlapped: while it
   waits on ``rl:control``, a second task folds the rollout stream as the entries are
-  appended (blocking reads, pages of raw entries), so when the ready event comes only the
-  last entries are left to read and the samples to build. Same result, same errors. As in
-  ``load``, the cyclic collector is paused for the call (which here includes the wait;
-  what the fold reads is kept, and collections would only re-scan it). ``RefillLoop``
-  uses it.
+  appended (a ``LoadFollower``: blocking reads, pages of raw entries), so when the ready
+  event comes only the last entries are left to read and the samples to build. Same
+  result, same errors. As in ``load``, the cyclic collector is paused for the call (which
+  here includes the wait; what the fold reads is kept, and collections would only re-scan
+  it). ``RefillLoop`` uses it.
 * ``iter_load(rollout_id, chunk_size)`` yields the same samples in the same order, in lists
   of ``chunk_size``, streaming: a first pass over the stream keeps only the fold's records
   (where each sample's entries are), then each chunk's entries are read back by id (a few
@@ -44,9 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import secrets
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -55,11 +55,10 @@ from typing import Any, Literal
 from engine.collate import collate
 from engine.errors import (
     ConfigError,
-    LogUnavailable,
+    RolloutError,
     RolloutFailed,
     WeightSyncFailed,
 )
-from engine.events.base import Envelope
 from engine.events.catalog import (
     FilterSpec,
     PolicyVersionActivated,
@@ -78,11 +77,11 @@ from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
-from engine.projections.policy import PolicyProjection, PolicyState
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.samples import trainer_samples
-from engine.runtime.consumer import Backoff
-from engine.runtime.live import LiveFold
-from engine.runtime.readback import StreamLoad, follow, iter_samples, load_samples, scan
+from engine.runtime.consumer import Backoff, ride_out
+from engine.runtime.follower import Follower
+from engine.runtime.readback import LoadFollower, StreamLoad, iter_samples, load_samples, scan
 from engine.runtime.rebuild import gc_paused
 from engine.sample import Sample
 from engine.settings import Settings
@@ -97,8 +96,6 @@ __all__ = [
     "collate",
 ]
 
-logger = logging.getLogger(__name__)
-
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token and mixed lanes)."""
 
@@ -109,9 +106,11 @@ class RolloutClient:
     def __init__(self, log: EventLog) -> None:
         self.log = log
         self.names = log.names
-        self._requested_at: dict[str, str] = {}
         self._published_at: dict[int, str] = {}
-        self._policy = LiveFold(log, log.names.control, PolicyProjection())
+        # rl:control, followed once (by the waits themselves: they read it as they wait).
+        self.control = Follower(
+            log, log.names.control, ControlProjection(), backoff=Backoff(first_s=0.5, max_s=5.0)
+        )
 
     @classmethod
     def connect(
@@ -195,8 +194,7 @@ class RolloutClient:
             request_stream=request_stream,
         )
         self.names.rollout(rid)  # refuses an id that cannot be a stream key
-        entry = await self.log.append(self.names.control, event)
-        self._requested_at[rid] = entry
+        await self.log.append(self.names.control, event)
         return rid
 
     async def wait_ready(self, rollout_id: str, timeout: float | None = None) -> RolloutReady:
@@ -204,29 +202,28 @@ class RolloutClient:
         ``timeout`` seconds. While the engine is poisoned by a failed weight sync (nothing
         generates), a rollout that is not ready raises ``engine.errors.WeightSyncFailed``
         with the sync's error; once a later sync succeeded, waiting again goes on."""
-        start = self._requested_at.get(rollout_id)
-        position = id_before(start) if start is not None else EMPTY_ID
-        poison = None
-        if position != EMPTY_ID:
-            state = await self._policy_now()
-            if state.failure is not None and not _later(state.failure_id, position):
-                poison = state.failure  # failed before the request, and still failed now
-        async for envs, caught_up in self._follow_control(
-            position, timeout, f"rollout {rollout_id} not ready"
-        ):
-            for env in envs:
-                ev = env.event
-                if isinstance(ev, RolloutReady) and ev.rollout_id == rollout_id:
-                    return ev
-                if isinstance(ev, RolloutFailedEvent) and ev.rollout_id == rollout_id:
-                    raise RolloutFailed(rollout_id, ev.reason)
-                if isinstance(ev, WeightSyncFailedEvent):
-                    poison = ev
-                elif isinstance(ev, PolicyVersionActivated):
-                    poison = None
-            if poison is not None and caught_up:
-                raise _sync_error(poison)
-        raise AssertionError("unreachable: _follow_control ends only by raising")
+        state = await self.control.wait_for(
+            lambda s: rollout_id in s.outcomes or s.failure is not None,
+            timeout, what=f"rollout {rollout_id} not ready",
+        )
+        entry = state.outcomes.get(rollout_id)
+        if entry is None:
+            assert state.failure is not None
+            raise _sync_error(state.failure)
+        stream = self.names.control
+        found = await ride_out(
+            lambda: self.log.read(stream, entry, entry), self.control.backoff,
+            what=f"reading the outcome of rollout {rollout_id}",
+        )
+        ev = found[0].event if found else None
+        if isinstance(ev, RolloutReady):
+            return ev
+        if isinstance(ev, RolloutFailedEvent):
+            raise RolloutFailed(rollout_id, ev.reason)
+        raise RolloutError(
+            f"rollout {rollout_id}: its outcome {stream}@{entry} is no longer there "
+            "(trimmed by retention)"
+        )
 
     async def publish_version(self, version: int, weights_uri: str) -> None:
         """Publish policy ``version``, whose weights are in the directory ``weights_uri`` (a
@@ -255,62 +252,31 @@ class RolloutClient:
         after ``timeout`` seconds. Reads ``rl:control`` from this client's publication of the
         version, or from the start for a version someone else published."""
         start = self._published_at.get(version)
-        position = id_before(start) if start is not None else EMPTY_ID
-        failure = None
-        async for envs, caught_up in self._follow_control(
-            position, timeout, f"policy version {version} not active"
-        ):
-            for env in envs:
-                ev = env.event
-                if isinstance(ev, PolicyVersionActivated):
-                    if ev.version >= version:
-                        return ev
-                    failure = None
-                elif isinstance(ev, WeightSyncFailedEvent):
-                    failure = ev if ev.version >= version else None
-            if failure is not None and caught_up:
-                raise _sync_error(failure)
-        raise AssertionError("unreachable: _follow_control ends only by raising")
+        after = id_before(start) if start is not None else EMPTY_ID
 
-    async def policy_state(self) -> PolicyState:
-        """The weight-sync state folded from ``rl:control`` (``engine.projections.policy``):
+        def activated(s: ControlState) -> bool:
+            a = s.activated
+            return a is not None and a.version >= version and _later(s.activated_id, after)
+
+        def failed(s: ControlState) -> bool:
+            f = s.failure
+            return f is not None and f.version >= version and _later(s.failure_id, after)
+
+        state = await self.control.wait_for(
+            lambda s: activated(s) or failed(s), timeout,
+            what=f"policy version {version} not active",
+        )
+        if state.activated is not None and activated(state):
+            return state.activated
+        assert state.failure is not None
+        raise _sync_error(state.failure)
+
+    async def policy_state(self) -> ControlState:
+        """The control state folded from ``rl:control`` (``engine.projections.control``):
         the trainer's current (highest published) version, the active one, an open sync, a
         failure that poisons the engine."""
-        return await self._policy_now()
-
-    async def _policy_now(self) -> PolicyState:
-        await self._policy.refresh()
-        return self._policy.state
-
-    async def _follow_control(
-        self, position: str, timeout: float | None, what: str
-    ) -> AsyncIterator[tuple[list[Envelope], bool]]:
-        """Batches of ``rl:control`` past ``position``, each with whether it reached the end
-        of the stream; rides out Redis outages; ``TimeoutError`` (``what``) at the deadline."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        backoff = Backoff(first_s=0.5, max_s=5.0)
-        while True:
-            block = self.log.block_ms
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{what} after {timeout} s")
-                block = max(1, min(block, int(left * 1000)))
-            try:
-                envs, position = await self.log.read_after(
-                    self.names.control, position, block_ms=block, count=_READ_COUNT
-                )
-            except LogUnavailable as exc:  # an outage: wait through it
-                pause = backoff.next_pause(exc)
-                if deadline is not None:
-                    pause = max(0.0, min(pause, deadline - time.monotonic()))
-                logger.warning(
-                    "%s yet: Redis unavailable, retrying in %.1f s: %s", what, pause, exc
-                )
-                await asyncio.sleep(pause)
-                continue
-            backoff.reset()
-            yield envs, len(envs) < _READ_COUNT
+        await self.control.refresh()
+        return self.control.state
 
     async def subscribe_ready(self, *, after: str = "$") -> AsyncIterator[RolloutReady]:
         """Every ``RolloutReady`` appended after ``after`` (default: from now on), forever,
@@ -346,8 +312,8 @@ class RolloutClient:
         self, rollout_id: str, stream: str, timeout: float | None
     ) -> tuple[RolloutReady, list[Sample]]:
         load = StreamLoad(stream, keep=True)
-        waited = asyncio.Event()
-        following = asyncio.create_task(follow(self.log, load, waited))
+        follower = LoadFollower(self.log, load, backoff=Backoff(first_s=0.5, max_s=5.0))
+        following = asyncio.create_task(follower.run(), name=f"follow {stream}")
         try:
             ready = await self.wait_ready(rollout_id, timeout)
         except BaseException:
@@ -355,10 +321,11 @@ class RolloutClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await following
             raise
-        waited.set()
-        position = await following
+        follower.close()
+        await following
         # The entries past what the follower folded (the rest of a page, an aborted tail
         # recorded after the RolloutReady), then the samples.
+        position = follower.position
         await scan(self.log, load, start="-" if position == EMPTY_ID else exclusive(position))
         return ready, trainer_samples(load.rollout())
 
@@ -458,9 +425,6 @@ class RefillLoop:
         if wait:
             return await self.client.wait_version_active(version, self.timeout)
         return None
-
-
-_READ_COUNT = 500
 
 
 def _later(a: str | None, b: str) -> bool:

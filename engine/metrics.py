@@ -28,8 +28,8 @@ What each metric counts (labels in brackets):
   was handed in this process (the time it waited in the stream); ``rollout_deliveries_total``
   [group, stream, redelivered]: entries handed to the actor;
 - ``rollout_dead_letters_total`` [group]: entries this process moved to ``rl:dead``;
-- ``rollout_redis_errors_total`` [operation]: failed reads, acks and pool watches (each is
-  retried after a backoff).
+- ``rollout_redis_errors_total`` [operation]: failed reads, acks and stream follows (each
+  is retried after a backoff).
 
 Per-rollout streams (``rl:{rollout:ID}``) are labelled ``rl:{rollout}`` so label sets stay
 bounded.

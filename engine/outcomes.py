@@ -21,8 +21,9 @@ disagree with the others::
 * ``SampleStatus``: the trainer's lifecycle name of a sample (slime's ``Sample.Status``).
 
 Events carry these enums (``SampleCompleted.status`` / ``termination_reason``,
-``SampleAborted.abort_class`` / ``agent_reason``); on the wire they are their string values, and a value outside the family does not decode (the entry is dead-lettered).
-This module imports nothing from the engine, so the domain and the events can both use it.
+``SampleAborted.abort_class`` / ``agent_reason``); on the wire they are their string values,
+and a value outside the family does not decode (the entry is dead-lettered). This module
+imports nothing from the engine, so the domain and the events can both use it.
 """
 
 from __future__ import annotations

@@ -258,11 +258,26 @@ class Settings(FrozenModel):
         None,
         description="Directory of the per-iteration student dump of eval rollouts (unset: off).",
     )
+    stall_window_s: float = Field(
+        300.0,
+        ge=0,
+        description="A rollout whose stream gets no new entry for this long gets a "
+        "RolloutStalled naming what it waits for, again every window (0: off).",
+    )
     # -- retention (docs/operations.md, "Retention and Redis memory") -----------------------
+    work_dir: Path = Field(
+        Path("runs"),
+        description="Directory of the engine's files on this host: the finalizer archives "
+        "finished rollouts to WORK_DIR/archive unless retention_store is set.",
+    )
+    retention: bool = Field(
+        True,
+        description="The finalizer runs retention passes (archive and delete finished "
+        "rollouts, trim rl:control, rl:work, rl:capture, rl:pool, rl:data, rl:dead).",
+    )
     retention_store: Path | None = Field(
         None,
-        description="Directory finished rollouts are archived to (a finalizer with it set "
-        "runs retention; unset: none there).",
+        description="Directory finished rollouts are archived to (unset: WORK_DIR/archive).",
     )
     retention_keep_s: float = Field(
         3600.0,
@@ -272,6 +287,12 @@ class Settings(FrozenModel):
     )
     retention_every_s: float = Field(
         60.0, gt=0, description="Seconds between two retention passes of a finalizer."
+    )
+    retention_dead_max: int = Field(
+        10_000,
+        ge=0,
+        description="Dead letters rl:dead keeps; older ones are trimmed, and their seen-set "
+        "marks once the entries they name are gone.",
     )
     # -- the weight syncer (docs/operations.md, "Weight sync") ------------------------------
     sglang_admin_key_file: Annotated[Path | None, ENV_ONLY] = Field(
@@ -287,6 +308,36 @@ class Settings(FrozenModel):
         ge=1,
         description="A worker silent on its work streams for longer is not waited for by a "
         "sync (unset: the claim window).",
+    )
+    # -- rollout serve ----------------------------------------------------------------------
+    serve_backend: Literal["tinylm", "sglang"] = Field(
+        "tinylm", description="What rollout serve runs: tinylm on CPU or SGLang's launch_server."
+    )
+    serve_count: int = Field(1, ge=1, description="Model servers rollout serve starts.")
+    serve_role: Literal["policy", "teacher"] = Field(
+        "policy", description="What rollout serve's servers serve (a teacher stays at --model)."
+    )
+    serve_host: str = Field("127.0.0.1", description="Address rollout serve's servers bind.")
+    serve_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of rollout serve's first server, the next ones "
+        "counting up (unset: free ports); kept across restarts either way.",
+    )
+    serve_args: str | None = Field(
+        None, description="SGLang server arguments for every server (shell words; checked "
+        "against SGLang's ServerArgs at start), before those after `--`.",
+    )
+    serve_backoff_s: float = Field(
+        1.0, gt=0, description="First wait before restarting a server that exited; doubles."
+    )
+    serve_backoff_max_s: float = Field(
+        30.0, gt=0, description="Cap of the restart wait; a server up this long starts over."
+    )
+    serve_log_dir: Path | None = Field(
+        None, description="Folder of the servers' logs (<name>.log; unset: a new temporary one)."
+    )
+    servers_from_log: bool = Field(
+        False, description="Workers and the syncer take the policy servers registered on "
+        "rl:control by rollout serve instead of --sglang-url.",
     )
 
     @field_validator("stream_prefix")
@@ -354,6 +405,10 @@ class Settings(FrozenModel):
             tls_cert_file=path(self.redis_tls_cert_file),
             tls_key_file=path(self.redis_tls_key_file),
         )
+
+    def archive_dir(self) -> Path:
+        """Where finished rollouts are archived: ``retention_store``, else WORK_DIR/archive."""
+        return self.retention_store or self.work_dir / "archive"
 
     def admin_key(self) -> str | None:
         """The model servers' admin key from ``sglang_admin_key_file``, if set."""

@@ -19,8 +19,8 @@ from engine.client import RolloutClient, collate
 from engine.errors import ConfigError
 from engine.losses import token_log_probs
 from engine.ops.tinylm import init_model
+from engine.projections.control import ControlState
 from engine.projections.lanes import TEACHER_SENTINEL
-from engine.projections.policy import PolicyState
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tinylm.corpus import Dialogue
 from tinylm.model import ModelSize, TrainSettings
@@ -123,7 +123,7 @@ def server_log_probs(url: str, tokens: list[int]) -> list[float]:
     return [e[0] for e in reply["meta_info"]["input_token_logprobs"][1:]]
 
 
-async def control_policy(url: str) -> PolicyState:
+async def control_policy(url: str) -> ControlState:
     client = RolloutClient.connect(url, producer="test")
     try:
         return await client.policy_state()

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -26,11 +27,14 @@ from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
+from engine.projections.registry import RegistryProjection, registered_servers
+from engine.runtime.follower import Follower
 from engine.settings import Flags, Settings
 
 __all__ = [
     "Actor",
     "consumer_name",
+    "discover_servers",
     "install_stop",
     "make_log",
     "serve_actor",
@@ -103,6 +107,41 @@ def make_log(settings: Settings, producer: str) -> EventLog:
         producer=producer,
         max_deliveries=settings.max_deliveries,
     )
+
+
+def discover_servers(settings: Settings) -> Settings:
+    """With ``servers_from_log``: ``settings`` whose ``sglang_url`` is the policy servers
+    ``rollout serve`` registered on ``rl:control``, waiting up to the outage limit for the
+    first (``ConfigError`` when none comes, or when ``sglang_url`` is set too)."""
+    if not settings.servers_from_log:
+        return settings
+    if settings.sglang_url:
+        raise ConfigError(
+            "ROLLOUT_SERVERS_FROM_LOG and --sglang-url both name the policy servers: set one"
+        )
+    urls = asyncio.run(_registered(settings))
+    if not urls:
+        raise ConfigError(
+            f"no policy server registered on {settings.stream_prefix}:control "
+            f"within {settings.outage_limit_s:.0f}s: is `rollout serve` running?"
+        )
+    logging.getLogger("workers").info("policy servers from the log: %s", ", ".join(urls))
+    return settings.model_copy(update={"sglang_url": ",".join(urls)})
+
+
+async def _registered(settings: Settings) -> list[str]:
+    log = make_log(settings, producer=consumer_name(settings, "discover"))
+    try:
+        servers = Follower(log, log.names.control, RegistryProjection())
+        deadline = time.monotonic() + settings.outage_limit_s
+        while True:
+            await servers.refresh()
+            urls = registered_servers(servers.state)
+            if urls or time.monotonic() > deadline:
+                return urls
+            await asyncio.sleep(0.5)
+    finally:
+        await log.aclose()
 
 
 def install_stop() -> asyncio.Event:

@@ -48,12 +48,19 @@ def _sync(argv: list[str]) -> int:
     return run(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from workers.serve import main as run
+
+    return run(argv)
+
+
 PROCESSES: dict[str, cli.Entry] = {
     "worker": _worker,
     "finalizer": _finalizer,
     "capture": _capture,
     "scheduler": _scheduler,
     "sync": _sync,
+    "serve": _serve,
 }
 """``rollout <command>`` -> the process's entry point (each owns its flags); the commands
 and what they run are listed in ``engine.ops.cli.PROCESS_COMMANDS``."""

@@ -50,7 +50,7 @@ from engine.sandbox.base import SandboxLimits, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import PROCESS, Flags, Settings
-from workers._common import consumer_name, serve_actor, settings_parser, start
+from workers._common import consumer_name, discover_servers, serve_actor, settings_parser, start
 
 __all__ = ["FLAGS", "Progress", "build_parser", "docker_config", "main", "teacher_port"]
 
@@ -61,7 +61,7 @@ FLAGS = Flags((
     *PROCESS, "max_deliveries", "evaluator_config", "evaluators", "max_batches", "grace_s",
     "sglang_url", "model_dir", "teacher_url", "teacher_tokenizer", "tmp_dir", "verify_fraction",
     "verify_threshold", "sandbox", "docker_image", "docker_network", "docker_cpus",
-    "sandbox_root", "sandbox_require_isolation", "quiet",
+    "sandbox_root", "sandbox_require_isolation", "quiet", "servers_from_log",
 ))
 
 
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        policy_urls(args, settings)
+        policy_urls(args, discover_servers(settings))
         args.teacher = teacher_port(settings)
         specs = load_evaluators(settings.evaluator_config, args)
         ids = _select(specs, settings.evaluators)

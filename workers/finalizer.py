@@ -7,7 +7,11 @@ Runs ``engine.actors.finalizer``:
 Follows every ``RolloutRequested`` on ``rl:control`` through the consumer group
 ``finalizers``; several finalizers may run (only one ``RolloutReady`` is ever appended per
 rollout). With ``--out-dir`` each ready rollout's summary, eval details, placement log and
-samples are written to ``OUT_DIR/<rollout id>/``. Prints one line per ready rollout.
+samples are written to ``OUT_DIR/<rollout id>/``. Unless ``--no-retention``, finished
+rollouts are archived to ``--retention-store`` (default ``<--work-dir>/archive``) and deleted
+after ``--retention-keep-s``, and the shared streams are trimmed. A rollout whose stream
+stays still for ``--stall-window-s`` gets a ``RolloutStalled``. Prints one line per ready
+rollout.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ logger = logging.getLogger("workers.finalizer")
 
 FLAGS = Flags((
     *PROCESS, "max_deliveries", "out_dir", "teacher_top_k", "distill_dump_dir",
-    "mixed_dump_dir", "student_dump_dir", "retention_store", "retention_keep_s",
-    "retention_every_s",
+    "mixed_dump_dir", "student_dump_dir", "stall_window_s", "work_dir", "retention",
+    "retention_store", "retention_keep_s", "retention_every_s", "retention_dead_max",
 ))
 
 
@@ -56,12 +60,13 @@ def _print_ready(ready: RolloutReady) -> None:
 
 def _config(settings: Settings, consumer: str) -> FinalizerConfig:
     retention = None
-    if settings.retention_store is not None:
+    if settings.retention:
         retention = RetentionConfig(
-            store=settings.retention_store,
+            store=settings.archive_dir(),
             keep_s=settings.retention_keep_s,
             every_s=settings.retention_every_s,
             groups=ACTOR_GROUPS,
+            dead_max=settings.retention_dead_max,
         )
     return FinalizerConfig(
         consumer=consumer,
@@ -77,6 +82,7 @@ def _config(settings: Settings, consumer: str) -> FinalizerConfig:
             student_dir=settings.student_dump_dir,
         ),
         retention=retention,
+        stall_window_s=settings.stall_window_s or None,
     )
 
 

@@ -27,14 +27,14 @@ from engine.actors.weight_sync import SyncConfig, WeightSyncer
 from engine.backends.pool import parse_urls
 from engine.errors import ConfigError
 from engine.settings import PROCESS, Flags, Settings
-from workers._common import consumer_name, serve_actor, settings_parser, start
+from workers._common import consumer_name, discover_servers, serve_actor, settings_parser, start
 
 __all__ = ["FLAGS", "build_parser", "main"]
 
 logger = logging.getLogger("workers.sync")
 
-FLAGS = Flags((*PROCESS, "max_deliveries", "sglang_url", "park_timeout_s", "live_window_ms",
-               "grace_s"))
+FLAGS = Flags((*PROCESS, "max_deliveries", "sglang_url", "servers_from_log", "park_timeout_s",
+               "live_window_ms", "grace_s"))
 
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, _ = started
     consumer = consumer_name(settings, "sync")
     try:
+        settings = discover_servers(settings)
         config = SyncConfig(
             syncer_id=consumer,
             servers=parse_urls(settings.sglang_url),

@@ -32,10 +32,11 @@ atomic step and two schedulers can never over-allocate: the loser of a race gets
 ``AppendConflict``, folds the new tail and decides again. A batch that the fold shows as
 already acquired (by this or another scheduler, before a crash or during a claim race) is
 never acquired again. When the batch does not fit, ``admit`` waits for the fold to change;
-``watch()`` feeds the fold from a blocking read of ``rl:pool`` (``TokenReleased`` from
-evaluator workers wakes it), never by sleep-polling. Ungated admissions go through the same
-compare-and-append: the pool stream is the record that makes admission exactly-once across
-restarts, gated or not.
+the gate's follower (``pool``, :mod:`engine.runtime.follower`) feeds the fold from blocking
+reads of ``rl:pool`` (``TokenReleased`` from evaluator workers wakes it), never by
+sleep-polling, and rides out an outage with the runtime's backoff. Ungated admissions go
+through the same compare-and-append: the pool stream is the record that makes admission
+exactly-once across restarts, gated or not.
 
 Both events of an admission live on the control plane's cluster slot (``rl:pool`` and every
 work stream share one hash tag, ``engine.events.names``), so on a Redis Cluster too the
@@ -48,14 +49,12 @@ batches once they are released (``engine.projections.placement``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from engine import metrics
 from engine.domain import EvaluatorProfile
-from engine.errors import AppendConflict, DeadlockError, LogError
+from engine.errors import AppendConflict, DeadlockError
 from engine.events.base import Envelope
 from engine.events.catalog import (
     AdmissionClosed,
@@ -74,7 +73,7 @@ from engine.projections.placement import (
     try_acquire_batch,
 )
 from engine.runtime.consumer import Backoff
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower, FollowerClosed
 
 __all__ = [
     "Admission",
@@ -84,8 +83,6 @@ __all__ = [
     "decide_admission",
     "tokens_needed",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def tokens_needed(spec: EvaluatorProfile, batch_samples: int | None) -> int:
@@ -198,98 +195,43 @@ def pool_figures(state: PoolState) -> dict[tuple[str, str], float]:
 
 
 class PoolGate:
-    """One process's view of ``rl:pool`` and its compare-and-append admissions. The
-    scheduler owns ``rl:pool``: its gate dead-letters entries there that do not decode."""
+    """One process's view of ``rl:pool`` and its compare-and-append admissions: ``pool`` is
+    its follower (run by the scheduler beside its loop). The scheduler owns ``rl:pool``: its
+    gate dead-letters entries there that do not decode."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, *, backoff: Backoff | None = None) -> None:
         self._log = log
-        self._fold = LiveFold(log, log.names.pool, PoolProjection(), owner=True)
-        self._version = 0
-        self._changed = asyncio.Condition()
+        self.pool = Follower(log, log.names.pool, PoolProjection(), owner=True, backoff=backoff)
         self._write = asyncio.Lock()
-        self._closed = False
         self.conflicts = 0
         self.admitted = 0
         metrics.watch_pool(lambda: pool_figures(self.state))
 
     @property
     def stream(self) -> str:
-        return self._fold.stream
+        return self.pool.stream
 
     @property
     def state(self) -> PoolState:
-        return self._fold.state
+        return self.pool.state
 
     @property
     def position(self) -> str:
-        return self._fold.position
-
-    async def _changed_now(self) -> None:
-        async with self._changed:
-            self._version += 1
-            self._changed.notify_all()
-
-    async def _wait_change(self, seen: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._version != seen or self._closed)
+        return self.pool.position
 
     async def refresh(self, *, at_least: str | None = None) -> None:
         """Fold the tail of ``rl:pool`` past the current position."""
-        if await self._fold.refresh(at_least=at_least):
-            await self._changed_now()
-
-    async def _apply(self, env: Envelope) -> None:
-        if self._fold.apply([env]):
-            await self._changed_now()
-
-    async def watch(self, *, backoff: Backoff | None = None) -> None:
-        """Fold new ``rl:pool`` entries as they are appended, until ``close()``.
-
-        A blocking read past the stream's last id wakes it; the tail is then folded. It
-        stops between reads rather than by cancellation: cancelling redis-py in the middle
-        of a blocking read can leave the task stuck in the socket read. A read that fails
-        (Redis unreachable) is retried after the runtime's backoff (``Backoff``: growing
-        pauses, reset by a read that succeeds), so an outage pauses admissions instead of
-        stopping the scheduler.
-        """
-        backoff = backoff or Backoff()
-        while not self._closed:
-            try:
-                last = await self._log.last_id(self.stream)
-                # Everything up to ``last`` is read by this refresh (dead letters included).
-                await self.refresh(at_least=last)
-                if self._closed:
-                    return
-                await self._log.tail({self.stream: last}, count=1)
-            except LogError as exc:
-                metrics.REDIS_ERRORS.labels("pool_watch").inc()
-                pause = backoff.next_pause(exc)
-                logger.warning(
-                    "pool watch: reading %s failed, retrying in %.1f s: %s", self.stream, pause, exc
-                )
-                await self._pause_unless_closed(pause)
-                continue
-            backoff.reset()
-
-    async def _pause_unless_closed(self, seconds: float) -> None:
-        """Sleep ``seconds``, cut short by ``close()``."""
-
-        async def closed() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self._closed)
-
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(closed(), seconds)
+        await self.pool.refresh(at_least=at_least)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.pool.closed
 
-    async def close(self) -> None:
-        """Stop ``watch`` after its current read and make waiting ``admit`` calls raise
-        ``GateClosed`` (their batches stay unadmitted for whoever resumes the rollout)."""
-        self._closed = True
-        await self._changed_now()
+    def close(self) -> None:
+        """Stop following ``rl:pool`` after the current read and make waiting ``admit``
+        calls raise ``GateClosed`` (their batches stay unadmitted for whoever resumes the
+        rollout)."""
+        self.pool.close()
 
     async def declare(self, declaration: PoolDeclared, *, causation: str | None = None) -> bool:
         """Append ``declaration`` unless the pool already has the same node set.
@@ -312,7 +254,7 @@ class PoolGate:
                     self.conflicts += 1
                     await self.refresh(at_least=exc.current)
                     continue
-                await self._apply(Envelope(self.stream, ids[0], declaration))
+                self.pool.apply([Envelope(self.stream, ids[0], declaration)])
                 return True
 
     async def close_admission(self, rollout_id: str, *, causation: str | None = None) -> bool:
@@ -329,7 +271,7 @@ class PoolGate:
                     self.conflicts += 1
                     await self.refresh(at_least=exc.current)
                     continue
-                await self._apply(Envelope(self.stream, ids[0], event))
+                self.pool.apply([Envelope(self.stream, ids[0], event)])
                 return True
         return False
 
@@ -343,7 +285,7 @@ class PoolGate:
         """
         work = self._log.names.work(batch.evaluator_id)
         while True:
-            if self._closed:
+            if self.closed:
                 raise GateClosed(f"pool gate closed before batch {batch.batch_id!r} was admitted")
             async with self._write:
                 if self.state.has_acquired(batch.rollout_id, batch.batch_id):
@@ -363,9 +305,12 @@ class PoolGate:
                         await self.refresh(at_least=exc.current)
                         continue
                     self.admitted += 1
-                    await self._apply(Envelope(self.stream, ids[0], decision.acquired))
+                    self.pool.apply([Envelope(self.stream, ids[0], decision.acquired)])
                     return decision.admitted
-                seen = self._version
+                seen = self.pool.version
             metrics.ADMISSION_WAITS.labels(batch.evaluator_id).inc()
             with metrics.BATCHES_WAITING.labels(batch.evaluator_id).track_inprogress():
-                await self._wait_change(seen)
+                try:
+                    await self.pool.changed(seen)
+                except FollowerClosed:
+                    pass  # raised as GateClosed above

@@ -59,7 +59,6 @@ from typing import Any, Protocol
 from engine import metrics
 from engine.actors.attempt_context import LazyTmp, attempt_context, remove_dir, with_node
 from engine.actors.batch_tokens import BatchTokens
-from engine.actors.control_watch import ControlWatch
 from engine.actors.episode_window import check_left, timed, within_window
 from engine.actors.outcomes import (
     Attempt,
@@ -89,8 +88,10 @@ from engine.events.catalog import (
     TokenReleased,
 )
 from engine.events.names import StreamNames
+from engine.projections.control import ControlState
 from engine.projections.rows import SampleRow, sample_row
 from engine.projections.samples import task_of
+from engine.runtime.follower import Follower
 from engine.sandbox.base import SandboxProvider
 
 __all__ = [
@@ -179,12 +180,12 @@ class BatchRun:
         sandboxes: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         clock: Callable[[], float] = time.monotonic,
-        watch: ControlWatch | None = None,
+        control: Follower[ControlState] | None = None,
         abort_grace_s: float = 10.0,
         prompts: PromptStore | None = None,
     ) -> None:
         self.spec = spec
-        self._watch = watch
+        self._control = control
         self._abort_grace_s = abort_grace_s
         self.plan = plan
         self._sink = sink
@@ -215,7 +216,7 @@ class BatchRun:
         self._t_max = _int_knob(knobs, "t_max")
         # Only a request with a staleness bound or an over-provisioned plan can have samples
         # become unusable while they run: only those are guarded (engine.actors.sample_guard).
-        self._guarded = watch is not None and request is not None and (
+        self._guarded = control is not None and request is not None and (
             request.max_staleness is not None or request.n_planned_prompts > request.n_prompts
         )
         self._verify = settings.verify.for_request(knobs)
@@ -297,7 +298,7 @@ class BatchRun:
         task = task_of(ev)
         rec.window_s = ev.stopping.timeout_s
         guard = (
-            SampleGuard(self.plan.request, self._watch, ev.rollout_id, sample_id, attempt)
+            SampleGuard(self.plan.request, self._control, ev.rollout_id, sample_id, attempt)
             if self._guarded
             else None
         )

@@ -16,7 +16,7 @@ Contract
   A *redelivered* batch (this consumer's own pending entry after a restart, or one claimed
   from a consumer idle past ``claim_idle_ms``) is planned from the folded rollout stream:
   only samples without a terminal event run, each as ``attempt = previous attempt + 1``;
-  the tokens are those the pool projection says the batch still holds (a ``LiveFold`` of
+  the tokens are those the pool projection says the batch still holds (a ``Follower`` of
   ``rl:pool``, refreshed only for recoveries); and the sandbox provider (when one is
   configured) reaps whatever the previous workers left running for the batch (selected by
   the labels of :func:`engine.actors.sandbox_labels.sandbox_labels`).
@@ -40,12 +40,16 @@ Contract
   it ran under, and the pool ignores releases of an older lease. Attempts are numbered
   ``max(previous + 1, lease)``, so a re-run never reuses an attempt a previous holder may
   still write. When the heartbeat finds the batch claimed by another worker (this one
-  stalled past the idle window), its run here is cancelled.
-* Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` and steers
-  its backend pool's ``TurnGate`` (the pool's first hook): while a sync is open or the engine
-  is poisoned no model call starts (calls in flight finish), so trajectories wait at a turn
-  boundary; once nothing is in flight it appends ``WorkerParked``. An activation opens the
-  gate again.
+  stalled past the idle window), its run here is cancelled (its episodes clean up their
+  own sandboxes); a batch waiting for a slot is kept alive like a running one, and one
+  found claimed never runs here. A recovery whose pool shows a newer lease than its own
+  (a stale copy) runs and reaps nothing (:mod:`engine.actors.recovery`).
+* Weight sync (``engine.actors.weight_sync``): the worker follows ``rl:control`` (one
+  follower, which its batches' sample guards read too; past the outage limit it ends the
+  process with ``OutageExceeded``) and steers its backend pool's ``TurnGate`` (the pool's
+  first hook): while a sync is open or the engine is poisoned no model call starts (calls
+  in flight finish), so trajectories wait at a turn boundary; once nothing is in flight it
+  appends ``WorkerParked``. An activation opens the gate again.
 * Shutdown (``stop`` set, e.g. by SIGTERM): no new batch is taken; running batches get
   ``grace_s`` to finish; the rest are cancelled and handed back (claimable at once, not
   counted as a delivery) -- samples that finished are recorded, the others re-run on the
@@ -61,7 +65,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.actors.batch_run import BatchPlan, BatchRun, EpisodeSettings, OnTaskDone
-from engine.actors.control_watch import ControlWatch
 from engine.actors.prompt_store import PromptStore
 from engine.actors.recovery import dead_letter_events, plan_recovery
 from engine.actors.sandbox_labels import sandbox_labels
@@ -75,12 +78,13 @@ from engine.errors import ConfigError
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, BatchLeased
 from engine.events.log import DeadEntry, EventLog
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.appender import GroupAppender
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
-from engine.runtime.live import LiveFold
-from engine.runtime.loop import serve
+from engine.runtime.follower import Follower, following
+from engine.runtime.loop import LeaseLost, serve
 from engine.runtime.readback import read_tasks
 from engine.runtime.rebuild import rebuild
 from engine.sandbox.base import SandboxProvider
@@ -147,6 +151,7 @@ class EvaluatorWorker:
         sandboxes: SandboxProvider | None = None,
         on_task_done: OnTaskDone | None = None,
         on_batch_done: Callable[[BatchReport], None] | None = None,
+        control: Follower[ControlState] | None = None,
     ) -> None:
         missing = [e for e in config.evaluator_ids if e not in specs]
         if missing:
@@ -186,16 +191,20 @@ class EvaluatorWorker:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         # The pool as far as recoveries needed it: which tokens a batch still holds.
-        self._pool = LiveFold(log, self.names.pool, PoolProjection())
+        self._pool = Follower(log, self.names.pool, PoolProjection())
         self._pool_lock = asyncio.Lock()
+        # rl:control, followed once: the weight sync steers the gate (quiesce), and every
+        # batch's samples read the staleness bound and the tails of ready rollouts.
+        self.control = control or Follower(
+            log, self.names.control, ControlProjection(), block_ms=config.block_ms,
+            backoff=Backoff(limit_s=config.outage_limit_s),
+        )
         self.quiesce = WorkerQuiesce(
             log,
             backends.gate if backends is not None else TurnGate(),
             worker_id=config.worker_id,
-            block_ms=config.block_ms,
+            control=self.control,
         )
-        # rl:control for the staleness bound and the tails of over-provisioned rollouts.
-        self.control_watch = ControlWatch(log)
         self.batches_done = 0
         self.batches_handed_back = 0
 
@@ -206,28 +215,25 @@ class EvaluatorWorker:
         A model server that reports temperature-scaled logprobs is refused first."""
         await check_servers(self._backends, threshold=self.config.verify.threshold)
         stop = stop or asyncio.Event()
-        watching = asyncio.create_task(self.control_watch.run(stop))
-        done = asyncio.Event()
-        following: asyncio.Task[None] | None = None
+        steering: asyncio.Task[None] | None = None
         try:
             await self.quiesce.start(self.consumer.backoff)  # a sync may be open already
-            following = asyncio.create_task(self.quiesce.run(done, Backoff()))
-            served = await serve(
-                self.consumer,
-                stop,
-                self._run_delivery,
-                on_dead=self._abort_dead,
-                capacity=self.config.max_batches,
-                grace_s=self.config.grace_s,
-                before_hand_back=self.sink.flush,  # what finished is in Redis first
-                settle_writes=self.sink.flush,  # nothing queued for work given up
-            )
+            async with following(stop, self.control) as halt:
+                steering = asyncio.create_task(self.quiesce.run())
+                served = await serve(
+                    self.consumer,
+                    halt,
+                    self._run_delivery,
+                    on_dead=self._abort_dead,
+                    capacity=self.config.max_batches,
+                    grace_s=self.config.grace_s,
+                    before_hand_back=self.sink.flush,  # what finished is in Redis first
+                    settle_writes=self.sink.flush,  # nothing queued for work given up
+                )
             self.batches_handed_back += served.handed_back
         finally:
-            done.set()
-            watching.cancel()
-            if following is not None:
-                await asyncio.gather(following, return_exceptions=True)
+            if steering is not None:  # ends once the follower is closed
+                await asyncio.gather(steering, return_exceptions=True)
             await self.sink.aclose()
 
     # ------------------------------------------------------------------ one batch
@@ -252,7 +258,7 @@ class EvaluatorWorker:
             backends=self._backends,
             sandboxes=self._sandboxes,
             on_task_done=self._on_task_done,
-            watch=self.control_watch,
+            control=self.control,
             prompts=self._prompts,
         )
         await evaluator.run()
@@ -305,6 +311,11 @@ class EvaluatorWorker:
         pool = await self._pool_now()  # the pool first, then the rollout (see recovery)
         state = await self._fold(ev.rollout_id)
         plan = plan_recovery(state, pool, ev, lease=d.deliveries)
+        if plan.superseded:
+            raise LeaseLost(
+                f"batch {ev.batch_id} was taken over under a newer lease than delivery "
+                f"{d.deliveries}; not running it here"
+            )
         if plan.run_ids and ev.token_ids and not plan.tokens:
             logger.warning(
                 "batch %s: %d samples to re-run but every token was released; running ungated",

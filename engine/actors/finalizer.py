@@ -36,9 +36,13 @@ Contract
   built from the fold up to and including the ``RolloutReady`` and its records' entries
   read back -- what ``rollout replay`` builds them from, so the bytes are identical. The
   dumps take the same samples.
-* With ``retention``, every ``retention.every_s`` seconds it runs a retention pass
-  (:func:`engine.runtime.retention.retention_pass`: acked entries trimmed, finished
-  rollouts archived, verified and deleted); a failed pass is retried at the next tick.
+* With ``stall_window_s``, a rollout whose stream gets no new entry for that long gets a
+  ``RolloutStalled`` naming what it waits for (:mod:`engine.actors.stall`), again every
+  window while it stays stalled.
+* With ``retention`` (the process's default), every ``retention.every_s`` seconds it runs a
+  retention pass (:func:`engine.runtime.retention.retention_pass`: acked entries trimmed,
+  finished rollouts archived, verified and deleted, the pool and the data cursor trimmed
+  below their snapshots, dead letters trimmed); a failed pass is retried at the next tick.
 """
 
 from __future__ import annotations
@@ -46,15 +50,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
+from engine.actors.stall import StallWatch
 from engine.actors.verify import VerifyTally
 from engine.errors import AppendConflict, LogError
-from engine.events.base import Event
+from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     CaptureRequested,
     RolloutFailed,
@@ -68,7 +75,8 @@ from engine.events.catalog import (
     TeacherScored,
     TurnCompleted,
 )
-from engine.events.log import EMPTY_ID, DeadEntry, EventLog
+from engine.events.log import DeadEntry, EventLog
+from engine.projections.control import ControlProjection
 from engine.projections.decision import (
     Selection,
     apply_filters,
@@ -87,13 +95,13 @@ from engine.projections.decision import (
     worth_deciding,
 )
 from engine.projections.readback import Rollout
-from engine.projections.rollout import ControlProjection, RolloutProjection, RolloutState
+from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.summary import artifact_entries
-from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
-from engine.runtime.live import LiveFold
+from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
+from engine.runtime.follower import Follower
 from engine.runtime.loop import serve
 from engine.runtime.readback import read_entries, read_tasks
-from engine.runtime.retention import RetentionGroups, retention_pass
+from engine.runtime.retention import DEAD_MAX, RetentionGroups, retention_pass
 
 __all__ = [
     "Finalizer",
@@ -137,6 +145,7 @@ class RetentionConfig:
     keep_s: float
     groups: RetentionGroups
     every_s: float = 60.0
+    dead_max: int = DEAD_MAX
 
     def __post_init__(self) -> None:
         if self.keep_s < 0:
@@ -160,45 +169,42 @@ class FinalizerConfig:
     group: str = GROUP
     outage_limit_s: float | None = 300.0
     retention: RetentionConfig | None = None
+    stall_window_s: float | None = None  # None: no stall diagnostics (engine.actors.stall)
 
 
 Outcome = RolloutReady | RolloutFailed
 _Copied = Outcome | CaptureRequested | TailCarried  # what a finalizer copies to the plane
 
 
-class _Follower:
+class _Rollout(Follower[RolloutState]):
     """One rollout stream folded with blocking reads (no sleep-polling) into the rollout
-    fold's records: a few hundred bytes a sample, not the samples themselves."""
+    fold's records (a few hundred bytes a sample, not the samples themselves), up to the
+    entry that decides the rollout: ``position`` is then that entry (what replay folds up
+    to). The finalizer following a rollout owns its stream: it dead-letters (once) what does
+    not decode there; every other reader skips such entries."""
 
-    def __init__(self, log: EventLog, stream: str) -> None:
-        self._log = log
-        self.stream = stream
-        self._projection = RolloutProjection()
-        self.state = self._projection.initial()
+    def __init__(
+        self, log: EventLog, stream: str, *, block_ms: int | None, backoff: Backoff
+    ) -> None:
+        super().__init__(
+            log, stream, RolloutProjection(), owner=True, block_ms=block_ms, backoff=backoff,
+            until=_decided,
+        )
         self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
-        self.position = EMPTY_ID
         self.copied: set[str] = set()  # event types this follower has copied itself
         self.rollout: Rollout | None = None  # the samples' entries, once read back
 
-    async def read(self) -> bool:
-        """Fold what the next read returns (blocking when there is nothing yet); returns
-        whether it read anything. Folding stops at the entry that decides the rollout, so
-        ``position`` is then that entry (what replay folds up to)."""
-        # The finalizer following a rollout owns its stream: it dead-letters (once) what
-        # does not decode there; every other reader skips such entries.
-        envs, position = await self._log.read_after(
-            self.stream, self.position, dead_letter=True
-        )
-        evolve, state = self._projection.evolve, self.state
-        for env in envs:
-            if isinstance(env.event, SampleVerified):
-                self.verify.add(env.event)
-            evolve(state, env)
-            if state.decided:
-                self.position = env.id
-                return True
-        self.position = position
-        return bool(envs)
+
+def _decided(state: RolloutState) -> bool:
+    return state.decided
+
+
+class _Nothing:
+    """No state: a relay's follower hands on what it reads."""
+
+    def initial(self) -> None: ...
+
+    def evolve(self, state: None, env: Envelope) -> None: ...
 
 
 class Finalizer:
@@ -210,6 +216,7 @@ class Finalizer:
         config: FinalizerConfig,
         *,
         on_ready: Callable[[RolloutReady], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.log = log
         self.names = log.names
@@ -228,8 +235,11 @@ class Finalizer:
         )
         self._following: set[str] = set()
         # rl:control as far as staleness bounds need it (the trainer's current version).
-        self._control = LiveFold(log, self.names.control, ControlProjection())
+        self._control = Follower(log, self.names.control, ControlProjection())
+        self._relays: set[asyncio.Task[None]] = set()  # closed, ending after their read
         self.retention_passes = 0
+        window = config.stall_window_s
+        self._stalls = StallWatch(log, window, clock=clock) if window is not None else None
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Follow requested rollouts until ``stop``; unfinished ones are handed back."""
@@ -252,6 +262,7 @@ class Finalizer:
                 keeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await keeper
+            await asyncio.gather(*self._relays, return_exceptions=True)
 
     async def _retain(self, retention: RetentionConfig, stop: asyncio.Event) -> None:
         """One retention pass every ``retention.every_s`` seconds until ``stop``."""
@@ -262,7 +273,8 @@ class Finalizer:
                 return
             try:
                 report = await retention_pass(
-                    self.log, retention.store, keep_s=retention.keep_s, groups=retention.groups
+                    self.log, retention.store, keep_s=retention.keep_s,
+                    groups=retention.groups, dead_max=retention.dead_max,
                 )
             except Exception as exc:  # Redis away, a full disk: try again next tick
                 logger.warning("retention pass failed: %s", exc)
@@ -291,19 +303,22 @@ class Finalizer:
         ev = entry.event
         if not isinstance(ev, RolloutRequested) or ev.rollout_id in self._following:
             return
-        f = _Follower(self.log, self.names.rollout(ev.rollout_id))
+        f = self._rollout(ev.rollout_id)
         failed = RolloutFailed(
             rollout_id=ev.rollout_id,
             reason=f"finalizing gave up: request {entry.stream}@{entry.id} {entry.error}",
             causation=f"{entry.stream}@{entry.id}",
         )
-        while not f.state.decided:
-            if await f.read():
-                continue  # caught up only once a read returns nothing
+        at_least: str | None = None
+        while True:
+            await f.refresh(at_least=at_least)
+            if f.done:
+                break
             try:
                 await self.log.append_if_last(f.stream, failed, f.position)
-            except AppendConflict:
-                continue  # something was appended: fold it and look again
+            except AppendConflict as exc:
+                at_least = exc.current  # something was appended: fold it and look again
+                continue
             logger.error("rollout %s failed: %s", ev.rollout_id, failed.reason)
             await self._ensure_copy(f, self.names.control, failed)
             return
@@ -311,17 +326,23 @@ class Finalizer:
             # this very step ran before and died before its copy
             await self._ensure_copy(f, self.names.control, f.state.failed)
 
+    def _rollout(self, rollout_id: str) -> _Rollout:
+        return _Rollout(
+            self.log, self.names.rollout(rollout_id),
+            block_ms=self.config.block_ms, backoff=Backoff(limit_s=self.config.outage_limit_s),
+        )
+
     async def follow(self, rollout_id: str) -> Outcome:
         """Fold the rollout until it is decided, deciding it when it is ready."""
-        f = _Follower(self.log, self.names.rollout(rollout_id))
-        relay: asyncio.Task[None] | None = None
+        f = self._rollout(rollout_id)
+        relays: list[Follower[None]] | None = None
         try:
-            while not f.state.decided:
-                await f.read()
-                if relay is None and f.state.planned is not None:
-                    sources = carried_sources(f.state)
-                    if sources:
-                        relay = asyncio.create_task(self._relay(f.stream, sources))
+            while not f.done:
+                for env in await f.read():
+                    if isinstance(env.event, SampleVerified):
+                        f.verify.add(env.event)
+                if relays is None and f.state.planned is not None:
+                    relays = self._relay(f.stream, carried_sources(f.state))
                 if f.state.capture is not None and not f.state.decided:
                     # asked for (maybe by a finalizer that died before its copy): make sure
                     # capture workers see it
@@ -331,11 +352,13 @@ class Finalizer:
                     await self._append(f, [failed], (self.names.control, failed))
                 elif not f.state.decided and worth_deciding(f.state):
                     await self._decide(f)
+                if self._stalls is not None and not f.state.decided:
+                    await self._stalls.check(f.stream, f.state)
         finally:
-            if relay is not None:
-                relay.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await relay
+            if self._stalls is not None:
+                self._stalls.forget(rollout_id)
+            for relay in relays or ():
+                relay.close()
         ready = f.state.ready
         if ready is not None:  # always a finalizer's; a RolloutFailed's writer copies it
             try:  # on disk before the trainer hears that the rollout is ready
@@ -349,7 +372,7 @@ class Finalizer:
             await self._ensure_copy(f, self.names.control, f.state.failed)  # ours, as above
         return await self._finish(rollout_id, f)
 
-    async def _tail_carried(self, f: _Follower, ready: RolloutReady) -> TailCarried | None:
+    async def _tail_carried(self, f: _Rollout, ready: RolloutReady) -> TailCarried | None:
         """The ``TailCarried`` of a ready rollout whose tail is carried (None: it is not),
         its tasks read back from the stream."""
         if not carries_tail(f.state, ready) or "TailCarried" in f.copied:
@@ -358,7 +381,7 @@ class Finalizer:
         return tail_carried(f.state, ready, tasks)
 
     async def _ensure_copy(
-        self, f: _Follower, stream: str, event: _Copied
+        self, f: _Rollout, stream: str, event: _Copied
     ) -> None:
         """Copy ``event`` to ``stream`` once, whoever tries (module doc, step 3)."""
         if event.type in f.copied:
@@ -367,23 +390,39 @@ class Finalizer:
         await self.log.append_once(stream, event, marker)
         f.copied.add(event.type)
 
-    async def _relay(self, stream: str, sources: dict[str, set[str]]) -> None:
+    def _relay(self, stream: str, sources: dict[str, set[str]]) -> list[Follower[None]]:
         """Copy the lifecycle events of carried samples from the streams of the rollouts
         they run in into this rollout's stream, as they come (a tail carried over keeps
-        running there), so this rollout's stream alone decides it and replays it. A copy
-        written twice (a restart) is a duplicate the fold ignores."""
-        positions = {self.names.rollout(src): EMPTY_ID for src in sources}
-        wanted = {self.names.rollout(src): ids for src, ids in sources.items()}
-        while True:
-            envs = await self.log.tail(positions)
-            copies: list[tuple[str, Event]] = []
-            for env in envs:
-                positions[env.stream] = env.id
-                ev = env.event
-                if isinstance(ev, _RELAYED) and ev.sample_id in wanted.get(env.stream, ()):
-                    copies.append((stream, ev))
-            if copies:
-                await self.log.append_many(copies)
+        running there), so this rollout's stream alone decides it and replays it: one
+        follower per source, until it is closed. A copy written twice (a restart) is a
+        duplicate the fold ignores."""
+        relays = []
+        for source, wanted in sources.items():
+            relay = Follower(
+                self.log, self.names.rollout(source), _Nothing(), block_ms=self.config.block_ms,
+                backoff=Backoff(limit_s=self.config.outage_limit_s),
+            )
+            task = asyncio.create_task(self._copy(relay, stream, wanted))
+            self._relays.add(task)
+            task.add_done_callback(self._relay_ended)
+            relays.append(relay)
+        return relays
+
+    def _relay_ended(self, task: asyncio.Task[None]) -> None:
+        self._relays.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("relaying carried samples failed: %r", error)
+
+    async def _copy(self, relay: Follower[None], stream: str, wanted: set[str]) -> None:
+        while not relay.closed:
+            envs = await relay.read()
+            copies: list[tuple[str, Event]] = [
+                (stream, env.event) for env in envs
+                if isinstance(env.event, _RELAYED) and env.event.sample_id in wanted
+            ]
+            if copies and not relay.closed:
+                await ride_out(partial(self.log.append_many, copies), relay.backoff,
+                               what=f"copying carried samples into {stream}")
 
     async def _trainer_version(self, state: RolloutState) -> int | None:
         """The highest version published on ``rl:control`` so far, read only for a request
@@ -394,7 +433,7 @@ class Finalizer:
         await self._control.refresh()
         return self._control.state.published
 
-    async def _decide(self, f: _Follower) -> None:
+    async def _decide(self, f: _Rollout) -> None:
         trainer_version = await self._trainer_version(f.state)
         capture = decide_capture(
             f.state, top_k=self.config.top_k, trainer_version=trainer_version
@@ -413,7 +452,7 @@ class Finalizer:
             await self._append(f, [ready, *tail_aborts(f.state, ready)])
 
     async def _append(
-        self, f: _Follower, events: list[Event], *also: tuple[str, _Copied]
+        self, f: _Rollout, events: list[Event], *also: tuple[str, _Copied]
     ) -> None:
         event = events[0]
         try:
@@ -426,7 +465,7 @@ class Finalizer:
         for stream, copy in also:  # other slots: copied once each, after the decision
             await self._ensure_copy(f, stream, copy)
 
-    async def _read_back(self, f: _Follower) -> Rollout:
+    async def _read_back(self, f: _Rollout) -> Rollout:
         """The fold (up to and including the RolloutReady: what replay folds) with the
         entries of every sample read back."""
         if f.rollout is None:
@@ -435,11 +474,11 @@ class Finalizer:
             f.rollout = Rollout(state, await read_entries(self.log, f.stream, state, ids))
         return f.rollout
 
-    async def _write_artifacts(self, rollout_id: str, f: _Follower) -> None:
+    async def _write_artifacts(self, rollout_id: str, f: _Rollout) -> None:
         if self.config.out_dir is not None:
             write_artifacts(await self._read_back(f), self.config.out_dir / rollout_id)
 
-    async def _finish(self, rollout_id: str, f: _Follower) -> Outcome:
+    async def _finish(self, rollout_id: str, f: _Rollout) -> Outcome:
         state = f.state
         if state.ready is not None:
             dumps = self.config.dumps

@@ -11,11 +11,21 @@ and a *dead-lettered* one are decided from two folds, never from scans of the lo
 ``attempt = max(previous attempt + 1, lease)`` where ``lease`` is the work entry's delivery
 count (so a re-run never reuses the number of an attempt a previous holder started but had
 not written yet), with the tokens the batch still holds, and names the workers whose
-sandboxes for the batch are to be reaped. The caller appends ``BatchLeased`` before it
-folds the pool and then the rollout stream, in that order: every release that got in
-before the lease was written by a holder whose samples' terminal events are already in the
-rollout stream (a sample's release follows its terminal event), so the samples to re-run
-never outnumber what the held tokens can serve; releases after it are fenced off.
+sandboxes for the batch are to be reaped.
+
+A sandbox is reaped only when its owner's lease is over. The runtime keeps every entry a
+worker holds alive (running or waiting for a slot), so an entry is claimed only from a holder
+that kept nothing alive for a whole idle window: it died, or it stalled and stops its work at
+its next heartbeat. The pool then tells whether the claim is still the newest: a
+``BatchLeased`` with a higher lease than ours means another worker took the batch over after
+us (this delivery is a stale copy); the plan is then ``superseded`` and runs and reaps
+nothing, so the live holder's sandboxes are never reaped under it.
+
+The caller appends ``BatchLeased`` before it folds the pool and then the rollout stream, in
+that order: every release that got in before the lease was written by a holder whose
+samples' terminal events are already in the rollout stream (a sample's release follows its
+terminal event), so the samples to re-run never outnumber what the held tokens can serve;
+releases after it are fenced off.
 :func:`dead_letter_events` aborts the same samples as ``infra_other`` (phase
 ``delivery``) and releases what the batch still holds; repeating it after a crash
 repeats events the folds ignore.
@@ -51,6 +61,7 @@ class Recovery:
     attempts: dict[str, int]
     tokens: tuple[str, ...]
     reap_workers: tuple[str, ...]
+    superseded: bool = False  # a newer lease holds the batch: nothing to do here
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,8 @@ def plan_recovery(
     state: RolloutState, pool: PoolState, admitted: BatchAdmitted, *, lease: int = 1
 ) -> Recovery:
     """The re-run of a redelivered batch (see the module docstring)."""
+    if pool.leases.get((admitted.rollout_id, admitted.batch_id), 0) > lease:
+        return Recovery(run_ids=(), attempts={}, tokens=(), reap_workers=(), superseded=True)
     run_ids = not_terminal(state, admitted.sample_ids)
     attempts = {
         sid: max(

@@ -27,14 +27,15 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from engine.actors.control_watch import ControlWatch
 from engine.actors.outcomes import ReportedAbort
 from engine.agents.result import AgentResult
 from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.hooks import CallKind, ModelCall
 from engine.events.catalog import RolloutRequested
 from engine.outcomes import TerminationReason
+from engine.projections.control import ControlState
 from engine.projections.rollout import staleness_floor, version_meets
+from engine.runtime.follower import Follower, FollowerClosed
 
 __all__ = ["SampleGuard"]
 
@@ -47,13 +48,13 @@ class SampleGuard:
     def __init__(
         self,
         request: RolloutRequested | None,
-        watch: ControlWatch | None,
+        control: Follower[ControlState] | None,
         rollout_id: str,
         sample_id: str,
         attempt: int,
     ) -> None:
         self.request = request
-        self.watch = watch
+        self.control = control  # the worker's follower of rl:control
         self.rollout_id = rollout_id
         self.sample_id = sample_id
         self.rid_prefix = f"{sample_id}/a{attempt}/"
@@ -63,13 +64,13 @@ class SampleGuard:
         self.servers: list[ModelBackend] = []  # where it generated, with the abort capability
 
     def floor(self) -> int | None:
-        published = self.watch.published if self.watch is not None else None
+        published = self.control.state.published if self.control is not None else None
         return staleness_floor(self.request, published)
 
     def tail_aborted(self) -> bool:
-        if self.watch is None:
+        if self.control is None:
             return False
-        tail = self.watch.tail_of(self.rollout_id)
+        tail = self.control.state.tail_of(self.rollout_id)
         return tail is not None and tail[0] == "abort" and self.sample_id in tail[1]
 
     def verdict(self) -> TerminationReason | None:
@@ -133,17 +134,19 @@ class SampleGuard:
         has its generations aborted on the model servers and ends as ``tail_aborted`` (the
         run is cancelled if it has not ended ``abort_grace_s`` later); a verdict of the guard
         (stale, tail) wins over what the agent made of a refused turn."""
-        watch = self.watch
-        if watch is None:
+        control = self.control
+        if control is None:
             return await run
         task = asyncio.ensure_future(run)
         try:
             while not task.done():
                 # the waiter first: a change after the check below still wakes it
-                waiter = asyncio.ensure_future(watch.wait_changed())
+                waiter = asyncio.ensure_future(control.changed(control.version))
                 try:
                     if not self.tail_aborted():
                         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    if waiter.done() and isinstance(waiter.exception(), FollowerClosed):
+                        await asyncio.wait({task})  # nothing changes any more
                 finally:
                     waiter.cancel()
                 if not task.done() and self.tail_aborted():

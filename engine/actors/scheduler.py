@@ -38,8 +38,8 @@ Event flow (docs/architecture.md, "Events and the log")
    be told apart from one still to write after a crash). After the last batch,
    ``AdmissionClosed`` on ``rl:pool`` (once) closes the rollout's admission.
    While a weight sync is open or the last one failed (``engine.actors.weight_sync``), no
-   batch is admitted: the scheduler follows ``rl:control`` with a ``PolicyWatch`` and waits
-   before each admission until the new weights are active. A request whose
+   batch is admitted: the scheduler follows ``rl:control`` (its one follower of the control
+   projection) and waits before each admission until the new weights are active. A request whose
    ``policy_version`` has been published waits until that version is active too.
 5. The ``RolloutRequested`` entry is acked once every batch is admitted. A request the
    configuration cannot serve (unknown dataset, deadlock for its real batch sizes, ...) gets
@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
 from engine.actors.planning import Plan, Planner, admission_refused, admission_wait
-from engine.actors.weight_sync import PolicyWatch, WatchClosed
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, ConfigError, PlacementError
@@ -73,11 +72,12 @@ from engine.events.catalog import (
     RolloutRequested,
 )
 from engine.events.log import DeadEntry, EventLog
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import pool_of
-from engine.projections.rollout import ControlProjection, RolloutProjection, RolloutState
+from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower, FollowerClosed, following
 from engine.runtime.loop import HandBack, serve
 
 __all__ = [
@@ -152,14 +152,19 @@ class Scheduler:
         planner: Planner,
         layout: ClusterLayout | None,
         config: SchedulerConfig,
+        control: Follower[ControlState] | None = None,
     ) -> None:
         self.log = log
         self.planner = planner
         self.config = config
         self.declaration = declaration_for(layout)
-        self.gate = PoolGate(log)
-        self.policy = PolicyWatch(log, block_ms=config.block_ms)
-        self._data = LiveFold(log, log.names.data, DataCursorProjection(), owner=True)
+        self.gate = PoolGate(log, backoff=Backoff(limit_s=config.outage_limit_s))
+        # rl:control, followed once: syncs and staleness bounds hold admissions back.
+        self.control = control or Follower(
+            log, log.names.control, ControlProjection(), block_ms=config.block_ms,
+            backoff=Backoff(limit_s=config.outage_limit_s),
+        )
+        self._data = Follower(log, log.names.data, DataCursorProjection(), owner=True)
         self.consumer = GroupConsumer(
             log,
             group=config.group,
@@ -172,8 +177,6 @@ class Scheduler:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self._rollout_locks: dict[str, _RolloutLock] = {}
-        # rl:control as far as staleness bounds need it (the highest published version)
-        self._control = LiveFold(log, log.names.control, ControlProjection())
         self.version_waits = 0
         self._started = False
         self.requests_handled = 0
@@ -182,10 +185,6 @@ class Scheduler:
     def claim_rounds(self) -> int:
         """How many times this scheduler has looked for idle entries to claim."""
         return self.consumer.claim_rounds
-
-    @property
-    def control(self) -> str:
-        return self.log.names.control
 
     # ------------------------------------------------------------ start-up
 
@@ -210,21 +209,13 @@ class Scheduler:
         """
         if not self._started:
             await ride_out(self.start, self.consumer.backoff, what="scheduler start-up")
-        await ride_out(self.policy.refresh, self.consumer.backoff, what="reading rl:control")
-        halt = asyncio.Event()  # the stop, or the pool watch failing
-        watch = asyncio.create_task(
-            self.gate.watch(backoff=Backoff(limit_s=self.config.outage_limit_s)),
-            name="pool-watch",
-        )
-        watch.add_done_callback(lambda _t: halt.set())
-        following = asyncio.create_task(self.policy.follow(halt), name="policy-watch")
-        relay = asyncio.create_task(_relay(stop, halt), name="stop")
+        await ride_out(self.control.refresh, self.consumer.backoff, what="reading rl:control")
 
         async def stopping() -> None:
-            self.policy.close()
-            await self.gate.close()
+            self.control.close()
+            self.gate.close()
 
-        try:
+        async with following(stop, self.gate.pool, self.control) as halt:
             await serve(
                 self.consumer,
                 halt,
@@ -233,15 +224,6 @@ class Scheduler:
                 grace_s=None,
                 on_stopping=stopping,
             )
-        finally:
-            relay.cancel()
-            halt.set()
-            self.policy.close()
-            await self.gate.close()
-            await asyncio.gather(relay, watch, following, return_exceptions=True)
-        failure = None if watch.cancelled() else watch.exception()
-        if failure is not None:
-            raise failure
 
     async def _serve(self, d: Delivery) -> None:
         ev = d.env.event
@@ -261,13 +243,14 @@ class Scheduler:
     async def _fail(self, request: RolloutRequested, reason: str, entry_id: str) -> None:
         logger.error("rollout %s failed: %s", request.rollout_id, reason)
         failed = RolloutFailed(rollout_id=request.rollout_id, reason=reason)
-        targets = [self.control]
+        control = self.log.names.control
+        targets = [control]
         try:
             targets.append(self.log.names.rollout(request.rollout_id))
         except ConfigError:
             pass  # a rollout id that cannot name a stream: the control stream alone says so
         await self.log.append_many(
-            [(stream, failed) for stream in targets], causation=f"{self.control}@{entry_id}"
+            [(stream, failed) for stream in targets], causation=f"{control}@{entry_id}"
         )
 
     # ------------------------------------------------------------ one rollout
@@ -308,12 +291,12 @@ class Scheduler:
             )
         request = env.event
         version = request.policy_version if isinstance(request, RolloutRequested) else 0
-        # Issue 12: a partial rollout done with its groups admits no more batches, and a
+        # A partial rollout done with its groups admits no more batches, and a
         # bounded one waits while no published version can meet its bound.
         watch = isinstance(request, RolloutRequested) and (
             request.n_planned_prompts > request.n_prompts or request.max_staleness is not None
         )
-        rollout = LiveFold(
+        rollout = Follower(
             self.log, self.log.names.rollout(batches[0].rollout_id), RolloutProjection()
         )
         for batch in batches:
@@ -323,23 +306,35 @@ class Scheduler:
                 break  # the rest will never be admitted: admission closes here
             try:  # no admission while weights change, after a failed sync, or before the
                 # version the request asks for is active (when it was published)
-                await self.policy.wait_generation_allowed(version)
-            except WatchClosed as exc:
+                await self._generation_allowed(version)
+            except FollowerClosed as exc:
                 raise GateClosed(f"stopping before batch {batch.batch_id!r} was admitted") from exc
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
         await self.gate.close_admission(batches[0].rollout_id, causation=env.ref)
 
-    async def _admissible(self, rollout: LiveFold[RolloutState], rollout_id: str) -> bool:
+    async def _generation_allowed(self, version: int) -> None:
+        """Return once no sync is open, the engine is not poisoned and work asking for
+        policy ``version`` may run (``ControlState.may_generate``); at once if so."""
+        state = self.control.state
+        if not state.may_generate(version):
+            logger.info(
+                "admission paused: %s",
+                state.why_stopped() or f"version {version} is published but not active yet",
+            )
+        await self.control.wait_for(lambda s: s.may_generate(version))
+
+    async def _admissible(self, rollout: Follower[RolloutState], rollout_id: str) -> bool:
         """Whether the rollout's next batch may be admitted (False: it never will be);
-        waits, following rl:control, while its staleness bound is out of reach."""
+        waits while its staleness bound is out of reach (rl:control may move it; the
+        rollout stream is looked at again every half second)."""
         said = False
         while True:
             await rollout.refresh()
             if (why := admission_refused(rollout.state)) is not None:
                 logger.info("rollout %s: %s; batches left unadmitted", rollout_id, why)
                 return False
-            await self._control.refresh()
-            wait = admission_wait(rollout.state, self._control.state.published)
+            seen = self.control.version
+            wait = admission_wait(rollout.state, self.control.state.published)
             if wait is None:
                 return True
             if self.gate.closed:
@@ -348,7 +343,10 @@ class Scheduler:
                 logger.info("rollout %s: admission waits: %s", rollout_id, wait)
                 said = True
             self.version_waits += 1
-            await self.log.read_after(self.control, self._control.position, block_ms=500)
+            try:
+                await self.control.changed(seen, 0.5)
+            except FollowerClosed as exc:
+                raise GateClosed(f"stopping while rollout {rollout_id} waits: {wait}") from exc
 
     async def _ensure_planned(
         self, env: Envelope, request: RolloutRequested
@@ -356,7 +354,7 @@ class Scheduler:
         """The rollout's batches in seq order, planning or completing the plan if needed;
         ``None`` when the rollout already failed."""
         rid = request.rollout_id
-        rollout = LiveFold(self.log, self.log.names.rollout(rid), RolloutProjection())
+        rollout = Follower(self.log, self.log.names.rollout(rid), RolloutProjection())
         rollout_at: str | None = None
         data_at: str | None = None
         while True:
@@ -389,7 +387,7 @@ class Scheduler:
                 continue
             return list(plan.batches)
 
-    async def _write(self, plan: Plan, rollout: LiveFold[RolloutState], env: Envelope) -> None:
+    async def _write(self, plan: Plan, rollout: Follower[RolloutState], env: Envelope) -> None:
         """The cursor on ``rl:data`` (the data is now this rollout's), then the plan's
         events chained on the rollout stream (module docstring, step 3)."""
         ids = await self.log.append_if_last(
@@ -398,7 +396,7 @@ class Scheduler:
         self._data.apply([Envelope(self._data.stream, ids[0], plan.cursor)])
         await self._append_chained(rollout.stream, plan, 0, rollout.position, env)
 
-    async def _complete(self, plan: Plan, rollout: LiveFold[RolloutState], env: Envelope) -> None:
+    async def _complete(self, plan: Plan, rollout: Follower[RolloutState], env: Envelope) -> None:
         """Append the part of ``plan`` the rollout stream does not have yet."""
         state = rollout.state
         n_tasks = len(plan.sample_ids)
@@ -451,8 +449,3 @@ def _planned_batches(state: RolloutState) -> list[BatchSealed]:
             f"but the rollout stream has {len(batches)} BatchSealed"
         )
     return batches
-
-
-async def _relay(stop: asyncio.Event, halt: asyncio.Event) -> None:
-    await stop.wait()
-    halt.set()

@@ -7,8 +7,8 @@ The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
 2. A syncer (consumer group ``sync``; any number of processes, one sync at a time) appends
    ``QuiesceRequested(version)`` with a compare-and-append on ``rl:control``: only one sync
    is ever open, and two syncers cannot both open one.
-3. Schedulers stop admitting batches (``PolicyWatch.wait_generation_allowed`` before each
-   admission; a request whose ``policy_version`` is published but not active yet waits for
+3. Schedulers stop admitting batches (before each admission, on their follower of
+   ``rl:control``; a request whose ``policy_version`` is published but not active yet waits for
    its sync as well, so a rollout requested after a publication runs on the new weights);
    every evaluator worker closes its ``TurnGate`` (``engine/backends/gate.py``): generate
    calls in flight finish, none starts, so trajectories wait at a turn boundary with their
@@ -43,16 +43,15 @@ already active after it is done.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
 from engine.backends.gate import TurnGate
 from engine.backends.weight_admin import ServerAdmin
-from engine.errors import AppendConflict, BackendError, ConfigError, LogError
+from engine.errors import AppendConflict, BackendError, ConfigError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     PolicyVersionActivated,
@@ -64,16 +63,14 @@ from engine.events.catalog import (
 )
 from engine.events.ids import parse_id
 from engine.events.log import DeadEntry, EventLog
-from engine.projections.policy import PolicyProjection, PolicyState
+from engine.projections.control import ControlProjection, ControlState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower, FollowerClosed, following
 from engine.runtime.loop import HandBack, serve
 
 __all__ = [
     "SYNC_GROUP",
-    "PolicyWatch",
     "SyncConfig",
-    "WatchClosed",
     "WeightSyncer",
     "WorkerQuiesce",
     "weights_path",
@@ -83,10 +80,6 @@ logger = logging.getLogger(__name__)
 
 SYNC_GROUP = "sync"
 WORKER_GROUP = "evaluators"
-
-
-class WatchClosed(Exception):
-    """``PolicyWatch.close()`` was called while someone waited on it."""
 
 
 def _later(a: str | None, b: str) -> bool:
@@ -112,145 +105,48 @@ def weights_path(uri: str) -> str:
     return uri
 
 
-# ---------------------------------------------------------------------- the fold, followed
-
-
-class PolicyWatch:
-    """The policy projection of ``rl:control`` (``engine.projections.policy``), kept current
-    by ``follow`` (blocking reads); waiters wake on every change."""
-
-    def __init__(self, log: EventLog, *, block_ms: int | None = None) -> None:
-        self.log = log
-        self.stream = log.names.control
-        self.block_ms = block_ms
-        self._fold = LiveFold(log, self.stream, PolicyProjection())
-        self._changed = asyncio.Event()
-        self._closed = False
-        self.version = 0  # counts changes of the state: ``changed(since=...)`` misses none
-
-    @property
-    def state(self) -> PolicyState:
-        return self._fold.state
-
-    @property
-    def position(self) -> str:
-        return self._fold.position
-
-    def _notify(self) -> None:
-        self.version += 1
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    def apply(self, envelopes: Sequence[Envelope], *, at_least: str | None = None) -> None:
-        before = self._fold.state
-        self._fold.apply(envelopes, at_least=at_least)
-        if self._fold.state is not before:
-            self._notify()
-
-    async def refresh(self, *, at_least: str | None = None) -> PolicyState:
-        """Fold the tail of ``rl:control`` past the position (no blocking)."""
-        envs = await self.log.read_all(self.stream, after=self.position)
-        self.apply(envs, at_least=at_least)
-        return self.state
-
-    async def follow(self, stop: asyncio.Event, *, backoff: Backoff | None = None) -> None:
-        """Fold new entries as they are appended until ``stop`` is set (checked between
-        blocking reads, at most ``block_ms`` apart); a read that fails is retried after the
-        runtime's backoff."""
-        backoff = backoff or Backoff()
-        while not stop.is_set() and not self._closed:
-            try:
-                envs, position = await self.log.read_after(
-                    self.stream, self.position, block_ms=self.block_ms
-                )
-            except LogError as exc:
-                pause = backoff.next_pause(exc)
-                logger.warning("following %s failed, retrying in %.1f s: %s",
-                               self.stream, pause, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), pause)
-                continue
-            backoff.reset()
-            self.apply(envs, at_least=position)
-
-    def close(self) -> None:
-        """Waiters raise ``WatchClosed``; ``follow`` ends after its current read."""
-        self._closed = True
-        self._notify()
-
-    async def changed(self, timeout: float | None = None, *, since: int | None = None) -> None:
-        """Return at the next change of the state (or after ``timeout`` seconds); with
-        ``since`` (a ``version`` read earlier), at once if the state changed after it."""
-        if self._closed:
-            raise WatchClosed("the policy watch is closed")
-        if since is not None and since != self.version:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        if self._closed:
-            raise WatchClosed("the policy watch is closed")
-
-    async def wait_until(self, predicate: Callable[[PolicyState], bool]) -> PolicyState:
-        while True:
-            seen, state = self.version, self.state
-            if predicate(state):
-                return state
-            await self.changed(since=seen)
-
-    async def wait_generation_allowed(self, version: int = 0) -> PolicyState:
-        """Return once no sync is open, the engine is not poisoned and work asking for
-        policy ``version`` may run (``PolicyState.may_generate``); at once if so."""
-        state = self.state
-        if not state.may_generate(version):
-            logger.info(
-                "admission paused: %s",
-                state.why_stopped() or f"version {version} is published but not active yet",
-            )
-        return await self.wait_until(lambda s: s.may_generate(version))
-
-
 # ---------------------------------------------------------------------- the worker's side
 
 
 class WorkerQuiesce:
-    """An evaluator worker's part of the saga: its ``TurnGate`` follows the policy state,
-    and it says ``WorkerParked`` once a quiesce found nothing in flight."""
+    """An evaluator worker's part of the saga: its ``TurnGate`` follows the control state
+    (the worker's follower of ``rl:control``), and it says ``WorkerParked`` once a quiesce
+    found nothing in flight."""
 
     def __init__(
-        self, log: EventLog, gate: TurnGate, *, worker_id: str, block_ms: int | None = None
+        self, log: EventLog, gate: TurnGate, *, worker_id: str, control: Follower[ControlState]
     ) -> None:
         self.log = log
         self.gate = gate
         self.worker_id = worker_id
-        self.watch = PolicyWatch(log, block_ms=block_ms)
+        self.control = control
         self._reported: str | None = None  # the quiesce (its entry id) we said parked for
         self._parking: asyncio.Task[None] | None = None
         self.parked_for: list[int | None] = []
 
     async def start(self, backoff: Backoff) -> None:
         """The state as the log has it now, before any batch runs."""
-        await ride_out(self.watch.refresh, backoff, what="reading the policy state")
-        self._apply(self.watch.state)
+        await ride_out(self.control.refresh, backoff, what="reading the control state")
+        self._apply(self.control.state)
 
-    async def run(self, stop: asyncio.Event, backoff: Backoff) -> None:
-        """Follow ``rl:control`` and steer the gate until ``stop``."""
-        follower = asyncio.create_task(self.watch.follow(stop, backoff=backoff))
+    async def run(self) -> None:
+        """Steer the gate on every change of the control state until its follower closes."""
+        control = self.control
         try:
             seen = -1
-            while not follower.done():
-                with contextlib.suppress(WatchClosed):
-                    await self.watch.changed(timeout=0.5, since=seen)
-                seen = self.watch.version
-                self._apply(self.watch.state)
+            while True:
+                try:
+                    await control.changed(seen)
+                except FollowerClosed:
+                    return
+                seen = control.version
+                self._apply(control.state)
         finally:
-            follower.cancel()
-            parking = self._parking
-            if parking is not None:
-                parking.cancel()
-            await asyncio.gather(follower, *([parking] if parking else []),
-                                 return_exceptions=True)
+            if self._parking is not None:
+                self._parking.cancel()
+                await asyncio.gather(self._parking, return_exceptions=True)
 
-    def _apply(self, state: PolicyState) -> None:
+    def _apply(self, state: ControlState) -> None:
         if state.generation_stopped:
             if self.gate.is_open:
                 logger.info("worker %s: generation stopped: %s", self.worker_id,
@@ -271,7 +167,7 @@ class WorkerQuiesce:
 
     async def _park(self, version: int | None, quiesce_id: str | None) -> None:
         await self.gate.drained()
-        if self.watch.state.quiesce_id != quiesce_id:
+        if self.control.state.quiesce_id != quiesce_id:
             return  # that sync ended meanwhile
         await ride_out(
             lambda: self.log.append(
@@ -337,11 +233,15 @@ class WeightSyncer:
         config: SyncConfig,
         *,
         admin: AdminFactory | None = None,
+        control: Follower[ControlState] | None = None,
     ) -> None:
         self.log = log
         self.config = config
         self._admin = admin or (lambda url: ServerAdmin(url, admin_key=config.admin_key))
-        self.watch = PolicyWatch(log, block_ms=config.block_ms)
+        self.control = control or Follower(
+            log, log.names.control, ControlProjection(), block_ms=config.block_ms,
+            backoff=Backoff(limit_s=config.outage_limit_s),
+        )
         self.consumer = GroupConsumer(
             log,
             group=config.group,
@@ -358,15 +258,12 @@ class WeightSyncer:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve publications until ``stop``; an unfinished sync is handed back (another
         syncer, or this one restarted, resumes it from the log)."""
-        await ride_out(self.watch.refresh, self.consumer.backoff, what="reading rl:control")
-        halt = asyncio.Event()
-        follower = asyncio.create_task(self.watch.follow(halt, backoff=Backoff()))
+        await ride_out(self.control.refresh, self.consumer.backoff, what="reading rl:control")
 
         async def stopping() -> None:
-            self.watch.close()
+            self.control.close()
 
-        relay = asyncio.create_task(_relay(stop, halt))
-        try:
+        async with following(stop, self.control) as halt:
             await serve(
                 self.consumer,
                 halt,
@@ -375,17 +272,13 @@ class WeightSyncer:
                 grace_s=self.config.grace_s,
                 on_stopping=stopping,
             )
-        finally:
-            halt.set()
-            relay.cancel()
-            await asyncio.gather(follower, relay, return_exceptions=True)
 
     async def _handle(self, d: Delivery) -> None:
         ev = d.env.event
         if isinstance(ev, PolicyVersionPublished):
             try:
                 await self.sync(d.env, ev)
-            except WatchClosed as exc:  # stopping: another syncer resumes it
+            except FollowerClosed as exc:  # stopping: another syncer resumes it
                 raise HandBack from exc
 
     async def _give_up(self, dead: DeadEntry) -> None:
@@ -394,8 +287,8 @@ class WeightSyncer:
         ev = dead.event
         if not isinstance(ev, PolicyVersionPublished):
             return
-        await self.watch.refresh()
-        if _ended_after(self.watch.state, dead.id, ev.version):
+        await self.control.refresh()
+        if _ended_after(self.control.state, dead.id, ev.version):
             return
         failed = WeightSyncFailed(
             version=ev.version,
@@ -403,7 +296,7 @@ class WeightSyncer:
             servers_ok=[],
             servers_failed=list(self.config.servers),
         )
-        await self.log.append(self.watch.stream, failed, causation=f"{dead.stream}@{dead.id}")
+        await self.log.append(self.control.stream, failed, causation=f"{dead.stream}@{dead.id}")
         self.outcomes.append(failed)
 
     # -- one publication -------------------------------------------------------------------
@@ -411,9 +304,9 @@ class WeightSyncer:
     async def sync(self, env: Envelope, publish: PolicyVersionPublished) -> None:
         """Run (or resume) the sync of one publication to its end."""
         ref, version = env.ref, publish.version
-        await self.watch.refresh()
+        await self.control.refresh()
         while True:
-            seen, state = self.watch.version, self.watch.state
+            seen, state = self.control.version, self.control.state
             if state.quiesce is not None and state.quiesce.causation == ref:
                 break  # ours is open: resume it
             if _ended_after(state, env.id, version):
@@ -422,28 +315,28 @@ class WeightSyncer:
                 logger.info("version %d superseded by a later publication", version)
                 return
             if state.quiesce is not None:  # another sync is open: it ends first
-                await self.watch.changed(timeout=1.0, since=seen)
+                await self.control.changed(seen, 1.0)
                 continue
             request = QuiesceRequested(version=version, reason=f"weight sync to version {version}")
             try:
                 await self.log.append_if_last(
-                    self.watch.stream, request, self.watch.position, causation=ref
+                    self.control.stream, request, self.control.position, causation=ref
                 )
             except AppendConflict as exc:
-                await self.watch.refresh(at_least=exc.current)
+                await self.control.refresh(at_least=exc.current)
                 continue
             logger.info("quiesce requested for version %d", version)
-            await self.watch.refresh()
+            await self.control.refresh()
         await self._quiesce(version, ref)
         outcome = await self._push(publish)
-        await self.log.append(self.watch.stream, outcome, causation=ref)
+        await self.log.append(self.control.stream, outcome, causation=ref)
         self.outcomes.append(outcome)
-        await self.watch.refresh()
+        await self.control.refresh()
 
     async def _quiesce(self, version: int, ref: str) -> None:
         deadline = time.monotonic() + self.config.park_timeout_s
         while True:
-            seen, state = self.watch.version, self.watch.state
+            seen, state = self.control.version, self.control.state
             if state.quiesce_done is not None:
                 return  # written before a restart
             live = await self.live_workers()
@@ -462,12 +355,12 @@ class WeightSyncer:
                     parked=sorted(state.parked),
                     unparked=sorted(missing),
                 )
-                await self.log.append(self.watch.stream, done, causation=ref)
-                await self.watch.refresh()
+                await self.log.append(self.control.stream, done, causation=ref)
+                await self.control.refresh()
                 return
             # Woken by a WorkerParked (also one folded while the live set was read); the
             # live set is looked at again at least every second.
-            await self.watch.changed(timeout=min(1.0, left), since=seen)
+            await self.control.changed(seen, min(1.0, left))
 
     async def live_workers(self) -> set[str]:
         """Consumers of the worker group on any work stream, heard from within the window."""
@@ -519,7 +412,7 @@ class WeightSyncer:
         return None
 
 
-def _ended_after(state: PolicyState, entry_id: str, version: int) -> bool:
+def _ended_after(state: ControlState, entry_id: str, version: int) -> bool:
     """A sync of ``version`` or later ended (either way) after the publication ``entry_id``."""
     active = state.activated
     if active is not None and active.version >= version and _later(state.activated_id, entry_id):
@@ -528,8 +421,3 @@ def _ended_after(state: PolicyState, entry_id: str, version: int) -> bool:
     return (
         failure is not None and failure.version >= version and _later(state.failure_id, entry_id)
     )
-
-
-async def _relay(stop: asyncio.Event, halt: asyncio.Event) -> None:
-    await stop.wait()
-    halt.set()

@@ -274,6 +274,15 @@ class EventLog(Protocol):
     async def delete_stream(self, stream: str) -> bool:
         """Delete a stream and its consumer groups; whether it existed."""
 
+    async def dead_marks(self) -> set[str]:
+        """The dead-letter seen-set: ``stream@id`` of every entry a letter was written for."""
+        ...
+
+    async def forget_dead_marks(self, marks: Collection[str]) -> int:
+        """Remove ``marks`` from the seen-set (their entries can no longer be read);
+        returns how many were there."""
+        ...
+
     # ------------------------------------------------------------------ snapshots, close
 
     async def write_snapshot(self, name: str, data: bytes) -> None: ...

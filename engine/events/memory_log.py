@@ -533,6 +533,15 @@ class MemoryEventLog(LogBase):
     async def delete_stream(self, stream: str) -> bool:
         return self._streams.pop(stream, None) is not None
 
+    async def dead_marks(self) -> set[str]:
+        return set(self.store.sets.get(self.names.dead_seen, ()))
+
+    async def forget_dead_marks(self, marks: Collection[str]) -> int:
+        seen = self.store.sets.get(self.names.dead_seen, set())
+        gone = seen & set(marks)
+        seen -= gone
+        return len(gone)
+
     async def write_snapshot(self, name: str, data: bytes) -> None:
         self.store.values[self.names.snapshot(name)] = bytes(data)
 

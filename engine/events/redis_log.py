@@ -318,6 +318,16 @@ class RedisEventLog(RedisGroups):
         with self._io(f"DEL {stream}"):
             return bool(await self._r.delete(stream))
 
+    async def dead_marks(self) -> set[str]:
+        with self._io(f"SMEMBERS {self.names.dead_seen}"):
+            return {_s(m) for m in await self._r.smembers(self.names.dead_seen)}
+
+    async def forget_dead_marks(self, marks: Collection[str]) -> int:
+        if not marks:
+            return 0
+        with self._io(f"SREM {self.names.dead_seen}"):
+            return int(await self._r.srem(self.names.dead_seen, *marks))
+
     async def memory_usage(self, key: str) -> int:
         """Bytes Redis holds for ``key`` (0 when absent); not part of the port."""
         with self._io(f"MEMORY USAGE {key}"):

@@ -34,6 +34,7 @@ PROCESS_COMMANDS: dict[str, str] = {
     "capture": "a teacher capture process",
     "scheduler": "a scheduler process",
     "sync": "the weight syncer (quiesce, load, verify, resume)",
+    "serve": "model servers kept at the active policy version, registered on rl:control",
 }
 
 _DELEGATES: dict[str, str] = {
@@ -80,7 +81,7 @@ LOG_TOOL = Flags(CONNECTION)
 
 _FLAGS = {
     "retention": Flags(
-        (*CONNECTION, "retention_store", "retention_keep_s"),
+        (*CONNECTION, "retention_store", "retention_keep_s", "retention_dead_max"),
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
 }
@@ -216,7 +217,8 @@ async def _retention(settings: Settings, args: argparse.Namespace) -> int:
     async with _log(settings) as log:
         while True:
             report = await retention_pass(
-                log, settings.retention_store, keep_s=settings.retention_keep_s
+                log, settings.retention_store, keep_s=settings.retention_keep_s,
+                dead_max=settings.retention_dead_max,
             )
             print(report.summary(), flush=True)
             if args.every is None:
@@ -246,7 +248,7 @@ async def _tail(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from engine.ops.inspection import status_lines
+    from engine.ops.inspection import last_stall, status_lines
     from engine.ops.replay import decode_entries, raw_entries
     from engine.projections.base import fold, start
     from engine.projections.rollout import RolloutProjection
@@ -259,7 +261,7 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
         return 1
     projection = RolloutProjection()
     state = fold(projection, start(projection), envelopes).state
-    for line in status_lines(state):
+    for line in status_lines(state, last_stall(envelopes)):
         print(line)
     return 0
 

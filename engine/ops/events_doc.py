@@ -124,6 +124,11 @@ ROUTES: dict[str, Route] = {
         "the scheduler, the finalizer or a capture worker",
         "the trainer (`wait_ready` raises with the reason)",
     ),
+    "RolloutStalled": Route(
+        "`rl:{rollout:ID}`",
+        "the finalizer following the rollout (no new entry for `--stall-window-s`)",
+        "`rollout status`, `rollout tail`, operators (no fold decides from it)",
+    ),
     "DeadLetter": Route(
         "`rl:dead`",
         "the log adapter (an entry past `max_deliveries`, or one that does not decode)",
@@ -147,6 +152,16 @@ ROUTES: dict[str, Route] = {
         "`rl:control`",
         "the weight syncer",
         "schedulers and workers (resume), `wait_version_active`",
+    ),
+    "ServerRegistered": Route(
+        "`rl:control`",
+        "`rollout serve`, each time a server answers",
+        "workers and the syncer with `ROLLOUT_SERVERS_FROM_LOG`",
+    ),
+    "ServerRetired": Route(
+        "`rl:control`",
+        "`rollout serve`, stopping its servers",
+        "workers and the syncer with `ROLLOUT_SERVERS_FROM_LOG`",
     ),
     "WeightSyncFailed": Route(
         "`rl:control`",

@@ -1,5 +1,5 @@
 """Human-readable views of the log: one line per event (``rollout tail``) and a rollout's
-progress (``rollout status``).
+progress (``rollout status``, with what a stalled rollout waits for).
 
 An event line reads ``time  stream  Type  rollout=.. sample=.. <details>  cause=..`` where
 the time is the stream id's millisecond timestamp (UTC), details are the few fields that
@@ -35,11 +35,12 @@ from engine.events.catalog import (
     TurnCompleted,
 )
 from engine.events.codec import decode
+from engine.events.diagnostics import RolloutStalled
 from engine.events.ids import EMPTY_ID, id_ms, parse_id
 from engine.events.log import EventLog
 from engine.projections.rollout import RolloutState
 
-__all__ = ["BatchProgress", "describe", "progress", "status_lines", "tail"]
+__all__ = ["BatchProgress", "describe", "last_stall", "progress", "status_lines", "tail"]
 
 
 def _time(entry_id: str) -> str:
@@ -95,6 +96,8 @@ def _details(ev: Event) -> list[str]:
         )
     if isinstance(ev, RolloutFailed):
         return [f"reason={ev.reason!r}"]
+    if isinstance(ev, RolloutStalled):
+        return [f"idle={ev.idle_s:.0f}s", f"waiting_for={'; '.join(ev.waiting_for)!r}"]
     if isinstance(ev, DeadLetter):
         return [f"source={ev.source_stream}@{ev.source_id}", f"error={ev.error[:120]!r}"]
     return []
@@ -209,8 +212,16 @@ def progress(state: RolloutState) -> list[BatchProgress]:
     return out
 
 
-def status_lines(state: RolloutState) -> list[str]:
-    """A rollout's progress: a header, the totals and one line per batch."""
+def last_stall(envelopes: Sequence[Envelope]) -> RolloutStalled | None:
+    """The stream's last entry when it is a ``RolloutStalled`` (the rollout has not moved
+    since it was reported), else None."""
+    last = envelopes[-1].event if envelopes else None
+    return last if isinstance(last, RolloutStalled) else None
+
+
+def status_lines(state: RolloutState, stalled: RolloutStalled | None = None) -> list[str]:
+    """A rollout's progress: a header, the totals, what it waits for when ``stalled`` (and
+    still undecided), and one line per batch."""
     batches = progress(state)
     planned = state.planned.n_samples if state.planned is not None else None
     if state.ready is not None:
@@ -234,6 +245,9 @@ def status_lines(state: RolloutState) -> list[str]:
             sum(1 for s in state.samples.values() if s.aborted),
         ),
     ]
+    if stalled is not None and not state.decided:
+        lines.append(f"stalled: no progress for {stalled.idle_s:.0f} s; waiting for:")
+        lines.extend(f"  - {wait}" for wait in stalled.waiting_for)
     lines.extend(
         f"  {b.batch_id:<28} {b.evaluator_id:<14} planned {b.planned:>5}  started "
         f"{b.started:>5}  completed {b.completed:>5}  aborted {b.aborted:>5}"

@@ -6,17 +6,23 @@ move one), the first event of every rollout (a rollout present has been planned;
 for it are duplicates), and the carried tails no later rollout has taken over. A cursor that does
 not validate is skipped (the rollout still counts as planned), so a bad entry cannot crash a
 scheduler's fold.
+
+The projection is snapshottable (``dump`` / ``load``): a reader starts from the stored
+snapshot and folds the tail, so retention trims ``rl:data`` below it. A snapshot keeps the
+tails no rollout has taken over (a taken tail is never asked for again).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 
 from engine.data_source import DataCursor
 from engine.events.base import Envelope
 from engine.events.catalog import DataCursorAdvanced, RolloutKind, TailCarried
+from engine.events.codec import decode, encode
 
 __all__ = ["DataCursorProjection", "DataState"]
 
@@ -56,6 +62,25 @@ class DataCursorProjection:
 
     def initial(self) -> DataState:
         return DataState()
+
+    def dump(self, state: DataState) -> dict[str, Any]:
+        return {
+            "cursors": [c.model_dump(mode="json") for c in state.cursors.values()],
+            "rollouts": [encode(ev) for ev in state.rollouts.values()],
+            "tails": [encode(t) for t in state.tails.values() if t.rollout_id not in state.taken],
+            "taken": sorted(state.taken),
+        }
+
+    def load(self, data: Any) -> DataState:
+        cursors = [DataCursor.model_validate(c) for c in data["cursors"]]
+        rollouts = [decode(raw) for raw in data["rollouts"]]
+        tails = [decode(raw) for raw in data["tails"]]
+        return DataState(
+            cursors={c.datasets: c for c in cursors},
+            rollouts={ev.rollout_id: ev for ev in rollouts if isinstance(ev, DataCursorAdvanced)},
+            tails={t.rollout_id: t for t in tails if isinstance(t, TailCarried)},
+            taken=set(data["taken"]),
+        )
 
     def evolve(self, state: DataState, env: Envelope) -> DataState:
         ev = env.event

@@ -47,7 +47,6 @@ from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     BatchSealed,
     CaptureRequested,
-    PolicyVersionPublished,
     PromptStored,
     RolloutFailed,
     RolloutPlanned,
@@ -68,8 +67,6 @@ from engine.projections.lanes import CeChunk, Lane, ce_chunks, request_lane
 __all__ = [
     "MARK_EVERY",
     "UNKNOWN_VERSION",
-    "ControlProjection",
-    "ControlState",
     "RolloutProjection",
     "RolloutState",
     "SampleRecord",
@@ -466,56 +463,6 @@ def with_prompt(done: SampleCompleted, stored: PromptStored) -> SampleCompleted:
     """A trajectory that refers to a stored prompt (``prompt_key``) with the prompt tokens
     filled in from the ``PromptStored`` the fold recorded for it."""
     return done.model_copy(update={"prompt_ids": stored.prompt_ids})
-
-
-# ---------------------------------------------------------------- the control stream
-
-
-@dataclass(slots=True)
-class ControlState:
-    """What the engine's actors need of ``rl:control`` besides requests.
-
-    ``published``: the highest ``PolicyVersionPublished.version`` (None before any);
-    ``tails``: per rollout that became ready with a tail (an over-provisioned rollout), the
-    tail's sample ids and what the request said to do with them (``abort`` / ``carry``),
-    so a worker can abort the tail samples it still runs. Only the most recent
-    ``keep_tails`` rollouts are kept (a worker runs recent rollouts only)."""
-
-    published: int | None = None
-    tails: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
-
-    def current_version(self, request: RolloutRequested | None) -> int | None:
-        """The trainer's current version for ``request``: the highest published version,
-        or the request's ``policy_version`` when higher (None: neither is known)."""
-        versions = [v for v in (self.published,) if v is not None]
-        if request is not None:
-            versions.append(request.policy_version)
-        return max(versions) if versions else None
-
-
-class ControlProjection:
-    """Folds ``rl:control`` into a :class:`ControlState` (policy versions, ready tails)."""
-
-    name = "control"
-
-    def __init__(self, keep_tails: int = 256) -> None:
-        self._keep = keep_tails
-
-    def initial(self) -> ControlState:
-        return ControlState()
-
-    def evolve(self, state: ControlState, env: Envelope) -> ControlState:
-        ev = env.event
-        if isinstance(ev, PolicyVersionPublished):
-            if state.published is None or ev.version > state.published:
-                state.published = ev.version
-        elif isinstance(ev, RolloutReady) and ev.tail_sample_ids:
-            if ev.rollout_id not in state.tails:
-                mode = "carry" if ev.tail_carried else "abort"
-                state.tails[ev.rollout_id] = (mode, frozenset(ev.tail_sample_ids))
-                while len(state.tails) > self._keep:
-                    del state.tails[next(iter(state.tails))]
-        return state
 
 
 def staleness_floor(request: RolloutRequested | None, trainer_version: int | None) -> int | None:

@@ -6,6 +6,8 @@
 * ``loop.serve``: the actor loop on top of it (bounded concurrency, ack when a handler
   returns, release when it fails, hand back on stop) -- the scheduler, the evaluator
   worker, the finalizer and the capture worker bring only their handlers;
-* ``appender.GroupAppender``: group-commit appends; ``live.LiveFold``: projections kept
-  current from a stream's tail, for compare-and-append writers and point queries.
+* ``appender.GroupAppender``: group-commit appends;
+* ``follower.Follower``: a projection kept live from one stream (point reads for
+  compare-and-append writers, blocking follows, waits on its changes) -- every reader of a
+  stream outside a consumer group.
 """

@@ -18,10 +18,15 @@ claimed and aborted again.
 
 Every delivery handed out is *in flight* until ``ack`` (done), ``release`` (its work failed:
 left pending for a claim after the idle window) or ``hand_back`` (a graceful stop: left
-pending, claimable at once, and not counted as a delivery). A heartbeat task refreshes the
-idle time of in-flight entries every ``heartbeat_ms``, so a live consumer's work is never
-claimed; it must be well below ``claim_idle_ms``. An entry that a claim returns while it is
-already in flight here is skipped, so nothing runs twice in one process.
+pending, claimable at once, and not counted as a delivery). A read can deliver more than a
+fetch hands out (a group read counts per stream, and restarts and claims return what they
+find): the rest waits in the backlog for the next fetch. A heartbeat task refreshes the idle
+time of every entry the consumer holds -- in flight, in the backlog, dead and not settled --
+every ``heartbeat_ms``, so a live consumer's entries are never claimed, whether they run or
+wait for a free slot; it must be well below ``claim_idle_ms``. An entry the heartbeat finds
+claimed by another consumer is dropped from the backlog (it never runs here) or, in flight,
+reported to ``on_lost``. An entry that a claim returns while it is already in flight here is
+skipped, so nothing runs twice in one process.
 
 ``fetch_or_stop`` is what an actor's loop calls (see :mod:`engine.runtime.loop`). A stop
 never cancels a Redis command (redis-py does not reliably survive a cancelled read): the
@@ -337,20 +342,28 @@ class GroupConsumer:
         self._recheck_own = False
 
     async def _claim(self, count: int) -> None:
+        """Claim idle entries, no more than there is room for beside the backlog: what a
+        consumer cannot run soon is left for one that can."""
         self.claim_rounds += 1
         for stream in self.streams:
+            room = count - len(self._backlog)
+            if room <= 0:
+                return
             result = await self.log.claim_idle(
                 stream,
                 self.group,
                 self.consumer,
                 min_idle_ms=self.claim_idle_ms,
-                count=count,
+                count=room,
                 ack_dead=self.ack_dead,
             )
             for env in result.entries:
-                if (env.stream, env.id) in self._in_flight:
+                key = (env.stream, env.id)
+                if key in self._in_flight:
                     continue
-                self._left.discard((env.stream, env.id))
+                self._left.discard(key)
+                # A copy read earlier (its heartbeat failed for a window): the claim is newer.
+                self._backlog = [d for d in self._backlog if d.key != key]
                 times = result.deliveries.get(env.id, 2)
                 self._backlog.append(Delivery(env, redelivered=True, deliveries=times))
             self._hold_dead(result.dead)
@@ -448,7 +461,8 @@ class GroupConsumer:
         while True:
             await asyncio.sleep(self.heartbeat_ms / 1000.0)
             by_stream: dict[str, list[str]] = {}
-            for stream, entry_id in [*self._in_flight, *self._dead_held]:
+            held = [*self._in_flight, *self._dead_held, *(d.key for d in self._backlog)]
+            for stream, entry_id in dict.fromkeys(held):
                 by_stream.setdefault(stream, []).append(entry_id)
             for stream, ids in by_stream.items():
                 try:
@@ -456,17 +470,22 @@ class GroupConsumer:
                 except Exception as exc:  # a missed beat is retried on the next one
                     logger.warning("heartbeat on %s failed: %s", stream, exc)
                     continue
-                for entry_id in lost:
-                    self._dead_held.discard((stream, entry_id))  # its new owner settles it
-                    delivery = self._in_flight.pop((stream, entry_id), None)
-                    if delivery is not None:
-                        # Claimed by another consumer after this one stalled past the idle
-                        # window: the lease is gone, so the work stops here (on_lost) and
-                        # runs only at its new owner; what we still write is fenced (newer
-                        # lease, newer attempts).
-                        logger.warning(
-                            "%s: entry %s on %s was claimed by another consumer; "
-                            "stopping its work here", self.consumer, entry_id, stream,
-                        )
-                        if self.on_lost is not None:
-                            self.on_lost(delivery)
+                if lost:
+                    self._lost(stream, set(lost))
+
+    def _lost(self, stream: str, lost: set[str]) -> None:
+        """Entries another consumer claimed after this one failed to keep them alive for a
+        whole idle window: the lease is gone, so their work stops here and runs only at the
+        new owner; what this consumer still writes is fenced (newer lease, newer attempts)."""
+        self._backlog = [
+            d for d in self._backlog if d.env.stream != stream or d.env.id not in lost
+        ]
+        for entry_id in lost:
+            self._dead_held.discard((stream, entry_id))  # its new owner settles it
+            delivery = self._in_flight.pop((stream, entry_id), None)
+            logger.warning(
+                "%s: entry %s on %s was claimed by another consumer; %s", self.consumer,
+                entry_id, stream, "stopping its work here" if delivery else "dropped",
+            )
+            if delivery is not None and self.on_lost is not None:
+                self.on_lost(delivery)

@@ -14,7 +14,9 @@ decision and effects for one delivery) and, where a dead entry stands for work t
   back. Any other exception is logged and the delivery is released: it stays pending and is
   claimed after the idle window, as a further delivery (so an entry that always fails ends
   dead-lettered). Before a release, ``settle_writes`` runs (e.g. flush what the handler
-  queued): work is never given up while events for it are still to be written.
+  queued): work is never given up while events for it are still to be written. Raising
+  :class:`LeaseLost` (the handler found the work taken over under a newer lease) drops the
+  delivery: it is neither acked nor released, since it is no longer this consumer's.
 * A transport error is not a failed delivery: when ``handle`` raises
   :class:`~engine.errors.LogUnavailable` the delivery stays this consumer's (in flight, kept
   alive by the heartbeat once Redis answers), and ``handle`` runs again, as a redelivery
@@ -48,7 +50,9 @@ from engine.events.ids import id_ms
 from engine.events.log import DeadEntry
 from engine.runtime.consumer import Delivery, GroupConsumer, ride_out
 
-__all__ = ["FETCH_COUNT", "GC_THRESHOLD", "HandBack", "Served", "serve", "tune_gc"]
+__all__ = [
+    "FETCH_COUNT", "GC_THRESHOLD", "HandBack", "LeaseLost", "Served", "serve", "tune_gc",
+]
 
 GC_THRESHOLD = (10_000, 20, 100)
 """The cyclic collector's thresholds in an actor process. Actors keep large, long-lived,
@@ -77,6 +81,11 @@ Hook = Callable[[], Awaitable[None]]
 class HandBack(Exception):  # noqa: N818 -- a signal, not an error
     """Raised by a handler that stops work on its delivery because the actor is stopping:
     the delivery is handed back instead of released."""
+
+
+class LeaseLost(Exception):  # noqa: N818 -- a signal, not an error
+    """Raised by a handler that finds its delivery taken over by another consumer under a
+    newer lease: the work is not done here, and the delivery is dropped (not acked)."""
 
 
 @dataclass(slots=True)
@@ -215,6 +224,11 @@ class _Loop:
                 break
             except HandBack:
                 self.handed.append(d)
+                return
+            except LeaseLost as exc:
+                logger.warning("%s: %s", consumer.consumer, exc)
+                consumer.release(d)  # no longer ours: only stop keeping it alive
+                self.served.failed += 1
                 return
             except LogUnavailable as exc:
                 metrics.REDIS_ERRORS.labels("handler").inc()

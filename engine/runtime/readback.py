@@ -4,13 +4,14 @@ The one fold of a rollout stream (:class:`~engine.projections.rollout.RolloutPro
 records, per sample, the entry ids its whole sample is built from; this module is where
 that meets the log:
 
-* :class:`StreamLoad` folds raw entries as they are read (pages of ``read_raw_ranges``, a
-  blocking ``tail_raw``), decoding each with ``codec.decode``; an entry that does not
-  decode is skipped, as every reader but the stream's owner skips it. For the trainer's
-  ``load`` it feeds the fold only the entries samples are built from (tasks, terminals,
-  teacher scorings, stored prompts, the request and the ready event: the rest changes none
-  of their positions, so it is not even decoded) and can keep them as read
-  (``keep=True``), so the samples are built with no second read.
+* :class:`StreamLoad` folds raw entries as they are read (pages of ``read_raw_ranges``, or
+  blocking ``tail_raw`` reads of a :class:`LoadFollower`), decoding each with
+  ``codec.decode``; an entry that does not decode is skipped, as every reader but the
+  stream's owner skips it. For the trainer's ``load`` it feeds the fold only the entries
+  samples are built from (tasks, terminals, teacher scorings, stored prompts, the request
+  and the ready event: the rest changes none of their positions, so it is not even
+  decoded) and can keep them as read (``keep=True``), so the samples are built with no
+  second read.
 * :func:`read_entries` / :func:`read_back` read entries back by id: the ids are grouped
   into a few ranges (``projections.readback.ranges``) and read in one round trip per
   :data:`_READ_BATCH` ids.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Iterable, Sequence
 
-from engine.errors import DecodeError, LogUnavailable
+from engine.errors import DecodeError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     PromptStored,
@@ -37,17 +38,19 @@ from engine.events.catalog import (
 from engine.events.codec import decode
 from engine.events.ids import EMPTY_ID, exclusive
 from engine.events.log import EventLog, RawEntry
+from engine.projections.base import Folded
 from engine.projections.lanes import CeChunk, Lane, ce_chunks, plan_ce, request_lane
 from engine.projections.readback import Rollout, ranges, wanted
 from engine.projections.rollout import RolloutProjection, RolloutState
 from engine.projections.samples import ce_samples, check_terminal, samples_named, trainer_samples
 from engine.runtime.consumer import Backoff
+from engine.runtime.follower import Follower
 from engine.runtime.rebuild import gc_paused
 from engine.sample import Sample
 
 __all__ = [
+    "LoadFollower",
     "StreamLoad",
-    "follow",
     "iter_samples",
     "read_back",
     "read_entries",
@@ -151,24 +154,26 @@ async def scan(
             pending.cancel()
 
 
-async def follow(log: EventLog, load: StreamLoad, waited: asyncio.Event) -> str:
-    """Fold the stream into ``load`` as it is written, with blocking reads, until the fold
-    holds the rollout's ``RolloutReady`` or ``waited`` is set (the caller learnt the
-    outcome elsewhere); returns the id of the last entry folded. An outage pauses it; what
-    it missed, a :func:`scan` from that id reads."""
-    position = EMPTY_ID
-    backoff = Backoff(first_s=0.5, max_s=5.0)
-    while load.state.ready is None and not waited.is_set():
-        try:
-            rows = await log.tail_raw({load.stream: position}, count=LOAD_PAGE)
-        except LogUnavailable as exc:
-            await asyncio.sleep(backoff.next_pause(exc))
-            continue
-        backoff.reset()
+class LoadFollower(Follower[RolloutState]):
+    """``load`` kept live: the stream folded into it as it is written, with blocking reads
+    of raw pages, until the fold holds the rollout's ``RolloutReady`` (``done``). What it
+    had not read when it stops, a :func:`scan` from its position reads."""
+
+    def __init__(self, log: EventLog, load: StreamLoad, *, backoff: Backoff) -> None:
+        super().__init__(log, load.stream, RolloutProjection(), backoff=backoff)
+        self.load = load
+        self.folded = Folded(load.state, EMPTY_ID)
+
+    async def _fetch(self, block_ms: int) -> list[Envelope]:
+        rows = await self.log.tail_raw(
+            {self.stream: self.position}, block_ms=block_ms, count=LOAD_PAGE
+        )
+        self.caught_up = len(rows) < LOAD_PAGE
         if rows:
-            position = rows[-1][1]
-            load.feed((entry_id, raw) for _stream, entry_id, raw in rows)
-    return position
+            self.load.feed((entry_id, raw) for _stream, entry_id, raw in rows)
+            self.done = self.load.state.ready is not None
+            self._moved(Folded(self.load.state, rows[-1][1]))
+        return []
 
 
 async def read_entries(

@@ -1,9 +1,10 @@
 """Retention: keep Redis memory bounded while rollouts keep coming.
 
 One pass (``retention_pass``), run by the finalizer every ``--retention-every-s`` seconds
-when it has a ``--retention-store`` (no operator command needed), or by ``rollout retention``
-once or every ``--every`` seconds. It lives in the runtime so a long-running actor can run
-it; ``engine.ops.retention`` binds it to the actors' consumer groups.
+(on by default, archiving to ``--retention-store``, else ``<--work-dir>/archive``; no
+operator command needed), or by ``rollout retention`` once or every ``--every`` seconds. It
+lives in the runtime so a long-running actor can run it; ``engine.ops.retention`` binds it
+to the actors' consumer groups.
 
 
 * **Shared streams** read through consumer groups (``rl:control``, ``rl:capture`` and every
@@ -23,17 +24,19 @@ it; ``engine.ops.retention`` binds it to the actors' consumer groups.
   left in a shared stream after the trim still names it: work a worker has not acked yet (a
   failed rollout's queued batches, say) still folds the rollout stream when it runs.
 
-* **The pool** (``rl:pool``): the pass folds it from its snapshot (``PoolProjection`` is
-  snapshottable) and stores a new snapshot at the stream's end, then trims the entries
-  below the *previous* pass's snapshot (and inside the window, none). Every reader of the
-  pool (the scheduler, evaluator workers, ``rollout pool``, ``rollout top``) starts from
-  the snapshot and folds the tail, so what is trimmed is never needed; trimming one pass
-  behind leaves a reader that loaded the previous snapshot a whole pass interval to read
-  its tail. With ``AdmissionClosed`` the snapshot itself holds only live batches (and one
-  id per closed rollout), so the pool's memory stays flat.
-
-``rl:data`` and ``rl:dead`` are not touched: the scheduler folds the first from the start
-(one small event per rollout), and dead letters wait for an operator.
+* **The pool** (``rl:pool``) and **the data cursor** (``rl:data``): the pass folds each
+  from its snapshot (``PoolProjection`` and ``DataCursorProjection`` are snapshottable) and
+  stores a new snapshot at the stream's end, then trims the entries below the *previous*
+  pass's snapshot (and inside the window, none). Every reader of these streams (the
+  scheduler, evaluator workers, ``rollout pool``, ``rollout top``) starts from the snapshot
+  and folds the tail, so what is trimmed is never needed; trimming one pass behind leaves a
+  reader that loaded the previous snapshot a whole pass interval to read its tail. With
+  ``AdmissionClosed`` the pool's snapshot itself holds only live batches (and one id per
+  closed rollout), so the pool's memory stays flat.
+* **Dead letters** (``rl:dead``): the oldest letters beyond ``dead_max`` are trimmed. A
+  letter's mark in the seen-set (``rl:dead:seen``) only stops a second copy of it; a mark
+  goes once its letter is trimmed and the entry it names is gone from its stream (trimmed,
+  or the stream deleted), when no reader can find that entry again.
 """
 
 from __future__ import annotations
@@ -41,18 +44,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from engine.errors import DecodeError
-from engine.events.catalog import RolloutFailed, RolloutReady
+from engine.events.catalog import DeadLetter, RolloutFailed, RolloutReady
 from engine.events.codec import decode
 from engine.events.ids import EMPTY_ID, format_id, id_after, id_ms, parse_id
 from engine.events.log import EventLog, RawEntry
+from engine.projections.base import Projection, Snapshottable
+from engine.projections.data_cursor import DataCursorProjection
 from engine.projections.placement import PoolProjection
 from engine.runtime.archive import Archive, read_archive, write_archive
 from engine.runtime.rebuild import load_snapshot, rebuild, save_snapshot
 
 __all__ = [
     "ARCHIVE_SUFFIX",
+    "DEAD_MAX",
     "RetentionGroups",
     "RetentionReport",
     "archive_path",
@@ -60,6 +67,8 @@ __all__ = [
 ]
 
 ARCHIVE_SUFFIX = ".rollout"
+DEAD_MAX = 10_000
+"""Dead letters ``rl:dead`` keeps by default (``ROLLOUT_RETENTION_DEAD_MAX``)."""
 
 
 @dataclass(slots=True)
@@ -115,13 +124,17 @@ async def _archive_and_delete(
     return await log.delete_stream(stream)
 
 
-async def _snapshot_and_trim_pool(log: EventLog, before: str) -> int | None:
-    """Snapshot ``rl:pool`` at its end; trim below the previous snapshot and ``before``.
-    None when the pool stream is empty (nothing to do)."""
-    stream = log.names.pool
+class _Snapshotted(Projection[Any], Snapshottable[Any], Protocol):
+    """A fold of a stream that readers start from a stored snapshot of."""
+
+
+async def _snapshot_and_trim(
+    log: EventLog, stream: str, projection: _Snapshotted, before: str
+) -> int | None:
+    """Snapshot ``stream`` at its end; trim below the previous snapshot and ``before``.
+    None when the stream is empty (nothing to do)."""
     if not await log.stream_length(stream):
         return None
-    projection = PoolProjection()
     previous = await load_snapshot(log, projection)
     current = await rebuild(log, stream, projection, since=previous)
     if previous is None or current.position != previous.position:
@@ -130,6 +143,31 @@ async def _snapshot_and_trim_pool(log: EventLog, before: str) -> int | None:
         return 0
     keep_from = min(parse_id(id_after(previous.position)), parse_id(before))
     return await log.trim_before(stream, format_id(*keep_from))
+
+
+async def _trim_dead(log: EventLog, dead_max: int) -> int:
+    """Trim the oldest dead letters beyond ``dead_max``, then forget the seen-set marks
+    whose letter is trimmed and whose entry is gone from its stream (module docstring)."""
+    dead = log.names.dead
+    excess = await log.stream_length(dead) - dead_max
+    trimmed = 0
+    if excess > 0:
+        oldest = await log.read_raw(dead, limit=excess)
+        trimmed = await log.trim_before(dead, id_after(oldest[-1][0]))
+    gone: set[str] = set()
+    first: dict[str, str] = {}
+    for mark in await log.dead_marks():
+        stream, _, entry_id = mark.rpartition("@")
+        if stream not in first:
+            first[stream] = await log.first_id(stream)
+        if first[stream] == EMPTY_ID or parse_id(entry_id) < parse_id(first[stream]):
+            gone.add(mark)
+    if gone:  # only then are the letters read: those still kept keep their marks
+        for env in await log.read_all(dead):
+            if isinstance(env.event, DeadLetter):
+                gone.discard(f"{env.event.source_stream}@{env.event.source_id}")
+        await log.forget_dead_marks(gone)
+    return trimmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +187,7 @@ async def retention_pass(
     *,
     keep_s: float,
     groups: RetentionGroups,
+    dead_max: int = DEAD_MAX,
     now_s: float | None = None,
 ) -> RetentionReport:
     """One retention pass (see the module docstring)."""
@@ -163,9 +202,14 @@ async def retention_pass(
         (names.capture, groups.capture),
         *((stream, groups.work) for stream in work),
     ]
-    pool_trimmed = await _snapshot_and_trim_pool(log, before)
-    if pool_trimmed is not None:
-        report.trimmed[names.pool] = pool_trimmed
+    snapshotted: list[tuple[str, _Snapshotted]] = [
+        (names.pool, PoolProjection()), (names.data, DataCursorProjection()),
+    ]
+    for stream, projection in snapshotted:
+        trimmed = await _snapshot_and_trim(log, stream, projection, before)
+        if trimmed is not None:
+            report.trimmed[stream] = trimmed
+    report.trimmed[names.dead] = await _trim_dead(log, dead_max)
     busy: set[str] = set()  # rollouts some shared-stream entry still refers to
     for stream, readers in shared:
         if not await log.stream_length(stream):

@@ -23,8 +23,9 @@ from engine.backends import (
     OpenAIConfig,
 )
 from engine.errors import BackendHTTPError
-from engine.events import RolloutRequested
+from engine.events import PolicyVersionPublished, RolloutRequested
 from engine.outcomes import TerminationReason
+from tests.rollout.conftest import control_with
 
 URL = "http://api.test/v1"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -109,16 +110,10 @@ async def test_the_gate_holds_a_chat_backends_calls_and_counts_them_in_flight() 
 
 
 def _stale_guard() -> SampleGuard:
-    class Watch:  # what the guard reads of the worker's ControlWatch
-        published: int | None = 3
-
-        def tail_of(self, rollout_id: str) -> None:
-            return None
-
     request = RolloutRequested.model_validate(
         {"rollout_id": "r", "n_prompts": 2, "n_samples_per_prompt": 2, "max_staleness": 1}
     )
-    return SampleGuard(request, Watch(), "r", "r:s0", 1)  # type: ignore[arg-type]
+    return SampleGuard(request, control_with(PolicyVersionPublished(version=3)), "r", "r:s0", 1)
 
 
 async def test_an_attempts_guard_checks_and_records_every_turn_of_a_chat_backend() -> None:

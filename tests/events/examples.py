@@ -24,6 +24,7 @@ from engine.events import (
     RolloutPlanned,
     RolloutReady,
     RolloutRequested,
+    RolloutStalled,
     SampleAborted,
     SampleCompleted,
     SampleStarted,
@@ -39,6 +40,7 @@ from engine.events import (
     WeightSyncFailed,
     WorkerParked,
 )
+from engine.events.registry import ServerRegistered, ServerRetired
 
 
 def example_events() -> list[Event]:
@@ -54,6 +56,9 @@ def example_events() -> list[Event]:
         PolicyVersionActivated(version=4, servers=["http://a:1"], weights_uri="file:///w"),
         WeightSyncFailed(version=5, error="http://b:2: 400 bad", servers_ok=["http://a:1"],
                          servers_failed=["http://b:2"]),
+        ServerRegistered(endpoint="http://a:1", role="policy", backend="tinylm",
+                         supervisor="serve-1", weight_version=4, pid=123),
+        ServerRetired(endpoint="http://a:1", supervisor="serve-1", reason="stopped"),
         PoolDeclared(nodes=[NodeDecl(node="n0", gpus=[0, 1], cpu=16, memory_gb=64)]),
         TokenAcquired(rollout_id="r1", batch_id="b0", evaluator_id="math", tokens=[
             TokenGrant(token_id="b0:0", node="n0", gpus=[GpuShare(gpu=0, fraction=0.5)],
@@ -96,4 +101,6 @@ def example_events() -> list[Event]:
         ]),
         DeadLetter(source_stream="rl:control", source_id="1-0", raw=b"\x00\xff",
                    error="garbage"),
+        RolloutStalled(rollout_id="r1", idle_s=300.5, waiting_for=["2 samples running on w1 (2)"],
+                       not_started=1, running={"w1": 2}, consumers={"w2": 1500}),
     ]

@@ -9,7 +9,7 @@ from engine.errors import LogUnavailable
 from engine.events import EventLog, RolloutFailed
 from engine.events.log import DeadEntry
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer
-from engine.runtime.loop import HandBack, serve
+from engine.runtime.loop import HandBack, LeaseLost, serve
 
 S = "rl:test:consumer"
 
@@ -287,3 +287,67 @@ async def test_work_is_not_handed_back_while_its_events_may_still_be_unwritten(
     await asyncio.wait_for(serve(consumer(log, "c2"), stop, handle, before_hand_back=flush_ok), 10)
     written = (await log.read_all(S))[-1]
     assert (await pending(log, "c2"))[written.id] == 0
+
+
+T = "rl:test:consumer-b"
+
+
+async def test_an_entry_waiting_in_the_backlog_is_kept_alive(log: EventLog) -> None:
+    # A group read over two streams delivers one entry per stream; a fetch of one hands out
+    # one of them. The other waits in the backlog for a free slot, and the heartbeat keeps
+    # it alive: past the idle window another consumer's claim finds nothing to take.
+    await log.append(S, RolloutFailed(rollout_id="r-s", reason="x"))
+    await log.append(T, RolloutFailed(rollout_id="r-t", reason="x"))
+    c = GroupConsumer(log, group="g", consumer="c1", streams=[S, T], heartbeat_ms=50,
+                      claim_idle_ms=400, block_ms=100)
+    await c.start()
+    try:
+        out, _ = await c.fetch(1)
+        assert len(out) == 1 and c.in_flight == 1
+        await asyncio.sleep(0.6)  # past the idle window, the slot still busy
+        for stream in (S, T):
+            assert (await log.claim_idle(stream, "g", "thief", min_idle_ms=400)).entries == []
+        await c.ack(out[0])
+        (waiting,), _ = await c.fetch(1)
+        assert waiting.env.stream != out[0].env.stream and not waiting.redelivered
+    finally:
+        await c.aclose()
+
+
+async def test_a_backlog_entry_claimed_away_is_dropped_not_run(log: EventLog) -> None:
+    # The consumer could not keep its backlog alive (it stalled past the idle window) and
+    # another consumer claimed the waiting entry: the next heartbeat drops it, so it never
+    # runs here beside its new owner.
+    await log.append(S, RolloutFailed(rollout_id="r-s", reason="x"))
+    await log.append(T, RolloutFailed(rollout_id="r-t", reason="x"))
+    c = GroupConsumer(log, group="g", consumer="c1", streams=[S, T], heartbeat_ms=50,
+                      claim_idle_ms=400, block_ms=100)
+    await c.ensure_groups()
+    out, _ = await c.fetch(1)  # no heartbeat running: the consumer is stalled
+    other = T if out[0].env.stream == S else S
+    await asyncio.sleep(0.45)
+    assert len((await log.claim_idle(other, "g", "thief", min_idle_ms=400)).entries) == 1
+    await c.start()  # the heartbeat runs again
+    try:
+        await asyncio.sleep(0.15)
+        await c.ack(out[0])
+        assert await c.fetch(1) == ([], [])
+    finally:
+        await c.aclose()
+
+
+async def test_a_handler_that_lost_its_lease_is_neither_acked_nor_released(
+    log: EventLog,
+) -> None:
+    await log.append(S, RolloutFailed(rollout_id="r-stale", reason="x"))
+    c = consumer(log)
+    stop = asyncio.Event()
+
+    async def handle(d: Delivery) -> None:
+        stop.set()
+        raise LeaseLost("taken over under a newer lease")
+
+    served = await asyncio.wait_for(serve(c, stop, handle), 10)
+    assert (served.handled, served.failed, served.handed_back) == (0, 1, 0)
+    (entry,) = await log.read_all(S)
+    assert (await pending(log, "c1"))[entry.id] == 1  # still pending: not acked

@@ -383,6 +383,18 @@ async def test_plain_reads_skip_bad_entries_and_only_the_owner_dead_letters_them
     assert log.dead_lettered + other_owner.dead_lettered == 1
 
 
+async def test_dead_marks_are_listed_and_forgotten(log: EventLog) -> None:
+    junk = await write_raw(log, S, {b"e": b"junk"})
+    assert await log.dead_marks() == set()
+    await log.read_all(S, dead_letter=True)
+    assert await log.dead_marks() == {f"{S}@{junk}"}
+    assert await log.forget_dead_marks([f"{S}@{junk}", f"{S}@9-9"]) == 1
+    assert await log.dead_marks() == set() and await log.forget_dead_marks([]) == 0
+    # A forgotten mark no longer stops a second letter for an entry still in its stream.
+    await log.read_all(S, dead_letter=True)
+    assert len(await log.read(log.names.dead)) == 2
+
+
 async def test_trim_keeps_unacked_entries(log: EventLog) -> None:
     await log.ensure_group(S, "g")
     ids = await log.append_many([(S, failed(i)) for i in range(6)])

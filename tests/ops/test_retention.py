@@ -1,5 +1,7 @@
-"""Retention (issue 16): acked shared streams are trimmed, finished rollouts are archived to a
-file store and deleted from Redis, and the archive replays byte-identically."""
+"""Retention: acked shared streams are trimmed, finished rollouts are archived to a file store
+and deleted from Redis (the archive replays byte-identically), ``rl:data`` is trimmed below
+its snapshot, ``rl:dead`` and its seen-set are bounded, and the finalizer does it all by
+default."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 from engine.actors.evaluator_worker import GROUP as EVALUATOR_GROUP
 from engine.actors.finalizer import GROUP as FINALIZER_GROUP
 from engine.actors.scheduler import SCHEDULER_GROUP
-from engine.events import BatchAdmitted, RolloutFailed
+from engine.events import BatchAdmitted, DataCursorAdvanced, RolloutFailed, TailCarried
 from engine.events.ids import id_ms
 from engine.events.log import EventLog
 from engine.events.redis_log import FIELD, RedisEventLog, RedisSettings, connect
@@ -24,6 +26,9 @@ from engine.ops.replay import (
     replay_to_dir,
 )
 from engine.ops.retention import archive_path, retention_pass
+from engine.projections.data_cursor import DataCursorProjection
+from engine.runtime.follower import Follower
+from engine.runtime.rebuild import rebuild
 from engine.settings import Settings
 from tests.conftest import write_raw
 from tests.redis_server import RedisServer
@@ -206,3 +211,86 @@ async def test_a_finished_rollout_waits_while_unacked_work_names_it(
     report = await retention_pass(log, tmp_path, keep_s=0, now_s=later)
     assert report.archived == [archive.rollout_id] and report.trimmed[work] == 1
     assert await log.list_streams("rl:{rollout:*}") == []
+
+
+def _cursor(offset: int) -> dict[str, object]:
+    return {"seed": 0, "datasets": ["ds"], "offset": offset}
+
+
+@pytest.mark.parametrize("log_backend", ["memory", "redis-server"])
+async def test_rl_data_is_trimmed_below_its_snapshot_and_a_resumed_scheduler_folds_the_same(
+    log: EventLog, tmp_path: Path
+) -> None:
+    data = log.names.data
+    tail = TailCarried(rollout_id="r1", request_stream="train", tasks=[])
+    first = [
+        (data, DataCursorAdvanced(rollout_id="r0", cursor=_cursor(4))),
+        (data, DataCursorAdvanced(rollout_id="r1", cursor=_cursor(8))),
+        (data, tail),
+        (data, DataCursorAdvanced(rollout_id="r2", cursor=_cursor(12), carried=["r1"])),
+        (data, TailCarried(rollout_id="r2", request_stream="train", tasks=[])),
+    ]
+    await log.append_many(first)
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=time.time() + 1)
+    assert report.trimmed[data] == 0  # the first snapshot: nothing below a previous one
+    await log.append(data, DataCursorAdvanced(rollout_id="r3", cursor=_cursor(16)))
+    whole = (await rebuild(log, data, DataCursorProjection())).state
+    # The next pass trims every entry below the first pass's snapshot.
+    report = await retention_pass(log, tmp_path, keep_s=0, now_s=time.time() + 1)
+    assert report.trimmed[data] == len(first)
+    assert [e.event.rollout_id for e in await log.read_all(data)] == ["r3"]  # type: ignore[attr-defined]
+    # A scheduler starting now folds the snapshot and the tail into the same state.
+    resumed = Follower(log, data, DataCursorProjection(), owner=True)
+    await resumed.refresh()
+    assert resumed.state.cursors == whole.cursors
+    assert resumed.state.rollouts == whole.rollouts
+    assert resumed.state.carried_for("train") == whole.carried_for("train")
+    assert [t.rollout_id for t in resumed.state.carried_for("train")] == ["r2"]
+
+
+@pytest.mark.parametrize("log_backend", ["memory", "redis-server"])
+async def test_dead_letters_are_trimmed_and_their_marks_go_once_their_entries_are_gone(
+    log: EventLog, tmp_path: Path
+) -> None:
+    # Given three undecodable entries of one rollout stream and one of another, each
+    # dead-lettered once by the stream's owner,
+    gone, kept = "rl:{rollout:gone}", "rl:{rollout:kept}"
+    ids = [await write_raw(log, gone, {FIELD: b"\xc1garbage"}) for _ in range(3)]
+    kept_id = await write_raw(log, kept, {FIELD: b"\xc1garbage"})
+    await log.read_all(gone, dead_letter=True)
+    await log.read_all(kept, dead_letter=True)
+    marks = {f"{gone}@{i}" for i in ids} | {f"{kept}@{kept_id}"}
+    assert await log.dead_marks() == marks and await log.stream_length(log.names.dead) == 4
+    # when the first stream is deleted and a pass keeps two letters,
+    assert await log.delete_stream(gone)
+    report = await retention_pass(log, tmp_path, keep_s=3600, dead_max=2)
+    # then the two oldest letters are trimmed; the marks of trimmed letters whose entries
+    # are gone go, the kept letters keep theirs, and the entry still in its stream too.
+    assert report.trimmed[log.names.dead] == 2
+    letters = [e.event for e in await log.read_all(log.names.dead)]
+    assert [(d.source_stream, d.source_id) for d in letters] == [  # type: ignore[attr-defined]
+        (gone, ids[2]), (kept, kept_id)
+    ]
+    assert await log.dead_marks() == {f"{gone}@{ids[2]}", f"{kept}@{kept_id}"}
+    # A second pass with room for none: the last letters go, and only the mark of the entry
+    # still in its stream stays (a reread of it writes no second letter).
+    await retention_pass(log, tmp_path, keep_s=3600, dead_max=0)
+    assert await log.stream_length(log.names.dead) == 0
+    assert await log.dead_marks() == {f"{kept}@{kept_id}"}
+    await log.read_all(kept, dead_letter=True)
+    assert await log.stream_length(log.names.dead) == 0
+
+
+def test_the_finalizer_process_runs_retention_by_default_under_its_work_dir() -> None:
+    from workers.finalizer import _config
+
+    config = _config(Settings(), "fin")
+    assert config.retention is not None
+    assert config.retention.store == Path("runs") / "archive"
+    assert (config.retention.keep_s, config.retention.every_s) == (3600.0, 60.0)
+    assert config.retention.dead_max == 10_000
+    assert config.stall_window_s == 300.0
+    moved = _config(Settings(work_dir=Path("/srv/rl")), "fin")
+    assert moved.retention is not None and moved.retention.store == Path("/srv/rl/archive")
+    off = _config(Settings(retention=False, stall_window_s=0), "fin")
+    assert off.retention is None and off.stall_window_s is None

@@ -28,10 +28,13 @@ from engine.events import (
     TokenAcquired,
     TokenReleased,
 )
+from engine.events.memory_log import MemoryEventLog
 from engine.ops.processes import Process, Processes
 from engine.projections.base import fold, start
+from engine.projections.control import ControlProjection, ControlState
 from engine.projections.readback import Rollout, in_memory
 from engine.projections.rollout import RolloutProjection, RolloutState
+from engine.runtime.follower import Follower
 from tests.conftest import LogFactory
 from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
@@ -49,6 +52,13 @@ BLOCK_MS = 100
 def envelopes(events: Sequence[Event]) -> list[Envelope]:
     """``events`` as read from one stream, ids ``1-0``, ``2-0``, ..."""
     return [Envelope("s", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
+
+
+def control_with(*events: Event) -> Follower[ControlState]:
+    """A follower of ``rl:control`` that has folded ``events`` (a guard's view of it)."""
+    control = Follower(MemoryEventLog(), "rl:control", ControlProjection())
+    control.apply([Envelope("rl:control", f"{i + 1}-0", ev) for i, ev in enumerate(events)])
+    return control
 
 
 def rollout_state(events: Sequence[Event]) -> RolloutState:

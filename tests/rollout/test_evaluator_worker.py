@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from engine.actors.batch_run import sample_seed
-from engine.actors.evaluator_worker import EvaluatorWorker
+from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
+from engine.agents.binding import EvaluatorBinding
 from engine.client import RolloutClient
+from engine.errors import LogUnavailable, OutageExceeded
 from engine.events import (
     AbortClass,
     BatchLeased,
@@ -502,3 +504,38 @@ async def test_a_worker_decodes_only_the_tasks_its_batches_need(
         tasks.update(more)
         for sid, ev in tasks.items():
             assert ev == whole[sid]  # what the rollout fold makes of the stream
+
+
+class _ControlAway:
+    """The log, except that blocking reads of ``rl:control`` fail as an outage: the work
+    streams still answer, only the worker's follower of the control stream loses Redis."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self.failed = 0
+
+    async def read_after(self, stream: str, *args: Any, **kwargs: Any) -> Any:
+        if stream == self._log.names.control:
+            self.failed += 1
+            raise LogUnavailable("redis at 127.0.0.1:1 is unreachable (test)")
+        return await self._log.read_after(stream, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+
+async def test_a_control_outage_past_the_limit_ends_the_worker_with_outage_exceeded(
+    log: EventLog, specs: Mapping[str, EvaluatorBinding]
+) -> None:
+    """The worker follows rl:control once; when that follower cannot reach Redis for longer
+    than the outage limit, the worker ends with ``OutageExceeded`` (the process exits)
+    instead of retrying forever while its batches read a stale control state."""
+    away = _ControlAway(log)
+    evaluator = next(iter(specs))
+    config = WorkerConfig(worker_id="w1", evaluator_ids=(evaluator,), block_ms=50,
+                          outage_limit_s=0.3)
+    worker = EvaluatorWorker(away, specs, config)
+    stop = asyncio.Event()
+    with pytest.raises(OutageExceeded, match="outage limit of 0.3 s"):
+        await asyncio.wait_for(worker.run(stop), 30)
+    assert away.failed >= 2 and not stop.is_set()

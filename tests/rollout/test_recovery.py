@@ -174,3 +174,23 @@ def test_late_releases_of_a_previous_holder_are_fenced_off() -> None:
     assert held_tokens(state, admitted) == ("r:b0:t0",) and state.fenced == 0
     # A log written before leases existed (lease 0, no BatchLeased) folds as before.
     assert pool(acquired, released(None)).tokens_held == 0
+
+
+def leased(lease: int, worker: str) -> BatchLeased:
+    return BatchLeased(rollout_id="r", batch_id="r:b0", lease=lease, worker=worker)
+
+
+def test_a_stale_copy_of_a_batch_taken_over_since_runs_and_reaps_nothing() -> None:
+    # Given w2 claimed the batch under lease 3 and started r:s1 there,
+    # when w1 recovers from delivery 2 (a copy it read before w2's claim),
+    # then the plan is superseded: no re-run, no token, and w2's sandboxes are not reaped.
+    _, [(acquired, admitted)] = admissions()
+    state = rollout(started("r:s1", 3, "w2"))
+    plan = plan_recovery(state, pool(acquired, leased(2, "w1"), leased(3, "w2")), admitted,
+                         lease=2)
+    assert plan.superseded
+    assert (plan.run_ids, plan.tokens, plan.reap_workers) == ((), (), ())
+    # The newest lease plans as usual and reaps the previous holder's sandboxes.
+    newest = plan_recovery(state, pool(acquired, leased(3, "w2"), leased(4, "w1")), admitted,
+                           lease=4)
+    assert not newest.superseded and newest.reap_workers == ("w2",)

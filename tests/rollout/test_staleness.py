@@ -258,8 +258,7 @@ async def test_a_sample_whose_first_turn_fell_behind_the_bound_runs_no_second_tu
     assert rig.server is not None
     await set_server_version(rig.server, tinylm_dir, 2)
     assert rig.worker is not None
-    while rig.worker.control_watch.published != 2:
-        await rig.worker.control_watch.wait_changed()
+    await rig.worker.control.wait_for(lambda s: s.published == 2)
     gate.set()
     ready = await wait_ready(log, "gated")
     # every sample ran exactly its first turn, on version 0, and was then ended as stale

@@ -30,6 +30,7 @@ from engine.events import (
     Envelope,
     LogProbs,
     Mask,
+    PolicyVersionPublished,
     RolloutReady,
     RolloutRequested,
     SampleAborted,
@@ -38,14 +39,11 @@ from engine.events import (
 )
 from engine.events.codec import decode, encode
 from engine.ops.replay import replay_state
-from engine.projections.rollout import (
-    ControlProjection,
-    staleness_floor,
-    version_meets,
-)
+from engine.projections.control import ControlProjection
+from engine.projections.rollout import staleness_floor, version_meets
 from engine.projections.rows import sample_rows
 from engine.projections.summary import build_summary, render_artifacts
-from tests.rollout.conftest import envelopes, plan_events, rollout_of, rollout_state
+from tests.rollout.conftest import control_with, envelopes, plan_events, rollout_of, rollout_state
 
 RID = "r"
 
@@ -273,15 +271,13 @@ def test_a_v1_request_upcasts_to_no_bound_and_no_overprovisioning() -> None:
 
 
 def test_control_projection_follows_the_highest_published_version() -> None:
-    from engine.events import PolicyVersionPublished
-
     projection = ControlProjection(keep_tails=1)
     state = projection.initial()
-    assert state.current_version(_request(policy_version=2)) == 2
+    assert state.current_version(_request(policy_version=2).policy_version) == 2
     for v in (3, 1, 5, 4):
         state = projection.evolve(state, Envelope("c", "1-0", PolicyVersionPublished(version=v)))
     assert state.published == 5
-    assert state.current_version(_request(policy_version=9)) == 9
+    assert state.current_version(_request(policy_version=9).policy_version) == 9
     for n in range(2):
         ready = RolloutReady(rollout_id=f"x{n}", sample_ids=[], tail_sample_ids=[f"x{n}:s1"])
         state = projection.evolve(state, Envelope("c", "2-0", ready))
@@ -299,13 +295,8 @@ async def test_a_guarded_turn_is_refused_before_any_request_reaches_the_server()
     from engine.backends.pool import BackendPool
     from engine.outcomes import TerminationReason
 
-    class Watch:  # what the guard reads of the worker's ControlWatch
-        published: int | None = 3
-
-        def tail_of(self, rollout_id: str) -> None:
-            return None
-
-    guard = SampleGuard(_request(max_staleness=1), Watch(), RID, _sid(0), 1)  # type: ignore[arg-type]
+    control = control_with(PolicyVersionPublished(version=3))
+    guard = SampleGuard(_request(max_staleness=1), control, RID, _sid(0), 1)
     async with BackendPool("http://127.0.0.1:9") as pool:
         backend = pool.bind("k", hooks=(guard,)).get()
         assert backend.capabilities.token_ids

@@ -71,11 +71,11 @@ async def _append(
     return ids
 
 
-def _running(name: str) -> list[asyncio.Task[Any]]:
-    """This loop's unfinished tasks running the client coroutine ``name``."""
+def _following() -> list[asyncio.Task[Any]]:
+    """This loop's unfinished tasks following a rollout stream for ``wait_load``."""
     return [
         t for t in asyncio.all_tasks()
-        if not t.done() and getattr(t.get_coro(), "__name__", "") == name
+        if not t.done() and t.get_name().startswith("follow rl:{rollout:")
     ]
 
 
@@ -116,18 +116,18 @@ async def test_the_stream_is_folded_while_written(log: EventLog, name: str) -> N
 async def test_a_failed_rollout_raises_and_stops_the_follower(log: EventLog) -> None:
     client = RolloutClient(log)
     waiting = asyncio.create_task(client.wait_load("r-failed", timeout=_DEADLINE_S))
-    await _until(lambda: _running("follow"))
+    await _until(_following)
     await log.append(log.names.control, RolloutFailedEvent(rollout_id="r-failed", reason="x"))
     with pytest.raises(RolloutFailed, match="x"):
         await waiting
-    assert _running("follow") == []
+    assert _following() == []
 
 
 async def test_it_times_out_as_wait_ready_does(log: EventLog) -> None:
     client = RolloutClient(log)
     with pytest.raises(TimeoutError, match="r-late not ready"):
         await client.wait_load("r-late", timeout=0.2)
-    assert _running("follow") == []
+    assert _following() == []
 
 
 async def test_a_ready_rollout_without_its_stream_fails_as_load_does(log: EventLog) -> None:
@@ -180,7 +180,7 @@ async def test_it_waits_and_follows_through_a_redis_restart(tmp_path: Path) -> N
     try:
         waiting = asyncio.create_task(client.wait_load(archive.rollout_id, timeout=60))
         await _append(log, archive.stream, archive.entries[: at // 2])
-        await _until(lambda: _running("follow"))
+        await _until(_following)
         await asyncio.to_thread(server.stop)
         await asyncio.sleep(1.0)
         assert not waiting.done()  # the outage ends neither the wait nor the follower

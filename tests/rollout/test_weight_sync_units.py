@@ -27,13 +27,13 @@ from engine.events import (
 )
 from engine.events.codec import decode
 from engine.projections.base import fold, start
-from engine.projections.policy import PolicyProjection, PolicyState
+from engine.projections.control import ControlProjection, ControlState
 from tests.rollout.conftest import events_of
 
 
-def folded(*events: Event) -> PolicyState:
+def folded(*events: Event) -> ControlState:
     envs = [Envelope("rl:control", f"{i + 1}-0", ev) for i, ev in enumerate(events)]
-    projection = PolicyProjection()
+    projection = ControlProjection()
     return fold(projection, start(projection), envs).state
 
 

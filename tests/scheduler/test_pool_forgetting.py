@@ -44,7 +44,7 @@ from engine.projections.placement import (
     PoolState,
     try_acquire_batch,
 )
-from engine.runtime.live import LiveFold
+from engine.runtime.follower import Follower
 from engine.runtime.rebuild import pool_at
 
 ROLLOUTS = ("r0", "r1", "r2")
@@ -216,7 +216,7 @@ async def test_retention_trims_the_pool_below_its_snapshot_and_readers_start_the
 ) -> None:
     names = log.names
     await log.append(names.pool, PoolDeclared(nodes=NODES[1]))
-    stale = LiveFold(log, names.pool, PoolProjection())  # a worker that looks now and then
+    stale = Follower(log, names.pool, PoolProjection())  # a worker that looks now and then
     await stale.refresh()
     held = try_acquire_batch((await pool_at(log)).state, BUDGET, PER_SAMPLE[1], 2,
                              token_prefix="live")
@@ -236,7 +236,7 @@ async def test_retention_trims_the_pool_below_its_snapshot_and_readers_start_the
     assert await log.read_snapshot("pool") is not None
     # Nothing was lost: a fresh fold (snapshot + tail), the time-travel tool, and a fold
     # whose position was trimmed away meanwhile all see the same pool.
-    fresh = LiveFold(log, names.pool, PoolProjection())
+    fresh = Follower(log, names.pool, PoolProjection())
     await fresh.refresh()
     await stale.refresh()
     now = (await pool_at(log)).state

@@ -163,7 +163,7 @@ async def test_two_schedulers_handling_the_same_request_plan_and_admit_once(
     evaluators = FakeEvaluators(log, ["math"], hold=1)
     for s in (a, b):
         await s.start()
-    watchers = [asyncio.create_task(s.gate.watch()) for s in (a, b)]
+    watchers = [asyncio.create_task(s.gate.pool.run()) for s in (a, b)]
     try:
         await asyncio.wait_for(
             asyncio.gather(
@@ -175,7 +175,7 @@ async def test_two_schedulers_handling_the_same_request_plan_and_admit_once(
         )
     finally:
         for s in (a, b):
-            await s.gate.close()
+            s.gate.close()
         await asyncio.gather(*watchers)
     (advanced,) = of_type(await events_of(log, log.names.data), DataCursorAdvanced)
     assert advanced.rollout_id == "r1"

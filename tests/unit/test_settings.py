@@ -78,7 +78,7 @@ def test_describe_lists_every_variable_with_type_default_and_help() -> None:
 
 # -- flags, generated from the same declarations -------------------------------------------
 
-PROCESSES = ("evaluator", "finalizer", "capture", "scheduler", "sync")
+PROCESSES = ("evaluator", "finalizer", "capture", "scheduler", "sync", "serve")
 
 ONE_SHOT = {
     "replay": {"rollout_id", "source", "out"},

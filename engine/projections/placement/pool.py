@@ -18,10 +18,15 @@
   happened, and ``over_allocation`` reports any capacity exceeded (the invariant every prefix
   of the stream must satisfy).
 
-``evolve`` updates the state in place (take ``copy()`` before keeping one). Held tokens are
-compact ``Held`` tuples and the fold keeps the nodes' placement order, so a decision costs
-O(tokens x nodes) whatever the pool holds. ``dump`` / ``load`` let a reader start from a stored
-snapshot and fold only the tail, which lets retention trim ``rl:pool`` below it.
+``evolve`` updates the state in place and returns it, so folding a long pool history stays
+linear; take ``copy()`` before keeping a state that a later fold would extend. Held tokens are
+compact ``Held`` tuples and the fold keeps the nodes' placement order, so a decision
+(``allocation``) costs O(tokens x nodes) whatever the pool holds.
+
+``dump`` / ``load`` turn a state into plain msgpack-able values and back, so a reader starts
+from a stored snapshot and folds only the tail (``engine.runtime.follower.Follower``), which lets
+retention trim ``rl:pool`` below a snapshot. ``engine.runtime.rebuild.pool_at`` folds the
+stream up to an event id and ``render_pool`` prints the state as a table.
 """
 
 from __future__ import annotations

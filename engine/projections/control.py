@@ -1,20 +1,25 @@
-"""The policy projection: which weights are live and whether generation may run, from
-``rl:control``.
+"""The projection of ``rl:control``: the policy's versions, the weight sync, rollout outcomes.
 
-The weight sync is a saga on ``rl:control`` (``engine/actors/weight_sync.py``)::
+Every process folds the stream once (a :class:`~engine.runtime.follower.Follower` of this
+projection). The weight sync is a saga on the stream (``engine/actors/weight_sync.py``)::
 
     PolicyVersionPublished(v) -> QuiesceRequested(v) -> WorkerParked(v, w)... ->
     QuiesceCompleted(v) -> PolicyVersionActivated(v) | WeightSyncFailed(v)
 
-The fold keeps:
+The state keeps:
 
 * ``published``: the highest version any ``PolicyVersionPublished`` named (the trainer's
-  current version), and the last publication itself;
+  current version), every version published, and the last publication itself;
 * ``quiesce``: the open sync (a ``QuiesceRequested`` not yet ended by an activation or a
   failure) with the workers parked for it and its ``QuiesceCompleted`` once written;
 * ``activated``: the last ``PolicyVersionActivated``;
 * ``failure``: the last ``WeightSyncFailed`` when no activation came after it -- the engine is
-  *poisoned*: nothing generates until a later sync succeeds.
+  *poisoned*: nothing generates until a later sync succeeds;
+* ``tails``: per rollout that became ready with a tail (an over-provisioned rollout), the
+  tail's sample ids and what the request said to do with them (``abort`` / ``carry``), so a
+  worker can abort the tail samples it still runs; the most recent ``keep_tails`` only;
+* ``outcomes``: per rollout, the entry id of its first ``RolloutReady`` or ``RolloutFailed``
+  (what the trainer's ``wait_ready`` reads back); the most recent ``keep_outcomes`` only.
 
 Generation may run only when no sync is open and the engine is not poisoned
 (``generation_stopped``). The state is a frozen value; ``evolve`` returns a new one.
@@ -23,7 +28,9 @@ Generation may run only when no sync is open and the engine is not poisoned
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.events.base import Envelope
 from engine.events.catalog import (
@@ -31,15 +38,20 @@ from engine.events.catalog import (
     PolicyVersionPublished,
     QuiesceCompleted,
     QuiesceRequested,
+    RolloutFailed,
+    RolloutReady,
     WeightSyncFailed,
     WorkerParked,
 )
 
-__all__ = ["PolicyProjection", "PolicyState"]
+__all__ = ["ControlProjection", "ControlState"]
+
+Tail = tuple[str, frozenset[str]]
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyState:
+class ControlState:
     published: int | None = None
     published_versions: frozenset[int] = frozenset()
     last_published: PolicyVersionPublished | None = None
@@ -52,6 +64,8 @@ class PolicyState:
     activated_id: str | None = None
     failure: WeightSyncFailed | None = None
     failure_id: str | None = None
+    tails: Mapping[str, Tail] = field(default_factory=dict)
+    outcomes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def active_version(self) -> int | None:
@@ -90,18 +104,44 @@ class PolicyState:
         higher."""
         return max(requested, self.published if self.published is not None else requested)
 
+    def tail_of(self, rollout_id: str) -> Tail | None:
+        """``(mode, sample ids)`` of a ready rollout's tail; None: not ready with one."""
+        return self.tails.get(rollout_id)
 
-class PolicyProjection:
-    """Folds the sync events of ``rl:control`` into a :class:`PolicyState` (others pass)."""
 
-    name = "policy"
+def _kept(items: Mapping[str, V], key: str, value: V, keep: int) -> dict[str, V]:
+    """``items`` with ``key: value`` added, the oldest dropped past ``keep``."""
+    out = {**items, key: value}
+    for old in list(out)[: max(0, len(out) - keep)]:
+        del out[old]
+    return out
 
-    def initial(self) -> PolicyState:
-        return PolicyState()
 
-    def evolve(self, state: PolicyState, env: Envelope) -> PolicyState:
+class ControlProjection:
+    """Folds ``rl:control`` into a :class:`ControlState` (other events pass)."""
+
+    name = "control"
+
+    def __init__(self, *, keep_tails: int = 256, keep_outcomes: int = 4096) -> None:
+        self._keep_tails = keep_tails
+        self._keep_outcomes = keep_outcomes
+
+    def initial(self) -> ControlState:
+        return ControlState()
+
+    def evolve(self, state: ControlState, env: Envelope) -> ControlState:
         ev = env.event
         replace = dataclasses.replace
+        if isinstance(ev, (RolloutReady, RolloutFailed)):
+            if ev.rollout_id in state.outcomes:
+                return state
+            outcomes = _kept(state.outcomes, ev.rollout_id, env.id, self._keep_outcomes)
+            tails = state.tails
+            if isinstance(ev, RolloutReady) and ev.tail_sample_ids:
+                mode = "carry" if ev.tail_carried else "abort"
+                tail = (mode, frozenset(ev.tail_sample_ids))
+                tails = _kept(tails, ev.rollout_id, tail, self._keep_tails)
+            return replace(state, outcomes=outcomes, tails=tails)
         if isinstance(ev, PolicyVersionPublished):
             top = ev.version if state.published is None else max(state.published, ev.version)
             return replace(

@@ -1,0 +1,179 @@
+"""A stalled rollout says what it waits for.
+
+The finalizer following a rollout keeps a :class:`StallWatch`: when the rollout's stream
+has had no new entry (its own ``RolloutStalled`` aside) for ``window_s`` seconds, it appends
+a ``RolloutStalled`` naming what the rollout waits for, and again every window while the
+stall lasts. What to say is :func:`decide_stall`, a pure function of the rollout fold, the
+pool fold, the policy fold (weight syncs), the consumers of the work streams and the clock
+values passed in; the watch only gathers those and appends.
+
+The stages, upstream first (each named only when it holds unfinished samples):
+
+* the plan: no ``RolloutPlanned`` yet;
+* admission: sealed batches the pool has not placed, with the cause the scheduler waits on:
+  an open weight sync or a failed one (generation poisoned), the request's version not yet
+  active, its staleness bound out of reach, else the placement pool (tokens held);
+* workers: admitted batches none of whose unfinished samples has started, with the
+  consumers of their ``rl:work:<evaluator>`` stream and how long each has been idle (none:
+  no worker serves the evaluator);
+* samples running: how many, on which workers;
+* teacher scores: a capture asked for and not all scored yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from engine.actors.evaluator_worker import GROUP as WORK_GROUP
+from engine.actors.planning import admission_wait
+from engine.events.catalog import BatchSealed
+from engine.events.diagnostics import RolloutStalled
+from engine.events.log import EventLog
+from engine.projections.control import ControlProjection, ControlState
+from engine.projections.placement import PoolProjection, PoolState
+from engine.projections.rollout import RolloutState
+from engine.runtime.follower import Follower
+
+__all__ = ["StallWatch", "decide_stall"]
+
+
+def decide_stall(
+    state: RolloutState,
+    pool: PoolState,
+    policy: ControlState,
+    consumers: Mapping[str, Mapping[str, int]],
+    *,
+    idle_s: float,
+    since_report_s: float | None,
+    window_s: float,
+) -> RolloutStalled | None:
+    """The ``RolloutStalled`` to append, or None: the rollout is decided, moved within the
+    window, or was reported less than a window ago (``since_report_s``; None: never).
+    ``consumers``: per evaluator id, the consumers of its work stream and their idle ms."""
+    if state.decided or idle_s < window_s:
+        return None
+    if since_report_s is not None and since_report_s < window_s:
+        return None
+    waits: list[str] = []
+    if state.planned is None:
+        waits.append("the plan: no RolloutPlanned yet (no scheduler has planned the request)")
+    not_admitted: list[BatchSealed] = []
+    not_started: list[BatchSealed] = []
+    for batch in state.batches.values():
+        unfinished = [r for s in batch.sample_ids if (r := state.samples.get(s)) and not r.done]
+        if not unfinished:
+            continue
+        if not pool.has_acquired(batch.rollout_id, batch.batch_id):
+            not_admitted.append(batch)
+        elif not any(r.started for r in unfinished):
+            not_started.append(batch)
+    if not_admitted:
+        waits.append(f"admission of {len(not_admitted)} batches: "
+                     f"{_admission_cause(state, pool, policy)}")
+    shown: dict[str, int] = {}
+    if not_started:
+        lines = []
+        for evaluator in sorted({b.evaluator_id for b in not_started}):
+            held = dict(consumers.get(evaluator, {}))
+            shown.update(held)
+            who = ", ".join(f"{c} idle {ms / 1000:.1f} s" for c, ms in sorted(held.items()))
+            lines.append(f"rl:work:{evaluator} " + (f"consumed by {who}" if who
+                                                    else "has no consumer (no worker serves it)"))
+        waits.append(f"workers for {len(not_started)} admitted batches: " + "; ".join(lines))
+    running = Counter(r.worker for r in state.samples.values() if r.worker and not r.done)
+    if running:
+        on = ", ".join(f"{w} ({n})" for w, n in sorted(running.items()))
+        waits.append(f"{sum(running.values())} samples running on {on}")
+    if state.capture is not None:
+        waits.append(f"teacher scores: {state.n_scored} of {len(state.capture.sample_ids)} "
+                     f"samples scored (capture workers)")
+    if not waits:
+        waits.append("every sample is terminal: the finalizer's decision")
+    return RolloutStalled(
+        rollout_id=state.rollout_id or (state.request.rollout_id if state.request else ""),
+        idle_s=round(idle_s, 3),
+        waiting_for=waits,
+        not_admitted=len(not_admitted),
+        not_started=len(not_started),
+        running=dict(running),
+        consumers=shown,
+    )
+
+
+def _admission_cause(state: RolloutState, pool: PoolState, policy: ControlState) -> str:
+    """What the scheduler's admission of the rollout waits on."""
+    if policy.failure is not None:
+        return (f"generation is poisoned by the failed weight sync of version "
+                f"{policy.failure.version} (a later sync must succeed)")
+    if policy.quiesce is not None:
+        version = "" if policy.quiesce.version is None else f" of version {policy.quiesce.version}"
+        return (f"the weight sync{version} is open "
+                f"({len(policy.parked)} workers parked)")
+    request = state.request
+    if request is not None and policy.needs_sync(request.policy_version):
+        return f"version {request.policy_version} is published but not active yet"
+    stale = admission_wait(state, policy.published)
+    if stale is not None:
+        return stale
+    return (f"the placement pool ({pool.tokens_held} tokens held by {len(pool.held)} "
+            f"batches)")
+
+
+class StallWatch:
+    """The finalizer's side of :func:`decide_stall` for the rollouts it follows: the clock of
+    each rollout's last progress, and the pool, policy and consumers read when one is due."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        window_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        group: str = WORK_GROUP,
+    ) -> None:
+        self.log = log
+        self.window_s = window_s
+        self.clock = clock
+        self.group = group
+        self._pool = Follower(log, log.names.pool, PoolProjection())
+        self._policy = Follower(log, log.names.control, ControlProjection())
+        self._lock = asyncio.Lock()  # one refresh of the shared folds at a time
+        # per rollout: entries seen (less its own reports), when that last grew, last report
+        self._seen: dict[str, tuple[int, float, float | None, int]] = {}
+
+    def forget(self, rollout_id: str) -> None:
+        self._seen.pop(rollout_id, None)
+
+    async def check(self, stream: str, state: RolloutState) -> RolloutStalled | None:
+        """Append (and return) a ``RolloutStalled`` when one is due for this rollout."""
+        rid = state.rollout_id
+        if rid is None or state.decided:
+            return None
+        now = self.clock()
+        seen, moved_at, reported_at, reports = self._seen.get(rid, (-1, now, None, 0))
+        entries = state.n_entries - reports
+        if entries > seen:  # progress (its own reports are not)
+            seen, moved_at = entries, now
+        self._seen[rid] = (seen, moved_at, reported_at, reports)
+        idle = now - moved_at
+        since = None if reported_at is None else now - reported_at
+        if idle < self.window_s or (since is not None and since < self.window_s):
+            return None
+        async with self._lock:
+            await self._pool.refresh()
+            await self._policy.refresh()
+        consumers = {
+            e: await self.log.group_consumers(self.log.names.work(e), self.group)
+            for e in {b.evaluator_id for b in state.batches.values()}
+        }
+        stalled = decide_stall(
+            state, self._pool.state, self._policy.state, consumers,
+            idle_s=idle, since_report_s=since, window_s=self.window_s,
+        )
+        if stalled is not None:
+            await self.log.append(stream, stalled)
+            self._seen[rid] = (seen, moved_at, now, reports + 1)
+        return stalled
