@@ -2,14 +2,16 @@
 
 An event is encoded as one msgpack map ``{"type": ..., **fields, "v": schema_version}``.
 A field declared as a packed array (``TokenIds`` int32, ``LogProbs`` float32, ``Mask``
-uint8) is stored as msgpack bin holding its raw little-endian bytes: one memcpy, and the
-event class says how to read it back. A packed array anywhere else (inside a free-form
-value) becomes a self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
-Decoding checks the map shape, looks the type up in the registry, upcasts older schema
-versions and validates with pydantic, so what a reader gets is always a valid current
-event; anything else raises a :class:`DecodeError` naming the problem (the log turns it
-into a dead letter). Entries in the canonical form ``encode`` writes take a compiled path
-(``fastpath.py``) to the same result.
+uint8) is stored as msgpack bin holding its raw little-endian bytes, or the compact form of
+``arrays.py`` for the fields a class lists in ``compact_arrays``; the event class says how
+to read it back. A packed array anywhere else (inside a free-form value) becomes a
+self-describing msgpack ext value (code 1 int32, 2 float32, 3 uint8).
+
+:func:`decode` reads an entry in the canonical form ``encode`` writes through the compiled
+path (``fastpath.py``), whatever its type. :func:`decode_reference` (msgpack + pydantic)
+reads everything else: it upcasts older schema versions and fills in omitted defaults, or
+raises a :class:`DecodeError` naming the problem (the log turns it into a dead letter).
+Either way a reader gets a valid current event or the error.
 """
 
 from __future__ import annotations
@@ -23,16 +25,13 @@ from pydantic import BaseModel, ValidationError
 
 from engine.errors import DecodeError, EventError
 from engine.events.arrays import (
-    COMPACT_MIN_BYTES,
-    EXT_TYPES,
     PackedArray,
     from_compact,
     from_wire,
     to_compact,
 )
 from engine.events.base import Event, event_class, upcast
-from engine.events.fastpath import decode_fast
-from engine.events.fastpath import decode_flat as decode_flat  # peek's sibling (below)
+from engine.events.fastpath import decode_fast, ext_array
 
 _RESERVED = ("type", "v")
 
@@ -61,13 +60,6 @@ def _encoder() -> msgspec.msgpack.Encoder:
         encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         _LOCAL.encoder = encoder
     return encoder
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    cls = EXT_TYPES.get(code)
-    if cls is None:
-        raise DecodeError(f"unknown msgpack ext code {code}")
-    return cls(data)
 
 
 ArrayField = tuple[str, type[PackedArray], bool]
@@ -103,10 +95,7 @@ def encode(event: Event, *, producer: str | None = None, causation: str | None =
         # A field typed as a packed array travels as plain msgpack bin (its class says
         # how to read it), in the compact form where the class asks for it; arrays
         # anywhere else become self-describing ext values.
-        data = payload[name].data
-        if compact:  # short arrays stay raw behind tag 0 (inline: the common case)
-            data = b"\x00" + data if len(data) < COMPACT_MIN_BYTES else to_compact(payload[name])
-        payload[name] = data
+        payload[name] = to_compact(payload[name]) if compact else payload[name].data
     if producer is not None:
         payload["producer"] = producer
     if causation is not None:
@@ -143,16 +132,10 @@ def peek(raw: bytes) -> tuple[str, str, str] | None:
     return head.type, head.sample_id, head.same_as
 
 
-# ``decode_flat(raw)`` (engine.events.fastpath) is peek's checked sibling: ``(class,
-# fields)`` of an event whose class has only scalar fields, every field read and checked
-# exactly as ``decode`` checks it but no event built; None for anything else, which the
-# reader then decodes. For folds that need a few fields of many small events.
-
-
 def decode_payload(raw: bytes) -> dict[str, Any]:
     """Unpack bytes to the raw map, without validation."""
     try:
-        obj = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(raw, ext_hook=ext_array, raw=False, strict_map_key=True)
     except DecodeError:
         raise
     except Exception as exc:  # msgpack raises several unrelated classes on garbage
@@ -163,11 +146,8 @@ def decode_payload(raw: bytes) -> dict[str, Any]:
 
 
 def decode(raw: bytes) -> Event:
-    """Decode, upcast and validate one event.
-
-    An entry in the canonical form ``encode`` writes goes through the compiled fast path
-    (``fastpath.py``); anything else, and whatever the fast path declines, through
-    :func:`decode_reference`, which gives the same result or the error."""
+    """Decode, upcast and validate one event: the compiled path for a canonical entry,
+    :func:`decode_reference` for an older version, a non-canonical entry or an error."""
     event = decode_fast(raw)
     return event if event is not None else decode_reference(raw)
 

@@ -1,31 +1,22 @@
-"""A compiled read path for events: msgspec decodes and checks an entry in one C pass.
+"""The compiled read path: msgspec decodes and checks a canonical entry in one C pass.
 
-Reading is the hot side of the log (every rebuild, the finalizer, replay). The reference
-path in ``codec.decode`` unpacks msgpack into a dict and validates it with pydantic: about
-9 us for a 256-token ``SampleCompleted``, over twice what hiredis takes to fetch the
-entry. This module derives, for each event class whose fields it can express exactly, a
-``msgspec.Struct`` with the same field names, order and types, and decodes the wire bytes
-straight into it (about 1.5 us), then builds the pydantic instance the way
-``model_construct`` does.
+``codec.decode`` takes this path for every entry in the canonical form ``encode`` writes: a
+map whose first key is ``type``, holding every field of the class once plus ``v`` equal to
+the current schema version. For each event class this module derives a ``msgspec.Struct``
+with the same field names, order and types (pydantic's field bounds become msgspec
+``Meta`` bounds), decodes the wire bytes straight into it and builds the pydantic instance
+the way ``model_construct`` does. A field holding nested models is kept as raw msgpack and
+validated by pydantic for that field alone (a single frozen model is cached by its bytes:
+the events of a rollout repeat the same few values); the class's ``after`` model validators
+run on the built event. Packed arrays in the compact form are built lazily
+(``arrays.from_compact``).
 
-It is only an accelerator; the reference path stays the authority:
-* it takes an entry only when it is in the canonical form ``encode`` writes: a map whose
-  first key is ``type``, holding every field of the class once plus ``v`` equal to the
-  current schema version. Anything else (older versions to upcast, omitted defaults,
-  extra keys, garbage) returns ``None`` and goes the reference way, which upcasts,
-  applies defaults or names the problem;
-* it checks no less than pydantic does: msgspec is strict (an ``int`` field refuses
-  ``1.0`` or ``"1"``, a ``bool`` refuses ``1``), so every value it accepts pydantic's lax
-  mode accepts with the same result, and whatever it refuses goes to pydantic, which
-  coerces or refuses as before;
-* classes it cannot express exactly are left to the reference path: field constraints
-  (``Field(ge=1)``), validators, aliases, private attributes, nested models inside
-  containers, non-scalar defaults are not translated. A field typed as one nested frozen
-  model (``TaskFetched.stopping``) is kept as raw msgpack and validated by that model's own
-  pydantic validator, exactly what the reference path runs for it; since events of a rollout
-  repeat the same few values, the validated (immutable) instance is cached by its bytes.
-
-Every event the fast path decodes equals the reference path's result, field for field,
+What this path refuses or cannot express goes to ``codec.decode_reference`` (msgpack +
+pydantic), which upcasts older versions, applies omitted defaults, coerces lax values or
+names the problem. msgspec is strict (an ``int`` field refuses ``1.0`` or ``"1"``, a ``bool``
+refuses ``1``), so every value it accepts pydantic's lax mode accepts with the same result.
+A class with field, ``before`` or ``wrap`` validators, aliases or private attributes has no
+plan. Every event this path decodes equals the reference path's result, field for field,
 with the same field order (so re-encoding gives the same bytes) and the same
 ``model_fields_set``; ``tests/events/test_fastpath.py`` holds it to that for every type.
 """
@@ -38,26 +29,34 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from engine.errors import DecodeError
 from engine.events.arrays import (
     EXT_TYPES,
     PackedArray,
-    compact_size,
-    from_compact,
-    from_wire,
+    read_fields,
 )
 from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
 _SCALARS: tuple[type, ...] = (str, int, float, bool, bytes)
+# pydantic's field bounds (annotated-types metadata) and the msgspec Meta argument for each
+_BOUNDS = {
+    "Ge": "ge",
+    "Gt": "gt",
+    "Le": "le",
+    "Lt": "lt",
+    "MinLen": "min_length",
+    "MaxLen": "max_length",
+}
 
 
-def _ext_hook(code: int, data: memoryview) -> Any:
+def ext_array(code: int, data: bytes | memoryview) -> PackedArray:
+    """The packed array a self-describing msgpack ext value holds (both decoders' hook)."""
     cls = EXT_TYPES.get(code)
     if cls is None:
         raise DecodeError(f"unknown msgpack ext code {code}")
@@ -90,6 +89,35 @@ def _spec(annotation: Any) -> Any:
     return None
 
 
+def _bounded(spec: Any, metadata: list[Any]) -> Any:
+    """``spec`` under the bounds pydantic reads from ``metadata`` (``Field(ge=1)``, ...),
+    as msgspec checks them; None for metadata without an equivalent. A bound on an
+    optional field applies to its value, as in pydantic."""
+    bounds: dict[str, Any] = {}
+    for item in metadata:
+        key = _BOUNDS.get(type(item).__name__)
+        if key is None:
+            return None
+        bounds[key] = getattr(item, key)
+    meta = msgspec.Meta(**bounds)
+    if typing.get_origin(spec) is typing.Union:
+        parts = typing.get_args(spec)
+        if len(parts) != 2 or type(None) not in parts:
+            return None
+        (inner,) = (p for p in parts if p is not type(None))
+        return typing.Optional[Annotated[inner, meta]]  # noqa: UP045
+    return Annotated[spec, meta]
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in typing.get_args(annotation))
+
+
+Nested = Callable[[msgspec.Raw], Any]
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """How to decode one event class fast."""
@@ -97,27 +125,37 @@ class _Plan:
     cls: type[Event]
     decode: Callable[[bytes], Any]
     n_keys: int  # every field plus "v"
-    fields: frozenset[str]
-    arrays: tuple[tuple[str, type[PackedArray]], ...]
-    compact: tuple[tuple[str, type[PackedArray]], ...]  # arrays in the compact form
-    nested: tuple[tuple[str, type[BaseModel]], ...]
+    fields: set[str]  # every field: the events' fields set (each gets a copy)
+    arrays: tuple[tuple[str, type[PackedArray], bool], ...]  # name, class, compact form
+    nested: tuple[tuple[str, Nested], ...]  # fields validated by pydantic, from raw msgpack
+    checks: tuple[Callable[[Any], Any], ...]  # the class's after-validators
 
 
 _NESTED: dict[tuple[type[BaseModel], bytes], BaseModel] = {}
 _NESTED_MAX = 4096
-_raw_decode = msgspec.msgpack.Decoder(ext_hook=_ext_hook).decode
+_raw_decode = msgspec.msgpack.Decoder(ext_hook=ext_array).decode
 
 
-def _nested_value(cls: type[BaseModel], raw: msgspec.Raw) -> BaseModel:
-    """The validated ``cls`` held in ``raw`` (cached by its bytes; instances are frozen)."""
-    key = (cls, bytes(raw))
-    value = _NESTED.get(key)
-    if value is None:
-        value = cls.model_validate(_raw_decode(key[1]))  # ValidationError is a ValueError
-        if len(_NESTED) >= _NESTED_MAX:
-            _NESTED.clear()
-        _NESTED[key] = value
-    return value
+def _frozen_model(cls: type[BaseModel]) -> Nested:
+    """The validated ``cls`` held in raw msgpack, cached by its bytes (it is frozen)."""
+
+    def validate(raw: msgspec.Raw) -> BaseModel:
+        key = (cls, bytes(raw))
+        value = _NESTED.get(key)
+        if value is None:
+            value = cls.model_validate(_raw_decode(key[1]))  # ValidationError: a ValueError
+            if len(_NESTED) >= _NESTED_MAX:
+                _NESTED.clear()
+            _NESTED[key] = value
+        return value
+
+    return validate
+
+
+def _adapted(annotation: Any) -> Nested:
+    """The value of type ``annotation`` held in raw msgpack, validated by pydantic."""
+    adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    return lambda raw: adapter.validate_python(_raw_decode(raw))
 
 
 def _plan(cls: type[Event]) -> _Plan | None:
@@ -126,52 +164,58 @@ def _plan(cls: type[Event]) -> _Plan | None:
         decorators.validators
         or decorators.field_validators
         or decorators.root_validators
-        or decorators.model_validators
+        or any(d.info.mode != "after" for d in decorators.model_validators.values())
         or cls.__private_attributes__
         or cls.__pydantic_post_init__ is not None
         or cls.model_config.get("extra") != "forbid"
     ):
         return None
     fields: list[tuple[str, Any]] = []
-    arrays: list[tuple[str, type[PackedArray]]] = []
-    compact: list[tuple[str, type[PackedArray]]] = []
+    arrays: list[tuple[str, type[PackedArray], bool]] = []
     compact_names = frozenset(getattr(cls, "compact_arrays", ()))
-    nested: list[tuple[str, type[BaseModel]]] = []
+    nested: list[tuple[str, Nested]] = []
     for name, info in cls.model_fields.items():
-        if info.metadata or info.alias or info.validation_alias:
+        if info.alias or info.validation_alias:
             return None
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, PackedArray):
-            (compact if name in compact_names else arrays).append((name, annotation))
+            if info.metadata:
+                return None
+            arrays.append((name, annotation, name in compact_names))
             spec: Any = bytes  # declared arrays travel as bin (codec.encode)
-        elif (
-            isinstance(annotation, type)
-            and issubclass(annotation, BaseModel)
-            and annotation.model_config.get("frozen")
-        ):
-            nested.append((name, annotation))
+        elif _holds_model(annotation):
+            if info.metadata:
+                return None
+            if (
+                isinstance(annotation, type)
+                and issubclass(annotation, BaseModel)
+                and annotation.model_config.get("frozen")
+            ):
+                nested.append((name, _frozen_model(annotation)))
+            else:
+                nested.append((name, _adapted(annotation)))
             spec = msgspec.Raw
         else:
             spec = _spec(annotation)
+            if spec is not None and info.metadata:
+                spec = _bounded(spec, info.metadata)
             if spec is None:
                 return None
         fields.append((name, spec))
     fields.append(("v", typing.Literal[cls.schema_version]))
     try:
-        struct = msgspec.defstruct(
-            f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True
-        )
-        decoder = msgspec.msgpack.Decoder(struct, ext_hook=_ext_hook)
+        struct = msgspec.defstruct(f"_Wire{cls.__name__}", fields, forbid_unknown_fields=True)
+        decoder = msgspec.msgpack.Decoder(struct, ext_hook=ext_array)
     except TypeError:  # a union msgspec cannot tell apart
         return None
     return _Plan(
         cls=cls,
         decode=decoder.decode,
         n_keys=len(fields),
-        fields=frozenset(name for name, _ in fields[:-1]),
+        fields={name for name, _ in fields[:-1]},
         arrays=tuple(arrays),
-        compact=tuple(compact),
         nested=tuple(nested),
+        checks=tuple(d.func for d in decorators.model_validators.values()),
     )
 
 
@@ -180,13 +224,12 @@ _LOCK = threading.Lock()
 
 
 def _plan_for(name: bytes) -> _Plan | None:
-    if name in _PLANS:
-        return _PLANS[name]
+    """The plan of the class named ``name`` (None: it has none), made on first use."""
     with _LOCK:
-        cls = registered_types().get(name.decode("utf-8", "replace"))
-        plan = None if cls is None else _plan(cls)
-        _PLANS[name] = plan
-    return plan
+        if name not in _PLANS:
+            cls = registered_types().get(name.decode("utf-8", "replace"))
+            _PLANS[name] = None if cls is None else _plan(cls)
+        return _PLANS[name]
 
 
 def _forget(name: str) -> None:
@@ -216,39 +259,11 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     size = raw[at + 5] - 0xA0
     if not 0 <= size < 32:  # the type name is a fixstr
         return None
-    start = at + 6
-    plan = _plan_for(raw[start : start + size])
+    name = raw[at + 6 : at + 6 + size]
+    plan = _PLANS[name] if name in _PLANS else _plan_for(name)
     if plan is None or plan.n_keys != n_keys:
         return None
     return plan
-
-
-def decode_flat(raw: bytes) -> tuple[type[Event], Any] | None:
-    """``(class, fields)`` of an event read into its class's checked msgspec struct without
-    building the event; None for anything :func:`decode_fast` would not take (another
-    class, not canonical, refused) and for a class with a nested model field.
-
-    Every field is read and checked as :func:`decode_fast` checks it, packed arrays
-    included (their lengths and compact forms, without building them): whenever this
-    returns fields, :func:`engine.events.codec.decode` returns the event with these values.
-    A packed array stays in its wire form in the struct -- the raw little-endian bytes, or
-    for a field of the class's ``compact_arrays`` the compact value (``arrays.from_compact``
-    / ``arrays.compact_size`` read it). For folds that need a few fields of many events
-    (the finalizer's): whatever this declines, the reader decodes the usual way, which
-    accepts, upcasts or refuses it as always."""
-    plan = _canonical_plan(raw)
-    if plan is None or plan.nested:
-        return None
-    try:
-        fields = plan.decode(raw)
-        for name, kind in plan.arrays:
-            if len(getattr(fields, name)) % kind.itemsize:
-                return None
-        for name, kind in plan.compact:
-            compact_size(kind, getattr(fields, name))
-    except _Refused:
-        return None
-    return plan.cls, fields
 
 
 def decode_fast(raw: bytes) -> Event | None:
@@ -258,31 +273,28 @@ def decode_fast(raw: bytes) -> Event | None:
         return None
     try:
         values = _asdict(plan.decode(raw))
-        for field, kind in plan.arrays:
-            values[field] = from_wire(kind, values[field])
-        for field, kind in plan.compact:
-            wire = values[field]
-            values[field] = (
-                from_wire(kind, wire[1:]) if wire and not wire[0] else from_compact(kind, wire)
-            )
-        for field, model in plan.nested:
-            values[field] = _nested_value(model, values[field])
+        read_fields(values, plan.arrays)  # compact arrays lazy: expanded on first use
+        for field, validate in plan.nested:
+            values[field] = validate(values[field])
     except _Refused:
         return None
     del values["v"]
     event = _new(plan.cls)
     _set(event, "__dict__", values)
-    _set(event, "__pydantic_fields_set__", set(plan.fields))
+    _set(event, "__pydantic_fields_set__", plan.fields.copy())
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
+    try:
+        for check in plan.checks:
+            event = check(event)
+    except (ValueError, AssertionError):
+        return None
     return event
 
 
 def fast_types() -> set[str]:
     """The registered event types the fast path decodes (for tests and the bench)."""
-    return {
-        name for name in registered_types() if _plan_for(name.encode()) is not None
-    }
+    return {name for name in registered_types() if _plan_for(name.encode()) is not None}
 
 
 # ---------------------------------------------------------------- the write side

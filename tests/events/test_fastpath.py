@@ -14,7 +14,9 @@ from engine.events import (
     Event,
     LogProbs,
     RolloutFailed,
+    RolloutRequested,
     SampleCompleted,
+    TokenAcquired,
     TokenIds,
     decode,
     encode,
@@ -24,14 +26,6 @@ from engine.events.arrays import to_compact
 from engine.events.codec import decode_reference
 from engine.events.fastpath import decode_fast, fast_types
 from tests.events.examples import example_events
-
-# The events a rebuild, the finalizer and replay read by the thousand must stay fast.
-HOT = {
-    "SampleCompleted", "SampleStarted", "SampleAborted", "TurnCompleted", "TaskFetched",
-    "TaskJoined",
-    "TeacherScored", "BatchAdmitted", "BatchSealed", "TokenReleased", "RolloutReady",
-    "RolloutPlanned", "DataCursorAdvanced", "DeadLetter",
-}
 
 
 def _json(event: Event) -> str:
@@ -52,31 +46,75 @@ def assert_same(fast: Event, ref: Event) -> None:
     assert encode(fast) == encode(ref)
 
 
-def test_hot_types_take_the_fast_path() -> None:
-    assert HOT <= fast_types()
-
-
-def test_types_left_to_the_reference_path_are_the_ones_it_cannot_express() -> None:
+def test_every_engine_event_type_takes_the_fast_path() -> None:
     # Nested records (PoolDeclared.nodes, TokenAcquired.tokens, RolloutRequested.filters,
-    # TailCarried.tasks) and field constraints (RolloutRequested.n_prompts >= 1) stay with
-    # pydantic.
+    # TailCarried.tasks), field bounds (RolloutRequested.n_prompts >= 1) and after-validators
+    # (RolloutRequested's carry rule) are all read by the compiled path.
     production = {n for n, c in registered_types().items() if c.__module__.startswith("engine.")}
-    assert production - fast_types() == {
-        "PoolDeclared", "RolloutRequested", "TailCarried", "TokenAcquired"
-    }
+    assert production <= fast_types()
 
 
 @pytest.mark.parametrize("event", example_events(), ids=lambda e: e.type)
 def test_every_example_decodes_identically(event: Event) -> None:
     raw = encode(event)
-    ref = decode_reference(raw)
     fast = decode_fast(raw)
-    if event.type not in fast_types():
-        assert fast is None
-        return
-    assert fast is not None
-    assert_same(fast, ref)
+    assert fast is not None  # a canonical entry never needs the reference path
+    assert_same(fast, decode_reference(raw))
     assert encode(fast) == raw
+
+
+def _request_wire(**changes: Any) -> bytes:
+    fields = dict(RolloutRequested(rollout_id="r", n_prompts=2).__dict__)
+    fields["filters"] = fields["filters"].__dict__
+    fields["v"] = RolloutRequested.schema_version
+    fields.update(changes)
+    return _wire(**fields)
+
+
+def test_field_bounds_and_validators_are_checked_on_the_fast_path() -> None:
+    ok = _request_wire(n_samples_per_prompt=None, request_stream="s", tail="carry")
+    ev = decode_fast(ok)
+    assert isinstance(ev, RolloutRequested) and ev.tail == "carry"
+    assert_same(ev, decode_reference(ok))
+    for changes, message in [
+        ({"n_prompts": 0}, "n_prompts"),
+        ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
+        ({"overprovision": 16.5}, "overprovision"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"request_stream": ""}, "request_stream"),
+        ({"tail": "carry", "request_stream": None}, "needs a request_stream"),
+        ({"filters": {"finish_only": "maybe"}}, "filters.finish_only"),
+    ]:
+        raw = _request_wire(**changes)
+        assert decode_fast(raw) is None, changes
+        with pytest.raises(DecodeError, match=message):
+            decode(raw)
+
+
+def test_nested_records_in_lists_are_validated_on_the_fast_path() -> None:
+    grant = {
+        "token_id": "t",
+        "node": "n",
+        "gpus": [{"gpu": 0, "fraction": 0.5}],
+        "cpu": 1.0,
+        "memory_gb": 0.0,
+    }
+    fields = {
+        "type": "TokenAcquired",
+        "producer": "",
+        "causation": None,
+        "rollout_id": "r",
+        "batch_id": "b",
+        "evaluator_id": "e",
+        "tokens": [grant],
+    }
+    ev = decode_fast(_wire(**fields))
+    assert isinstance(ev, TokenAcquired) and ev.tokens[0].gpus[0].fraction == 0.5
+    assert_same(ev, decode_reference(_wire(**fields)))
+    fields["tokens"] = [{**grant, "gpus": [{"gpu": "zero", "fraction": 0.5}]}]
+    assert decode_fast(_wire(**fields)) is None
+    with pytest.raises(DecodeError, match="tokens.0.gpus.0.gpu"):
+        decode(_wire(**fields))
 
 
 def _random_sample(rng: np.random.Generator, i: int) -> SampleCompleted:
@@ -91,14 +129,23 @@ def _random_sample(rng: np.random.Generator, i: int) -> SampleCompleted:
         "lp": LogProbs.from_values(-rng.random(3, dtype=np.float32)),
     }
     return SampleCompleted(
-        rollout_id=f"r{i}", sample_id=f"r{i}-{i}", attempt=int(rng.integers(0, 3)),
+        rollout_id=f"r{i}",
+        sample_id=f"r{i}-{i}",
+        attempt=int(rng.integers(0, 3)),
         prompt_ids=rng.integers(0, 150_000, n, dtype=np.int32),
         response_ids=rng.integers(0, 150_000, n, dtype=np.int32),
-        logprobs=-rng.random(n, dtype=np.float32), loss_mask=rng.integers(0, 2, n, np.uint8),
-        reward=float(rng.normal()), reward_detail=detail, status="completed",
-        termination_reason="max_turns" if i % 2 else None, response_text="ok " * (i % 7),
-        n_turns=i % 5, elapsed_s=float(rng.random()), policy_version=i,
-        metrics=detail if i % 3 else {}, causation=None if i % 2 else f"rl:s@{i}-0",
+        logprobs=-rng.random(n, dtype=np.float32),
+        loss_mask=rng.integers(0, 2, n, np.uint8),
+        reward=float(rng.normal()),
+        reward_detail=detail,
+        status="completed",
+        termination_reason="max_turns" if i % 2 else None,
+        response_text="ok " * (i % 7),
+        n_turns=i % 5,
+        elapsed_s=float(rng.random()),
+        policy_version=i,
+        metrics=detail if i % 3 else {},
+        causation=None if i % 2 else f"rl:s@{i}-0",
         producer="p",
     )
 
@@ -134,15 +181,27 @@ def _wire(**fields: Any) -> bytes:
 
 
 BASE_SAMPLE: dict[str, Any] = dict(
-    SampleCompleted(rollout_id="r", sample_id="s", prompt_ids=[1], response_ids=[2, 3],
-                    logprobs=[-0.5, -0.25], loss_mask=[1, 1]).__dict__
+    SampleCompleted(
+        rollout_id="r",
+        sample_id="s",
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        logprobs=[-0.5, -0.25],
+        loss_mask=[1, 1],
+    ).__dict__
 )
 
 
 def _sample_wire(**changes: Any) -> bytes:
     fields = dict(BASE_SAMPLE)
-    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "token_versions",
-                 "teacher_mask"):
+    for name in (
+        "prompt_ids",
+        "response_ids",
+        "logprobs",
+        "loss_mask",
+        "token_versions",
+        "teacher_mask",
+    ):
         compact = name in SampleCompleted.compact_arrays  # v3: the compact wire form
         fields[name] = to_compact(fields[name]) if compact else fields[name].data
     fields["v"] = SampleCompleted.schema_version
@@ -168,13 +227,16 @@ def test_canonical_hand_written_entry_is_taken() -> None:
         # an omitted default: pydantic fills it in and leaves it out of the fields set
         ({"attempt": _DROP}, {"attempt": 0}),
         # a declared array sent as a self-describing ext value
-        ({"prompt_ids": msgpack.ExtType(1, np.array([9], "<i4").tobytes())},
-         {"prompt_ids": TokenIds.from_values([9])}),
+        (
+            {"prompt_ids": msgpack.ExtType(1, np.array([9], "<i4").tobytes())},
+            {"prompt_ids": TokenIds.from_values([9])},
+        ),
     ],
     ids=["float-for-int", "str-for-int", "omitted-default", "array-as-ext"],
 )
-def test_non_canonical_entries_go_to_pydantic(changes: dict[str, Any],
-                                              expect: dict[str, Any]) -> None:
+def test_non_canonical_entries_go_to_pydantic(
+    changes: dict[str, Any], expect: dict[str, Any]
+) -> None:
     raw = _sample_wire(**changes)
     assert decode_fast(raw) is None
     ev = decode(raw)
@@ -198,8 +260,18 @@ def test_non_canonical_entries_go_to_pydantic(changes: dict[str, Any],
         (_wire(type="NoSuchEvent", a=1), "unknown event type"),
         (_sample_wire(type="RolloutFailed", v=1), "does not validate"),
     ],
-    ids=["empty", "garbage", "extra-key", "swapped-key", "none-for-str", "ragged-array",
-         "unknown-ext", "newer-version", "unknown-type", "wrong-type-name"],
+    ids=[
+        "empty",
+        "garbage",
+        "extra-key",
+        "swapped-key",
+        "none-for-str",
+        "ragged-array",
+        "unknown-ext",
+        "newer-version",
+        "unknown-type",
+        "wrong-type-name",
+    ],
 )
 def test_bad_entries_are_declined_and_refused_by_the_reference(raw: bytes, message: str) -> None:
     assert decode_fast(raw) is None
@@ -216,14 +288,17 @@ def test_small_events_use_fixmap_and_large_ones_map16() -> None:
 
 def _probe_class(extra: bool) -> type[Event]:
     if extra:
+
         class Probe(Event):
             type: Literal["TestFastProbe"] = "TestFastProbe"
             a: int
             b: str = ""
     else:
+
         class Probe(Event):  # type: ignore[no-redef]
             type: Literal["TestFastProbe"] = "TestFastProbe"
             a: int
+
     return Probe
 
 
