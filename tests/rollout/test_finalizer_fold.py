@@ -38,6 +38,7 @@ from engine.events.log import EventLog
 from engine.events.redis_log import FIELD, RedisEventLog
 from engine.projections.base import fold, start
 from engine.projections.rollout import RolloutProjection
+from engine.runtime.consumer import Backoff
 
 
 def _bench_like(n_groups: int, per: int = 8, tokens: int = 200) -> Iterator[Envelope]:
@@ -226,13 +227,13 @@ async def test_a_read_of_only_bad_entries_folds_nothing_and_moves_past_them(
 ) -> None:
     """As ``read_after``: nothing decoded is "nothing read" (a dead request's follower then
     appends its RolloutFailed at once), and the position moves past the bad entries."""
-    from engine.actors.finalizer import _Follower
+    from engine.actors.finalizer import _Rollout
 
     assert isinstance(real_log, RedisEventLog)
     stream = real_log.names.rollout("bad")
     ids = [await real_log.redis.xadd(stream, entry) for entry in _bad_entries("bad:s0")[:3]]
-    follower = _Follower(real_log, stream)
-    assert await follower.read() is False
+    follower = _Rollout(real_log, stream, block_ms=100, backoff=Backoff())
+    assert await follower.read(timeout=1.0) == []
     assert follower.position == ids[-1].decode()
     assert follower.state.n_entries == 0
     assert len(await real_log.read_all(real_log.names.dead)) == 3
