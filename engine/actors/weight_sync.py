@@ -30,6 +30,15 @@ The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
    paused until a later sync succeeds; the trainer's ``wait_ready`` and
    ``wait_version_active`` raise ``engine.errors.WeightSyncFailed`` with the error.
 
+A policy server a worker finds answering at another version than the active one (restarted
+from older weights, or started without ``--weight-version``) is reported as ``ServerStale``
+on ``rl:control``; the syncer's group gets that event like a publication and loads the active
+weights on that server alone (``/update_weights_from_disk``, then the reported version is
+checked), with a few tries while the server finishes starting. No quiesce is needed: workers
+give a stale server no turn until a probe finds it at the active version. A server the
+syncer does not know, or a report older than the active version, is left alone; while a sync
+is open the sync itself loads every server.
+
 Ordering and recovery: the publication entry is acked only once its sync ended, so a syncer
 that dies mid-saga leaves it pending and another syncer claims it and resumes (every step
 checks the fold of ``rl:control`` first: quiesce is not requested twice, the outcome not
@@ -63,6 +72,7 @@ from engine.events.catalog import (
 )
 from engine.events.ids import parse_id
 from engine.events.log import DeadEntry, EventLog
+from engine.events.servers import ServerDown, ServerStale
 from engine.projections.control import ControlProjection, ControlState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.follower import Follower, FollowerClosed, following
@@ -191,7 +201,9 @@ class SyncConfig:
     ``admin_key``: the servers' admin key (``--admin-api-key``), if they have one.
     ``park_timeout_s``: the bound on waiting for workers to park. ``live_window_ms``: a
     worker silent on its work streams for longer is not waited for (default: the claim idle
-    window, after which its work is taken over anyway).
+    window, after which its work is taken over anyway). ``repush_tries`` / ``repush_pause_s``:
+    tries at loading the active weights on a stale server, and the first pause between them
+    (doubling).
     """
 
     syncer_id: str
@@ -206,6 +218,8 @@ class SyncConfig:
     block_ms: int | None = None
     grace_s: float = 30.0
     outage_limit_s: float | None = 300.0
+    repush_tries: int = 5
+    repush_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -254,6 +268,9 @@ class WeightSyncer:
             backoff=Backoff(limit_s=config.outage_limit_s),
         )
         self.outcomes: list[Event] = []
+        # Per server, the version last loaded on it for a ServerStale (a server that
+        # restarts again is reported stale again, after a ServerDown clears it).
+        self._repushed: dict[str, int] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve publications until ``stop``; an unfinished sync is handed back (another
@@ -275,11 +292,44 @@ class WeightSyncer:
 
     async def _handle(self, d: Delivery) -> None:
         ev = d.env.event
-        if isinstance(ev, PolicyVersionPublished):
-            try:
+        try:
+            if isinstance(ev, PolicyVersionPublished):
                 await self.sync(d.env, ev)
-            except FollowerClosed as exc:  # stopping: another syncer resumes it
-                raise HandBack from exc
+            elif isinstance(ev, ServerStale):
+                await self.repush(ev)
+            elif isinstance(ev, ServerDown):
+                self._repushed.pop(ev.endpoint, None)  # it comes back from whatever it had
+        except FollowerClosed as exc:  # stopping: another syncer resumes it
+            raise HandBack from exc
+
+    async def repush(self, stale: ServerStale) -> bool:
+        """Load the active weights on the one server ``stale`` names (module docstring);
+        whether it now reports the active version."""
+        await self.control.refresh()
+        state = self.control.state
+        active = state.activated
+        url = stale.endpoint
+        if active is None or active.version != stale.active or state.quiesce is not None:
+            return False  # nothing to bring it to, a newer version since, or a sync is open
+        if url not in self.config.servers or not active.weights_uri:
+            logger.warning("%s is stale (%s) but not a server this syncer loads", url,
+                           stale.reason or f"reports {stale.weight_version}")
+            return False
+        if self._repushed.get(url) == active.version:
+            return True  # another worker's report of the same restart
+        path = weights_path(active.weights_uri)
+        pause = self.config.repush_pause_s
+        for attempt in range(1, self.config.repush_tries + 1):
+            error = await self._push_one(url, path, active.version)
+            if error is None:
+                logger.info("version %d loaded again on %s", active.version, url)
+                self._repushed[url] = active.version
+                return True
+            logger.warning("loading version %d on stale %s failed (try %d of %d): %s",
+                           active.version, url, attempt, self.config.repush_tries, error)
+            await asyncio.sleep(pause)
+            pause *= 2
+        return False
 
     async def _give_up(self, dead: DeadEntry) -> None:
         """A publication past ``max_deliveries`` (syncers kept dying on it): its sync ends as

@@ -37,6 +37,8 @@ from engine.events import (
     QuiesceRequested,
     RolloutRequested,
     SampleCompleted,
+    ServerStale,
+    ServerUp,
     TurnCompleted,
     WorkerParked,
 )
@@ -355,6 +357,41 @@ async def test_a_sync_failing_on_one_server_poisons_generation_until_a_good_sync
     # loaded version 1, yet every turn ran on version 2.
     turns = await events_of(log, log.names.rollout("poisoned"), TurnCompleted)
     assert len(turns) == 8 and {t.weight_version for t in turns} == {2}
+
+
+async def test_a_server_restarted_from_older_weights_is_loaded_again_before_it_serves(
+    stack: Stack, procs: Processes, tinylm_dir: Path, v1_dir: Path
+) -> None:
+    """Version 1 is active on both servers; one is SIGKILLed and restarted from the version-0
+    folder. The worker finds it stale, the syncer loads version 1 on it alone, and only then
+    does it get turns again: every turn of the next rollout ran on version 1."""
+    a, b = serve(procs, "a", tinylm_dir), serve(procs, "b", tinylm_dir)
+    stack.start([a.url, b.url], TurnsAgent(turns=3, pause_s=0.05))
+    log = stack.log()
+    client = RolloutClient(stack.log())
+    await client.publish_version(1, str(v1_dir))
+    await client.wait_version_active(1, timeout=60)
+
+    # When b dies and comes back with the weights it was started from (version 0),
+    procs.kill("b")
+    procs.restart("b")
+    assert httpx.get(b.url + "/get_model_info", timeout=30).json()["weight_version"] == "0"
+    await request_rollout(client, log, "after", 8, version=1)
+    ready = await client.wait_ready("after", timeout=120)
+
+    # then the rollout completes on version 1 only, and b was reported stale, loaded again
+    # by the syncer (no second quiesce), and readmitted at version 1.
+    assert len(ready.sample_ids) == 8
+    turns = await events_of(log, log.names.rollout("after"), TurnCompleted)
+    assert len(turns) == 24 and {t.weight_version for t in turns} == {1}
+    control = await until(log, log.names.control, lambda evs: any(
+        isinstance(e, ServerUp) and e.endpoint == b.url and e.weight_version == 1
+        and any(isinstance(s, ServerStale) and s.endpoint == b.url for s in evs)
+        for e in evs), timeout=60)
+    stale = next(e for e in control if isinstance(e, ServerStale) and e.endpoint == b.url)
+    assert stale.active == 1 and stale.weight_version == 0
+    assert len([e for e in control if isinstance(e, QuiesceRequested)]) == 1
+    assert httpx.get(b.url + "/get_model_info", timeout=30).json()["weight_version"] == "1"
 
 
 async def test_a_syncer_killed_mid_sync_is_replaced_and_a_dead_worker_does_not_block_it(
