@@ -3,17 +3,11 @@
 A field ``foo_bar`` is read from ``ROLLOUT_FOO_BAR``; its type, default and help are the
 field's. ``Settings.from_env(environ)`` is the only place that looks at the environment, and a
 command's flags are generated from the same fields by ``Flags``: ``--foo-bar`` (and the field's
-``Flag.alias``) defaults to the variable's value and carries its help. Rules:
-
-- An empty value counts as unset (compose files often write ``VAR=``).
-- A ``ROLLOUT_*`` variable that is not declared here is refused, so a misspelt name fails loudly
-  instead of silently leaving the default in force.
-- Values from the environment and from flags are validated by this one model, so a rule that
-  spans settings (the heartbeat below the claim window) is checked once.
-- Credentials (the Redis user and password file, its TLS files, the model servers' admin key
-  file) come from the environment only, never from argv, which other local users can read.
-- Per-iteration knobs (DAgger beta, t_max, seeds) are event fields, never variables here.
-
+``Flag.alias``) defaults to the variable's value and carries its help. An empty value counts
+as unset; an undeclared ``ROLLOUT_*`` variable is refused (a misspelt name fails loudly);
+values from the environment and from flags are validated by this one model, so a rule that
+spans settings is checked once. Credentials come from the environment only, never from argv,
+which other local users can read. Per-iteration knobs are event fields, never variables.
 ``Settings.describe()`` is what ``rollout env`` prints; ``Settings.markdown()`` is the table of
 docs/configuration.md.
 """
