@@ -25,6 +25,17 @@ def launcher(
                      env={"PYTHONPATH": str(ROOT)}, grace_s=grace_s)
 
 
+def _cmdline(pid: int) -> str:
+    """``/proc/PID/cmdline`` once the child's exec has set it up: Popen may return (its
+    vfork parent resumes) before the new program's arguments are in place."""
+    deadline = time.monotonic() + 10
+    while True:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if raw or time.monotonic() > deadline:
+            return raw.replace(b"\0", b" ").decode()
+        time.sleep(0.01)
+
+
 def python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
@@ -52,7 +63,7 @@ def test_secrets_travel_in_the_environment_and_this_process_rollout_variables_do
     with launcher(tmp_path, settings={"redis_url": SECRET_URL}) as procs:
         # An engine process that cannot reach Redis: it stays up, retrying.
         proc = procs.start("fin", "finalizer", "--worker-id", "f1")
-        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        cmdline = _cmdline(proc.pid)
         assert proc.argv[1:] == (*ROLLOUT, "finalizer", "--worker-id", "f1")
         assert "s3cret" not in cmdline and "finalizer --worker-id f1" in cmdline
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")

@@ -159,7 +159,8 @@ def test_capture_asks_for_the_fresh_kept_completed_samples_not_yet_scored() -> N
                        filters=FilterSpec(reject_equal_rewards=True))
     events = [*plan_events(3, 2, request),
               _done(0, 1.0, versions=[2, 2]), _done(1, 0.0, versions=[2, 2]),  # kept
-              _done(2, 1.0, versions=[2, 2]), _abort(3),  # kept: an abort counts as 0
+              _done(2, 1.0, versions=[2, 2]),
+              _abort(3, AbortClass.AGENT_TIMEOUT),  # kept: the agent's abort counts as 0
               _done(4, 1.0, versions=[1, 1]), _done(5, 0.0, versions=[2, 2]),  # 4 is stale
               _scored(1)]
     state = rollout_state(events)
@@ -172,6 +173,16 @@ def test_capture_asks_for_the_fresh_kept_completed_samples_not_yet_scored() -> N
     ready = decide_ready(state, 2)
     assert ready is not None and _sid(4) in ready.stale_sample_ids
     assert decide_capture(rollout_state([*events, ready]), trainer_version=2) is None
+
+
+def test_a_sample_lost_to_the_infrastructure_leaves_its_group_statistics() -> None:
+    request = _request(2, algorithm="opd", filters=FilterSpec(reject_equal_rewards=True))
+    events = [*plan_events(2, 2, request),
+              _done(0, 1.0), _done(1, 0.0),
+              _done(2, 1.0), _abort(3)]  # its retries spent: no reward of the policy's
+    capture = decide_capture(rollout_state(events), top_k=7)
+    # The second group has one reward left, so its rewards are all equal: rejected.
+    assert capture is not None and capture.sample_ids == [_sid(0), _sid(1)]
 
 
 def test_the_ce_lane_is_never_captured() -> None:
