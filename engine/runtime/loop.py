@@ -157,7 +157,15 @@ class _Loop:
             self.halt.set()
 
         loop = asyncio.get_running_loop()
-        await ride_out(consumer.start, consumer.backoff, what="creating the consumer groups")
+        try:
+            await ride_out(
+                consumer.start, consumer.backoff, what="creating the consumer groups", stop=stop
+            )
+        except LogUnavailable:
+            if not stop.is_set():
+                raise
+            await consumer.aclose()  # stopped while Redis was away: nothing was taken
+            return self.served
         relay_task = loop.create_task(relay())
         stop_wait = loop.create_task(self.halt.wait())
         try:

@@ -135,6 +135,24 @@ async def test_serve_exits_with_outage_exceeded_when_redis_stays_away(
         await asyncio.wait_for(serve(c, asyncio.Event(), handle), 10)
 
 
+async def test_a_stop_while_redis_is_away_at_start_ends_serve_at_once(log: EventLog) -> None:
+    """SIGTERM to a process that has not reached Redis yet ends it, not the outage limit."""
+    c = consumer(log, backoff=Backoff(first_s=30.0, max_s=30.0, limit_s=300.0))
+
+    async def unreachable() -> None:
+        raise LogUnavailable("redis unavailable during XGROUP CREATE g: refused")
+
+    c.start = unreachable  # type: ignore[method-assign]
+
+    async def handle(d: Delivery) -> None:
+        raise AssertionError("nothing to handle")
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    served = await asyncio.wait_for(serve(c, stop, handle), 5)  # not the 30 s pause
+    assert served.handled == 0
+
+
 async def test_a_consumer_claims_nothing_until_owners_have_reasserted_after_an_outage(
     log: EventLog,
 ) -> None:
