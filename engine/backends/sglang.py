@@ -93,7 +93,7 @@ class SGLangConfig:
     tokenizer_path: str | Path | None = None
     http: HTTPSettings = field(default_factory=HTTPSettings)
     stall_s: float | None = None
-    health_timeout_s: float = 5.0
+    health_timeout_s: float = 4.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_base_url(self.url, what="SGLangConfig.url"))
