@@ -387,7 +387,8 @@ class BackendPool:
 
     def get(self, url: str | None = None, *, key: str | None = None) -> ModelBackend:
         """The backend of ``url`` (``None``: the policy's server for this trajectory), built on
-        first use."""
+        first use. A trajectory that names one of the pool's own policy servers gets the routed
+        backend as well, so its calls are placed, retried and moved by the servers' health."""
         shared = self._shared
         if shared.closed:
             raise BackendUnavailable(
@@ -395,6 +396,8 @@ class BackendPool:
             )
         if url:
             endpoint = check_base_url(url, what="model endpoint")
+            if self._trajectory is not None and endpoint in shared.urls:
+                return self._routed_backend(self._trajectory)
         elif not shared.urls:
             raise ConfigError(
                 "no model endpoint: the agent names none and the worker has no default "

@@ -276,6 +276,22 @@ async def test_a_refused_turn_is_sent_again_from_the_same_tokens_on_the_other_se
     assert b.used == 1 and b.servers == [first] and not b.reached_caller
 
 
+async def test_a_trajectory_naming_a_policy_server_is_routed_and_retried_too() -> None:
+    """The bundled agents name the worker's server in their config (``sglang_url``): their
+    turns are retried like those of an agent that names none."""
+    pool, servers, heard = fleet()
+    view = pool.bind("r:s1/a1", budget=budget())
+    view.get()  # placed
+    first = pool.server_of("r:s1/a1")
+    assert first is not None
+    other = next(u for u in URLS if u != first)
+    servers[first].mode = "refuse"
+    result = await view.get(first).generate(input_ids=[4, 5], sampling_params=PARAMS)
+    assert result.token_ids == (7, 8)
+    assert servers[other].calls == [("r:s1/a1/t1", (4, 5))]
+    assert heard[0].endpoint == first and heard[0].state is ServerState.DOWN
+
+
 async def test_an_aborted_or_wrong_version_result_is_retried_and_a_spent_budget_reaches_agent() -> (
     None
 ):

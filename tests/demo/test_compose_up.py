@@ -36,11 +36,9 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ALLOWED_INFRA_CONN_ABORTS: int | None = None
-"""How many samples of the crash rollout may end as ``infra_conn`` aborts (None: any).
-
-Today a model call that finds the server dead aborts its sample; once such calls are retried
-on a server that is up, set this to 0."""
+ALLOWED_INFRA_CONN_ABORTS: int | None = 0
+"""How many samples of the crash rollout may end as ``infra_conn`` aborts (None: any): none,
+since a model call that finds the server dead waits for it and is retried."""
 
 N_PROMPTS, N_PER_PROMPT = 32, 4  # long enough on tinylm that the crash lands mid-rollout
 
