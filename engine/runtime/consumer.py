@@ -40,9 +40,12 @@ forever. :func:`ride_out` retries one operation the same way.
 Ownership is a lease kept by the heartbeat. Redis counts an entry's idle time from its last
 delivery or keep-alive, and a restart (AOF or RDB) keeps those times, so after an outage
 every live consumer's entries look idle for as long as Redis was away. A consumer therefore
-claims nothing until two heartbeats after it started and after Redis answered it again: the
-owners have re-asserted (kept alive) their entries by then, and only work whose owner
-really died is claimed.
+claims nothing until two heartbeats after it started, and nothing until a whole claim
+window after Redis answered it again: an owner is held to the same window after an outage
+as at any other time (two heartbeats were too short a margin on a loaded machine), and
+only work whose owner really died is claimed. A failed read and a failed heartbeat both
+count as Redis not answering: a consumer with every slot busy reads nothing, and only its
+heartbeat sees the outage.
 """
 
 from __future__ import annotations
@@ -206,8 +209,7 @@ class GroupConsumer:
         self._left: set[tuple[str, str]] = set()
         # Owners re-assert their leases (heartbeat) before this consumer claims anything:
         # see the module docstring.
-        self._reassert_s = 2 * heartbeat_ms / 1000.0
-        self._next_claim = time.monotonic() + self._reassert_s
+        self._next_claim = time.monotonic() + 2 * heartbeat_ms / 1000.0
         self._claim_every_s = max(claim_idle_ms / 2000.0, 0.05)
         self._heartbeat: asyncio.Task[None] | None = None
         self.backoff = backoff or Backoff()
@@ -312,14 +314,20 @@ class GroupConsumer:
                 self.consumer, ", ".join(self.streams), pause, exc,
             )
             self._recheck_own = True
-            # No claim until the owners have had two heartbeats with Redis back.
-            self._next_claim = max(
-                self._next_claim, time.monotonic() + pause + self._reassert_s
-            )
+            self._defer_claims(pause)
             await asyncio.wait([stop_wait], timeout=pause)
             return [], []
         self.backoff.reset()
         return fetched
+
+    def _defer_claims(self, retry_in_s: float) -> None:
+        """A call to Redis failed and is retried in ``retry_in_s``: Redis may be away, and
+        when it answers again every owner's entries look idle for as long as it was. Redis
+        is back by that retry at the latest (or the retry fails and defers again); from
+        then on the owners get a whole claim window to re-assert, as they always do."""
+        self._next_claim = max(
+            self._next_claim, time.monotonic() + retry_in_s + self.claim_idle_ms / 1000.0
+        )
 
     async def _recover_lost_reads(self) -> None:
         """A group read failed: Redis may have delivered entries whose reply never
@@ -469,6 +477,9 @@ class GroupConsumer:
                     lost = await self.log.keep_alive(stream, self.group, self.consumer, ids)
                 except Exception as exc:  # a missed beat is retried on the next one
                     logger.warning("heartbeat on %s failed: %s", stream, exc)
+                    # A consumer whose every slot is busy reads nothing, so its heartbeat
+                    # is what sees an outage: it must not claim right after one either.
+                    self._defer_claims(self.heartbeat_ms / 1000.0)
                     continue
                 if lost:
                     self._lost(stream, set(lost))

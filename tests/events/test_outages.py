@@ -156,9 +156,8 @@ async def test_a_stop_while_redis_is_away_at_start_ends_serve_at_once(log: Event
 async def test_a_consumer_claims_nothing_until_owners_have_reasserted_after_an_outage(
     log: EventLog,
 ) -> None:
-    # An owner's entry looks idle after an outage (Redis counts idle time across it); the
-    # owner re-asserts within a heartbeat, so a consumer back from the outage waits two
-    # heartbeats before it claims.
+    # An owner's entry looks idle after an outage (Redis counts idle time across it); a
+    # consumer back from the outage gives the owner a whole claim window to re-assert.
     await log.ensure_group(S, "g")
     await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
     await log.read_group("g", "owner", [S], block_ms=10)
@@ -188,6 +187,54 @@ async def test_a_consumer_claims_nothing_until_owners_have_reasserted_after_an_o
     finally:
         stop_wait.cancel()
         await c.aclose()
+
+
+class _HeartbeatOutage:
+    """A log whose keep-alive fails while ``down``: an outage as a consumer that reads
+    nothing (every slot busy) sees it, through its heartbeat only."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._log, name)
+
+    async def keep_alive(self, *args: Any, **kwargs: Any) -> list[str]:
+        if self.down:
+            raise LogUnavailable("redis unavailable during keep-alive: refused")
+        return await self._log.keep_alive(*args, **kwargs)
+
+
+async def test_a_busy_consumer_whose_heartbeat_failed_claims_nothing_right_after_the_outage(
+    log: EventLog,
+) -> None:
+    await log.ensure_group(S, "g")
+    await log.append(S, RolloutFailed(rollout_id="mine", reason="x"))
+    flaky = _HeartbeatOutage(log)
+    busy = consumer(flaky, "busy")  # type: ignore[arg-type]
+    await busy.start()
+    try:
+        await asyncio.sleep(0.15)  # past the start-up deferral
+        [mine], _ = await busy.fetch(1)  # in flight: its heartbeat runs
+        await log.append(S, RolloutFailed(rollout_id="theirs", reason="x"))
+        [theirs] = await log.read_group("g", "owner", [S], block_ms=10)
+        flaky.down = True
+        await asyncio.sleep(0.45)  # the owner's entry idles past the window meanwhile
+        flaky.down = False
+        # Slots free right after the outage, and again four heartbeats later: the owner
+        # (slow to come back) keeps its entry for a whole claim window.
+        assert await busy.fetch(2) == ([], [])
+        await asyncio.sleep(0.2)
+        assert await busy.fetch(2) == ([], [])
+        assert list(await _held(log, "owner")) == [theirs.id]
+        # An owner that never comes back loses it once the window has passed.
+        await asyncio.sleep(0.35)
+        [claimed], _ = await busy.fetch(2)
+        assert claimed.env.id == theirs.id and claimed.redelivered
+        assert sorted(await _held(log, "busy")) == sorted([mine.env.id, theirs.id])
+    finally:
+        await busy.aclose()
 
 
 @pytest.fixture
