@@ -348,8 +348,8 @@ class Settings(FrozenModel):
         None, description="Folder of the servers' logs (<name>.log; unset: a new temporary one)."
     )
     servers_from_log: bool = Field(
-        False, description="Workers and the syncer take the policy servers registered on "
-        "rl:control by rollout serve instead of --sglang-url.",
+        False, description="Workers and the syncer follow the policy servers rollout serve "
+        "registers on rl:control, live, instead of --sglang-url.",
     )
 
     @field_validator("stream_prefix")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from engine import metrics
@@ -27,18 +27,19 @@ from engine.errors import ConfigError, LogError, OutageExceeded
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
 from engine.events.redis_log import open_log
-from engine.projections.registry import RegistryProjection, registered_servers
-from engine.runtime.follower import Follower
+from engine.projections.control import ControlState
+from engine.runtime.follower import Follower, FollowerClosed
 from engine.settings import Flags, Settings
 
 __all__ = [
     "Actor",
     "consumer_name",
-    "discover_servers",
+    "follow_servers",
     "install_stop",
     "make_log",
     "serve_actor",
     "serve_metrics",
+    "servers_from_log",
     "settings_parser",
     "setup_logging",
     "start",
@@ -109,39 +110,64 @@ def make_log(settings: Settings, producer: str) -> EventLog:
     )
 
 
-def discover_servers(settings: Settings) -> Settings:
-    """With ``servers_from_log``: ``settings`` whose ``sglang_url`` is the policy servers
-    ``rollout serve`` registered on ``rl:control``, waiting up to the outage limit for the
-    first (``ConfigError`` when none comes, or when ``sglang_url`` is set too)."""
-    if not settings.servers_from_log:
-        return settings
-    if settings.sglang_url:
+def servers_from_log(settings: Settings) -> bool:
+    """Whether the policy servers are those registered on ``rl:control`` (``ConfigError`` when
+    ``--sglang-url`` names them too)."""
+    if settings.servers_from_log and settings.sglang_url:
         raise ConfigError(
             "ROLLOUT_SERVERS_FROM_LOG and --sglang-url both name the policy servers: set one"
         )
-    urls = asyncio.run(_registered(settings))
-    if not urls:
-        raise ConfigError(
-            f"no policy server registered on {settings.stream_prefix}:control "
-            f"within {settings.outage_limit_s:.0f}s: is `rollout serve` running?"
-        )
-    logging.getLogger("workers").info("policy servers from the log: %s", ", ".join(urls))
-    return settings.model_copy(update={"sglang_url": ",".join(urls)})
+    return settings.servers_from_log
 
 
-async def _registered(settings: Settings) -> list[str]:
-    log = make_log(settings, producer=consumer_name(settings, "discover"))
+@contextlib.asynccontextmanager
+async def follow_servers(
+    control: Follower[ControlState],
+    use: Callable[[tuple[str, ...]], None],
+    *,
+    outage_limit_s: float | None,
+) -> AsyncIterator[None]:
+    """Hand ``use`` the policy servers registered on ``control``'s stream, then again on every
+    change of them, while the body runs. The first registration is waited for up to the
+    outage limit (``ConfigError`` when none comes)."""
     try:
-        servers = Follower(log, log.names.control, RegistryProjection())
-        deadline = time.monotonic() + settings.outage_limit_s
+        await control.wait_for(
+            lambda state: bool(state.registered_servers()), outage_limit_s,
+            what="waiting for a policy server to be registered",
+        )
+    except TimeoutError as exc:
+        raise ConfigError(
+            f"no policy server registered on {control.log.names.prefix}:control within "
+            f"{outage_limit_s:g}s: "
+            "is `rollout serve` running?"
+        ) from exc
+    servers = control.state.registered_servers()
+    logging.getLogger("workers").info("policy servers from the log: %s", ", ".join(servers))
+    use(servers)
+
+    async def follow() -> None:
+        nonlocal servers
+        seen = control.version
         while True:
-            await servers.refresh()
-            urls = registered_servers(servers.state)
-            if urls or time.monotonic() > deadline:
-                return urls
-            await asyncio.sleep(0.5)
+            try:
+                await control.changed(seen)
+            except FollowerClosed:
+                return
+            seen = control.version
+            now = control.state.registered_servers()
+            if now != servers:
+                logging.getLogger("workers").info(
+                    "policy servers from the log: %s", ", ".join(now) or "none"
+                )
+                servers = now
+                use(now)
+
+    task = asyncio.create_task(follow())
+    try:
+        yield
     finally:
-        await log.aclose()
+        control.close()  # ends the follow after its current read (a read is never cancelled)
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def install_stop() -> asyncio.Event:

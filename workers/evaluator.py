@@ -26,6 +26,11 @@ when the daemon does not answer or has no such image.
 on one server, the least loaded when its first turn starts (``engine/backends/pool.py``), and
 ``build_agents(args)`` sees ``args.sglang_urls`` (all of them) and ``args.sglang_url`` set only
 when there is exactly one, so agents that take it leave the choice to the pool.
+
+With ``ROLLOUT_SERVERS_FROM_LOG`` (``--servers-from-log``) the policy servers are those
+``rollout serve`` registered on ``rl:control``, followed live: the worker waits up to
+``--outage-limit-s`` for the first, and each later registration or retirement changes its
+pool's servers (``BackendPool.use_servers``); ``args.sglang_urls`` is then empty.
 """
 
 from __future__ import annotations
@@ -48,11 +53,20 @@ from engine.backends.teacher import TeacherBackend, TeacherConfig
 from engine.config.evaluators import load_evaluators
 from engine.domain import Resource
 from engine.errors import ConfigError, SandboxError
+from engine.events.log import EventLog
 from engine.sandbox.base import SandboxLimits, SandboxProvider
 from engine.sandbox.docker import DockerSandboxConfig, DockerSandboxProvider
 from engine.sandbox.local import LocalSandboxConfig, LocalSandboxProvider
 from engine.settings import PROCESS, Flags, Settings
-from workers._common import consumer_name, discover_servers, serve_actor, settings_parser, start
+from workers._common import (
+    Actor,
+    consumer_name,
+    follow_servers,
+    serve_actor,
+    servers_from_log,
+    settings_parser,
+    start,
+)
 
 __all__ = [
     "FLAGS", "Progress", "build_parser", "docker_config", "main", "policy_pool", "teacher_port"
@@ -211,6 +225,12 @@ async def _serve(
         retry_backoff_s=settings.model_retry_backoff_s,
     )
     logger.info("worker %s serving %s", worker_id, ", ".join(ids))
+
+    def build(log: EventLog) -> Actor:
+        worker = EvaluatorWorker(log, specs, config, backends=backends, sandboxes=provider,
+                                 on_batch_done=progress.on_batch_done)  # fmt: skip
+        return _FollowingServers(worker, backends) if settings.servers_from_log else worker
+
     try:
         if isinstance(provider, DockerSandboxProvider):
             try:  # no daemon or no image: refuse to start rather than fail every episode
@@ -218,20 +238,7 @@ async def _serve(
             except SandboxError as exc:
                 print(f"error: --sandbox docker: {exc}", file=sys.stderr)
                 return 2
-        return await serve_actor(
-            settings,
-            worker_id,
-            lambda log: EvaluatorWorker(
-                log,
-                specs,
-                config,
-                backends=backends,
-                sandboxes=provider,
-                on_batch_done=progress.on_batch_done,
-            ),
-            logger=logger,
-            what="worker",
-        )
+        return await serve_actor(settings, worker_id, build, logger=logger, what="worker")
     except ConfigError as exc:  # e.g. a model server with temperature-scaled logprobs
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -241,6 +248,20 @@ async def _serve(
             await args.teacher.aclose()
         if isinstance(provider, LocalSandboxProvider | DockerSandboxProvider):
             provider.close()
+
+
+class _FollowingServers:
+    """The worker, with its pool's policy servers those registered on ``rl:control``."""
+
+    def __init__(self, worker: EvaluatorWorker, backends: BackendPool) -> None:
+        self.worker = worker
+        self.backends = backends
+
+    async def run(self, stop: asyncio.Event) -> None:
+        limit = self.worker.config.outage_limit_s
+        async with follow_servers(self.worker.control, self.backends.use_servers,
+                                  outage_limit_s=limit):  # fmt: skip
+            await self.worker.run(stop)
 
 
 def policy_urls(args: argparse.Namespace, settings: Settings) -> list[str]:
@@ -288,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        policy_urls(args, discover_servers(settings))
+        servers_from_log(settings)
+        policy_urls(args, settings)
         args.teacher = teacher_port(settings)
         specs = load_evaluators(settings.evaluator_config, args)
         ids = _select(specs, settings.evaluators)

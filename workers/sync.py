@@ -9,10 +9,12 @@ quiesces the engine (schedulers stop admitting, workers park at turn boundaries)
 ``/update_weights_from_disk`` to every ``--sglang-url`` (the same servers the workers use;
 default ``ROLLOUT_SGLANG_URL``), checks each reports the version, and records
 ``PolicyVersionActivated`` or ``WeightSyncFailed`` (which stops generation until a later sync
-succeeds). Several syncers may run: one sync is open at a time, and a syncer that dies
-mid-sync is replaced by another that resumes it. The servers' admin key is read from
-``ROLLOUT_SGLANG_ADMIN_KEY_FILE`` (never from the command line). Prints one line per outcome.
-Exit status 2: bad settings; 1: Redis failed while serving.
+succeeds). With ``ROLLOUT_SERVERS_FROM_LOG`` the servers are those ``rollout serve``
+registered on ``rl:control`` when the weights are loaded, and a server registered later is
+brought to the active version. Several syncers may run: one sync is open at a time, and a
+syncer that dies mid-sync is replaced by another that resumes it. The servers' admin key is
+read from ``ROLLOUT_SGLANG_ADMIN_KEY_FILE`` (never from the command line). Prints one line per
+outcome. Exit status 2: bad settings; 1: Redis failed while serving.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from engine.actors.weight_sync import SyncConfig, WeightSyncer
 from engine.backends.pool import parse_urls
 from engine.errors import ConfigError
 from engine.settings import PROCESS, Flags, Settings
-from workers._common import consumer_name, discover_servers, serve_actor, settings_parser, start
+from workers._common import consumer_name, serve_actor, servers_from_log, settings_parser, start
 
 __all__ = ["FLAGS", "build_parser", "main"]
 
@@ -53,10 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, _ = started
     consumer = consumer_name(settings, "sync")
     try:
-        settings = discover_servers(settings)
         config = SyncConfig(
             syncer_id=consumer,
             servers=parse_urls(settings.sglang_url),
+            servers_from_log=servers_from_log(settings),
             admin_key=settings.admin_key(),
             park_timeout_s=settings.park_timeout_s,
             live_window_ms=settings.live_window_ms,
@@ -69,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logger.info("syncer %s: servers %s", consumer, ", ".join(config.servers))
+    logger.info("syncer %s: servers %s", consumer,
+                ", ".join(config.servers) or "those registered on rl:control")
     return asyncio.run(
         serve_actor(settings, consumer, lambda log: WeightSyncer(log, config), logger=logger,
                     what="syncer")

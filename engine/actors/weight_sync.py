@@ -39,6 +39,15 @@ give a stale server no turn until a probe finds it at the active version. A serv
 syncer does not know, or a report older than the active version, is left alone; while a sync
 is open the sync itself loads every server.
 
+The servers are the ``servers`` of the config (``--sglang-url``), or, with
+``servers_from_log``, the policy servers registered on ``rl:control`` (``ServerRegistered`` /
+``ServerRetired``, folded into the control state) at the moment the weights are loaded. A
+policy server registered after that (a scale-up, a second ``rollout serve``, a restart that
+loaded older weights) reaches the syncer's group as well: once no sync is open, the active
+weights are loaded on it unless it was registered at the active version or an activation
+after its registration already loaded it. An activation with no server registered is an
+activation: each server registered later is brought to it.
+
 Ordering and recovery: the publication entry is acked only once its sync ended, so a syncer
 that dies mid-saga leaves it pending and another syncer claims it and resumes (every step
 checks the fold of ``rl:control`` first: quiesce is not requested twice, the outcome not
@@ -72,6 +81,7 @@ from engine.events.catalog import (
 )
 from engine.events.ids import parse_id
 from engine.events.log import DeadEntry, EventLog
+from engine.events.registry import ServerRegistered
 from engine.events.servers import ServerDown, ServerStale
 from engine.projections.control import ControlProjection, ControlState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
@@ -197,7 +207,8 @@ class WorkerQuiesce:
 class SyncConfig:
     """Settings of one syncer process.
 
-    ``servers``: every model server to load the weights on (the workers' ``--sglang-url``).
+    ``servers``: every model server to load the weights on (the workers' ``--sglang-url``);
+    ``servers_from_log``: instead, those registered on ``rl:control`` (module docstring).
     ``admin_key``: the servers' admin key (``--admin-api-key``), if they have one.
     ``park_timeout_s``: the bound on waiting for workers to park. ``live_window_ms``: a
     worker silent on its work streams for longer is not waited for (default: the claim idle
@@ -208,6 +219,7 @@ class SyncConfig:
 
     syncer_id: str
     servers: tuple[str, ...]
+    servers_from_log: bool = False
     admin_key: str | None = None
     group: str = SYNC_GROUP
     worker_group: str = WORKER_GROUP
@@ -222,7 +234,11 @@ class SyncConfig:
     repush_pause_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.servers:
+        if self.servers and self.servers_from_log:
+            raise ConfigError(
+                f"syncer {self.syncer_id!r}: servers named and taken from the log: set one"
+            )
+        if not self.servers and not self.servers_from_log:
             raise ConfigError(
                 f"syncer {self.syncer_id!r}: no model server to sync (give --sglang-url, the "
                 "servers the workers use)"
@@ -290,6 +306,13 @@ class WeightSyncer:
                 on_stopping=stopping,
             )
 
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The servers to load weights on now (module docstring)."""
+        if self.config.servers_from_log:
+            return self.control.state.registered_servers()
+        return self.config.servers
+
     async def _handle(self, d: Delivery) -> None:
         ev = d.env.event
         try:
@@ -297,6 +320,8 @@ class WeightSyncer:
                 await self.sync(d.env, ev)
             elif isinstance(ev, ServerStale):
                 await self.repush(ev)
+            elif isinstance(ev, ServerRegistered) and self.config.servers_from_log:
+                await self.bring_up(d.env, ev)
             elif isinstance(ev, ServerDown):
                 self._repushed.pop(ev.endpoint, None)  # it comes back from whatever it had
         except FollowerClosed as exc:  # stopping: another syncer resumes it
@@ -311,21 +336,46 @@ class WeightSyncer:
         url = stale.endpoint
         if active is None or active.version != stale.active or state.quiesce is not None:
             return False  # nothing to bring it to, a newer version since, or a sync is open
-        if url not in self.config.servers or not active.weights_uri:
+        if url not in self.servers or not active.weights_uri:
             logger.warning("%s is stale (%s) but not a server this syncer loads", url,
                            stale.reason or f"reports {stale.weight_version}")
             return False
         if self._repushed.get(url) == active.version:
             return True  # another worker's report of the same restart
+        return await self._load_active(url, active)
+
+    async def bring_up(self, env: Envelope, registered: ServerRegistered) -> bool:
+        """Load the active weights on a policy server registered on the log, once no sync is
+        open (module docstring); whether it now serves the active version."""
+        url = registered.endpoint
+        if registered.role != "policy":
+            return False
+        await self.control.refresh()
+        while self.control.state.quiesce is not None:  # the open sync ends first
+            await self.control.changed(self.control.version, 1.0)
+        state = self.control.state
+        active = state.activated
+        if active is None or url not in state.registered_servers():
+            return False  # nothing active yet, or retired since
+        if registered.weight_version == active.version or (
+            _later(state.activated_id, env.id) and url in active.servers
+        ):
+            return True
+        if not active.weights_uri:
+            return False
+        return await self._load_active(url, active)
+
+    async def _load_active(self, url: str, active: PolicyVersionActivated) -> bool:
+        """Load the active weights on one server, with a few tries (it may be starting)."""
         path = weights_path(active.weights_uri)
         pause = self.config.repush_pause_s
         for attempt in range(1, self.config.repush_tries + 1):
             error = await self._push_one(url, path, active.version)
             if error is None:
-                logger.info("version %d loaded again on %s", active.version, url)
+                logger.info("version %d loaded on %s", active.version, url)
                 self._repushed[url] = active.version
                 return True
-            logger.warning("loading version %d on stale %s failed (try %d of %d): %s",
+            logger.warning("loading version %d on %s failed (try %d of %d): %s",
                            active.version, url, attempt, self.config.repush_tries, error)
             await asyncio.sleep(pause)
             pause *= 2
@@ -344,7 +394,7 @@ class WeightSyncer:
             version=ev.version,
             error=f"the syncers gave up on the publication: {dead.error}",
             servers_ok=[],
-            servers_failed=list(self.config.servers),
+            servers_failed=list(self.servers),
         )
         await self.log.append(self.control.stream, failed, causation=f"{dead.stream}@{dead.id}")
         self.outcomes.append(failed)
@@ -423,7 +473,7 @@ class WeightSyncer:
 
     async def _push(self, publish: PolicyVersionPublished) -> Event:
         version = publish.version
-        servers = list(self.config.servers)
+        servers = list(self.servers)
         try:
             path = weights_path(publish.weights_uri)
         except ConfigError as exc:

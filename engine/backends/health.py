@@ -136,7 +136,8 @@ class ServerHealth:
         self._reported: dict[str, int | None] = dict.fromkeys(self.urls)
         self._n_up = len(self.urls)
         self._up = asyncio.Event()
-        self._up.set()
+        if self._n_up:
+            self._up.set()
         self._down_since = clock()
         self._wake = asyncio.Event()
         self._listeners: list[Listener] = []
@@ -163,6 +164,32 @@ class ServerHealth:
             if url in self.states and state != ServerState.UP:
                 self._set(url, ServerState(state), "as the log has it", announce=False)
 
+    def add(self, url: str) -> None:
+        """Track ``url`` too (a server registered while the worker runs): down until a probe
+        finds it answering at the active version."""
+        if url in self.states:
+            return
+        self.urls = (*self.urls, url)
+        self.states[url] = ServerState.DOWN
+        self.reasons[url] = "registered, not probed yet"
+        self._reported[url] = None
+        self._gauges[url] = metrics.SERVER_UP.labels(url)
+        self._gauges[url].set(0)
+        self._wake.set()
+
+    def remove(self, url: str) -> None:
+        """Stop tracking ``url`` (a retired server): it gets nothing any more."""
+        state = self.states.pop(url, None)
+        if state is None:
+            return
+        self.urls = tuple(u for u in self.urls if u != url)
+        self._gauges.pop(url).set(0)
+        if state is ServerState.UP:
+            self._n_up -= 1
+            if self._n_up == 0:
+                self._up.clear()
+                self._down_since = self._clock()
+
     # -- changes ---------------------------------------------------------------------------
 
     def mark(self, url: str, state: ServerState, reason: str, version: int | None = None) -> None:
@@ -179,7 +206,9 @@ class ServerHealth:
         version: int | None = None,
         announce: bool = True,
     ) -> None:
-        before = self.states[url]
+        before = self.states.get(url)
+        if before is None:  # removed while its probe ran
+            return
         if before is state and (state is not ServerState.STALE or self._reported[url] == version):
             return
         self.states[url] = state

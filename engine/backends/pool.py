@@ -39,6 +39,11 @@ down) one per episode.
   next call: turns are token ids, so nothing ties a trajectory to a server but its prefix
   cache. While no server is up, a view's calls wait for one (``ServersDown`` past the outage
   limit).
+- Discovery: ``use_servers(urls)`` makes ``urls`` the policy's servers from then on (a worker
+  following the servers registered on ``rl:control`` calls it on every change). A new server is
+  tracked as down until the health probe admits it at the active version; a server no longer
+  listed gets nothing more, and the trajectories placed on it move at their next call, as for
+  a down server. While none is listed, calls wait as while none is up.
 - Retries: a view's ``get()`` is a ``RoutedBackend``. It names each generate call
   ``KEY/tN`` (a new N per call, so an abort reaches exactly one request), and with a
   ``RetryBudget`` (``bind(key, budget=...)``, one per sample) it retries a token-level
@@ -140,6 +145,7 @@ class _Shared:
         outage_limit_s: float | None,
     ) -> None:
         self.urls = urls
+        self.known = urls  # every policy server ever listed (a retired one included)
         self.build = build
         self.backends: dict[str, ModelBackend] = {}  # each endpoint's own backend
         self.hooked: dict[str, HookedBackend] = {}  # the same, with the pool's hooks
@@ -168,13 +174,25 @@ class _Shared:
         url = self.placed.get(key)
         health = self.health
         if url is not None:
-            if health.is_up(url) or not health.any_up:
+            if health.is_up(url) or (not health.any_up and url in self.urls):
                 return url
-            self.live[url] -= 1  # its server is down or stale: the trajectory moves
-        url = max(health.up_urls() or self.urls, key=lambda u: (-self.live[u], _rank(key, u)))
+            self.live[url] -= 1  # its server is down, stale or retired: the trajectory moves
+        urls = health.up_urls() or self.urls or self.known
+        url = max(urls, key=lambda u: (-self.live[u], _rank(key, u)))
         self.placed[key] = url
         self.live[url] += 1
         return url
+
+    def use(self, urls: tuple[str, ...]) -> None:
+        health = self.health
+        for url in urls:
+            if url not in self.urls:
+                health.add(url)
+        for url in self.urls:
+            if url not in urls:
+                health.remove(url)
+        self.urls = urls
+        self.known = (*self.known, *(u for u in urls if u not in self.known))
 
     def release(self, key: str) -> None:
         url = self.placed.pop(key, None)
@@ -343,6 +361,11 @@ class BackendPool:
         """The policy's servers, in the order given."""
         return self._shared.urls
 
+    def use_servers(self, urls: Sequence[str]) -> None:
+        """The policy's servers are ``urls`` from now on (see "Discovery" in the module
+        docstring)."""
+        self._shared.use(parse_urls(list(urls), what="a registered policy server"))
+
     @property
     def default_url(self) -> str | None:
         """The policy's first server (the only one, unless several were given)."""
@@ -398,7 +421,7 @@ class BackendPool:
             endpoint = check_base_url(url, what="model endpoint")
             if self._trajectory is not None and endpoint in shared.urls:
                 return self._routed_backend(self._trajectory)
-        elif not shared.urls:
+        elif not shared.known:
             raise ConfigError(
                 "no model endpoint: the agent names none and the worker has no default "
                 "(run it with --sglang-url)"
@@ -410,7 +433,8 @@ class BackendPool:
         elif key is not None:
             endpoint = shared.place(key)
         else:  # a one-off call: the least-loaded server that is up, not kept
-            endpoint = min(shared.health.up_urls() or shared.urls, key=lambda u: shared.live[u])
+            urls = shared.health.up_urls() or shared.urls or shared.known
+            endpoint = min(urls, key=lambda u: shared.live[u])
         hooked = shared.hooked.get(endpoint)
         if hooked is None:
             backend = shared.backend(endpoint)

@@ -2,7 +2,7 @@
 
 A supervisor (``rollout serve``) appends ``ServerRegistered`` each time a server it runs
 answers (at start and after every restart) and ``ServerRetired`` when it stops one for good;
-workers and the syncer fold them (``engine.projections.registry``) to find the servers
+workers and the syncer fold them (``engine.projections.control``) to find the servers
 instead of reading them from flags.
 """
 

@@ -25,7 +25,10 @@ Generation may run only when no sync is open and the engine is not poisoned
 (``generation_stopped``). The fold also keeps each policy server's last word from any worker
 (``servers``: ``ServerUp`` / ``ServerDown`` / ``ServerStale``, ``engine/events/servers.py``):
 while every server it knows of is down or stale, nothing may be admitted (``may_generate``),
-and a worker starts from it. The state is a frozen value; ``evolve`` returns a new one.
+and a worker starts from it. ``registered`` is the servers ``rollout serve`` registered
+(``ServerRegistered`` / ``ServerRetired``, ``engine/events/registry.py``): endpoint -> its
+last registration, in the order first registered; a retired server leaves it, and its health
+word with it. The state is a frozen value; ``evolve`` returns a new one.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from engine.events.catalog import (
     WeightSyncFailed,
     WorkerParked,
 )
+from engine.events.registry import ServerRegistered, ServerRetired, ServerRole
 from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = ["ControlProjection", "ControlState"]
@@ -71,6 +75,7 @@ class ControlState:
     tails: Mapping[str, Tail] = field(default_factory=dict)
     outcomes: Mapping[str, str] = field(default_factory=dict)
     servers: Mapping[str, str] = field(default_factory=dict)  # endpoint -> up / down / stale
+    registered: Mapping[str, ServerRegistered] = field(default_factory=dict)
 
     @property
     def active_version(self) -> int | None:
@@ -92,6 +97,10 @@ class ControlState:
         if version not in self.published_versions:
             return False
         return self.active_version is None or self.active_version < version
+
+    def registered_servers(self, role: ServerRole = "policy") -> tuple[str, ...]:
+        """The endpoints registered for ``role``, in registration order."""
+        return tuple(url for url, reg in self.registered.items() if reg.role == role)
 
     @property
     def servers_down(self) -> bool:
@@ -188,6 +197,16 @@ class ControlProjection:
             if state.servers.get(ev.endpoint) == said:
                 return state
             return replace(state, servers={**state.servers, ev.endpoint: said})
+        if isinstance(ev, ServerRegistered):
+            return replace(state, registered={**state.registered, ev.endpoint: ev})
+        if isinstance(ev, ServerRetired):
+            if ev.endpoint not in state.registered and ev.endpoint not in state.servers:
+                return state
+            return replace(
+                state,
+                registered={k: v for k, v in state.registered.items() if k != ev.endpoint},
+                servers={k: v for k, v in state.servers.items() if k != ev.endpoint},
+            )
         if isinstance(ev, WeightSyncFailed):
             return replace(
                 state, failure=ev, failure_id=env.id,

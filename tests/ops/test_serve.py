@@ -30,11 +30,11 @@ from engine.ops.serve import (
     server_argv,
 )
 from engine.projections.base import fold, start
-from engine.projections.control import ControlState
-from engine.projections.registry import RegistryProjection, registered_servers
+from engine.projections.control import ControlProjection, ControlState
+from engine.runtime.follower import Follower
 from engine.settings import Settings
 from tests.redis_server import RedisServer
-from workers._common import discover_servers
+from workers._common import follow_servers, servers_from_log
 from workers.cli import ROLLOUT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +108,9 @@ def test_servers_start_from_the_active_version_folder_or_the_base_model() -> Non
 def test_servers_from_the_log_and_from_flags_are_refused_together() -> None:
     both = Settings(servers_from_log=True, sglang_url="http://a:1")
     with pytest.raises(ConfigError, match="ROLLOUT_SERVERS_FROM_LOG and --sglang-url"):
-        discover_servers(both)
-    assert discover_servers(Settings(sglang_url="http://a:1")).sglang_url == "http://a:1"
+        servers_from_log(both)
+    assert not servers_from_log(Settings(sglang_url="http://a:1"))
+    assert servers_from_log(Settings(servers_from_log=True))
 
 
 def test_fixed_ports_count_up_from_the_first(log: EventLog, tmp_path: Path) -> None:
@@ -142,10 +143,10 @@ def test_the_registry_keeps_each_endpoint_last_registration_until_retired() -> N
         ServerRetired(endpoint="http://never:1", supervisor="s"),
     ]
     envs = [Envelope(id=f"{i + 1}-0", stream="rl:control", event=e) for i, e in enumerate(events)]
-    state = fold(RegistryProjection(), start(RegistryProjection()), envs).state
-    assert registered_servers(state) == ["http://a:1"]
-    assert state["http://a:1"].weight_version == 2
-    assert registered_servers(state, "teacher") == ["http://t:1"]
+    state = fold(ControlProjection(), start(ControlProjection()), envs).state
+    assert state.registered_servers() == ("http://a:1",)
+    assert state.registered["http://a:1"].weight_version == 2
+    assert state.registered_servers("teacher") == ("http://t:1",)
 
 
 async def _registrations(log: EventLog, n: int, timeout_s: float = 180.0) -> list[ServerRegistered]:
@@ -188,9 +189,12 @@ def _generates(url: str) -> bool:
 async def test_discovery_names_the_missing_supervisor_when_none_registered(
     real_log: EventLog, redis_server: RedisServer
 ) -> None:
-    settings = Settings(redis_url=redis_server.url, servers_from_log=True, outage_limit_s=0.5)
+    used: list[tuple[str, ...]] = []
+    control = Follower(real_log, real_log.names.control, ControlProjection(), block_ms=100)
     with pytest.raises(ConfigError, match="no policy server registered on rl:control"):
-        await asyncio.to_thread(discover_servers, settings)
+        async with follow_servers(control, used.append, outage_limit_s=0.5):
+            pass
+    assert used == []
     await real_log.append(
         real_log.names.control,
         ServerRegistered(endpoint="http://a:1", backend="sglang", supervisor="s", weight_version=0),
@@ -199,8 +203,9 @@ async def test_discovery_names_the_missing_supervisor_when_none_registered(
         real_log.names.control,
         ServerRegistered(endpoint="http://t:1", role="teacher", backend="sglang", supervisor="s"),
     )
-    found = await asyncio.to_thread(discover_servers, settings)
-    assert found.sglang_url == "http://a:1"
+    control = Follower(real_log, real_log.names.control, ControlProjection(), block_ms=100)
+    async with follow_servers(control, used.append, outage_limit_s=0.5):
+        assert used == [("http://a:1",)]
 
 
 @pytest.mark.redis_server
