@@ -39,14 +39,10 @@ give a stale server no turn until a probe finds it at the active version. A serv
 syncer does not know, or a report older than the active version, is left alone; while a sync
 is open the sync itself loads every server.
 
-The servers are the ``servers`` of the config (``--sglang-url``), or, with
-``servers_from_log``, the policy servers registered on ``rl:control`` (``ServerRegistered`` /
-``ServerRetired``, folded into the control state) at the moment the weights are loaded. A
-policy server registered after that (a scale-up, a second ``rollout serve``, a restart that
-loaded older weights) reaches the syncer's group as well: once no sync is open, the active
-weights are loaded on it unless it was registered at the active version or an activation
-after its registration already loaded it. An activation with no server registered is an
-activation: each server registered later is brought to it.
+With ``servers_from_log`` the servers are the policy servers registered on ``rl:control``
+when the weights are loaded (none is an activation too). A ``ServerRegistered`` reaches the
+syncer's group as well: once no sync is open, the active weights are loaded on that server
+unless it registered at the active version or an activation after it loaded them.
 
 Ordering and recovery: the publication entry is acked only once its sync ended, so a syncer
 that dies mid-saga leaves it pending and another syncer claims it and resumes (every step

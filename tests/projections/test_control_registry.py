@@ -30,7 +30,8 @@ def test_a_retired_server_leaves_the_registry_and_the_health_words() -> None:
     # Given two registered policy servers, both said up by a worker, one down later
     state = folded([
         reg(URLS[0]), reg(URLS[1]), ServerUp(endpoint=URLS[0], worker="w"),
-        ServerUp(endpoint=URLS[1], worker="w"), ServerDown(endpoint=URLS[0], worker="w", reason="refused"),
+        ServerUp(endpoint=URLS[1], worker="w"),
+        ServerDown(endpoint=URLS[0], worker="w", reason="refused"),
     ])  # fmt: skip
     assert state.registered_servers() == URLS[:2] and not state.servers_down
     # When the up one is retired
