@@ -22,20 +22,16 @@ nothing says which weights are right before the first sync). Every change goes t
 listeners (``listen``): the worker appends ``ServerDown`` / ``ServerUp`` / ``ServerStale`` to
 the log.
 
-Every server is at a known version before it serves. ``admit()``, which the worker awaits
-once before it takes work, reads each up server's version and judges it as a probe does (a
-server it cannot read is down, and probed). A server that reports none (SGLang's
-``"default"``: started without ``--weight-version``) while no version is active holds the
-policy the run starts from, version 0 (``FIRST_VERSION``): admission and probes label it so
-(SGLang's ``/update_weight_version``, ``ServerAdmin.set_version``, without the admin key:
-workers never hold it) before it gets a turn, so its turns carry version 0. While a sync is
-open nothing is labelled (the sync loads every server). A server that refuses the label
-(401/403: it has an admin key; 404: no such route) would serve at an unknown version, so it
-does not serve: at admission that is a ``ConfigError`` (the worker stops, naming the server and
-the fix: start it with ``--weight-version 0``, as ``rollout serve`` does); found by a probe of
-a server that came back, it stays down with that reason, logged as an error. A backend without
-the ``weight_version`` capability cannot name versions at all: it is admitted as it is, with
-a warning.
+Every server is at a known version before it serves. ``admit()``, awaited by the worker
+before it takes work, judges each up server's version as a probe does (one it cannot read is
+down, and probed). A server that reports none (SGLang's ``"default"``: no
+``--weight-version``) while no version is active and no sync is open holds the policy the run
+starts from: admission and probes label it ``FIRST_VERSION`` (``ServerAdmin.set_version``,
+without the admin key, which workers never hold) before it gets a turn. One that refuses the
+label (401/403: an admin key; 404: no such route) would serve at an unknown version: at
+admission that is a ``ConfigError`` naming the fix (``--weight-version 0``, as ``rollout
+serve`` passes); a probe keeps it down with that reason, logged as an error. A backend
+without the ``weight_version`` capability is admitted as it is, with a warning.
 
 ``available()`` returns at once while a server is up; while none is, new turns wait there for
 one to come back, and past ``outage_limit_s`` of all of them down it raises ``ServersDown``.
@@ -334,9 +330,9 @@ class ServerHealth:
         except (ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            self._set(url, ServerState.DOWN, f"its weight version could not be read: {exc!r}")
+            self._set(url, ServerState.DOWN, f"admission failed: {exc!r}")
             return
-        self._judge(url, version, "it reports a known weight version")
+        self._judge(url, version, "admitted")
 
     async def probe(self, url: str) -> None:
         """One probe of a server that is not up (see the module docstring)."""
