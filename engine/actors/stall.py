@@ -29,7 +29,6 @@ The stages, upstream first (each named only when it holds unfinished samples):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -251,4 +250,4 @@ class _PolicyFold:
         servers = servers_said(state.servers, env)
         if control is state.control and servers is state.servers:
             return state
-        return dataclasses.replace(state, control=control, servers=servers)
+        return _Policy(control, servers)
