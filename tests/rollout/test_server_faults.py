@@ -453,8 +453,10 @@ async def test_a_server_started_without_a_version_serves_the_first_policy_as_ver
             info = (await client.get(url + "/get_model_info")).json()
         assert info["weight_version"] == "0"
     finally:
-        await rig.close()
-        fleet.close()
+        try:
+            await rig.close()
+        finally:
+            fleet.close()
 
 
 async def test_a_server_that_refuses_its_first_label_stops_the_worker_naming_it(
@@ -475,5 +477,7 @@ async def test_a_server_that_refuses_its_first_label_stops_the_worker_naming_it(
         message = str(refused.value)
         assert proc.url in message and "HTTP 401" in message and "--weight-version 0" in message
     finally:
-        await rig.close()
-        fleet.close()
+        try:
+            await rig.close()
+        finally:
+            fleet.close()
