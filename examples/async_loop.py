@@ -14,7 +14,10 @@ model with a few policy-gradient steps:
 3. ``loop.publish(version, folder)`` appends ``PolicyVersionPublished``; the syncer quiesces the
    engine, loads the folder on the model server (``/update_weights_from_disk``) and resumes.
    Rollout N+1's trajectories pick the new weights up at their next turn: the line printed
-   per iteration shows how many sampled tokens came from each version.
+   per iteration shows how many sampled tokens came from each version. The first rollouts
+   run on the model the server started from, version 0: the demo starts tinylm without
+   ``--weight-version`` and each worker labels it version 0 before it serves
+   (``engine/backends/health.py``), so no token comes out of an unknown version.
 
 Everything runs on the CPU; the first run builds the tiny model (``--train-steps`` sets how
 long that takes). Ctrl-C stops every process the stack started.

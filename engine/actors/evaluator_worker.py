@@ -46,8 +46,10 @@ Contract
   (a stale copy) runs and reaps nothing (:mod:`engine.actors.recovery`).
 * Model servers (``engine/backends/health.py``): the worker runs its pool's health probes,
   starts from the servers' state on ``rl:control`` and appends each change it sees there
-  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/servers.py``); a server
-  comes back only at the active policy version. A model-server failure is retried (the turn,
+  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/servers.py``); before it
+  takes work it brings each server to a known version (``ServerHealth.admit``: one that
+  reports none before any sync is labelled version 0), and a server comes back only at the
+  active policy version. A model-server failure is retried (the turn,
   else the attempt) within each sample's ``model_retries``; a sample whose budget is spent is
   aborted naming the servers tried, and a rollout whose samples waited past the outage limit
   with every server down fails (``engine/actors/batch_run.py``).
@@ -238,6 +240,7 @@ class EvaluatorWorker:
             await self.quiesce.start(self.consumer.backoff)  # a sync may be open already
             if self._backends is not None:  # the fleet as the log has it, then our probes
                 self._backends.health.adopt(self.control.state.servers)
+                await self._backends.health.admit()  # each server at a known version first
                 probing = asyncio.create_task(self._backends.health.run(done))
             async with following(stop, self.control) as halt:
                 steering = asyncio.create_task(self.quiesce.run())

@@ -4,15 +4,21 @@ The finalizer following a rollout keeps a :class:`StallWatch`: when the rollout'
 has had no new entry (its own ``RolloutStalled`` aside) for ``window_s`` seconds, it appends
 a ``RolloutStalled`` naming what the rollout waits for, and again every window while the
 stall lasts. What to say is :func:`decide_stall`, a pure function of the rollout fold, the
-pool fold, the policy fold (weight syncs), the consumers of the work streams and the clock
-values passed in; the watch only gathers those and appends.
+pool fold, the policy fold (weight syncs), what the log last said of each policy server, the
+consumers of the work streams and the clock values passed in; the watch only gathers those
+and appends.
 
 The stages, upstream first (each named only when it holds unfinished samples):
 
 * the plan: no ``RolloutPlanned`` yet;
 * admission: sealed batches the pool has not placed, with the cause the scheduler waits on:
-  an open weight sync or a failed one (generation poisoned), the request's version not yet
-  active, its staleness bound out of reach, else the placement pool (tokens held);
+  an open weight sync or a failed one (generation poisoned), every policy server down or
+  stale, the request's version not yet active, its staleness bound out of reach, else the
+  placement pool (tokens held);
+* policy servers (while samples are unfinished): each one the log last said is down or stale,
+  since when (the entry that said so first), by which worker, and why: a down server's error,
+  a stale one's version against the active one (``servers_said`` folds ``ServerDown`` /
+  ``ServerStale`` / ``ServerUp`` from ``rl:control``);
 * workers: admitted batches none of whose unfinished samples has started, with the
   consumers of their ``rl:work:<evaluator>`` stream and how long each has been idle (none:
   no worker serves the evaluator);
@@ -26,18 +32,42 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from engine.actors.evaluator_worker import GROUP as WORK_GROUP
 from engine.actors.planning import admission_wait
+from engine.events.base import Envelope
 from engine.events.catalog import BatchSealed
 from engine.events.diagnostics import RolloutStalled
+from engine.events.ids import id_ms
 from engine.events.log import EventLog
+from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutState
 from engine.runtime.follower import Follower
 
-__all__ = ["StallWatch", "decide_stall"]
+__all__ = ["ServerWord", "StallWatch", "decide_stall", "servers_said"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerWord:
+    """The log's word on one policy server: the entry that put it in its current state
+    (``since``, a stream id) and the latest event about it."""
+
+    since: str
+    said: ServerDown | ServerStale | ServerUp
+
+
+def servers_said(servers: Mapping[str, ServerWord], env: Envelope) -> Mapping[str, ServerWord]:
+    """``servers`` with ``env`` folded in (an entry that is no server event changes nothing)."""
+    ev = env.event
+    if not isinstance(ev, ServerDown | ServerStale | ServerUp):
+        return servers
+    word = servers.get(ev.endpoint)
+    since = word.since if word is not None and word.said.type == ev.type else env.id
+    return {**servers, ev.endpoint: ServerWord(since, ev)}
 
 
 def decide_stall(
@@ -49,10 +79,12 @@ def decide_stall(
     idle_s: float,
     since_report_s: float | None,
     window_s: float,
+    servers: Mapping[str, ServerWord] | None = None,
 ) -> RolloutStalled | None:
     """The ``RolloutStalled`` to append, or None: the rollout is decided, moved within the
     window, or was reported less than a window ago (``since_report_s``; None: never).
-    ``consumers``: per evaluator id, the consumers of its work stream and their idle ms."""
+    ``consumers``: per evaluator id, the consumers of its work stream and their idle ms;
+    ``servers``: the log's word on each policy server (``servers_said``)."""
     if state.decided or idle_s < window_s:
         return None
     if since_report_s is not None and since_report_s < window_s:
@@ -73,6 +105,10 @@ def decide_stall(
     if not_admitted:
         waits.append(f"admission of {len(not_admitted)} batches: "
                      f"{_admission_cause(state, pool, policy)}")
+    running = Counter(r.worker for r in state.samples.values() if r.worker and not r.done)
+    out = [o for u, w in sorted((servers or {}).items()) if (o := _out_of_service(u, w))]
+    if out and (not_admitted or not_started or running):
+        waits.append("policy servers not serving: " + "; ".join(out))
     shown: dict[str, int] = {}
     if not_started:
         lines = []
@@ -83,7 +119,6 @@ def decide_stall(
             lines.append(f"rl:work:{evaluator} " + (f"consumed by {who}" if who
                                                     else "has no consumer (no worker serves it)"))
         waits.append(f"workers for {len(not_started)} admitted batches: " + "; ".join(lines))
-    running = Counter(r.worker for r in state.samples.values() if r.worker and not r.done)
     if running:
         on = ", ".join(f"{w} ({n})" for w, n in sorted(running.items()))
         waits.append(f"{sum(running.values())} samples running on {on}")
@@ -103,6 +138,19 @@ def decide_stall(
     )
 
 
+def _out_of_service(url: str, word: ServerWord) -> str:
+    """What keeps ``url`` from serving, or "" when it is up."""
+    said = word.said
+    if isinstance(said, ServerUp):
+        return ""
+    when = datetime.fromtimestamp(id_ms(word.since) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    if isinstance(said, ServerDown):
+        return f"{url} down since {when} UTC (worker {said.worker}): {said.reason[:300]}"
+    shown = 'unknown ("default")' if said.weight_version is None else str(said.weight_version)
+    return (f"{url} stale since {when} UTC (worker {said.worker}): it reports weight version "
+            f"{shown}, the active one is {said.active}")
+
+
 def _admission_cause(state: RolloutState, pool: PoolState, policy: ControlState) -> str:
     """What the scheduler's admission of the rollout waits on."""
     if policy.failure is not None:
@@ -112,6 +160,8 @@ def _admission_cause(state: RolloutState, pool: PoolState, policy: ControlState)
         version = "" if policy.quiesce.version is None else f" of version {policy.quiesce.version}"
         return (f"the weight sync{version} is open "
                 f"({len(policy.parked)} workers parked)")
+    if policy.servers_down:
+        return "every policy server is down or stale"
     request = state.request
     if request is not None and policy.needs_sync(request.policy_version):
         return f"version {request.policy_version} is published but not active yet"
@@ -139,7 +189,7 @@ class StallWatch:
         self.clock = clock
         self.group = group
         self._pool = Follower(log, log.names.pool, PoolProjection())
-        self._policy = Follower(log, log.names.control, ControlProjection())
+        self._policy = Follower(log, log.names.control, _PolicyFold())
         self._lock = asyncio.Lock()  # one refresh of the shared folds at a time
         # per rollout: entries seen (less its own reports), when that last grew, last report
         self._seen: dict[str, tuple[int, float, float | None, int]] = {}
@@ -169,11 +219,35 @@ class StallWatch:
             e: await self.log.group_consumers(self.log.names.work(e), self.group)
             for e in {b.evaluator_id for b in state.batches.values()}
         }
+        policy = self._policy.state
         stalled = decide_stall(
-            state, self._pool.state, self._policy.state, consumers,
-            idle_s=idle, since_report_s=since, window_s=self.window_s,
+            state, self._pool.state, policy.control, consumers,
+            idle_s=idle, since_report_s=since, window_s=self.window_s, servers=policy.servers,
         )
         if stalled is not None:
             await self.log.append(stream, stalled)
             self._seen[rid] = (seen, moved_at, now, reports + 1)
         return stalled
+
+
+@dataclass(frozen=True, slots=True)
+class _Policy:
+    control: ControlState
+    servers: Mapping[str, ServerWord]
+
+
+class _PolicyFold:
+    """``rl:control`` folded once for the watch: the control state and ``servers_said``."""
+
+    def __init__(self) -> None:
+        self._control = ControlProjection()
+
+    def initial(self) -> _Policy:
+        return _Policy(self._control.initial(), {})
+
+    def evolve(self, state: _Policy, env: Envelope) -> _Policy:
+        control = self._control.evolve(state.control, env)
+        servers = servers_said(state.servers, env)
+        if control is state.control and servers is state.servers:
+            return state
+        return _Policy(control, servers)

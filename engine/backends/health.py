@@ -16,10 +16,22 @@ is in one of three states (``ServerState``):
 
 A server that is not up is probed every ``probe_every_s`` by ``run``: ``health(generate=
 True)`` (SGLang's ``/health_generate``: one generation step, about a second; a paused server
-answers 503 after 20 s) within ``probe_timeout_s``, then ``weight_version()``. It is up again
-once both answer and the version is the active one (any version while none is active: nothing
-says which weights are right before the first sync). Every change goes to the listeners
-(``listen``): the worker appends ``ServerDown`` / ``ServerUp`` / ``ServerStale`` to the log.
+answers 503 after 20 s) within ``probe_timeout_s``, then its version (below). It is up again
+once both answer and the version is the active one (any known one while none is active:
+nothing says which weights are right before the first sync). Every change goes to the
+listeners (``listen``): the worker appends ``ServerDown`` / ``ServerUp`` / ``ServerStale`` to
+the log.
+
+Every server is at a known version before it serves. ``admit()``, awaited by the worker
+before it takes work, judges each up server's version as a probe does (one it cannot read is
+down, and probed). A server that reports none (SGLang's ``"default"``: no
+``--weight-version``) while no version is active and no sync is open holds the policy the run
+starts from: admission and probes label it ``FIRST_VERSION`` (``ServerAdmin.set_version``,
+without the admin key, which workers never hold) before it gets a turn. One that refuses the
+label (401/403: an admin key; 404: no such route) would serve at an unknown version: at
+admission that is a ``ConfigError`` naming the fix (``--weight-version 0``, as ``rollout
+serve`` passes); a probe keeps it down with that reason, logged as an error. A backend
+without the ``weight_version`` capability is admitted as it is, with a warning.
 
 ``available()`` returns at once while a server is up; while none is, new turns wait there for
 one to come back, and past ``outage_limit_s`` of all of them down it raises ``ServersDown``.
@@ -42,9 +54,27 @@ from engine import metrics
 from engine.backends.base import GenerationResult, ModelBackend
 from engine.backends.gate import TurnGate
 from engine.backends.hooks import ModelCall
-from engine.errors import BackendUnavailable, ServersDown, ServerStalled
+from engine.backends.weight_admin import ServerAdmin
+from engine.errors import (
+    BackendHTTPError,
+    BackendProtocolError,
+    BackendUnavailable,
+    ConfigError,
+    ServersDown,
+    ServerStalled,
+)
 
-__all__ = ["HealthChange", "RetryBudget", "ServerHealth", "ServerState", "infra_failure"]
+__all__ = [
+    "FIRST_VERSION",
+    "HealthChange",
+    "RetryBudget",
+    "ServerHealth",
+    "ServerState",
+    "infra_failure",
+]
+
+FIRST_VERSION = 0
+"""The version of the policy the servers start from, before any sync."""
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +140,8 @@ Listener = Callable[[HealthChange], None]
 
 
 class ServerHealth:
-    """See the module docstring. ``backend(url)`` gives a server's own backend (to probe)."""
+    """See the module docstring. ``backend(url)`` gives a server's own backend (to probe);
+    ``admin(url)`` the weight routes that label a server's first version."""
 
     def __init__(
         self,
@@ -131,6 +162,7 @@ class ServerHealth:
         self.probe_timeout_s = probe_timeout_s
         self._clock = clock
         self.expected: Callable[[], int | None] = lambda: None
+        self.admin: Callable[[str], ServerAdmin] = ServerAdmin
         self.states = dict.fromkeys(self.urls, ServerState.UP)
         self.reasons: dict[str, str] = {}
         self._reported: dict[str, int | None] = dict.fromkeys(self.urls)
@@ -228,9 +260,12 @@ class ServerHealth:
         log = logger.info if state is ServerState.UP else logger.warning
         log("model server %s is %s: %s", url, state.value, reason)
         if announce:
-            change = HealthChange(url, state, reason, version, self.expected())
-            for listener in self._listeners:
-                listener(change)
+            self._announce(url, state, reason, version)
+
+    def _announce(self, url: str, state: ServerState, reason: str, version: int | None) -> None:
+        change = HealthChange(url, state, reason, version, self.expected())
+        for listener in self._listeners:
+            listener(change)
 
     # -- the hook --------------------------------------------------------------------------
 
@@ -302,22 +337,60 @@ class ServerHealth:
                 task.cancel()
             await asyncio.gather(*probes.values(), return_exceptions=True)
 
+    async def admit(self) -> None:
+        """Bring every up server to a known version before it serves (module docstring);
+        ``ConfigError`` names a server that refuses its label."""
+        outcomes = await asyncio.gather(
+            *(self._admit(url) for url in self.up_urls()), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _admit(self, url: str) -> None:
+        backend = self._backend(url)
+        if not backend.capabilities.weight_version:
+            logger.warning("model server %s (%r) cannot report its weight version: admitted as "
+                           "it is, its turns carry no version", url, backend)  # fmt: skip
+            return
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                version = await self._known_version(url, backend)
+        except (ConfigError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            self._set(url, ServerState.DOWN, f"admission failed: {exc!r}")
+            return
+        self._judge(url, version, "admitted")
+
     async def probe(self, url: str) -> None:
         """One probe of a server that is not up (see the module docstring)."""
         backend = self._backend(url)
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 await backend.health(generate=True)
-                version = await backend.weight_version()
+                version = await self._known_version(url, backend)
         except asyncio.CancelledError:
             raise
+        except ConfigError as exc:  # it would serve at an unknown version: kept out
+            reason = str(exc)
+            if self.reasons.get(url) != reason:  # said once, with the reason the log keeps
+                logger.error("model server %s stays down: %s", url, reason)
+                self._set(url, ServerState.DOWN, reason, announce=False)
+                self.reasons[url] = reason
+                self._announce(url, ServerState.DOWN, reason, None)
+            return
         except Exception as exc:
             if self.gate.is_open:  # a paused server (a sync) does not answer either
                 self._set(url, ServerState.DOWN, f"health probe failed: {exc!r}")
             return
+        self._judge(url, version, "it answers /health_generate")
+
+    def _judge(self, url: str, version: int | None, why: str) -> None:
+        """Up at the active version (any while none is active), else stale."""
         expected = self.expected()
         if expected is None or version == expected:
-            self._set(url, ServerState.UP, "it answers /health_generate", version=version)
+            self._set(url, ServerState.UP, why, version=version)
         else:
             shown = 'unknown ("default")' if version is None else str(version)
             self._set(
@@ -326,3 +399,32 @@ class ServerHealth:
                 f"it reports weight version {shown}, the active one is {expected}",
                 version=version,
             )
+
+    async def _known_version(self, url: str, backend: ModelBackend) -> int | None:
+        """The server's version, labelled ``FIRST_VERSION`` first when it reports none while
+        no version is active and no sync is open."""
+        version = await backend.weight_version()
+        if version is not None or self.expected() is not None or not self.gate.is_open:
+            return version
+        admin = self.admin(url)
+        try:
+            await admin.set_version(FIRST_VERSION)
+        except BackendHTTPError as exc:
+            if exc.status not in (401, 403, 404):
+                raise
+            raise ConfigError(
+                f"model server {url} reports no weight version (SGLang's \"default\": started "
+                f"without --weight-version) and refused to be labelled version {FIRST_VERSION}, "
+                f"the policy it starts from ({exc}); its turns would carry no version. Start "
+                f"it with --weight-version {FIRST_VERSION} (rollout serve does)"
+            ) from exc
+        finally:
+            await admin.aclose()
+        version = await backend.weight_version()
+        if version != FIRST_VERSION:
+            raise BackendProtocolError(
+                f"{url} reports weight version {version} after being labelled {FIRST_VERSION}"
+            )
+        logger.info("model server %s reported no weight version: labelled %d, the policy the "
+                    "servers start from", url, FIRST_VERSION)  # fmt: skip
+        return version

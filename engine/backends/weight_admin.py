@@ -7,9 +7,14 @@
   ``success: false`` (HTTP 400 on SGLang and tinylm) raises ``BackendHTTPError`` carrying the
   server's message; transport failures raise the other ``BackendError`` subclasses.
 - ``weight_version()`` reads ``/get_model_info``'s ``weight_version`` (a string on SGLang).
+- ``set_version(version)`` posts SGLang's ``/update_weight_version`` with ``{"new_version":
+  str(version), "abort_all_requests": false}``: the label alone, weights untouched, nothing in
+  flight aborted (``UpdateWeightVersionReqInput``, ``managers/io_struct.py``; SGLang answers
+  ``{"success", "message", "new_version"}``, 400 with ``success: false`` on failure).
 
 The admin key, when the server has one (``--admin-api-key``), goes as ``Authorization:
-Bearer``; only the weight syncer holds it (docs/security.md), never the evaluator workers.
+Bearer``; only the weight syncer holds it (docs/security.md), never the evaluator workers
+(whose health tracker labels a server without a key, ``engine/backends/health.py``).
 """
 
 from __future__ import annotations
@@ -46,13 +51,19 @@ class ServerAdmin:
 
     async def load(self, model_path: str, version: int) -> str:
         """Load the weights at ``model_path`` as ``version``; the server's message."""
-        body = await self._http.post(
-            "/update_weights_from_disk",
-            {"model_path": model_path, "weight_version": str(version)},
-        )
+        payload = {"model_path": model_path, "weight_version": str(version)}
+        return await self._post("/update_weights_from_disk", payload)
+
+    async def set_version(self, version: int) -> str:
+        """Label the weights the server holds as ``version``; the server's message."""
+        payload = {"new_version": str(version), "abort_all_requests": False}
+        return await self._post("/update_weight_version", payload)
+
+    async def _post(self, route: str, payload: dict[str, Any]) -> str:
+        body = await self._http.post(route, payload)
         if not isinstance(body, dict) or body.get("success") is not True:
             message = body.get("message") if isinstance(body, dict) else body
-            raise BackendHTTPError(self.url + "/update_weights_from_disk", 200, str(message))
+            raise BackendHTTPError(self.url + route, 200, str(message))
         return str(body.get("message", ""))
 
     async def weight_version(self) -> str | None:

@@ -5,15 +5,23 @@ fails its health check as a test tells it, so every state change and retry is dr
 The state machine is also driven by hypothesis: whatever the sequence of failed calls,
 stalls, gate changes and probes, the tracker's count of servers up, its gauges and what it
 announced agree with its states, a stall while the gate is closed marks nothing, and only a
-probe at the active version (any while none is active) brings a server back.
+probe at the active version (any known one while none is active: a server reporting none is
+labelled version 0 first) brings a server back.
+
+The label goes through ``ServerAdmin`` on an ``httpx.MockTransport`` answering as SGLang
+0.5.23's ``/update_weight_version`` does (``srt/entrypoints/http_server.py``: 200 ``{"success":
+true, "message", "new_version"}``; ``UpdateWeightVersionReqInput`` in
+``srt/managers/io_struct.py``: ``new_version``, ``abort_all_requests``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +32,14 @@ from engine.backends.gate import TurnGate
 from engine.backends.health import HealthChange, RetryBudget, ServerHealth, ServerState
 from engine.backends.hooks import CallKind, ModelCall
 from engine.backends.pool import BackendPool
-from engine.errors import BackendHTTPError, BackendUnavailable, ServersDown, ServerStalled
+from engine.backends.weight_admin import ServerAdmin
+from engine.errors import (
+    BackendHTTPError,
+    BackendUnavailable,
+    ConfigError,
+    ServersDown,
+    ServerStalled,
+)
 
 
 class FakeServer(ModelBackend):
@@ -96,6 +111,27 @@ def fleet(
     heard: list[HealthChange] = []
     pool.health.listen(heard.append)
     return pool, servers, heard
+
+
+def labeller(
+    servers: Mapping[str, FakeServer], posted: list[Any], *, status: int = 200
+) -> Callable[[str], ServerAdmin]:
+    """``ServerHealth.admin``: the weight routes of the fakes, answering ``status`` as SGLang
+    does (a 200 sets the fake's version)."""
+
+    def admin(url: str) -> ServerAdmin:
+        def handle(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            posted.append((url, request.url.path, body))
+            if status != 200:
+                return httpx.Response(status, json={"detail": "Unauthorized"})
+            servers[url].version = int(body["new_version"])
+            return httpx.Response(200, json={"success": True, "new_version": body["new_version"],
+                                             "message": "Weight version updated"})  # fmt: skip
+
+        return ServerAdmin(url, transport=httpx.MockTransport(handle))
+
+    return admin
 
 
 def budget(tries: int = 4) -> RetryBudget:
@@ -183,6 +219,86 @@ async def test_with_every_server_down_calls_wait_and_past_the_outage_limit_fail(
         await view.get().generate(input_ids=[1, 2], sampling_params=PARAMS)
 
 
+# -- admission: every server at a known version before it serves ---------------------------
+
+
+async def test_admission_labels_a_server_reporting_no_version_as_the_first_one() -> None:
+    # Given two servers, one started without --weight-version, and no version active,
+    pool, servers, heard = fleet()
+    posted: list[Any] = []
+    pool.health.admin = labeller(servers, posted)
+    servers[URLS[0]].version = None
+    # when the worker admits them,
+    await pool.health.admit()
+    # then the unlabelled one is labelled 0 (aborting nothing) and both serve, as they were.
+    assert posted == [(URLS[0], "/update_weight_version",
+                       {"new_version": "0", "abort_all_requests": False})]  # fmt: skip
+    assert servers[URLS[0]].version == 0 and servers[URLS[1]].version == 1
+    assert pool.health.up_urls() == URLS and heard == []
+    result = await pool.bind("r:s0/a1").get(URLS[0]).generate(input_ids=[1],
+                                                              sampling_params=PARAMS)
+    assert result.weight_version == 0
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_a_server_refusing_its_label_is_a_config_error_at_admission(status: int) -> None:
+    pool, servers, _ = fleet()
+    pool.health.admin = labeller(servers, [], status=status)
+    servers[URLS[1]].version = None
+    with pytest.raises(ConfigError) as refused:
+        await pool.health.admit()
+    message = str(refused.value)
+    assert URLS[1] in message and f"HTTP {status}" in message
+    assert "--weight-version 0" in message and servers[URLS[1]].version is None
+
+
+async def test_admission_leaves_versions_alone_while_a_sync_is_open_or_one_is_active() -> None:
+    # Given a sync open (the gate closed): nothing is labelled, the sync loads every server.
+    pool, servers, heard = fleet()
+    posted: list[Any] = []
+    pool.health.admin = labeller(servers, posted)
+    servers[URLS[0]].version = None
+    pool.gate.close("weight sync to version 1 in progress")
+    await pool.health.admit()
+    assert posted == [] and pool.health.up_urls() == URLS
+    # Given version 2 active: the unlabelled server and the one at 1 are stale (the syncer
+    # re-pushes), and nothing is labelled either.
+    pool.gate.open()
+    pool.health.expected = lambda: 2
+    await pool.health.admit()
+    assert posted == [] and pool.health.up_urls() == ()
+    assert [(c.endpoint, c.state, c.version, c.expected) for c in heard] == [
+        (URLS[0], ServerState.STALE, None, 2), (URLS[1], ServerState.STALE, 1, 2)]
+
+
+async def test_admission_marks_an_unreachable_server_down_for_the_probes() -> None:
+    pool, servers, heard = fleet()
+
+    async def refused() -> int | None:
+        raise BackendUnavailable("GET http://a:1/get_model_info: could not connect")
+
+    servers[URLS[0]].weight_version = refused  # type: ignore[method-assign]
+    await pool.health.admit()
+    assert pool.health.up_urls() == (URLS[1],)
+    assert heard[0].state is ServerState.DOWN and "could not connect" in heard[0].reason
+
+
+async def test_a_server_back_unlabelled_and_refusing_the_label_stays_down_saying_why() -> None:
+    # Given a server down, back without --weight-version and with an admin key,
+    pool, servers, heard = fleet()
+    pool.health.admin = labeller(servers, [], status=401)
+    pool.health.mark(URLS[0], ServerState.DOWN, "connection refused")
+    servers[URLS[0]].version = None
+    # when it is probed (twice),
+    await pool.health.probe(URLS[0])
+    await pool.health.probe(URLS[0])
+    # then it stays down, and the log hears why once.
+    assert pool.health.states[URLS[0]] is ServerState.DOWN
+    assert [c.state for c in heard] == [ServerState.DOWN, ServerState.DOWN]
+    assert "refused to be labelled version 0" in heard[1].reason
+    assert "HTTP 401" in pool.health.reasons[URLS[0]]
+
+
 Step = tuple[str, int, Any]
 steps = st.lists(
     st.one_of(
@@ -209,6 +325,7 @@ def test_the_tracker_keeps_its_states_counts_and_announcements_consistent(
         servers = {u: FakeServer(u) for u in urls}
         gate = TurnGate()
         health = ServerHealth(urls, servers.__getitem__, gate)
+        health.admin = labeller(servers, [])
         expected: list[int | None] = [None]
         health.expected = lambda: expected[0]
         heard: list[HealthChange] = []
@@ -240,6 +357,8 @@ def test_the_tracker_keeps_its_states_counts_and_announcements_consistent(
                     assert after is (ServerState.DOWN if gate.is_open else before)
                 elif expected[0] is None or arg[1] == expected[0]:
                     assert after is ServerState.UP
+                    if expected[0] is None and arg[1] is None and gate.is_open:
+                        assert servers[url].version == 0  # labelled the first version
                 else:
                     assert after is ServerState.STALE
         for change in heard:

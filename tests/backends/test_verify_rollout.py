@@ -40,8 +40,9 @@ from tinylm.server import TinyLMServer, start_server
 
 @pytest.fixture(scope="module")
 def server(tinylm_dir: Path) -> Iterator[TinyLMServer]:
-    # No --weight-version: the server reports SGLang's "default" (unknown), as the scripted
-    # agent records its tokens (no versions): the same, so they are compared.
+    # No --weight-version: the server reports SGLang's "default" until the worker labels it
+    # version 0, the version the scripted agent records its tokens at: the same, so they are
+    # compared.
     with start_server(tinylm_dir, max_running_requests=4) as srv:
         yield srv
 
@@ -79,13 +80,13 @@ async def test_a_rollout_past_the_threshold_fails_naming_sample_position_and_del
 ) -> None:
     start_worker(engine, server.url, VerifyPolicy(fraction=1.0))
     engine.start_finalizer()
-    await start_rollout(log, "vr1", n_prompts=2, script=lambda i: {"turns": 2})
+    await start_rollout(log, "vr1", n_prompts=2, script=lambda i: {"turns": 2, "version": 0})
     with pytest.raises(RolloutFailed) as failed:
         await asyncio.wait_for(RolloutClient(log).wait_ready("vr1"), 60)
     reason = str(failed.value)
     assert "verification boundary" in reason
     match = re.search(
-        r"sample (\S+) .*weight version None .*max \|delta logprob\| = (\S+) at response token "
+        r"sample (\S+) .*weight version 0 .*max \|delta logprob\| = (\S+) at response token "
         r"position (\d+), over the threshold 0\.001",
         reason,
     )
@@ -107,7 +108,8 @@ async def test_under_the_threshold_the_checks_fold_into_rollout_ready(
     start_worker(engine, server.url, VerifyPolicy(fraction=0.0))
     engine.start_finalizer()
     knobs: dict[str, Any] = {"verify_fraction": 1.0, "verify_threshold": 1e9}
-    await start_rollout(log, "vr2", n_prompts=3, knobs=knobs, script=lambda i: {"turns": 2})
+    await start_rollout(log, "vr2", n_prompts=3, knobs=knobs,
+                        script=lambda i: {"turns": 2, "version": 0})
     ready = await asyncio.wait_for(RolloutClient(log).wait_ready("vr2"), 60)
     stream = log.names.rollout("vr2")
     verified = await events_of(log, stream, SampleVerified)

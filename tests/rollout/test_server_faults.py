@@ -17,6 +17,9 @@ redis-server. Faults are made when a generation of the rollout is seen running o
   ``infra_conn`` naming the spent budget and the server, and its group leaves it out of its
   statistics.
 * Every server down past the outage limit: the rollout fails naming the servers, never ready.
+* A server started without ``--weight-version`` before any sync: the worker labels it version
+  0 before it serves (``/update_weight_version``), so every turn carries version 0; one with
+  an admin key refuses the label, and the worker stops with a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, T
 from engine.backends import HTTPSettings, SGLangBackend, SGLangConfig
 from engine.backends.pool import BackendPool
 from engine.domain import Task, TerminationReason
+from engine.errors import ConfigError
 from engine.events import (
     AbortClass,
     EventLog,
@@ -201,10 +205,12 @@ class Rig:
         retries: int = 4,
         outage_limit_s: float = 60.0,
         concurrency: int = 8,
+        active: int | None = ACTIVE,
     ) -> None:
         log = self.log()
-        await log.append(log.names.control, PolicyVersionActivated(
-            version=ACTIVE, servers=urls or self.fleet.urls))  # what a sync left  # fmt: skip
+        if active is not None:
+            await log.append(log.names.control, PolicyVersionActivated(
+                version=active, servers=urls or self.fleet.urls))  # what a sync left  # fmt: skip
 
         def build(url: str) -> SGLangBackend:
             config = SGLangConfig(url=url, stall_s=STALL_S, health_timeout_s=STALL_S,
@@ -419,3 +425,59 @@ async def test_every_server_down_past_the_outage_limit_fails_the_rollout(
         assert not any(isinstance(ev, RolloutReady) for _, ev in events)
     finally:
         await rig.close()
+
+
+async def test_a_server_started_without_a_version_serves_the_first_policy_as_version_0(
+    redis_server: RedisServer, tinylm_dir: Path, tmp_path: Path
+) -> None:
+    # Given a tinylm started without --weight-version (it reports "default") and no sync yet,
+    redis = redis_connect(RedisSettings(url=redis_server.url))
+    await redis.flushall()
+    await redis.aclose()
+    fleet = Fleet(tinylm_dir)
+    url = fleet.spawn(version=None)
+    rig = Rig(redis_server.url, fleet, tmp_path / "out")
+    try:
+        # when a worker serves a rollout on it,
+        await rig.start(LongTurns(turns=2, tokens=8), active=None)
+        log = rig.log()
+        await request(log, "first", prompts=2)
+        ready = await ready_of(log, "first")
+        # then every turn, and so every sampled token, carries version 0.
+        turns = [e.event for e in await log.read_all(log.names.rollout("first"))
+                 if isinstance(e.event, TurnCompleted)]  # fmt: skip
+        assert (ready.n_completed, ready.n_aborted) == (4, 0)
+        assert len(turns) == 4 * 2 and {t.weight_version for t in turns} == {0}
+        assert set(ready.version_tokens) == {"0"}
+        async with httpx.AsyncClient(timeout=10) as client:
+            info = (await client.get(url + "/get_model_info")).json()
+        assert info["weight_version"] == "0"
+    finally:
+        try:
+            await rig.close()
+        finally:
+            fleet.close()
+
+
+async def test_a_server_that_refuses_its_first_label_stops_the_worker_naming_it(
+    redis_server: RedisServer, tinylm_dir: Path, tmp_path: Path
+) -> None:
+    redis = redis_connect(RedisSettings(url=redis_server.url))
+    await redis.flushall()
+    await redis.aclose()
+    fleet = Fleet(tinylm_dir)
+    proc = spawn_server(tinylm_dir, env={"TINYLM_ADMIN_API_KEY": "admin-secret"})
+    fleet.procs[proc.url] = proc
+    rig = Rig(redis_server.url, fleet, tmp_path / "out")
+    try:
+        await rig.start(LongTurns(), active=None)
+        worker = rig.tasks.pop(0)  # ended here, not by close
+        with pytest.raises(ConfigError) as refused:
+            await asyncio.wait_for(worker, 60)
+        message = str(refused.value)
+        assert proc.url in message and "HTTP 401" in message and "--weight-version 0" in message
+    finally:
+        try:
+            await rig.close()
+        finally:
+            fleet.close()

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import UTC, datetime
 
 from engine.actors.finalizer import Finalizer, FinalizerConfig
-from engine.actors.stall import decide_stall
+from engine.actors.stall import ServerWord, decide_stall, servers_said
 from engine.events import (
     Envelope,
     Event,
@@ -19,6 +20,9 @@ from engine.events import (
     RolloutStalled,
     SampleAborted,
     SampleStarted,
+    ServerDown,
+    ServerStale,
+    ServerUp,
     TokenAcquired,
     WeightSyncFailed,
     WorkerParked,
@@ -68,6 +72,17 @@ def aborted(i: int) -> SampleAborted:
                          abort_class=AbortClass.INFRA_CONN)
 
 
+def servers(*said: tuple[str, Event]) -> dict[str, ServerWord]:
+    """``rl:control``'s server events folded, each at its wall-clock time (``HH:MM:SS`` on
+    2026-12-02, UTC)."""
+    out: dict[str, ServerWord] = {}
+    for at, ev in said:
+        ms = int(datetime.strptime(f"2026-12-02 {at}", "%Y-%m-%d %H:%M:%S")
+                 .replace(tzinfo=UTC).timestamp() * 1000)  # fmt: skip
+        out = dict(servers_said(out, Envelope("rl:control", f"{ms}-0", ev)))
+    return out
+
+
 def stall(
     state: RolloutState,
     pool_state: PoolState | None = None,
@@ -76,10 +91,11 @@ def stall(
     *,
     idle_s: float = 90.0,
     since_report_s: float | None = None,
+    server_words: dict[str, ServerWord] | None = None,
 ) -> RolloutStalled | None:
     return decide_stall(
         state, pool_state or pool(), policy_state or policy(), consumers or {},
-        idle_s=idle_s, since_report_s=since_report_s, window_s=WINDOW,
+        idle_s=idle_s, since_report_s=since_report_s, window_s=WINDOW, servers=server_words,
     )
 
 
@@ -157,6 +173,68 @@ def test_admitted_batches_nobody_started_name_the_consumers_of_their_work_stream
     ]
 
 
+A, B = "http://gpu0:30000", "http://gpu1:30000"
+
+
+def test_samples_waiting_on_servers_down_or_stale_name_them_since_when_and_why() -> None:
+    # Given samples running on w1, server A down (said by w1, then w2), B stale after a
+    # restart from older weights, and a third server that went down and came back,
+    events, [first, _] = planned()
+    state = rollout_state([*events, started(0, "w1")])
+    words = servers(
+        ("03:40:00", ServerUp(endpoint="http://gpu2:30000", worker="w1", weight_version=1)),
+        ("03:41:07", ServerDown(endpoint=A, worker="w1",
+                                reason="POST http://gpu0:30000/generate: could not connect")),
+        ("03:41:09", ServerDown(endpoint=A, worker="w2", reason="health probe failed")),
+        ("03:42:00", ServerStale(endpoint=B, worker="w2", weight_version=None, active=1)),
+        ("03:42:30", ServerDown(endpoint="http://gpu2:30000", worker="w1", reason="reset")),
+        ("03:42:31", ServerUp(endpoint="http://gpu2:30000", worker="w1", weight_version=1)),
+    )
+    # when the rollout has not moved for the window,
+    stalled = stall(state, pool(first), server_words=words)
+    # then the waits name each server out of service: since its first word, and why.
+    assert stalled is not None
+    assert stalled.waiting_for == [
+        "admission of 1 batches: the placement pool (4 tokens held by 1 batches)",
+        "policy servers not serving: http://gpu0:30000 down since 2026-12-02 03:41:07 UTC "
+        "(worker w2): health probe failed; http://gpu1:30000 stale since 2026-12-02 03:42:00 "
+        'UTC (worker w2): it reports weight version unknown ("default"), the active one is 1',
+        "1 samples running on w1 (1)",
+    ]
+
+
+def test_with_every_server_down_admission_waits_for_them_and_a_finished_rollout_does_not(
+) -> None:
+    # Given both servers down as rl:control has it,
+    events, _ = planned()
+    down = [ServerDown(endpoint=A, worker="w1", reason="could not connect"),
+            ServerStale(endpoint=B, worker="w1", weight_version=0, active=2)]
+    # when the rollout waits for admission,
+    stalled = stall(rollout_state(events), policy_state=policy(*down),
+                    server_words=servers(*(("03:00:00", ev) for ev in down)))
+    # then admission waits for a server, and the waits say which are out and why.
+    assert stalled is not None
+    assert stalled.waiting_for[0] == "admission of 2 batches: every policy server is down or stale"
+    assert stalled.waiting_for[1].startswith("policy servers not serving: http://gpu0:30000 down")
+    assert "it reports weight version 0, the active one is 2" in stalled.waiting_for[1]
+    # Given every sample terminal, the servers are nobody's wait.
+    finished = rollout_state([*events, *(aborted(i) for i in range(8))])
+    stalled = stall(finished, server_words=servers(("03:00:00", down[0])))
+    assert stalled is not None
+    assert stalled.waiting_for == ["every sample is terminal: the finalizer's decision"]
+
+
+def test_rollout_status_shows_the_servers_a_stalled_rollout_waits_on() -> None:
+    events, _ = planned()
+    state = rollout_state(events)
+    down = ServerDown(endpoint=A, worker="w1", reason="stalled: no event for 20 s")
+    stalled = stall(state, server_words=servers(("03:41:07", down)))
+    assert stalled is not None
+    lines = status_lines(state, last_stall(envelopes([*events, stalled])))
+    assert lines[4] == ("  - policy servers not serving: http://gpu0:30000 down since "
+                        "2026-12-02 03:41:07 UTC (worker w1): stalled: no event for 20 s")
+
+
 def test_a_decided_rollout_is_never_stalled() -> None:
     events, _ = planned()
     from engine.events import RolloutFailed
@@ -203,6 +281,36 @@ async def test_the_finalizer_reports_a_rollout_no_worker_takes(log: EventLog) ->
             "workers for 1 admitted batches: rl:work:scripted has no consumer (no worker "
             "serves it)"
         ]
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+
+
+async def test_the_finalizer_names_a_down_server_the_rollout_waits_on(log: EventLog) -> None:
+    # Given a worker that said its server is down, and a rollout nobody works on,
+    finalizer = Finalizer(log, FinalizerConfig(consumer="f1", block_ms=50, heartbeat_ms=50,
+                                               claim_idle_ms=400, stall_window_s=0.3))
+    await log.append(log.names.control, ServerDown(endpoint=A, worker="w1",
+                                                   reason="could not connect"))  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(finalizer.run(stop))
+    try:
+        await start_rollout(log, "rd", n_prompts=2)
+        stream = log.names.rollout("rd")
+
+        async def reported() -> RolloutStalled:
+            while True:
+                for e in await log.read_all(stream):
+                    if isinstance(e.event, RolloutStalled):
+                        return e.event
+                await asyncio.sleep(0.05)
+
+        # when it stalls, then the report names the server, its worker and its error.
+        first = await asyncio.wait_for(reported(), 10)
+        (line,) = [w for w in first.waiting_for if w.startswith("policy servers")]
+        assert line.startswith("policy servers not serving: http://gpu0:30000 down since ")
+        assert line.endswith(" UTC (worker w1): could not connect")
     finally:
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
