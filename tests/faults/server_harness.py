@@ -56,6 +56,7 @@ from engine.events import (
     PolicyVersionActivated,
     SampleAborted,
     ServerDown,
+    ServerStale,
     ServerUp,
 )
 from engine.events.ids import id_ms
@@ -213,7 +214,7 @@ class Workload:
     workers: int = 2
     max_batches: int = 2  # per worker: both workers take batches
     stall_s: float = 1.5
-    heartbeat_ms: int = 500
+    heartbeat_ms: int = 1000
     timeout_s: float = 180.0
 
 
@@ -229,7 +230,8 @@ class Report:
     wrong_version_turns: int = 0
     repeated_turns: int = 0
     stall_detect_s: float | None = None
-    restart_to_serving_s: float | None = None
+    restart_to_serving_s: float | None = None  # kill-one: restart -> ServerUp
+    stale_to_serving_s: float | None = None  # older-weights: ServerStale -> ServerUp
     faults: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -329,8 +331,11 @@ async def _inject(rig: ServerRig, rids: list[str], rng: random.Random, workload:
     rng.shuffle(faults)
     for fault in faults:
         mark = len(_records(record)) + int(rng.uniform(0.2, 0.8) * per_rollout)
-        await _until(lambda m=mark: len(_records(record)) >= m, workload.timeout_s,
-                     f"{fault} at turn {mark}")  # fmt: skip
+
+        def reached(m: int = mark) -> bool:
+            return len(_records(record)) >= m
+
+        await _until(reached, workload.timeout_s, f"{fault} at turn {mark}")
         name = rng.choice(SERVERS)
         if fault == "older-weights":
             await rig.publish()
@@ -355,6 +360,11 @@ async def _inject(rig: ServerRig, rids: list[str], rng: random.Random, workload:
             if fault == "kill-one" and cut:  # a worker saw it die: it says when it is back
                 up = await rig.first(ServerUp, name, restarted, timeout=workload.timeout_s)
                 report.restart_to_serving_s = round(id_ms(up.id) / 1000 - restarted, 3)
+            elif fault == "older-weights":  # named stale, then loaded by the syncer
+                stale = await rig.first(ServerStale, name, restarted, timeout=workload.timeout_s)
+                up = await rig.first(ServerUp, name, id_ms(stale.id) / 1000,
+                                     timeout=workload.timeout_s)  # fmt: skip
+                report.stale_to_serving_s = round((id_ms(up.id) - id_ms(stale.id)) / 1000, 3)
         report.faults.append(at + ("" if cut else " (no generation ran on it)"))
 
 
