@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,17 +121,21 @@ class ServerRig:
         self.urls[name] = proc.url
         return started
 
+    @property
+    def server_urls(self) -> list[str]:
+        return [self.urls[name] for name in SERVERS]
+
     def start(self) -> None:
         spec = self.spec
-        for name in SERVERS:
-            self.serve(name, ACTIVE)
+        with ThreadPoolExecutor(len(SERVERS)) as starting:  # each waits for its server
+            list(starting.map(lambda name: self.serve(name, ACTIVE), SERVERS))
         data = self.root / "prompts.jsonl"
         data.write_text("".join(f'{{"prompt": "q{i}", "label": "{i}"}}\n'
                                 for i in range(spec.prompts)))  # fmt: skip
         config = self.root / "rollout.yaml"
         config.write_text(f"rollout:\n  datasets:\n    faults: {{path: {data}, task_type: "
                           f"{EVALUATOR}, n_samples_per_prompt: {spec.samples_per_prompt}}}\n")
-        servers = {"sglang_url": list(self.urls.values())}
+        servers = {"sglang_url": self.server_urls}
         self.procs.start("scheduler", "scheduler", "--rollout-config", str(config),
                          "--evaluator-config", str(POLICY), "--scheduler-id", "sf", *QUIET)
         for i in range(spec.workers):
@@ -147,7 +152,7 @@ class ServerRig:
         """What a weight sync leaves: version 1 active on both servers."""
         log = self.client.log
         await log.append(log.names.control,
-                         PolicyVersionActivated(version=ACTIVE, servers=list(self.urls.values())))
+                         PolicyVersionActivated(version=ACTIVE, servers=self.server_urls))
 
     async def publish(self) -> None:
         """A newer version (the same weights, loaded again under the next number) published
@@ -234,6 +239,8 @@ class Report:
     stale_to_serving_s: float | None = None  # older-weights: ServerStale -> ServerUp
     faults: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    startup_s: float = 0.0  # the processes started, every server answering
+    faults_s: float = 0.0  # from the first request to the last fault's end
     wall_s: float = 0.0
 
     def figures(self) -> dict[str, Any]:
@@ -277,6 +284,7 @@ async def run_scenario(seed: int, model: Path, workload: Workload | None = None,
     try:
         await asyncio.to_thread(rig.start)
         await rig.activate()
+        report.startup_s = round(time.monotonic() - started, 1)
         done = asyncio.Event()
         requesting = asyncio.create_task(_request(rig, seed, workload, rids, done))
         try:
@@ -285,6 +293,7 @@ async def run_scenario(seed: int, model: Path, workload: Workload | None = None,
             report.violations.append(f"progress stalled: {exc}")
         finally:
             done.set()
+            report.faults_s = round(time.monotonic() - started - report.startup_s, 1)
             await requesting
         report.rollouts_requested = len(rids)
         report.samples = len(rids) * workload.prompts * workload.samples_per_prompt
@@ -327,6 +336,7 @@ async def _inject(rig: ServerRig, rids: list[str], rng: random.Random, workload:
     """Each fault of ``FAULTS`` once, in a seeded order, each a seeded number of turns
     (a fraction of a rollout's) after the previous one ended."""
     per_rollout = workload.prompts * workload.samples_per_prompt * TURNS
+    began = time.monotonic()
     faults = list(FAULTS)
     rng.shuffle(faults)
     for fault in faults:
@@ -340,7 +350,8 @@ async def _inject(rig: ServerRig, rids: list[str], rng: random.Random, workload:
         if fault == "older-weights":
             await rig.publish()
         cut = fault == "kill-both" or await rig.until_running(name, rids, timeout=20)
-        at = f"{fault} {name if fault != 'kill-both' else 'both'} at turn {mark}"
+        at = (f"{fault} {name if fault != 'kill-both' else 'both'} at turn {mark} "
+              f"({time.monotonic() - began:.1f} s)")
         if fault == "stop-one":
             if not cut:
                 report.faults.append(f"{at}: skipped, no generation ran on it")
@@ -365,7 +376,8 @@ async def _inject(rig: ServerRig, rids: list[str], rng: random.Random, workload:
                 up = await rig.first(ServerUp, name, id_ms(stale.id) / 1000,
                                      timeout=workload.timeout_s)  # fmt: skip
                 report.stale_to_serving_s = round((id_ms(up.id) - id_ms(stale.id)) / 1000, 3)
-        report.faults.append(at + ("" if cut else " (no generation ran on it)"))
+        report.faults.append(at + ("" if cut else ", no generation ran on it")
+                             + f", recovered at {time.monotonic() - began:.1f} s")
 
 
 async def _stall(rig: ServerRig, name: str, workload: Workload, report: Report) -> None:
