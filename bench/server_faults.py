@@ -26,8 +26,13 @@ aborted with an infra class (``infra_conn``, ``infra_sandbox``, ``infra_other``)
 Samples/s on one host: the two servers share its cores, so a dead server frees CPU for the
 other, and the share reads higher than it would with one accelerator per server.
 
+With ``--scenario-seeds 1,2`` the fault suite's seeded scenario (``run_scenario``: kill one
+server, stop one past ``stall_s``, kill both, restart one from older weights, under two
+workers) runs after the phases on the same model, and each seed's report (its figures and
+violated checks) goes under ``scenarios``.
+
     PYTHONPATH=$PWD python bench/server_faults.py [--samples-per-phase 96] [--stall-s 3]
-        [--seed 0]
+        [--seed 0] [--scenario-seeds 1,2]
 
 The last line printed is one JSON object.
 """
@@ -64,6 +69,7 @@ from tests.faults.server_harness import (  # noqa: E402
     INFRA_REASONS,
     RigSpec,
     ServerRig,
+    run_scenario,
 )
 
 __all__ = ["EVALUATOR", "PolicyTurns", "build_agents", "evaluator_profiles", "main_async"]
@@ -169,13 +175,8 @@ class Bench:
         return out
 
 
-async def _phases(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], float]:
-    from engine.ops.tinylm import init_model
-
-    t0 = time.perf_counter()
-    model = tmp / "model"
-    init_model(model, seed=args.seed, train_steps=0)
-    print(f"tinylm built in {time.perf_counter() - t0:.1f}s", flush=True)
+async def _phases(args: argparse.Namespace, tmp: Path,
+                  model: Path) -> tuple[dict[str, Any], float]:
     spec = RigSpec(stall_s=args.stall_s, server_slots=args.server_slots,
                    prompts=5 * args.samples_per_phase // PER_PROMPT + 1,
                    samples_per_prompt=PER_PROMPT)  # fmt: skip
@@ -205,8 +206,19 @@ async def _phases(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], 
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.ops.tinylm import init_model
+
+    scenarios: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-server-faults-") as tmp_name:
-        phases, phases_s = await _phases(args, Path(tmp_name))
+        tmp = Path(tmp_name)
+        t0 = time.perf_counter()
+        init_model(tmp / "model", seed=args.seed, train_steps=0)
+        print(f"tinylm built in {time.perf_counter() - t0:.1f}s", flush=True)
+        phases, phases_s = await _phases(args, tmp, tmp / "model")
+        for seed in getattr(args, "scenario_seeds", ()):
+            report = await run_scenario(seed, tmp / "model", root=tmp / f"scenario-{seed}")
+            scenarios.append(report.figures() | {"violated": report.violations})
+            print(f"scenario {seed}: {json.dumps(scenarios[-1])}", flush=True)
     lost = sum(p["not_delivered"] + len(p["infra_aborted"]) for p in phases.values())
     dummies = sum(len(p["infra_dummies"]) for p in phases.values())
     return {
@@ -225,6 +237,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_turn": TOKENS,
         "phases_s": round(phases_s, 1),
         "phases": phases,
+        "scenarios": scenarios,
         "targets": {
             "one_dead_throughput_share": 0.45,
             "samples_lost": 0,
@@ -239,6 +252,13 @@ def main() -> None:
     parser.add_argument("--samples-per-phase", type=int, default=96)
     parser.add_argument("--stall-s", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scenario-seeds",
+        type=lambda text: [int(s) for s in text.split(",") if s],
+        default=[],
+        help="comma-separated seeds of the fault suite's scenario to run after the phases "
+        "(tests/faults/server_harness.py); their reports go under 'scenarios'",
+    )
     parser.add_argument(
         "--server-slots",
         type=int,
