@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 
 from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
 from engine.domain import EvaluatorProfile, Resource, Task, TerminationReason
@@ -39,8 +40,13 @@ def _record(line: dict[str, object]) -> None:
         os.close(fd)
 
 
+@dataclass
 class PolicyTurns(BaseAgent):
-    """See the module docstring."""
+    """See the module docstring; ``turns`` and ``tokens`` default to ``TURNS`` and
+    ``TOKENS``."""
+
+    turns: int = TURNS
+    tokens: int = TOKENS
 
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
         assert context.backends is not None, "the worker has no policy servers"
@@ -51,11 +57,11 @@ class PolicyTurns(BaseAgent):
         mask: list[int] = []
         versions: list[int] = []
         turns: list[TurnRecord] = []
-        for t in range(TURNS):
+        for t in range(self.turns):
             t0 = time.time()
             gen = await backend.generate(
                 input_ids=prompt + response,
-                sampling_params={"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True},
+                sampling_params={"max_new_tokens": self.tokens, "temperature": 1.0, "ignore_eos": True},
             )
             if gen.token_ids is None or gen.logprobs is None or gen.aborted:
                 raise RuntimeError(f"{task.sample_id}: turn {t} returned no tokens: {gen}")

@@ -36,10 +36,9 @@ import pytest
 
 from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
-from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.agents.base import BaseAgent
 from engine.backends import HTTPSettings, SGLangBackend, SGLangConfig
 from engine.backends.pool import BackendPool
-from engine.domain import Task, TerminationReason
 from engine.events import (
     AbortClass,
     EventLog,
@@ -59,6 +58,7 @@ from engine.events.redis_log import RedisEventLog, RedisSettings
 from engine.events.redis_log import connect as redis_connect
 from engine.projections.base import fold, start
 from engine.projections.control import ControlProjection
+from tests.faults.policy import PolicyTurns
 from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
 from tests.rollout.test_staleness import EVALUATOR, binding
@@ -66,59 +66,6 @@ from tinylm.process import ServerProcess, spawn_server
 
 STALL_S = 1.5
 ACTIVE = 1
-
-
-@dataclass
-class LongTurns(BaseAgent):
-    """``turns`` generations of ``tokens`` tokens each on the worker's policy servers, an
-    observation token between them; the reward is the sample's parity in its group."""
-
-    turns: int = 3
-    tokens: int = 48
-
-    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
-        assert context.backends is not None
-        backend = context.backends.get()
-        prompt = [1 + task.index % 7, 2, 3]
-        response: list[int] = []
-        logprobs: list[float] = []
-        mask: list[int] = []
-        versions: list[int] = []
-        turns: list[TurnRecord] = []
-        for t in range(self.turns):
-            gen = await backend.generate(
-                input_ids=prompt + response,
-                sampling_params={"max_new_tokens": self.tokens, "temperature": 1.0,
-                                 "ignore_eos": True},
-            )  # fmt: skip
-            assert gen.token_ids is not None and gen.logprobs is not None, gen
-            if gen.aborted:
-                raise RuntimeError(f"{task.sample_id}: turn {t} was aborted")
-            n = len(gen.token_ids)
-            response += [*gen.token_ids, 4]
-            logprobs += [*gen.logprobs, 0.0]
-            mask += [1] * n + [0]
-            versions += [gen.weight_version if gen.weight_version is not None else -1] * n + [-1]
-            turns.append(
-                TurnRecord(
-                    index=t,
-                    prompt_tokens=len(prompt) + len(response),
-                    response_tokens=n,
-                    weight_version=gen.weight_version,
-                )
-            )
-        return AgentResult(
-            prompt_token_ids=prompt,
-            response_token_ids=response,
-            response_logprobs=logprobs,
-            loss_mask=mask,
-            response_versions=versions,
-            turns=tuple(turns),
-            termination_reason=TerminationReason.FINISH,
-        )
-
-    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
-        return float(task.index % 2)
 
 
 @dataclass
@@ -307,7 +254,7 @@ async def ready_of(log: EventLog, rollout_id: str) -> RolloutReady:
 async def test_a_killed_server_restarted_on_its_port_is_readmitted_only_at_the_active_version(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns())
+    await rig.start(PolicyTurns(tokens=48))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "kill1")
@@ -334,7 +281,7 @@ async def test_a_killed_server_restarted_on_its_port_is_readmitted_only_at_the_a
 async def test_a_stopped_server_stalls_its_generation_which_is_retried_on_the_other(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns(tokens=96))
+    await rig.start(PolicyTurns(tokens=96))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "stall1")
@@ -356,7 +303,7 @@ async def test_a_stopped_server_stalls_its_generation_which_is_retried_on_the_ot
 async def test_with_both_servers_killed_the_turns_wait_and_complete_once_they_are_back(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns())
+    await rig.start(PolicyTurns(tokens=48))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "both")
@@ -377,7 +324,7 @@ async def test_with_both_servers_killed_the_turns_wait_and_complete_once_they_ar
 async def test_a_spent_budget_aborts_naming_the_server_and_its_group_leaves_it_out(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns(tokens=96), retries=0)
+    await rig.start(PolicyTurns(tokens=96), retries=0)
     log = rig.log()
     a, _ = rig.fleet.urls
     await request(log, "spent", filters=FilterSpec(reject_equal_rewards=True))
@@ -407,7 +354,7 @@ async def test_every_server_down_past_the_outage_limit_fails_the_rollout(
     dead = ["http://127.0.0.1:9", "http://127.0.0.1:10"]  # nothing listens there
     rig = Rig(redis_server.url, Fleet(tmp_path), tmp_path / "out")
     try:
-        await rig.start(LongTurns(), urls=dead, outage_limit_s=1.0)
+        await rig.start(PolicyTurns(tokens=48), urls=dead, outage_limit_s=1.0)
         log = rig.log()
         await request(log, "gone", prompts=1)
         events = await control_until(log, lambda evs: any(
