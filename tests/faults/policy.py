@@ -61,8 +61,9 @@ class PolicyTurns(BaseAgent):
             t0 = time.time()
             gen = await backend.generate(
                 input_ids=prompt + response,
-                sampling_params={"max_new_tokens": self.tokens, "temperature": 1.0, "ignore_eos": True},
-            )
+                sampling_params={"max_new_tokens": self.tokens, "temperature": 1.0,
+                                 "ignore_eos": True},
+            )  # fmt: skip
             if gen.token_ids is None or gen.logprobs is None or gen.aborted:
                 raise RuntimeError(f"{task.sample_id}: turn {t} returned no tokens: {gen}")
             _record({"sid": task.sample_id, "attempt": context.attempt, "turn": t,

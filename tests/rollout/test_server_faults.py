@@ -242,7 +242,7 @@ async def control_until(log: EventLog, found: Any, timeout: float = 90.0) -> lis
 
 
 def said(events: list[Any], kind: type, url: str) -> list[Any]:
-    return [ev for ev in events if isinstance(ev, kind) and ev.endpoint == url]
+    return [ev for ev in events if isinstance(ev, kind) and getattr(ev, "endpoint", None) == url]
 
 
 async def ready_of(log: EventLog, rollout_id: str) -> RolloutReady:
