@@ -39,10 +39,9 @@ import pytest
 
 from engine.actors.evaluator_worker import EvaluatorWorker, WorkerConfig
 from engine.actors.finalizer import Finalizer, FinalizerConfig
-from engine.agents.base import AgentResult, BaseAgent, EpisodeContext, Reward, TurnRecord
+from engine.agents.base import BaseAgent
 from engine.backends import HTTPSettings, SGLangBackend, SGLangConfig
 from engine.backends.pool import BackendPool
-from engine.domain import Task, TerminationReason
 from engine.errors import ConfigError
 from engine.events import (
     AbortClass,
@@ -63,6 +62,7 @@ from engine.events.redis_log import RedisEventLog, RedisSettings
 from engine.events.redis_log import connect as redis_connect
 from engine.projections.base import fold, start
 from engine.projections.control import ControlProjection
+from tests.faults.policy import PolicyTurns
 from tests.redis_server import RedisServer
 from tests.rollout.play import play_scheduler
 from tests.rollout.test_staleness import EVALUATOR, binding
@@ -70,59 +70,6 @@ from tinylm.process import ServerProcess, spawn_server
 
 STALL_S = 1.5
 ACTIVE = 1
-
-
-@dataclass
-class LongTurns(BaseAgent):
-    """``turns`` generations of ``tokens`` tokens each on the worker's policy servers, an
-    observation token between them; the reward is the sample's parity in its group."""
-
-    turns: int = 3
-    tokens: int = 48
-
-    async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
-        assert context.backends is not None
-        backend = context.backends.get()
-        prompt = [1 + task.index % 7, 2, 3]
-        response: list[int] = []
-        logprobs: list[float] = []
-        mask: list[int] = []
-        versions: list[int] = []
-        turns: list[TurnRecord] = []
-        for t in range(self.turns):
-            gen = await backend.generate(
-                input_ids=prompt + response,
-                sampling_params={"max_new_tokens": self.tokens, "temperature": 1.0,
-                                 "ignore_eos": True},
-            )  # fmt: skip
-            assert gen.token_ids is not None and gen.logprobs is not None, gen
-            if gen.aborted:
-                raise RuntimeError(f"{task.sample_id}: turn {t} was aborted")
-            n = len(gen.token_ids)
-            response += [*gen.token_ids, 4]
-            logprobs += [*gen.logprobs, 0.0]
-            mask += [1] * n + [0]
-            versions += [gen.weight_version if gen.weight_version is not None else -1] * n + [-1]
-            turns.append(
-                TurnRecord(
-                    index=t,
-                    prompt_tokens=len(prompt) + len(response),
-                    response_tokens=n,
-                    weight_version=gen.weight_version,
-                )
-            )
-        return AgentResult(
-            prompt_token_ids=prompt,
-            response_token_ids=response,
-            response_logprobs=logprobs,
-            loss_mask=mask,
-            response_versions=versions,
-            turns=tuple(turns),
-            termination_reason=TerminationReason.FINISH,
-        )
-
-    async def eval(self, task: Task, context: EpisodeContext, result: AgentResult) -> Reward:
-        return float(task.index % 2)
 
 
 @dataclass
@@ -301,7 +248,7 @@ async def control_until(log: EventLog, found: Any, timeout: float = 90.0) -> lis
 
 
 def said(events: list[Any], kind: type, url: str) -> list[Any]:
-    return [ev for ev in events if isinstance(ev, kind) and ev.endpoint == url]
+    return [ev for ev in events if isinstance(ev, kind) and getattr(ev, "endpoint", None) == url]
 
 
 async def ready_of(log: EventLog, rollout_id: str) -> RolloutReady:
@@ -313,7 +260,7 @@ async def ready_of(log: EventLog, rollout_id: str) -> RolloutReady:
 async def test_a_killed_server_restarted_on_its_port_is_readmitted_only_at_the_active_version(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns())
+    await rig.start(PolicyTurns(tokens=48))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "kill1")
@@ -340,7 +287,7 @@ async def test_a_killed_server_restarted_on_its_port_is_readmitted_only_at_the_a
 async def test_a_stopped_server_stalls_its_generation_which_is_retried_on_the_other(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns(tokens=96))
+    await rig.start(PolicyTurns(tokens=96))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "stall1")
@@ -362,7 +309,7 @@ async def test_a_stopped_server_stalls_its_generation_which_is_retried_on_the_ot
 async def test_with_both_servers_killed_the_turns_wait_and_complete_once_they_are_back(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns())
+    await rig.start(PolicyTurns(tokens=48))
     log = rig.log()
     a, b = rig.fleet.urls
     await request(log, "both")
@@ -383,7 +330,7 @@ async def test_with_both_servers_killed_the_turns_wait_and_complete_once_they_ar
 async def test_a_spent_budget_aborts_naming_the_server_and_its_group_leaves_it_out(
     rig: Rig,
 ) -> None:
-    await rig.start(LongTurns(tokens=96), retries=0)
+    await rig.start(PolicyTurns(tokens=96), retries=0)
     log = rig.log()
     a, _ = rig.fleet.urls
     await request(log, "spent", filters=FilterSpec(reject_equal_rewards=True))
@@ -413,7 +360,7 @@ async def test_every_server_down_past_the_outage_limit_fails_the_rollout(
     dead = ["http://127.0.0.1:9", "http://127.0.0.1:10"]  # nothing listens there
     rig = Rig(redis_server.url, Fleet(tmp_path), tmp_path / "out")
     try:
-        await rig.start(LongTurns(), urls=dead, outage_limit_s=1.0)
+        await rig.start(PolicyTurns(tokens=48), urls=dead, outage_limit_s=1.0)
         log = rig.log()
         await request(log, "gone", prompts=1)
         events = await control_until(log, lambda evs: any(
@@ -439,7 +386,7 @@ async def test_a_server_started_without_a_version_serves_the_first_policy_as_ver
     rig = Rig(redis_server.url, fleet, tmp_path / "out")
     try:
         # when a worker serves a rollout on it,
-        await rig.start(LongTurns(turns=2, tokens=8), active=None)
+        await rig.start(PolicyTurns(turns=2, tokens=8), active=None)
         log = rig.log()
         await request(log, "first", prompts=2)
         ready = await ready_of(log, "first")
@@ -470,7 +417,7 @@ async def test_a_server_that_refuses_its_first_label_stops_the_worker_naming_it(
     fleet.procs[proc.url] = proc
     rig = Rig(redis_server.url, fleet, tmp_path / "out")
     try:
-        await rig.start(LongTurns(), active=None)
+        await rig.start(PolicyTurns(turns=3, tokens=48), active=None)
         worker = rig.tasks.pop(0)  # ended here, not by close
         with pytest.raises(ConfigError) as refused:
             await asyncio.wait_for(worker, 60)
