@@ -192,9 +192,9 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
 def test_publishing_to_a_server_that_refuses_names_the_server_and_its_answer(
     tmp_path: Path,
 ) -> None:
+    from tinylm.cli import ADMIN_KEY_ENV
     from tinylm.process import spawn_server
     from trainer.publish import DiskPushPublisher, PublishFailed
-    from trainer.stack import ADMIN_KEY_ENV
 
     model = tmp_path / "model"
     init_model(model, seed=0, train_steps=0)
