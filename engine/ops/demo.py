@@ -123,51 +123,35 @@ class Stack:
     def check_alive(self) -> None:
         self.processes.check_alive()
 
-    def serve(
-        self,
-        name: str,
-        model_dir: Path,
-        *server_args: str,
-        supervisor: str,
-        role: ServerRole = "policy",
-        timeout_s: float = 600.0,
-    ) -> str:
-        """Start ``rollout serve`` as ``name`` (``supervisor`` on the log): one tinylm
-        server for ``role`` on ``model_dir`` with ``server_args``, its log beside the
-        others'. Returns its URL once serve registered it on ``rl:control``;
-        ``EngineError`` with serve's last lines if serve exits first."""
-        return asyncio.run(self._serve(name, model_dir, server_args, supervisor, role, timeout_s))
+    def serve(self, name: str, model_dir: Path, *server_args: str, supervisor: str,
+              role: ServerRole = "policy", timeout_s: float = 600.0) -> str:
+        """Start ``rollout serve`` as ``name`` (``supervisor`` on the log): one tinylm server
+        for ``role`` on ``model_dir``, its log beside the others'. Returns its URL once serve
+        registered it on ``rl:control``; ``EngineError`` with serve's last lines if it exits."""
+        settings = {"model_dir": model_dir, "serve_role": role, "worker_id": supervisor,
+                    "serve_log_dir": self.processes.logs, "grace_s": SERVE_GRACE_S}
 
-    async def _serve(
-        self,
-        name: str,
-        model_dir: Path,
-        server_args: Sequence[str],
-        supervisor: str,
-        role: ServerRole,
-        timeout_s: float,
-    ) -> str:
-        log = open_log(RedisSettings(url=self.redis_url, block_ms=500), names=StreamNames(),
-                       producer=f"{supervisor}-wait")
-        try:
-            control = log.names.control
-            position = await log.last_id(control)  # a registration from now on is ours
-            self.processes.start(
-                name, "serve", *(("--", *server_args) if server_args else ()), settings={
-                    "model_dir": model_dir, "serve_role": role, "worker_id": supervisor,
-                    "serve_log_dir": self.processes.logs, "grace_s": SERVE_GRACE_S})
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                self.check_alive()
-                envs, position = await log.read_after(control, position, block_ms=500)
-                for env in envs:
-                    ev = env.event
-                    if isinstance(ev, ServerRegistered) and ev.supervisor == supervisor:
-                        return ev.endpoint
-        finally:
-            await log.aclose()
-        raise EngineError(f"{name} registered no server on {control} within {timeout_s:.0f}s; "
-                          f"see {self.processes[name].log}")
+        async def registered() -> str:
+            log = open_log(RedisSettings(url=self.redis_url, block_ms=500),
+                           names=StreamNames(), producer=f"{supervisor}-wait")
+            try:
+                position = await log.last_id(log.names.control)  # ours come after it
+                self.processes.start(name, "serve", *(("--", *server_args) if server_args
+                                                      else ()), settings=settings)
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    self.check_alive()
+                    envs, position = await log.read_after(log.names.control, position,
+                                                          block_ms=500)
+                    for ev in (env.event for env in envs):
+                        if isinstance(ev, ServerRegistered) and ev.supervisor == supervisor:
+                            return ev.endpoint
+            finally:
+                await log.aclose()
+            raise EngineError(f"{name} registered no server within {timeout_s:.0f}s; see "
+                              f"{self.processes[name].log}")
+
+        return asyncio.run(registered())
 
     def stop(self) -> None:
         self.processes.stop()
