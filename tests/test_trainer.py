@@ -17,6 +17,7 @@ import torch
 from engine.agents.tools import PythonTool
 from engine.client import RolloutClient, collate
 from engine.errors import ConfigError
+from engine.events.registry import ServerRegistered
 from engine.losses import token_log_probs
 from engine.ops.tinylm import init_model
 from engine.projections.control import ControlState
@@ -131,6 +132,28 @@ async def control_policy(url: str) -> ControlState:
         await client.aclose()
 
 
+def command_lines() -> list[bytes]:
+    """Every running process's ``/proc/PID/cmdline``."""
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found.append(path.read_bytes())
+        except OSError:
+            continue  # exited meanwhile
+    return found
+
+
+async def registrations(url: str) -> list[tuple[str, str, str]]:
+    """(supervisor, role, endpoint) of each ``ServerRegistered`` on ``rl:control``."""
+    client = RolloutClient.connect(url, producer="test")
+    try:
+        envs = await client.log.read_all(client.log.names.control)
+    finally:
+        await client.aclose()
+    return [(e.event.supervisor, e.event.role, e.event.endpoint)
+            for e in envs if isinstance(e.event, ServerRegistered)]
+
+
 @pytest.mark.slow
 @pytest.mark.redis_server
 def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
@@ -156,9 +179,20 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
         after = server_log_probs(stack.policy_url, probe)
         served = httpx.get(stack.policy_url + "/get_weight_version", timeout=30).json()
         policy = asyncio.run(control_policy(stack.trainer_url))
+        servers = asyncio.run(registrations(stack.trainer_url))
+        argvs = command_lines()
         sync_log = (workdir / "logs" / "sync.log").read_text()
     finally:
         stack.stop()
+
+    # Each model server is run by its own rollout serve and registered on rl:control, where
+    # the workers and the syncer found the student's (they were given no URL).
+    assert servers == [("train-serve", "policy", stack.policy_url),
+                       ("train-serve-teacher", "teacher", stack.teacher_url)]
+    assert (workdir / "logs" / "policy-0.log").is_file()
+    assert (workdir / "logs" / "teacher-0.log").is_file()
+    assert not [a for a in argvs if stack.admin_key.encode() in a]  # the key is in no argv
+    assert any(b"--admin-api-key-file" in a for a in argvs)  # the server read it from a file
 
     # The version went through the policy-version API: the syncer (which holds the admin
     # key, from its file) loaded it and recorded PolicyVersionActivated on control.
@@ -192,9 +226,9 @@ def test_one_opd_iteration_changes_the_served_weights_and_writes_metrics(
 def test_publishing_to_a_server_that_refuses_names_the_server_and_its_answer(
     tmp_path: Path,
 ) -> None:
+    from tinylm.cli import ADMIN_KEY_ENV
     from tinylm.process import spawn_server
     from trainer.publish import DiskPushPublisher, PublishFailed
-    from trainer.stack import ADMIN_KEY_ENV
 
     model = tmp_path / "model"
     init_model(model, seed=0, train_steps=0)

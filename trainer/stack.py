@@ -1,17 +1,22 @@
 """The processes a training run needs on one machine, started and stopped together.
 
 ``start_stack`` uses the demo's ``engine.ops.demo.Stack``: an authenticated embedded Redis (or
-the caller's URL), the student's tinylm server started with a fresh admin key, the scheduler,
+the caller's URL), the student's tinylm server with a fresh admin key, the scheduler,
 evaluator workers, a finalizer on the bundled tasks and the weight syncer (``rollout sync``: it
 loads each published policy version on the student's server), and, when a teacher is given,
 the teacher's tinylm server and a capture worker that force-decodes kept samples on it; for
 ``mixed``, workers whose agents roll in the teacher (``trainer.dagger``).
 
 Every process is started by the engine's launcher (``engine.ops.processes``, through the
-``rollout`` command), its settings in its environment. The admin key goes to the syncer in a
-file (``ROLLOUT_SGLANG_ADMIN_KEY_FILE``, mode 0600, in a private folder removed when the stack
-stops) and to the trainer process itself, for its one direct load outside the policy versions
-(the teacher's eval pass, ``trainer.cli``); the evaluator workers, whose sandboxes run
+``rollout`` command), its settings in its environment. Each model server is run by its own
+``rollout serve`` (the student's as a policy server, the teacher's as a teacher), which
+restarts it if it exits (the student's at the active policy version) and registers it on
+``rl:control``: the workers and the syncer find the student's there, the teacher's URL is
+handed to the capture worker. The admin key is written to a file (mode 0600, in a private
+folder removed when the stack stops) that the student's server reads
+(``--admin-api-key-file``) and so does the syncer (``ROLLOUT_SGLANG_ADMIN_KEY_FILE``); the
+trainer process keeps it too, for its one direct load outside the policy versions (the
+teacher's eval pass, ``trainer.cli``); the evaluator workers, whose sandboxes run
 model-written code, never see it.
 
 Models (``ensure_models``): the student and the teacher are tinylm models built from the same
@@ -33,14 +38,11 @@ from engine.ops.demo import EVALUATORS, ROLLOUT_YAML, Stack, say
 from engine.ops.embedded import redact
 from engine.ops.tinylm import init_model
 
-__all__ = ["ADMIN_KEY_ENV", "ROLLOUT", "TrainStack", "ensure_model", "start_stack"]
+__all__ = ["ROLLOUT", "TrainStack", "ensure_model", "start_stack"]
 
 ROLLOUT = ("-m", "workers")
 """How the stack runs the ``rollout`` command (``workers.cli.ROLLOUT``, a sibling of this
 package that it does not import): the engine's processes and the model servers start so."""
-
-ADMIN_KEY_ENV = "TINYLM_ADMIN_API_KEY"
-"""Where ``rollout tinylm serve`` reads its admin key (tinylm.cli; never argv)."""
 
 
 @dataclass
@@ -121,14 +123,17 @@ def start_stack(
     try:
         say(f"redis     {redact(stack.redis_url)}")
         procs = stack.processes
-        train.policy_url = procs.serve_tinylm(
-            "tinylm", student_dir, env={ADMIN_KEY_ENV: train.admin_key}).url
-        say(f"policy    tinylm server at {train.policy_url} (admin key: the syncer and "
-            "the trainer)")
+        key_file = str(_write_key(train))
+        train.policy_url = stack.serve("serve", student_dir, "--admin-api-key-file", key_file,
+                                       supervisor="train-serve")
+        say(f"policy    tinylm server at {train.policy_url}, run by rollout serve (admin key: "
+            "the syncer and the trainer)")
+        found = {"servers_from_log": True}  # the student's server, registered on rl:control
         worker: dict[str, object] = {"evaluator_config": EVALUATORS}
         if teacher_dir is not None:
-            train.teacher_url = procs.serve_tinylm("teacher", teacher_dir).url
-            say(f"teacher   tinylm server at {train.teacher_url}")
+            train.teacher_url = stack.serve("serve-teacher", teacher_dir, role="teacher",
+                                            supervisor="train-serve-teacher")
+            say(f"teacher   tinylm server at {train.teacher_url}, run by rollout serve")
             teacher = {"teacher_url": train.teacher_url, "teacher_tokenizer": teacher_dir}
             procs.start("capture", "capture", settings={**teacher, "worker_id": "train-capture"})
             if dagger:  # the workers' own teacher port, for DAgger turns
@@ -140,13 +145,11 @@ def start_stack(
             "config": ROLLOUT_YAML, "evaluator_config": EVALUATORS, "worker_id": "train-sched"})
         for i in range(workers):
             procs.start(f"worker-{i}", "worker", settings={
-                **worker, "model_dir": student_dir, "sglang_url": train.policy_url,
-                "worker_id": f"train-worker-{i}"})
+                **worker, **found, "model_dir": student_dir, "worker_id": f"train-worker-{i}"})
         procs.start("finalizer", "finalizer", settings={
             "out_dir": workdir / "out", "worker_id": "train-finalizer"})
         procs.start("sync", "sync", settings={
-            "sglang_url": train.policy_url, "worker_id": "train-sync",
-            "sglang_admin_key_file": _write_key(train)})
+            **found, "worker_id": "train-sync", "sglang_admin_key_file": key_file})
     except BaseException:
         train.stop()
         raise

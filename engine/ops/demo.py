@@ -5,10 +5,13 @@ Embedded defaults, nothing to set up beyond ``pip install``:
 * Redis: the one ``--redis-url`` or ``ROLLOUT_REDIS_URL`` names; else a ``redis-server`` on
   a free port when the binary exists, else fakeredis's TCP server (``engine.ops.embedded``);
 * the policy: tinylm, built once into ``<workdir>/tinylm`` (``rollout tinylm init``) and
-  served by its SGLang-compatible server on a free port;
+  served by its SGLang-compatible server, run by ``rollout serve`` (``engine.ops.serve``: a
+  free port, restarted at the active version if it exits, registered on ``rl:control``,
+  where the workers and the syncer find it);
 * the bundled tasks (``engine/tasks``): arithmetic with a python tool and shell/file tasks
   checked by a script, run in the local sandbox;
-* processes: one scheduler, ``--workers`` evaluator workers, a finalizer and a weight syncer
+* processes: ``rollout serve``, one scheduler, ``--workers`` evaluator workers, a finalizer
+  and a weight syncer
   (``rollout sync``: a trainer may publish new weights to the stack, see
   ``examples/async_loop.py``), each a real process talking only through the streams.
 
@@ -46,6 +49,7 @@ from engine.events import (
 )
 from engine.events.ids import EMPTY_ID
 from engine.events.redis_log import RedisSettings, open_log
+from engine.events.registry import ServerRegistered, ServerRole
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
 from engine.ops.processes import Processes
 from engine.ops.progress import Bar
@@ -88,10 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SERVE_GRACE_S = 5.0
+"""``rollout serve``'s own grace for its servers, well inside the launcher's, so that serve
+has stopped them (and retired them on the log) before the launcher would SIGKILL it."""
+
+
 @dataclass
 class Stack:
     """What the demo started: Redis (unless it is the user's) and the launcher holding the
-    model server and the engine's processes, so that all of it can be stopped."""
+    engine's processes (``rollout serve`` among them), so that all of it can be stopped."""
 
     workdir: Path
     processes: Processes
@@ -113,6 +122,36 @@ class Stack:
 
     def check_alive(self) -> None:
         self.processes.check_alive()
+
+    def serve(self, name: str, model_dir: Path, *server_args: str, supervisor: str,
+              role: ServerRole = "policy", timeout_s: float = 600.0) -> str:
+        """Start ``rollout serve`` as ``name`` (``supervisor`` on the log): one tinylm server
+        for ``role`` on ``model_dir``, its log beside the others'. Returns its URL once serve
+        registered it on ``rl:control``; ``EngineError`` with serve's last lines if it exits."""
+        settings = {"model_dir": model_dir, "serve_role": role, "worker_id": supervisor,
+                    "serve_log_dir": self.processes.logs, "grace_s": SERVE_GRACE_S}
+
+        async def registered() -> str:
+            log = open_log(RedisSettings(url=self.redis_url, block_ms=500),
+                           names=StreamNames(), producer=f"{supervisor}-wait")
+            try:
+                position = await log.last_id(log.names.control)  # ours come after it
+                self.processes.start(name, "serve", *(("--", *server_args) if server_args
+                                                      else ()), settings=settings)
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    self.check_alive()
+                    envs, position = await log.read_after(log.names.control, position,
+                                                          block_ms=500)
+                    for ev in (env.event for env in envs):
+                        if isinstance(ev, ServerRegistered) and ev.supervisor == supervisor:
+                            return ev.endpoint
+            finally:
+                await log.aclose()
+            raise EngineError(f"{name} registered no server within {timeout_s:.0f}s; see "
+                              f"{self.processes[name].log}")
+
+        return asyncio.run(registered())
 
     def stop(self) -> None:
         self.processes.stop()
@@ -209,19 +248,20 @@ def start_processes(stack: Stack, args: argparse.Namespace) -> None:
         ensure_model(model_dir, args.train_steps)
     stack.model_dir = model_dir
     procs = stack.processes
-    policy = procs.serve_tinylm("tinylm", model_dir).url
-    say(f"policy    tinylm server at {policy}")
+    policy = stack.serve("serve", model_dir, supervisor="demo-serve")
+    say(f"policy    tinylm server at {policy} (run by rollout serve: restarted if it exits)")
+    found = {"servers_from_log": True}  # the workers and the syncer find it on rl:control
     # The scheduler reads only the evaluator profiles: it needs no model.
     procs.start("scheduler", "scheduler", settings={
         "config": rollout_yaml, "evaluator_config": evaluators, "worker_id": "demo-scheduler"})
     for i in range(args.workers):
         procs.start(f"worker-{i}", "worker", settings={
-            "evaluator_config": evaluators, "model_dir": model_dir, "sglang_url": policy,
+            **found, "evaluator_config": evaluators, "model_dir": model_dir,
             "worker_id": f"demo-worker-{i}"})
     procs.start("finalizer", "finalizer", settings={
         "out_dir": stack.workdir / "out", "worker_id": "demo-finalizer"})
-    procs.start("sync", "sync", settings={"sglang_url": policy, "worker_id": "demo-sync"})
-    say(f"processes scheduler, {args.workers} evaluator workers, finalizer, weight syncer "
+    procs.start("sync", "sync", settings={**found, "worker_id": "demo-sync"})
+    say(f"processes serve, scheduler, {args.workers} evaluator workers, finalizer, weight syncer "
         f"(logs in {stack.workdir / 'logs'})")
 
 

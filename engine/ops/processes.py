@@ -17,7 +17,8 @@ process's ``ROLLOUT_*`` variables, only the ones given; a model server gets none
 Each process writes stdout and stderr to ``<logs>/<name>.log`` (appended across restarts);
 ``check_alive`` names a process that exited unasked and quotes the last lines of its log.
 ``stop`` (also on leaving the ``with`` block) sends SIGTERM to the engine's processes, then to
-the model servers, waits ``grace_s`` and SIGKILLs what is left (its whole process group).
+the model servers and ``rollout serve`` (so that the others' last calls still find a server),
+waits ``grace_s`` and SIGKILLs what is left (its whole process group).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Process:
     """A model server's URL (its port is kept across restarts); empty for the others."""
     stopped: bool = False
     """Stopped on request (``kill``, ``terminate``): not reported by ``check_alive``."""
+    serves: bool = False
+    """A model server or ``rollout serve``: stopped after the others."""
 
     @property
     def pid(self) -> int:
@@ -122,7 +125,8 @@ class Processes:
             Settings.from_env(child)  # what the child checks first, checked here at once
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-        return self.spawn(name, [sys.executable, *python, *self.rollout, command, *args], child)
+        argv = [sys.executable, *python, *self.rollout, command, *args]
+        return self.spawn(name, argv, child, serves=command == "serve")
 
     def serve_tinylm(
         self,
@@ -148,10 +152,12 @@ class Processes:
         *,
         url: str = "",
         timeout_s: float = 120.0,
+        serves: bool = False,
     ) -> Process:
         """Run ``argv`` as ``name`` with ``env`` over the launcher's environment. With ``url``
         (a model server), return once it answers HTTP there; ``BackendUnavailable`` with its
-        last log lines if it exits first or stays silent for ``timeout_s``."""
+        last log lines if it exits first or stays silent for ``timeout_s``. ``serves``: stopped
+        after the others, as a server is."""
         held = self._procs.get(name)
         if held is not None and held.popen.poll() is None:
             raise EngineError(f"a process named {name!r} is running (pid {held.pid})")
@@ -162,7 +168,7 @@ class Processes:
         with open(log, "ab" if held is not None else "wb") as out:
             popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
                                      env=child, start_new_session=True)
-        proc = Process(name, tuple(argv), child, log, popen, url)
+        proc = Process(name, tuple(argv), child, log, popen, url, serves=serves or bool(url))
         self._procs[name] = proc
         if url:
             self._wait_serving(proc, timeout_s)
@@ -225,12 +231,12 @@ class Processes:
         if as_name not in (None, name):
             del self._procs[name]
         return self.spawn(as_name or name, old.argv, {**old.env, **settings_env(settings or {})},
-                          url=old.url)
+                          url=old.url, serves=old.serves)
 
     def stop(self) -> None:
         """SIGTERM the engine's processes, then the servers; SIGKILL what outlives the grace."""
         for servers in (False, True):
-            procs = [p for p in self._procs.values() if bool(p.url) is servers]
+            procs = [p for p in self._procs.values() if p.serves is servers]
             for proc in procs:
                 proc.stopped = True
             self._stop(procs, self.grace_s)

@@ -7,11 +7,49 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
+
+
+def _children(pid: int, mentioning: str) -> list[int]:
+    """The live child processes of ``pid`` whose command line contains ``mentioning``."""
+    found = []
+    for child in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, NotADirectoryError):
+            continue
+        fields = stat.rpartition(")")[2].split()  # after "(comm)": state, ppid, ...
+        if fields[0] != "Z" and int(fields[1]) == pid and mentioning.encode() in cmdline:
+            found.append(int(child))
+    return found
+
+
+def kill_and_wait_restart(demo_pid: int, lines: list[str]) -> str:
+    """SIGKILL the demo's policy server, a child of its ``rollout serve``; wait for serve
+    to bring it back on the same URL at the active version (0: nothing was published).
+    Returns ``"[restarted] <old pid> <new pid> <weight_version>"``."""
+    url = next(line for line in lines if line.startswith("policy ")).split()[4]
+    [serve] = _children(demo_pid, "workers serve")
+    [server] = _children(serve, "tinylm serve")
+    os.kill(server, signal.SIGKILL)
+    for _ in range(600):
+        again = [pid for pid in _children(serve, "tinylm serve") if pid != server]
+        if again:
+            try:
+                info = httpx.get(url + "/get_model_info", timeout=5).json()
+            except httpx.HTTPError:
+                pass
+            else:
+                return f"[restarted] {server} {again[0]} {info['weight_version']}\n"
+        time.sleep(0.2)
+    raise AssertionError(f"rollout serve did not restart the server at {url}")
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -60,6 +98,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
             )
             assert inspected.returncode == 0, inspected.stdout + inspected.stderr
             lines.append(f"[{argv[0]}]\n{inspected.stdout}")
+        lines.append(kill_and_wait_restart(proc.pid, lines))
         proc.send_signal(signal.SIGTERM)
         lines.extend(proc.stdout)
         assert proc.wait(timeout=120) == 0, "".join(lines)
@@ -109,6 +148,19 @@ def test_kept_stack_can_be_inspected_with_the_printed_commands(
     assert out.count("[status]") == 2 and out.count(": READY: ") == 2  # status lines
     assert "[pool]" in out and "0 batches holding 0 tokens" in out
     assert "stopping the kept stack" in out
+
+
+def test_the_policy_server_is_a_rollout_serve_child_restarted_after_a_sigkill(
+    demo_run: tuple[Path, str],
+) -> None:
+    workdir, out = demo_run
+    line = next(line for line in out.splitlines() if line.startswith("policy "))
+    assert "tinylm server at http://127.0.0.1:" in line and "rollout serve" in line, line
+    [restarted] = [line.split()[1:] for line in out.splitlines() if line.startswith("[restarted]")]
+    old, new, version = restarted
+    assert old != new and version == "0"  # back at the active version, on the same URL
+    assert (workdir / "logs" / "serve.log").is_file()
+    assert (workdir / "logs" / "policy-0.log").is_file()  # the server's, beside the others
 
 
 def test_demo_says_how_long_the_model_build_takes(demo_run: tuple[Path, str]) -> None:

@@ -108,6 +108,34 @@ def test_stop_escalates_to_sigkill_and_restart_takes_a_new_name(tmp_path: Path) 
     assert again.popen.returncode is not None and list(procs) == []
 
 
+def test_model_servers_and_rollout_serve_are_stopped_after_the_engine_processes(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "server-got-sigterm"
+    server = python(
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(marker)!r}).touch(), "
+        "sys.exit(0)))\nprint('up', flush=True)\ntime.sleep(60)"
+    )
+    worker = python(  # on SIGTERM, a last call: is the server still up?
+        "import pathlib, signal, sys, time\n"
+        "def last(*_):\n    time.sleep(0.3)\n"
+        f"    print('server up' if not pathlib.Path({str(marker)!r}).exists() else 'server gone',"
+        " flush=True)\n    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, last)\nprint('up', flush=True)\ntime.sleep(60)"
+    )
+    procs = launcher(tmp_path)
+    assert procs.start("serve", "serve").serves  # rollout serve counts as a server
+    procs.spawn("server", server, serves=True)
+    procs.spawn("worker", worker)
+    while not all("up" in procs.output(n) for n in ("server", "worker")):
+        time.sleep(0.05)
+    log = procs["worker"].log
+    procs.stop()
+    assert log.read_text().split() == ["up", "server", "up"]
+    assert marker.exists()
+
+
 @pytest.mark.slow
 def test_a_model_server_is_served_on_a_reserved_port_and_restarted_on_it(
     tmp_path: Path, tinylm_dir: Path
