@@ -220,7 +220,18 @@ def _plan(cls: type[Event]) -> _Plan | None:
 
 
 _PLANS: dict[bytes, _Plan | None] = {}
+# The plan of each class by the exact head of its canonical entries: the map's header with
+# its key count, the ``type`` key and the class's name. One slice and one lookup find the
+# plan of a canonical entry; a miss takes ``_canonical_plan``, which makes plans.
+_HEADS: dict[bytes, _Plan] = {}
 _LOCK = threading.Lock()
+
+
+def _head(name: bytes, n_keys: int) -> bytes:
+    """The first bytes of a canonical entry of the class ``name`` with ``n_keys`` keys."""
+    size = n_keys.to_bytes(2, "big")
+    header = bytes((0x80 | n_keys,)) if n_keys < 16 else b"\xde" + size
+    return header + _TYPE_KEY + bytes((0xA0 + len(name),)) + name
 
 
 def _plan_for(name: bytes) -> _Plan | None:
@@ -228,12 +239,17 @@ def _plan_for(name: bytes) -> _Plan | None:
     with _LOCK:
         if name not in _PLANS:
             cls = registered_types().get(name.decode("utf-8", "replace"))
-            _PLANS[name] = None if cls is None else _plan(cls)
+            plan = _PLANS[name] = None if cls is None else _plan(cls)
+            if plan is not None and len(name) < 32:
+                _HEADS[_head(name, plan.n_keys)] = plan
         return _PLANS[name]
 
 
 def _forget(name: str) -> None:
-    _PLANS.pop(name.encode(), None)
+    with _LOCK:
+        plan = _PLANS.pop(name.encode(), None)
+        if plan is not None:
+            _HEADS.pop(_head(name.encode(), plan.n_keys), None)
 
 
 on_register(_forget)
@@ -259,8 +275,7 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     size = raw[at + 5] - 0xA0
     if not 0 <= size < 32:  # the type name is a fixstr
         return None
-    name = raw[at + 6 : at + 6 + size]
-    plan = _PLANS[name] if name in _PLANS else _plan_for(name)
+    plan = _plan_for(raw[at + 6 : at + 6 + size])
     if plan is None or plan.n_keys != n_keys:
         return None
     return plan
@@ -268,12 +283,19 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
 
 def decode_fast(raw: bytes) -> Event | None:
     """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
-    plan = _canonical_plan(raw)
-    if plan is None:
+    try:
+        at = 1 if raw[0] < 0x90 else 3  # a fixmap's header is one byte, a map 16's three
+        plan = _HEADS.get(raw[: at + 6 + raw[at + 5] - 0xA0])
+    except IndexError:
         return None
+    if plan is None:
+        plan = _canonical_plan(raw)
+        if plan is None:
+            return None
     try:
         values = _asdict(plan.decode(raw))
-        read_fields(values, plan.arrays)  # compact arrays lazy: expanded on first use
+        if plan.arrays:
+            read_fields(values, plan.arrays)  # compact arrays lazy: expanded on first use
         for field, validate in plan.nested:
             values[field] = validate(values[field])
     except _Refused:
@@ -284,11 +306,12 @@ def decode_fast(raw: bytes) -> Event | None:
     _set(event, "__pydantic_fields_set__", plan.fields.copy())
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
-    try:
-        for check in plan.checks:
-            event = check(event)
-    except (ValueError, AssertionError):
-        return None
+    if plan.checks:
+        try:
+            for check in plan.checks:
+                event = check(event)
+        except (ValueError, AssertionError):
+            return None
     return event
 
 
