@@ -271,13 +271,15 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     size = raw[at + 5] - 0xA0
     if not 0 <= size < 32:  # the type name is a fixstr
         return None
-    plan = _plan_for(raw[at + 6 : at + 6 + size])
+    name = raw[at + 6 : at + 6 + size]
+    plan = _PLANS[name] if name in _PLANS else _plan_for(name)
     if plan is None or plan.n_keys != n_keys:
         return None
     return plan
 
 
 def _lookup(raw: bytes) -> _Plan | None:
+    """:func:`_canonical_plan`, by the head first."""
     try:
         at = 1 if raw[0] < 0x90 else 3  # a fixmap's header is one byte, a map 16's three
         plan = _HEADS.get(raw[: at + 6 + raw[at + 5] - 0xA0])
