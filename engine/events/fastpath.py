@@ -9,7 +9,8 @@ the way ``model_construct`` does. A field holding nested models is kept as raw m
 validated by pydantic for that field alone (a single frozen model is cached by its bytes:
 the events of a rollout repeat the same few values); the class's ``after`` model validators
 run on the built event. Packed arrays in the compact form are built lazily
-(``arrays.from_compact``).
+(``arrays.from_compact``). :func:`checked` stops before the event: the checked struct, for a
+fold that reads a few fields of many entries (the finalizer's).
 
 What this path refuses or cannot express goes to ``codec.decode_reference`` (msgpack +
 pydantic), which upcasts older versions, applies omitted defaults, coerces lax values or
