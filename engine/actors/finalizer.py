@@ -211,23 +211,25 @@ class _Rollout(Follower[RolloutState]):
         self.caught_up = len(rows) < _READ_COUNT
         state, position = self.state, self.position
         out: list[Envelope] = []
-        with gc_paused():
-            for _, entry_id, raw in rows:
-                fields = checked(raw)
-                if fields is None or not fold.fold_checked(state, entry_id, *fields):
-                    try:
-                        envs = [Envelope(stream, entry_id, decode(raw))]
-                    except DecodeError:
-                        envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
-                    for env in envs:
-                        state = fold.evolve(state, env)
-                        out.append(env)
-                    if state.decided:  # folding stops at the entry that decides the rollout
-                        position, self.done = entry_id, True
-                        break
-                position = entry_id
-        if position != self.position:
-            self._moved(Folded(state, position))
+        try:
+            with gc_paused():
+                for _, entry_id, raw in rows:
+                    fields = checked(raw)
+                    if fields is None or not fold.fold_checked(state, entry_id, *fields):
+                        try:
+                            envs = [Envelope(stream, entry_id, decode(raw))]
+                        except DecodeError:
+                            envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
+                        for env in envs:
+                            state = fold.evolve(state, env)
+                            out.append(env)
+                        if state.decided:  # folding stops at the entry that decides it
+                            position, self.done = entry_id, True
+                            break
+                    position = entry_id
+        finally:  # the fold is in place: the position keeps up with it, whatever raised
+            if position != self.position:
+                self._moved(Folded(state, position))
         return out
 
 
