@@ -426,7 +426,11 @@ def wire_array(kind: type[_P], wire: bytes, compact: bool) -> _P:
             return lazy
         wire = wire[1:]
     if not wire:
-        return kind.empty()
+        empty = _EMPTY.get(kind)
+        return kind.empty() if empty is None else empty  # type: ignore[return-value]
     if len(wire) % kind.itemsize:
         kind(wire)  # raises the constructor's error, naming the class and the length
-    return _adopt(kind, wire)
+    array = _new(kind)  # _adopt, inline: this runs for every array field decoded
+    array._data = wire
+    array._wire = None
+    return array

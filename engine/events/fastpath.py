@@ -319,7 +319,9 @@ def decode_fast(raw: bytes) -> Event | None:
     if plan is None:
         return None
     try:
-        values = _asdict(_read(plan, raw))
+        values = _asdict(plan.decode(raw))
+        for name, kind, compact in plan.arrays:
+            values[name] = wire_array(kind, values[name], compact)
         for field, validate in plan.nested:
             values[field] = validate(values[field])
     except _Refused:
