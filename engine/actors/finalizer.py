@@ -60,7 +60,7 @@ from engine.actors.artifacts import write_artifacts
 from engine.actors.dumps import DumpConfig, write_dumps
 from engine.actors.stall import StallWatch
 from engine.actors.verify import VerifyTally
-from engine.errors import AppendConflict, LogError
+from engine.errors import AppendConflict, DecodeError, LogError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import (
     CaptureRequested,
@@ -75,7 +75,11 @@ from engine.events.catalog import (
     TeacherScored,
     TurnCompleted,
 )
+from engine.events.codec import decode
+from engine.events.fastpath import checked
 from engine.events.log import DeadEntry, EventLog
+from engine.events.log_base import gc_paused
+from engine.projections.base import Folded
 from engine.projections.control import ControlProjection
 from engine.projections.decision import (
     Selection,
@@ -126,6 +130,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GROUP = "finalizers"
+_READ_COUNT = 500  # entries per read of a followed rollout stream
 
 # The decisions are pure functions of the fold, defined in engine.projections.decision and
 # re-exported here.
@@ -186,13 +191,46 @@ class _Rollout(Follower[RolloutState]):
     def __init__(
         self, log: EventLog, stream: str, *, block_ms: int | None, backoff: Backoff
     ) -> None:
+        self._fold = RolloutProjection()
         super().__init__(
-            log, stream, RolloutProjection(), owner=True, block_ms=block_ms, backoff=backoff,
+            log, stream, self._fold, owner=True, block_ms=block_ms, backoff=backoff,
             until=_decided,
         )
         self.verify = VerifyTally()  # the rollout's SampleVerified (actors/verify.py)
         self.copied: set[str] = set()  # event types this follower has copied itself
         self.rollout: Rollout | None = None  # the samples' entries, once read back
+
+    async def _fetch(self, block_ms: int) -> list[Envelope]:
+        """One read past the position, folded: the entries a stream is mostly made of are
+        folded from their checked fields (``fastpath.checked``) without building their
+        events; every other entry is decoded and folded as a typed read would, and only
+        those are returned. One that does not decode is read again by the log's typed read
+        with ``dead_letter=True``, which dead-letters it (once) as ``read_after`` would."""
+        log, stream, fold = self.log, self.stream, self._fold
+        rows = await log.tail_raw({stream: self.position}, block_ms=block_ms, count=_READ_COUNT)
+        self.caught_up = len(rows) < _READ_COUNT
+        state, position = self.state, self.position
+        out: list[Envelope] = []
+        try:
+            with gc_paused():
+                for _, entry_id, raw in rows:
+                    fields = checked(raw)
+                    if fields is None or not fold.fold_checked(state, entry_id, *fields):
+                        try:
+                            envs = [Envelope(stream, entry_id, decode(raw))]
+                        except DecodeError:
+                            envs = await log.read(stream, entry_id, entry_id, dead_letter=True)
+                        for env in envs:
+                            state = fold.evolve(state, env)
+                            out.append(env)
+                        if state.decided:  # folding stops at the entry that decides it
+                            position, self.done = entry_id, True
+                            break
+                    position = entry_id
+        finally:  # the fold is in place: the position keeps up with it, whatever raised
+            if position != self.position:
+                self._moved(Folded(state, position))
+        return out
 
 
 def _decided(state: RolloutState) -> bool:

@@ -388,10 +388,7 @@ def _expand(wire: bytes | None) -> bytes:
 def from_compact(kind: type[_P], wire: bytes) -> _P:
     """The array a compact wire value holds (lazy: expanded on first use of its values);
     ``ValueError`` naming what is wrong with a malformed one."""
-    values = {"": wire if type(wire) is bytes else bytes(wire)}
-    read_fields(values, (("", kind, True),))
-    out: _P = values[""]  # type: ignore[assignment]
-    return out
+    return wire_array(kind, wire if type(wire) is bytes else bytes(wire), True)
 
 
 def _malformed(kind: type[PackedArray], wire: bytes) -> str:
@@ -408,38 +405,32 @@ def _malformed(kind: type[PackedArray], wire: bytes) -> str:
     return f"{kind.__name__}: unknown compact form (tag {tag})"
 
 
-def read_fields(
-    values: dict[str, Any], fields: Sequence[tuple[str, type[PackedArray], bool]]
-) -> None:
-    """Turn the wire bytes ``values`` holds for ``fields`` ((name, class, compact) triples)
-    into arrays, in place, in one call per event (the compiled decoder's hot path): raw
-    bytes are adopted; a compact value is checked by its tag and length only, and becomes a
-    lazy array (a raw-tagged one is adopted). ``ValueError`` naming what is wrong with a
+def wire_array(kind: type[_P], wire: bytes, compact: bool) -> _P:
+    """The array of ``kind`` a field's wire bytes hold (the compiled decoder's hot path): raw
+    bytes are adopted; a ``compact`` value is checked by its tag and length only, and becomes
+    a lazy array (a raw-tagged one is adopted). ``ValueError`` naming what is wrong with a
     malformed value."""
-    for name, kind, compact in fields:
-        wire = values[name]
-        if compact:
-            tag = wire[0] if wire else -1
-            if tag:  # a compact form (or -1: an empty value); its tag and length fit
-                size = len(wire) - 1
-                if kind is TokenIds:
-                    ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
-                else:
-                    pad = wire[1] if size > 0 else 8
-                    ok = tag == _BITS and kind is Mask and pad < 8 and (size > 1 or not pad)
-                if not ok:
-                    raise ValueError(_malformed(kind, wire))
-                lazy = _new(kind)
-                lazy._wire = wire
-                values[name] = lazy
-                continue
-            wire = wire[1:]
-        if not wire:
-            values[name] = _EMPTY[kind] if kind in _EMPTY else kind.empty()
-            continue
-        if len(wire) % kind.itemsize:
-            kind(wire)  # raises the constructor's error, naming the class and the length
-        array = _new(kind)
-        array._data = wire
-        array._wire = None
-        values[name] = array
+    if compact:
+        tag = wire[0] if wire else -1
+        if tag:  # a compact form (or -1: an empty value); its tag and length fit
+            size = len(wire) - 1
+            if kind is TokenIds:
+                ok = not size % 3 if tag == _U24 else tag == _U16 and not size % 2
+            else:
+                pad = wire[1] if size > 0 else 8
+                ok = tag == _BITS and kind is Mask and pad < 8 and (size > 1 or not pad)
+            if not ok:
+                raise ValueError(_malformed(kind, wire))
+            lazy = _new(kind)
+            lazy._wire = wire
+            return lazy
+        wire = wire[1:]
+    if not wire:
+        empty = _EMPTY.get(kind)
+        return kind.empty() if empty is None else empty  # type: ignore[return-value]
+    if len(wire) % kind.itemsize:
+        kind(wire)  # raises the constructor's error, naming the class and the length
+    array = _new(kind)  # _adopt, inline: this runs for every array field decoded
+    array._data = wire
+    array._wire = None
+    return array

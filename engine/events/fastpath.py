@@ -9,7 +9,8 @@ the way ``model_construct`` does. A field holding nested models is kept as raw m
 validated by pydantic for that field alone (a single frozen model is cached by its bytes:
 the events of a rollout repeat the same few values); the class's ``after`` model validators
 run on the built event. Packed arrays in the compact form are built lazily
-(``arrays.from_compact``).
+(``arrays.from_compact``). :func:`checked` stops before the event: the checked struct, for a
+fold that reads a few fields of many entries (the finalizer's).
 
 What this path refuses or cannot express goes to ``codec.decode_reference`` (msgpack +
 pydantic), which upcasts older versions, applies omitted defaults, coerces lax values or
@@ -35,11 +36,7 @@ import msgspec
 from pydantic import BaseModel, TypeAdapter
 
 from engine.errors import DecodeError
-from engine.events.arrays import (
-    EXT_TYPES,
-    PackedArray,
-    read_fields,
-)
+from engine.events.arrays import EXT_TYPES, PackedArray, wire_array
 from engine.events.base import Event, on_register, registered_types
 
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type"
@@ -220,7 +217,18 @@ def _plan(cls: type[Event]) -> _Plan | None:
 
 
 _PLANS: dict[bytes, _Plan | None] = {}
+# The plan of each class by the exact head of its canonical entries: the map's header with
+# its key count, the ``type`` key and the class's name. One slice and one lookup find the
+# plan of a canonical entry; a miss takes ``_canonical_plan``, which makes plans.
+_HEADS: dict[bytes, _Plan] = {}
 _LOCK = threading.Lock()
+
+
+def _head(name: bytes, n_keys: int) -> bytes:
+    """The first bytes of a canonical entry of the class ``name`` with ``n_keys`` keys."""
+    size = n_keys.to_bytes(2, "big")
+    header = bytes((0x80 | n_keys,)) if n_keys < 16 else b"\xde" + size
+    return header + _TYPE_KEY + bytes((0xA0 + len(name),)) + name
 
 
 def _plan_for(name: bytes) -> _Plan | None:
@@ -228,12 +236,17 @@ def _plan_for(name: bytes) -> _Plan | None:
     with _LOCK:
         if name not in _PLANS:
             cls = registered_types().get(name.decode("utf-8", "replace"))
-            _PLANS[name] = None if cls is None else _plan(cls)
+            plan = _PLANS[name] = None if cls is None else _plan(cls)
+            if plan is not None and len(name) < 32:
+                _HEADS[_head(name, plan.n_keys)] = plan
         return _PLANS[name]
 
 
 def _forget(name: str) -> None:
-    _PLANS.pop(name.encode(), None)
+    with _LOCK:
+        plan = _PLANS.pop(name.encode(), None)
+        if plan is not None:
+            _HEADS.pop(_head(name.encode(), plan.n_keys), None)
 
 
 on_register(_forget)
@@ -266,14 +279,49 @@ def _canonical_plan(raw: bytes) -> _Plan | None:
     return plan
 
 
+def _lookup(raw: bytes) -> _Plan | None:
+    """:func:`_canonical_plan`, by the head first."""
+    try:
+        at = 1 if raw[0] < 0x90 else 3  # a fixmap's header is one byte, a map 16's three
+        plan = _HEADS.get(raw[: at + 6 + raw[at + 5] - 0xA0])
+    except IndexError:
+        return None
+    return plan if plan is not None else _canonical_plan(raw)
+
+
+def checked(raw: bytes) -> tuple[type[Event], Any] | None:
+    """``(class, fields)`` of an entry :func:`decode_fast` decodes, without building the
+    event: ``fields`` is the msgspec struct it is built from, every field checked, with the
+    event's field names and values (packed arrays built). None where :func:`decode_fast`
+    returns None, and for a class with nested models or after-validators (checked only on
+    the built event). For a fold that reads a few fields of many entries."""
+    plan = _lookup(raw)
+    if plan is None or plan.nested or plan.checks:
+        return None
+    try:
+        return plan.cls, _read(plan, raw)
+    except _Refused:
+        return None
+
+
+def _read(plan: _Plan, raw: bytes) -> Any:
+    """``raw`` decoded into ``plan``'s struct, its packed arrays built (compact ones lazy:
+    expanded on first use)."""
+    fields = plan.decode(raw)
+    for name, kind, compact in plan.arrays:
+        setattr(fields, name, wire_array(kind, getattr(fields, name), compact))
+    return fields
+
+
 def decode_fast(raw: bytes) -> Event | None:
     """The event in ``raw`` if it is in canonical form for a class with a plan, else None."""
-    plan = _canonical_plan(raw)
+    plan = _lookup(raw)
     if plan is None:
         return None
     try:
         values = _asdict(plan.decode(raw))
-        read_fields(values, plan.arrays)  # compact arrays lazy: expanded on first use
+        for name, kind, compact in plan.arrays:
+            values[name] = wire_array(kind, values[name], compact)
         for field, validate in plan.nested:
             values[field] = validate(values[field])
     except _Refused:
@@ -284,11 +332,12 @@ def decode_fast(raw: bytes) -> Event | None:
     _set(event, "__pydantic_fields_set__", plan.fields.copy())
     _set(event, "__pydantic_extra__", None)
     _set(event, "__pydantic_private__", None)
-    try:
-        for check in plan.checks:
-            event = check(event)
-    except (ValueError, AssertionError):
-        return None
+    if plan.checks:
+        try:
+            for check in plan.checks:
+                event = check(event)
+        except (ValueError, AssertionError):
+            return None
     return event
 
 

@@ -250,6 +250,20 @@ class RolloutProjection:
             on(state, env.event, at)
         return state
 
+    def fold_checked(self, state: RolloutState, at: str, cls: type[Event], fields: Any) -> bool:
+        """Fold entry ``at`` from its checked fields (``fastpath.checked``: the values of its
+        event, which is not built) as :meth:`evolve` folds the event, for the events a
+        stream is mostly made of; False, changing nothing, for any other class (the caller
+        decodes that entry and folds it with :meth:`evolve`)."""
+        if cls not in _FROM_FIELDS:
+            return False
+        n = state.n_entries
+        if not n % MARK_EVERY:
+            state.marks.append(parse_id(at))
+        state.n_entries = n + 1
+        self._on[cls](state, fields, at)
+        return True
+
     def _name(self, text: str) -> str:
         return self._names.setdefault(text, text)
 
@@ -278,6 +292,13 @@ class RolloutProjection:
         r.worker = names.setdefault(ev.worker, ev.worker)
         r.node = names.setdefault(ev.node, ev.node)
         r.batch_id = names.setdefault(ev.batch_id, ev.batch_id)
+
+
+# The events whose handlers read only their fields' values (never keep the event), so they
+# fold from checked fields alike.
+_FROM_FIELDS = frozenset(
+    {TaskJoined, SampleStarted, TurnCompleted, SampleCompleted, SampleAborted, TeacherScored}
+)
 
 
 def _add(

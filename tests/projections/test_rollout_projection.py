@@ -32,6 +32,8 @@ from engine.events import (
     TurnCompleted,
 )
 from engine.events.catalog import CaptureRequested, PromptStored, RolloutFailed
+from engine.events.codec import decode, encode
+from engine.events.fastpath import checked
 from engine.outcomes import FailureClass, SampleStatus, TerminationReason
 from engine.projections.base import fold, start
 from engine.projections.rollout import (
@@ -403,3 +405,27 @@ def test_a_re_read_prefix_gives_the_same_state(seed: int, cut: int) -> None:
     prefix = events[: cut % (len(events) + 1)]
     again = fold(p, fold(p, start(p), prefix), events).state
     assert again == once
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["grpo", "dagger_ce"]))
+def test_folding_checked_fields_gives_the_state_folding_events_gives(
+    seed: int, algorithm: str
+) -> None:
+    """The finalizer folds a stream's lifecycle entries from their checked fields
+    (``fastpath.checked``), not their events: the same handlers, so the same state."""
+    events = _rollout(seed)
+    events[0] = RolloutRequested(rollout_id="r", n_prompts=1, algorithm=algorithm)
+    p = RolloutProjection()
+    state, n_fields = p.initial(), 0
+    for i, e in enumerate(events):
+        at, raw = f"{i + 1}-0", encode(e)
+        fields = checked(raw)
+        if fields is not None and p.fold_checked(state, at, *fields):
+            n_fields += 1
+        else:
+            p.evolve(state, Envelope(R, at, decode(raw)))
+    assert state == folded(*events)
+    lifecycle = (TaskJoined, SampleStarted, TurnCompleted, SampleCompleted, SampleAborted,
+                 TeacherScored)
+    assert n_fields == sum(isinstance(e, lifecycle) for e in events)
