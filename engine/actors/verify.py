@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.agents.result import UNKNOWN_VERSION, AgentResult
+from engine.backends.base import ModelBackend
 from engine.backends.fidelity import (
     TemperatureScaledLogprobs,
     check_sampled_tokens,
@@ -225,7 +226,9 @@ async def check_servers(backends: BackendPool | None, *, threshold: float) -> No
     """A worker's start-up check: each default server with the token_ids and scoring
     capabilities must report logprobs a re-score reproduces, else
     ``TemperatureScaledLogprobs`` (a ``ConfigError``). An unreachable server is logged,
-    not refused: it may come up later."""
+    not refused: it may come up later. A mismatch across which the server's weight version
+    changed (a sync loaded new weights between the generation and its re-score) says
+    nothing about its logprobs: the check runs again."""
     if backends is None:
         return
     for url in backends.default_urls:
@@ -236,11 +239,31 @@ async def check_servers(backends: BackendPool | None, *, threshold: float) -> No
             continue
         if not (backend.capabilities.token_ids and backend.capabilities.scoring):
             continue
-        try:
-            report = await check_server_logprobs(backend, tolerance=max(threshold, 1e-4))
-        except TemperatureScaledLogprobs:
-            raise
-        except Exception as exc:
-            logger.warning("verify: could not check the logprobs of %s at start: %r", url, exc)
-            continue
-        logger.info("verify: %s: %s", url, report.describe())
+        for check in range(1, _START_CHECKS + 1):
+            before = await _version(backend)
+            try:
+                report = await check_server_logprobs(backend, tolerance=max(threshold, 1e-4))
+            except TemperatureScaledLogprobs:
+                if check < _START_CHECKS and await _version(backend) != before:
+                    logger.info("verify: %s loaded new weights during its check; again", url)
+                    continue
+                raise
+            except Exception as exc:
+                logger.warning("verify: could not check the logprobs of %s at start: %r",
+                               url, exc)
+                break
+            logger.info("verify: %s: %s", url, report.describe())
+            break
+
+
+_START_CHECKS = 3
+
+
+async def _version(backend: ModelBackend) -> int | str | None:
+    """The server's weight version, or a marker that it could not be read."""
+    if not backend.capabilities.weight_version:
+        return None
+    try:
+        return await backend.weight_version()
+    except Exception as exc:
+        return f"unread: {exc!r}"

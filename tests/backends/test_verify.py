@@ -292,3 +292,35 @@ async def test_a_server_launched_as_rl_needs_passes_the_start_check(
             await check_servers(pool, threshold=1e-3)  # no error: raw logprobs
         finally:
             await pool.aclose()
+
+
+async def test_new_weights_loaded_during_the_start_check_do_not_refuse_the_server(
+    tinylm_dir: Path, tmp_path: Path
+) -> None:
+    # A sync may load new weights between the check's generation and its re-score: the
+    # re-score then disagrees, but the server's logprobs are raw. Its version changed across
+    # the check, so the check runs again instead of refusing the server.
+    v1 = perturbed_copy(tinylm_dir, tmp_path / "v1" / "model", seed=11)
+    with Processes(tmp_path, rollout=ROLLOUT) as procs:
+        server = procs.serve_tinylm("rl", tinylm_dir, "--weight-version", "0")
+        pool = BackendPool(server.url)
+        backend = pool.get(server.url)
+        rescore = backend.score
+        loads = 0
+
+        async def load_then_rescore(*args: Any, **kwargs: Any) -> Any:
+            nonlocal loads
+            if loads == 0:
+                loads += 1
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                    loaded = await http.post("/update_weights_from_disk", json={
+                        "model_path": str(v1), "weight_version": "1"})
+                    assert loaded.json()["success"] is True
+            return await rescore(*args, **kwargs)
+
+        backend.score = load_then_rescore  # type: ignore[method-assign]
+        try:
+            await check_servers(pool, threshold=1e-3)  # no error: checked again at v1
+        finally:
+            await pool.aclose()
+    assert loads == 1
