@@ -17,7 +17,7 @@ import torch
 from engine.agents.tools import PythonTool
 from engine.client import RolloutClient, collate
 from engine.errors import ConfigError
-from engine.events.registry import ServerRegistered
+from engine.events.catalog.servers import ServerRegistered
 from engine.losses import token_log_probs
 from engine.ops.tinylm import init_model
 from engine.projections.control import ControlState

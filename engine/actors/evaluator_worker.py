@@ -46,7 +46,7 @@ Contract
   (a stale copy) runs and reaps nothing (:mod:`engine.actors.recovery`).
 * Model servers (``engine/backends/health.py``): the worker runs its pool's health probes,
   starts from the servers' state on ``rl:control`` and appends each change it sees there
-  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/servers.py``); before it
+  (``ServerDown`` / ``ServerUp`` / ``ServerStale``, ``engine/events/catalog/servers.py``); before it
   takes work it brings each server to a known version (``ServerHealth.admit``: one that
   reports none before any sync is labelled version 0), and a server comes back only at the
   active policy version. A model-server failure is retried (the turn,
@@ -87,8 +87,8 @@ from engine.backends.pool import BackendPool
 from engine.errors import ConfigError
 from engine.events.base import Event
 from engine.events.catalog import BatchAdmitted, BatchLeased
+from engine.events.catalog.servers import ServerDown, ServerStale, ServerUp
 from engine.events.log import DeadEntry, EventLog
-from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState

@@ -39,10 +39,10 @@ from engine.actors.evaluator_worker import GROUP as WORK_GROUP
 from engine.actors.planning import admission_wait
 from engine.events.base import Envelope
 from engine.events.catalog import BatchSealed
-from engine.events.diagnostics import RolloutStalled
+from engine.events.catalog.diagnostics import RolloutStalled
+from engine.events.catalog.servers import ServerDown, ServerStale, ServerUp
 from engine.events.ids import id_ms
 from engine.events.log import EventLog
-from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutState

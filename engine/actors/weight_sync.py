@@ -75,10 +75,9 @@ from engine.events.catalog import (
     WeightSyncFailed,
     WorkerParked,
 )
+from engine.events.catalog.servers import ServerDown, ServerRegistered, ServerStale
 from engine.events.ids import parse_id
 from engine.events.log import DeadEntry, EventLog
-from engine.events.registry import ServerRegistered
-from engine.events.servers import ServerDown, ServerStale
 from engine.projections.control import ControlProjection, ControlState
 from engine.runtime.consumer import Backoff, Delivery, GroupConsumer, ride_out
 from engine.runtime.follower import Follower, FollowerClosed, following

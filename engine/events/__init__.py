@@ -4,18 +4,15 @@ The log's implementations live in their own modules and are imported from there:
 ``engine.events.memory_log`` (plain Python) and ``engine.events.redis_log`` (Redis Streams,
 the only module tree that loads the redis client). Importing this package loads neither
 Redis nor a client, so the pure layers (projections, domain) can import events freely.
-Importing it registers every event class, the diagnostics too, so any reader decodes them."""
+Importing it registers every event class, so any reader decodes them."""
 
 from engine.events.arrays import LogProbs, Mask, PackedArray, TokenIds
 from engine.events.base import Envelope, Event, event_class, registered_types, upcaster
 from engine.events.catalog import *  # noqa: F403 - the catalog is the public surface
 from engine.events.catalog import __all__ as _catalog_all
 from engine.events.codec import decode, encode
-from engine.events.diagnostics import RolloutStalled
 from engine.events.log import ClaimResult, DeadEntry, EventLog
 from engine.events.names import StreamNames
-from engine.events.registry import ServerRegistered, ServerRetired
-from engine.events.servers import ServerDown, ServerStale, ServerUp
 
 __all__ = [
     "ClaimResult",
@@ -26,10 +23,6 @@ __all__ = [
     "LogProbs",
     "Mask",
     "PackedArray",
-    "RolloutStalled",
-    "ServerDown",
-    "ServerStale",
-    "ServerUp",
     "StreamNames",
     "TokenIds",
     "decode",
@@ -38,6 +31,4 @@ __all__ = [
     "registered_types",
     "upcaster",
     *_catalog_all,
-    "ServerRegistered",
-    "ServerRetired",
 ]

@@ -47,9 +47,9 @@ from engine.events import (
     SampleCompleted,
     StreamNames,
 )
+from engine.events.catalog.servers import ServerRegistered, ServerRole
 from engine.events.ids import EMPTY_ID
 from engine.events.redis_log import RedisSettings, open_log
-from engine.events.registry import ServerRegistered, ServerRole
 from engine.ops.embedded import EmbeddedRedis, redact, start_redis
 from engine.ops.processes import Processes
 from engine.ops.progress import Bar

@@ -34,8 +34,8 @@ from engine.events.catalog import (
     TokenReleased,
     TurnCompleted,
 )
+from engine.events.catalog.diagnostics import RolloutStalled
 from engine.events.codec import decode
-from engine.events.diagnostics import RolloutStalled
 from engine.events.ids import EMPTY_ID, id_ms, parse_id
 from engine.events.log import EventLog
 from engine.projections.rollout import RolloutState

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from engine.actors.weight_sync import weights_path
 from engine.errors import BackendUnavailable, ConfigError
+from engine.events.catalog.servers import ServerRegistered, ServerRetired, ServerRole
 from engine.events.log import EventLog
-from engine.events.registry import ServerRegistered, ServerRetired, ServerRole
 from engine.ops.embedded import free_port
 from engine.ops.processes import Processes
 from engine.ops.tinylm import RL_SERVER_ENV

@@ -38,10 +38,10 @@ from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.errors import DecodeError, EngineError
 from engine.events.base import Envelope
 from engine.events.catalog import RolloutRequested, SampleStarted
+from engine.events.catalog.servers import ServerDown, ServerStale, ServerUp
 from engine.events.codec import decode
 from engine.events.ids import id_ms
 from engine.events.log import EventLog
-from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.projections.base import Folded, Projection, Snapshottable, fold, start
 from engine.projections.placement import PoolProjection, PoolState
 from engine.projections.rollout import RolloutProjection, RolloutState

@@ -23,10 +23,10 @@ The state keeps:
 
 Generation may run only when no sync is open and the engine is not poisoned
 (``generation_stopped``). The fold also keeps each policy server's last word from any worker
-(``servers``: ``ServerUp`` / ``ServerDown`` / ``ServerStale``, ``engine/events/servers.py``):
+(``servers``: ``ServerUp`` / ``ServerDown`` / ``ServerStale``, ``engine.events.catalog.servers``):
 while every server it knows of is down or stale, nothing may be admitted (``may_generate``),
 and a worker starts from it. ``registered`` is the servers ``rollout serve`` registered
-(``ServerRegistered`` / ``ServerRetired``, ``engine/events/registry.py``): endpoint -> its
+(``ServerRegistered`` / ``ServerRetired``, ``engine/events/catalog/servers.py``): endpoint -> its
 last registration, in the order first registered; a retired server leaves it, and its health
 word with it. The state is a frozen value; ``evolve`` returns a new one.
 """
@@ -49,8 +49,14 @@ from engine.events.catalog import (
     WeightSyncFailed,
     WorkerParked,
 )
-from engine.events.registry import ServerRegistered, ServerRetired, ServerRole
-from engine.events.servers import ServerDown, ServerStale, ServerUp
+from engine.events.catalog.servers import (
+    ServerDown,
+    ServerRegistered,
+    ServerRetired,
+    ServerRole,
+    ServerStale,
+    ServerUp,
+)
 
 __all__ = ["ControlProjection", "ControlState"]
 

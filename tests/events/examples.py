@@ -40,8 +40,13 @@ from engine.events import (
     WeightSyncFailed,
     WorkerParked,
 )
-from engine.events.registry import ServerRegistered, ServerRetired
-from engine.events.servers import ServerDown, ServerStale, ServerUp
+from engine.events.catalog.servers import (
+    ServerDown,
+    ServerRegistered,
+    ServerRetired,
+    ServerStale,
+    ServerUp,
+)
 
 
 def example_events() -> list[Event]:

@@ -23,7 +23,7 @@ from engine.events import (
     SampleCompleted,
     ServerUp,
 )
-from engine.events.registry import ServerRegistered, ServerRetired
+from engine.events.catalog.servers import ServerRegistered, ServerRetired
 from engine.ops.processes import Processes
 from engine.ops.tinylm import RL_SERVER_ENV
 from tests.redis_server import RedisServer

@@ -18,8 +18,8 @@ import pytest
 from engine.errors import ConfigError
 from engine.events.base import Envelope, Event
 from engine.events.catalog import PolicyVersionActivated, PolicyVersionPublished
+from engine.events.catalog.servers import ServerRegistered, ServerRetired
 from engine.events.log import EventLog
-from engine.events.registry import ServerRegistered, ServerRetired
 from engine.ops.processes import Processes
 from engine.ops.serve import (
     ServeConfig,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from engine.events.catalog.servers import ServerDown, ServerStale, ServerUp
 from engine.events.log import EventLog
-from engine.events.servers import ServerDown, ServerStale, ServerUp
 from engine.ops.top import TopSource, render
 
 A, B, C = "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"

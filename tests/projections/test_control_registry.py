@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.events.base import Envelope, Event
-from engine.events.registry import ServerRegistered, ServerRetired
-from engine.events.servers import ServerDown, ServerUp
+from engine.events.catalog.servers import ServerDown, ServerRegistered, ServerRetired, ServerUp
 from engine.projections.base import fold, start
 from engine.projections.control import ControlProjection, ControlState
 

@@ -24,6 +24,7 @@ from engine.events.catalog.control import (
     planned_prompts,
 )
 from engine.events.catalog.data import DataCursorAdvanced, DeadLetter, TailCarried
+from engine.events.catalog.diagnostics import RolloutStalled
 from engine.events.catalog.plan import GROUP_FIELDS as GROUP_FIELDS
 from engine.events.catalog.plan import (
     BatchSealed,
@@ -52,6 +53,14 @@ from engine.events.catalog.samples import (
     TeacherScored,
     TurnCompleted,
 )
+from engine.events.catalog.servers import (
+    ServerDown,
+    ServerRegistered,
+    ServerRetired,
+    ServerRole,
+    ServerStale,
+    ServerUp,
+)
 from engine.events.catalog.work import BatchAdmitted, CaptureRequested
 from engine.outcomes import AbortClass
 
@@ -79,10 +88,17 @@ __all__ = [
     "RolloutPlanned",
     "RolloutReady",
     "RolloutRequested",
+    "RolloutStalled",
     "SampleAborted",
     "SampleCompleted",
     "SampleStarted",
     "SampleVerified",
+    "ServerDown",
+    "ServerRegistered",
+    "ServerRetired",
+    "ServerRole",
+    "ServerStale",
+    "ServerUp",
     "TailCarried",
     "TaskFetched",
     "TaskJoined",

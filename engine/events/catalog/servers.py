@@ -1,4 +1,4 @@
-"""Model-server health as events: what a worker saw of each policy server, on ``rl:control``.
+"""The model servers on ``rl:control``: their health as workers see it, and their registry.
 
 Each evaluator worker tracks its policy servers (``engine/backends/health.py``) and appends a
 change of state when it sees one: ``ServerDown`` (a call could not connect, was cut off or
@@ -10,6 +10,11 @@ that stream: schedulers pause admission while every policy server is down
 (``engine.projections.control``), workers start from the fleet's state when they start, the
 syncer's consumer group gets each ``ServerStale`` as work, and ``rollout top`` shows them.
 The latest event about an endpoint, from any worker, is the fleet's word on it.
+
+A supervisor (``rollout serve``) appends ``ServerRegistered`` each time a server it runs
+answers (at start and after every restart) and ``ServerRetired`` when it stops one for good;
+workers and the syncer fold them (``engine.projections.control``) to find the servers
+instead of reading them from flags.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from typing import Literal
 
 from engine.events.base import Event
 
-__all__ = ["ServerDown", "ServerStale", "ServerUp"]
+__all__ = [
+    "ServerDown", "ServerRegistered", "ServerRetired", "ServerRole", "ServerStale", "ServerUp",
+]
 
 
 class ServerDown(Event):
@@ -51,4 +58,30 @@ class ServerStale(Event):
     worker: str
     weight_version: int | None = None
     active: int
+    reason: str = ""
+
+
+ServerRole = Literal["policy", "teacher"]
+
+
+class ServerRegistered(Event):
+    """``endpoint`` (a base URL) serves ``role`` with ``backend`` (``tinylm``, ``sglang``),
+    started by ``supervisor`` at ``weight_version`` (the policy version it loaded; None for
+    a teacher). A later one for the same endpoint replaces it (a restart)."""
+
+    type: Literal["ServerRegistered"] = "ServerRegistered"
+    endpoint: str
+    role: ServerRole = "policy"
+    backend: str
+    supervisor: str
+    weight_version: int | None = None
+    pid: int | None = None
+
+
+class ServerRetired(Event):
+    """``endpoint`` was stopped for good by ``supervisor`` (``reason`` says why)."""
+
+    type: Literal["ServerRetired"] = "ServerRetired"
+    endpoint: str
+    supervisor: str
     reason: str = ""
