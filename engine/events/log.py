@@ -233,7 +233,10 @@ class EventLog(Protocol):
         count: int = 100,
         ack_dead: bool = True,
     ) -> ClaimResult:
-        """Take over entries idle past ``min_idle_ms``, one more delivery each."""
+        """Take over entries idle past ``min_idle_ms``, one more delivery each. Idle time
+        counts only while the server was up: a server restarted less than ``min_idle_ms``
+        ago (its entries' idle times span the restart, their owners had no window to renew
+        them) gives only what was handed back yet."""
 
     async def read_own_pending(
         self,

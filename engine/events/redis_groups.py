@@ -63,6 +63,7 @@ class RedisGroups(LogBase):
         self._hand_back = self._r.register_script(lua.HAND_BACK)
         self._dead_script = self._r.register_script(lua.DEAD_LETTER)
         self._once = self._r.register_script(lua.ONCE)
+        self._no_uptime = False
 
     def _io(self, what: str) -> AbstractContextManager[None]:
         return translate(what, self.endpoint)
@@ -131,6 +132,9 @@ class RedisGroups(LogBase):
         count: int = 100,
         ack_dead: bool = True,
     ) -> ClaimResult:
+        up_ms = await self._up_ms()
+        if up_ms is not None and up_ms < min_idle_ms + 1000:  # INFO counts whole seconds
+            min_idle_ms = HAND_BACK_IDLE_MS  # only what was handed back: nobody renews it
         start = EMPTY_ID
         rows: list[Row] = []
         while len(rows) < count:
@@ -147,6 +151,26 @@ class RedisGroups(LogBase):
                 break
             start = next_start
         return await self._check_deliveries(stream, group, rows, ack_dead=ack_dead)
+
+    async def _up_ms(self) -> int | None:
+        """How long the server has been up (the least of a cluster's nodes), from ``INFO
+        server``; None where it does not say (fakeredis), asked once."""
+        if self._no_uptime:
+            return None
+        try:
+            with self._io("INFO server"):
+                info = await self._r.info("server")
+        except LogUnavailable:
+            raise
+        except LogError:
+            info = {}
+        nodes = [info] if "uptime_in_seconds" in info else list(info.values())
+        ups = [int(n["uptime_in_seconds"]) for n in nodes
+               if isinstance(n, dict) and "uptime_in_seconds" in n]
+        if not ups:
+            self._no_uptime = True
+            return None
+        return min(ups) * 1000
 
     async def read_own_pending(
         self,

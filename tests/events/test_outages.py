@@ -340,3 +340,33 @@ async def test_work_whose_lease_another_consumer_took_is_stopped_here(
     assert served.failed == 1 and served.handed_back == 0
     # nothing given back over its head
     assert list(await _held(log, "thief")) == [entry_id] and await _held(log) == {}
+
+
+async def test_nothing_is_claimed_until_a_restarted_redis_has_been_up_a_whole_window(
+    restartable: RestartableRedis,
+) -> None:
+    # Redis keeps an entry's idle time across a restart, so right after one every live
+    # owner's entries look idle; a consumer that never saw the outage (one started just
+    # then) must not take them before their owners have had a window to renew them.
+    log = RedisEventLog(connect(RedisSettings(url=restartable.url)))
+    try:
+        await log.ensure_group(S, "g")
+        await log.append(S, RolloutFailed(rollout_id="r", reason="x"))
+        [held] = await log.read_group("g", "owner", [S], block_ms=10)
+        await asyncio.sleep(0.5)  # idle past the window
+        restartable.stop()
+        restartable.start()
+        assert (await log.claim_idle(S, "g", "fresh", min_idle_ms=400)).entries == []
+        assert list(await _held(log, "owner")) == [held.id]
+        # What an owner handed back nobody renews: that is claimable at once all the same.
+        await log.append(S, RolloutFailed(rollout_id="back", reason="x"))
+        [back] = await log.read_group("g", "stopping", [S], block_ms=10)
+        assert await log.hand_back(S, "g", "stopping", [back.id]) == []
+        [taken] = (await log.claim_idle(S, "g", "fresh", min_idle_ms=400)).entries
+        assert taken.id == back.id
+        await log.ack(S, "g", back.id)
+        await asyncio.sleep(2.1)  # up a window (and INFO's whole second) since; no renewal
+        claimed = await log.claim_idle(S, "g", "fresh", min_idle_ms=400)
+        assert [e.id for e in claimed.entries] == [held.id]
+    finally:
+        await log.aclose()
