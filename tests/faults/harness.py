@@ -46,6 +46,7 @@ from typing import Any
 from engine.client import RolloutClient
 from engine.events import DeadLetter
 from engine.events.codec import decode
+from engine.events.ids import parse_id
 from engine.events.redis_log import RedisSettings, connect, open_log
 from engine.ops.embedded import free_port
 from engine.ops.processes import Processes
@@ -353,6 +354,12 @@ async def _inject_garbage(
         junk = bytes(rng.randrange(256) for _ in range(rng.randint(1, 24))) + b"\xc1"
         entry_id = await raw.xadd(stream, {b"e": junk})
         injected.append((stream, entry_id.decode()))
+    if open_rids:  # the rollout may have been decided since: then nothing reads the entry
+        rollout_stream, garbage_id = injected[-1]
+        decided = [e.id for e in await client.log.read_all(rollout_stream)
+                   if e.event.type in ("RolloutReady", "RolloutFailed")]
+        if decided and parse_id(decided[0]) < parse_id(garbage_id):
+            injected.pop()
     return injected
 
 
