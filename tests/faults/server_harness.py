@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import signal
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +61,7 @@ from engine.events import (
 from engine.events.ids import id_ms
 from engine.ops.embedded import EmbeddedRedis, start_redis_server
 from engine.ops.processes import Processes
+from tests.faults.harness import _records, _until
 from tests.faults.policy import EVALUATOR, RECORD_ENV, TURNS
 from workers.cli import ROLLOUT
 
@@ -250,20 +249,6 @@ class Report:
 
 
 FAULTS = ("kill-one", "stop-one", "kill-both", "older-weights")
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def run_scenario(seed: int, model: Path, workload: Workload | None = None,
