@@ -188,7 +188,7 @@ class EngineArm:
         }
 
     async def _play(self, rid: str) -> float:
-        from tests.rollout.play import play_scheduler
+        from tests.actors.play import play_scheduler
 
         assert self.client is not None
         log = self.client.log

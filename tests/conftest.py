@@ -302,3 +302,8 @@ def teacher_server(teacher_dir: Path) -> Iterator[ServerProcess]:
     """A tinylm server subprocess on the module's own ``teacher_dir`` fixture."""
     with spawn_server(teacher_dir, port=0) as proc:
         yield proc
+
+
+# The engine rig's fixtures (an in-process engine, the engine's processes, evaluator specs),
+# for every test folder.
+from tests.rig import engine, procs, specs  # noqa: E402, F401

@@ -358,7 +358,7 @@ def trusted(cls: type[_E], values: dict[str, Any], fields_set: frozenset[str]) -
     check them again. ``values`` holds every field, in the class's field order (check the
     layout once with :func:`field_layout`); ``fields_set`` is the keys the validated
     construction would have been passed. The result equals ``cls(**passed)`` field for
-    field (``tests/rollout/test_outcomes.py`` holds the sample path to that)."""
+    field (``tests/actors/test_outcomes.py`` holds the sample path to that)."""
     event = _new(cls)
     _set(event, "__dict__", values)
     _set(event, "__pydantic_fields_set__", set(fields_set))

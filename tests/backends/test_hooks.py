@@ -25,7 +25,7 @@ from engine.backends import (
 from engine.errors import BackendHTTPError
 from engine.events import PolicyVersionPublished, RolloutRequested
 from engine.outcomes import TerminationReason
-from tests.rollout.conftest import control_with
+from tests.rig import control_with
 
 URL = "http://api.test/v1"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]

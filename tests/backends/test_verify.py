@@ -247,7 +247,7 @@ async def test_a_sample_without_a_token_backend_is_skipped_not_failed(tinylm_dir
 
 @pytest.fixture(scope="module")
 def specs_scripted() -> Any:
-    from tests.rollout.conftest import EVALUATOR_CONFIG
+    from tests.rig import EVALUATOR_CONFIG
 
     return load_evaluators(EVALUATOR_CONFIG, None)
 

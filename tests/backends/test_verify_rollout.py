@@ -1,7 +1,7 @@
 """The verification boundary through the engine: in-process evaluator workers and finalizers
-on Redis, a real tinylm server to re-score on, and the scripted agent of ``tests/rollout``.
+on Redis, a real tinylm server to re-score on, and the scripted agent of ``tests/actors``.
 
-The scripted agent's logprobs are made up (``tests/rollout/fixtures/agents.py``), so a
+The scripted agent's logprobs are made up (``tests/actors/fixtures/agents.py``), so a
 re-score on the real server differs from them: exactly a server whose re-score disagrees with
 what was recorded. Past the threshold the rollout fails with the numbers; under a threshold
 above those deltas it is ready, with the checks folded into its metrics.
@@ -25,7 +25,7 @@ from engine.errors import RolloutFailed
 from engine.events import EventLog, SampleCompleted, SampleVerified
 from engine.ops.replay import replay_state
 from engine.projections.summary import build_summary
-from tests.rollout.conftest import (  # noqa: F401, F811  (fixtures)
+from tests.rig import (  # noqa: F401, F811  (fixtures)
     BLOCK_MS,
     CLAIM_IDLE_MS,
     HEARTBEAT_MS,

@@ -30,7 +30,7 @@ from engine.projections.samples import trainer_samples
 from engine.tasks import EVALUATOR_CONFIG
 from tests.agents.conftest import MATH_EPISODE, MATH_QUESTION
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import events_of, launcher, start_finalizer
+from tests.rig import events_of, launcher, start_finalizer
 from tinylm.process import ServerProcess, spawn_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server]

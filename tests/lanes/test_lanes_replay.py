@@ -31,8 +31,8 @@ from engine.ops.replay import (
 from engine.projections.lanes import TEACHER_SENTINEL
 from engine.projections.samples import trainer_samples
 from engine.projections.summary import ARTIFACT_FILES
+from tests.actors.play import plan_events
 from tests.lanes.trajectories import completed, request
-from tests.rollout.play import plan_events
 
 TRAJECTORIES = [
     [("t", 2), ("o", 1), ("s", 2), ("o", 1), ("t", 1)],

@@ -26,9 +26,9 @@ from engine.events import (
 from engine.events.catalog.servers import ServerRegistered, ServerRetired
 from engine.ops.processes import Processes
 from engine.ops.tinylm import RL_SERVER_ENV
+from tests.actors.play import play_scheduler
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import launcher
-from tests.rollout.play import play_scheduler
+from tests.rig import launcher
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from engine.client import RolloutClient
 from engine.events import EventLog
 from engine.tasks import EVALUATOR_CONFIG
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import launcher
+from tests.rig import launcher
 
 pytestmark = [pytest.mark.redis_server, pytest.mark.slow]
 

@@ -46,7 +46,7 @@ def test_the_worker_refuses_docker_without_an_image(
 ) -> None:
     for name in ("ROLLOUT_DOCKER_IMAGE", "ROLLOUT_SANDBOX"):
         monkeypatch.delenv(name, raising=False)
-    config = "tests/rollout/fixtures/docker_evaluators.py"
+    config = "tests/actors/fixtures/docker_evaluators.py"
     code = main(["--evaluator-config", config, "--sandbox", "docker", "--quiet"])
     assert code == 2
     assert "--docker-image" in capsys.readouterr().err

@@ -35,7 +35,7 @@ from engine.projections.placement import (
     try_acquire_batch,
 )
 from tests.conftest import ClientFactory
-from tests.rollout.conftest import Engine
+from tests.rig import Engine
 from tests.scheduler.helpers import (
     FIXTURES,
     fresh_client_log,

@@ -18,7 +18,7 @@ from engine.actors.scheduler import SCHEDULER_GROUP
 from engine.events import Envelope, EventLog
 from engine.ops.processes import Processes
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import launcher
+from tests.rig import launcher
 from tests.scheduler.helpers import (
     EVALUATORS,
     FIXTURES,

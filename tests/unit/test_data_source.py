@@ -15,7 +15,7 @@ from engine.data_source import (
 )
 from engine.domain import DatasetEntry, EvalDatasetConfig
 from engine.errors import ConfigError
-from tests.unit.fakes import write_jsonl
+from tests.fakes import write_jsonl
 
 
 def _entry(tmp_path: Path, name: str, n_rows: int, **fields: object) -> DatasetEntry:

@@ -26,7 +26,7 @@ from engine.domain import (
 )
 from engine.errors import ConfigError
 from engine.outcomes import AbortClass, FailureClass
-from tests.unit.fakes import FixedAgent
+from tests.fakes import FixedAgent
 
 
 def _dataset(**overrides: object) -> DatasetEntry:
