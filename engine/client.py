@@ -36,6 +36,11 @@ Contract
   sub-samples are shuffled across the whole rollout: its plan is made first (the
   completed trajectories read back a page at a time, each kept as its chunks' bounds),
   then each chunk of the plan reads back and builds its parents.
+* ``reuse(source, iteration=...)`` makes a rollout of a stored one (a ready rollout's id on
+  this log, or an archive file) instead of generating it: ready at once, loaded like any
+  other, its stream headed by ``RolloutReused`` naming the source
+  (:mod:`engine.runtime.reuse`, which also has ``load_archive``, samples straight from an
+  archive file, and ``reuse_source``, the stored rollout of an iteration).
 * ``collate(samples)`` right-pads samples into tensors (:mod:`engine.collate`).
 * ``SyncRolloutClient`` offers the same calls for synchronous trainer loops; it runs the
   async client on a private event loop.
@@ -83,6 +88,7 @@ from engine.runtime.consumer import Backoff, ride_out
 from engine.runtime.follower import Follower
 from engine.runtime.readback import LoadFollower, StreamLoad, iter_samples, load_samples, scan
 from engine.runtime.rebuild import gc_paused
+from engine.runtime.reuse import archive_files, load_archive, reuse_rollout, reuse_source
 from engine.sample import Sample
 from engine.settings import Settings
 
@@ -93,7 +99,10 @@ __all__ = [
     "RolloutClient",
     "SyncRefillLoop",
     "SyncRolloutClient",
+    "archive_files",
     "collate",
+    "load_archive",
+    "reuse_source",
 ]
 
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
@@ -342,6 +351,14 @@ class RolloutClient:
         finally:
             await chunks.aclose()
 
+    async def reuse(self, source: str, *, iteration: int, rollout_id: str | None = None) -> str:
+        """A rollout made of the stored rollout ``source`` (a ready rollout's id on this log,
+        or an archive file) instead of a generated one; returns its id (given, or
+        ``it<iteration>-reuse-<random hex>``), ready at once (:mod:`engine.runtime.reuse`)."""
+        rid = rollout_id or f"it{iteration}-reuse-{secrets.token_hex(4)}"
+        await reuse_rollout(self.log, source, rollout_id=rid, iteration=iteration)
+        return rid
+
 
 @dataclass(frozen=True, slots=True)
 class Iteration:
@@ -493,6 +510,12 @@ class SyncRolloutClient:
                     return
         finally:
             self._runner.run(chunks.aclose())
+
+    def reuse(self, source: str, *, iteration: int, rollout_id: str | None = None) -> str:
+        """See :meth:`RolloutClient.reuse`."""
+        return self._runner.run(
+            self._client.reuse(source, iteration=iteration, rollout_id=rollout_id)
+        )
 
     def close(self) -> None:
         self._runner.run(self._client.aclose())

@@ -76,6 +76,8 @@ ROUTES: dict[str, Route] = {
                             "folds the rest into `RolloutReady.metrics`)"),
     "RolloutReady": Route("`rl:{rollout:ID}`, then a copy on `rl:control`", "the finalizer",
                           "the trainer (`wait_ready`), `rollout status`"),
+    "RolloutReused": Route("`rl:{rollout:ID}` (its first entry)", "the trainer (`reuse`)",
+                           "replay and operators: where a reused rollout's data came from"),
     "RolloutFailed": Route("`rl:{rollout:ID}` and `rl:control`",
                            "the scheduler, the finalizer, a capture worker, or an evaluator "
                            "worker whose policy servers stayed down past the outage limit",

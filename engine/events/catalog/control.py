@@ -127,6 +127,25 @@ def _rollout_ready_v1(payload: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
+class RolloutReused(Event):
+    """Rollout ``rollout_id`` (iteration ``iteration``) is a stored rollout reused instead of
+    generated (``engine.runtime.reuse``): the first entry of its stream, followed by the
+    source's events. ``source`` is the rollout id or archive path as given, ``source_kind``
+    ``rollout`` or ``archive``, ``source_sha256`` the SHA-256 of the source's raw entries (each
+    prefixed by its length, 8 bytes little-endian); ``n_skipped`` entries of the source did not
+    decode and were left out."""
+
+    type: Literal["RolloutReused"] = "RolloutReused"
+    rollout_id: str
+    iteration: int = 0
+    source: str
+    source_kind: Literal["rollout", "archive"]
+    source_rollout_id: str
+    source_sha256: str
+    n_events: int
+    n_skipped: int = 0
+
+
 class RolloutFailed(Event):
     type: Literal["RolloutFailed"] = "RolloutFailed"
     rollout_id: str
