@@ -385,3 +385,27 @@ def test_a_correction_that_would_cut_on_policy_tokens_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         Correction(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_trl_style_adapter_calls_the_corrections_on_the_response_layout() -> None:
+    from docs.examples.trainer_adapters import (
+        TRL_IMPORTANCE_SAMPLING_MODES,
+        off_policy_grpo_loss,
+        split_prompt_response,
+    )
+    from engine.client import collate
+    from engine.sample import Sample
+
+    sample = Sample(index=0, group_index=0, tokens=[5, 6, 7, 8], response_length=2,
+                    loss_mask=[1, 1], rollout_log_probs=[0.0, 0.0], token_versions=[3, 2])
+    parts = split_prompt_response(collate([sample]))
+    assert parts["response_versions"].tolist() == [[3, 2]]
+    old = logs([[1.5, 4.0]], grad=False)  # the trainer before the update: ratios 1.5 and 4
+    s = old.clone().requires_grad_(True)
+    out = off_policy_grpo_loss(s, old, parts["response_log_probs"], torch.tensor([1.0]),
+                               parts["response_mask"],
+                               correction=TRL_IMPORTANCE_SAMPLING_MODES["token_truncate"],
+                               versions=parts["response_versions"], proximal_version=3)
+    # token 0 was sampled at the proximal version: proximal = sampler, the trainer's ratio
+    # 1.5 is clipped to 1.2 with weight 1; token 1: ratio 1 to the proximal, weight min(4, 2)
+    assert out.loss.item() == pytest.approx(-(1.2 + 2.0) / 2)
