@@ -17,17 +17,19 @@ import torch
 from engine.agents.tools import PythonTool
 from engine.client import RolloutClient, collate
 from engine.errors import ConfigError
+from engine.events.catalog import RolloutReady
 from engine.events.catalog.servers import ServerRegistered
-from engine.losses import token_log_probs
+from engine.losses import Correction, token_log_probs
 from engine.ops.tinylm import init_model
 from engine.projections.control import ControlState
 from engine.projections.lanes import TEACHER_SENTINEL
+from engine.sample import Sample
 from engine.tasks.evaluators import MATH_SYSTEM_PROMPT
 from tinylm.corpus import Dialogue
 from tinylm.model import ModelSize, TrainSettings
-from trainer.cli import build_parser, train_on_stack
-from trainer.loop import lane_loss
-from trainer.policy import load_model, tokenizer_vocab_size
+from trainer.cli import build_parser, loop_config, train_on_stack
+from trainer.loop import LoopConfig, lane_loss, train
+from trainer.policy import Policy, load_model, tokenizer_vocab_size
 from trainer.stack import start_stack
 
 
@@ -114,6 +116,111 @@ def test_a_wait_ends_with_the_error_of_a_stack_process_that_died() -> None:
     cancelled, checks = asyncio.run(scenario())
     assert cancelled and checks == 2  # the wait was cancelled, not left running
     assert asyncio.run(watched(asyncio.sleep(0, result=7), lambda: None)) == 7
+
+
+class ReadyRollouts:
+    """A rollout source that hands out the same samples for every request (the loop's
+    ``Rollouts``), recording what was asked."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+        self.requests: list[dict[str, object]] = []
+
+    async def request(self, **params: object) -> str:
+        self.requests.append(params)
+        return f"r{len(self.requests)}"
+
+    async def wait_load(
+        self, rollout_id: str, timeout: float | None = None
+    ) -> tuple[RolloutReady, list[Sample]]:
+        ids = [f"{rollout_id}-{s.index}" for s in self.samples]
+        return RolloutReady(rollout_id=rollout_id, sample_ids=ids), self.samples
+
+
+class Published:
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    async def publish(self, version: int, weights_uri: str) -> None:
+        self.versions.append(version)
+
+
+@pytest.fixture(scope="module")
+def tiny_student(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("corrections") / "student"
+    init_model(model, seed=0, train_steps=0)
+    return model
+
+
+# Per response token: the sampler's logprob is the trainer's minus log of these ratios
+# (trainer / sampler), and the version that sampled it (0: the trainer's, -1: unknown).
+RATIOS = (1.0, 3.0, 8.0, 0.25)
+VERSIONS = (0, -1, -1, 0)
+
+
+@pytest.fixture(scope="module")
+def off_policy_samples(tiny_student: Path) -> list[Sample]:
+    """Two groups of two samples of 3 prompt + 4 response tokens whose rollout logprobs put
+    the trainer's ratios at ``RATIOS``: 3 and 8 over the cap 2, 8 and 1/4 outside ICEPOP's
+    band [0.5, 5]."""
+    def sample(i: int, **arrays: object) -> Sample:
+        return Sample(index=i, group_index=i // 2, tokens=[5, 6, 7, 10 + i, 20 + i, 30, 40],
+                      response_length=4, loss_mask=[1, 1, 1, 1], reward=float(i % 2),
+                      **arrays)  # type: ignore[arg-type]
+
+    with torch.no_grad():
+        bare = collate([sample(i) for i in range(4)])
+        trainer = Policy(tiny_student, lr=1e-3, seed=0).log_probs(bare)
+    return [sample(i, rollout_log_probs=[float(trainer[i, 3 + t]) - math.log(RATIOS[t])
+                                         for t in range(4)],
+                   token_versions=list(VERSIONS)) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "truncated", "masked"),
+    [
+        ([], 0.0, 0.0),
+        (["--correction", "tis"], 0.5, 0.0),
+        (["--correction", "tis", "--correction-level", "sequence"], 1.0, 0.0),
+        (["--correction", "mis", "--is-cap", "2"], 0.0, 0.5),
+        (["--correction", "icepop", "--icepop-band", "0.5,5"], 0.0, 0.5),
+        (["--decoupled", "--correction", "tis"], 0.5, 0.0),
+    ],
+)
+def test_a_training_step_with_each_correction_reports_its_metrics(
+    tiny_student: Path, off_policy_samples: list[Sample], tmp_path: Path, flags: list[str],
+    truncated: float, masked: float,
+) -> None:
+    args = build_parser().parse_args(["--algorithm", "grpo", "--iterations", "1",
+                                      "--no-eval", "--steps-per-rollout", "2", *flags])
+    config = loop_config(args)
+    rollouts, published = ReadyRollouts(off_policy_samples), Published()
+    rows = asyncio.run(train(rollouts, Policy(tiny_student, lr=1e-3, seed=0), published, config,
+                             weights_dir=tmp_path / "weights", pad_token_id=0,
+                             on_row=lambda row: None))
+    (row,) = rows
+    assert published.versions == [1] and rollouts.requests[0]["algorithm"] == "grpo"
+    assert row["correction"] == f"{args.correction}/{args.correction_level}"
+    assert row["decoupled"] is args.decoupled
+    # Every share over the 16 response tokens: the decoupled proximal policy takes the
+    # rollout's value on the version-0 tokens (ratios 1 and 1/4 there become 1), the others
+    # keep the trainer's; a sequence's product (6) exceeds the cap on all its tokens.
+    assert row["is_truncated"] == pytest.approx(truncated)
+    assert row["is_masked"] == pytest.approx(masked)
+    kl = sum(r - math.log(r) - 1 for r in RATIOS) / 4
+    assert row["mismatch_kl"] == pytest.approx(kl, rel=1e-4)
+    assert 0.0 < row["is_ess"] <= 1.0 and math.isfinite(row["loss"]) and row["tokens"] == 16
+
+
+def test_a_correction_outside_grpo_or_out_of_range_fails_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match="applies to grpo"):
+        loop_config(build_parser().parse_args(["--algorithm", "opd", "--correction", "tis"]))
+    with pytest.raises(ConfigError, match="cap must be"):
+        loop_config(build_parser().parse_args(["--correction", "mis", "--is-cap", "0.5"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--icepop-band", "0.5"])
+    assert LoopConfig(algorithm="grpo", iterations=1,
+                      correction=Correction("icepop")).corrected
 
 
 def server_log_probs(url: str, tokens: list[int]) -> list[float]:

@@ -2,6 +2,7 @@
 
     python -m trainer --algorithm grpo --iterations 30
     python -m trainer --algorithm opd --iterations 60 --steps-per-rollout 2
+    python -m trainer --algorithm grpo --correction tis --is-cap 2 --decoupled
 
 Builds (once, into ``--models-dir``) a student tinylm trained for ``--student-steps`` and,
 for ``opd`` / ``mixed`` or ``--teacher-eval``, a teacher trained for ``--teacher-steps`` from
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 
 from engine.client import RolloutClient
-from engine.errors import EngineError
+from engine.errors import ConfigError, EngineError
+from engine.losses import CORRECTION_LEVELS, CORRECTION_MODES, Correction
 from engine.ops.demo import say
 from trainer.loop import ALGORITHMS, TEACHER_ALGORITHMS, LoopConfig, evaluate, train
 from trainer.policy import FrozenModel, Policy
@@ -35,7 +37,7 @@ from trainer.publish import DiskPushPublisher, VersionPublisher
 from trainer.report import MetricsWriter, plot
 from trainer.stack import TrainStack, ensure_model, start_stack
 
-__all__ = ["build_parser", "main", "run", "stop_on_signals", "train_on_stack"]
+__all__ = ["build_parser", "loop_config", "main", "run", "stop_on_signals", "train_on_stack"]
 
 KL_LABELS = {
     "grpo": "KL(policy || initial policy), K3 on sampled tokens",
@@ -73,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip")
     p.add_argument("--steps-per-rollout", type=int, default=1,
                    help="optimizer steps on each rollout's batch (PPO epochs)")
+    p.add_argument("--correction", choices=CORRECTION_MODES, default="none",
+                   help="grpo: off-policy correction of the policy-gradient term "
+                        "(docs/trainers.md, Off-policy corrections)")
+    p.add_argument("--correction-level", choices=CORRECTION_LEVELS, default="token",
+                   help="grpo: importance weights per token or per sequence (their product)")
+    p.add_argument("--is-cap", type=float, default=2.0,
+                   help="grpo: the importance-weight cap C of tis (truncate) and mis (mask)")
+    p.add_argument("--icepop-band", type=_band, default=(0.5, 5.0), metavar="LOW,HIGH",
+                   help="grpo: icepop keeps tokens whose ratio lies in [LOW, HIGH]")
+    p.add_argument("--decoupled", action="store_true",
+                   help="grpo: decoupled PPO, the proximal policy's logprobs recomputed "
+                        "before each update")
     p.add_argument("--eval-every", type=int, default=5,
                    help="eval pass every N iterations (and before the first, after the last)")
     p.add_argument("--eval-samples-per-prompt", type=int, default=4,
@@ -93,6 +107,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait per rollout")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     return p
+
+
+def _band(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LOW,HIGH (two numbers), got {text!r}"
+        ) from None
+    return low, high
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    """The loop's configuration from the command line; a ``ConfigError`` names a bad one."""
+    try:
+        correction = Correction(args.correction, level=args.correction_level, cap=args.is_cap,
+                                band=args.icepop_band)
+    except ValueError as exc:
+        raise ConfigError(f"--correction {args.correction}: {exc}") from None
+    return LoopConfig(
+        algorithm=args.algorithm, iterations=args.iterations, n_prompts=args.prompts,
+        samples_per_prompt=args.samples_per_prompt, clip_eps=args.clip_eps,
+        steps_per_rollout=args.steps_per_rollout,
+        seed=args.seed, eval_every=args.eval_every, eval_passes=not args.no_eval,
+        eval_samples_per_prompt=args.eval_samples_per_prompt,
+        timeout_s=args.timeout,
+        datasets=args.datasets.split(",") if args.datasets else None,
+        knobs=_knobs(args), correction=correction, decoupled=args.decoupled,
+    )
 
 
 def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
@@ -144,16 +187,7 @@ async def train_on_stack(
             await direct.load(str(student), label="0")
         policy = Policy(student, lr=args.lr, seed=args.seed)
         reference = FrozenModel(student) if args.algorithm == "grpo" else None
-        config = LoopConfig(
-            algorithm=args.algorithm, iterations=args.iterations, n_prompts=args.prompts,
-            samples_per_prompt=args.samples_per_prompt, clip_eps=args.clip_eps,
-            steps_per_rollout=args.steps_per_rollout,
-            seed=args.seed, eval_every=args.eval_every, eval_passes=not args.no_eval,
-            eval_samples_per_prompt=args.eval_samples_per_prompt,
-            timeout_s=args.timeout,
-            datasets=args.datasets.split(",") if args.datasets else None,
-            knobs=_knobs(args),
-        )
+        config = loop_config(args)
 
         def on_row(row: dict[str, Any]) -> None:
             metrics.write(row)
@@ -174,6 +208,8 @@ async def train_on_stack(
     kls = [r["kl"] for r in rows if "kl" in r]
     summary = {
         "algorithm": args.algorithm,
+        **({"correction": f"{config.correction.mode}/{config.correction.level}",
+            "decoupled": config.decoupled} if args.algorithm == "grpo" else {}),
         "iterations": args.iterations,
         "eval_reward_first": evals[0] if evals else None,
         "eval_reward_last": evals[-1] if evals else None,
@@ -199,6 +235,7 @@ async def train_on_stack(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole run (models, stack, training); returns the summary. Stops what it started."""
     workdir: Path = (args.workdir or Path(f"runs/train-{args.algorithm}")).resolve()
+    loop_config(args)  # a bad configuration fails before any model or process starts
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.torch_threads)
     student, teacher = _models(args)

@@ -7,8 +7,11 @@ One iteration (``train``):
    it is written (a ``RolloutFailed`` ends the run with the engine's reason);
 3. ``collate``;
 4. the student's logprobs on the sampled tokens, the lane's loss (:func:`lane_loss`) and an
-   optimizer step, ``steps_per_rollout`` times on the same batch (the metrics are the first
-   step's: the loss and KL of the policy that sampled the rollout);
+   optimizer step, ``steps_per_rollout`` times on the same batch (:func:`optimize`; the
+   metrics are the first step's: the loss and KL of the policy that sampled the rollout).
+   GRPO takes an off-policy :class:`~engine.losses.Correction` and, with ``decoupled``,
+   recomputes the proximal policy's logprobs before the update (docs/trainers.md,
+   "Off-policy corrections");
 5. the new weights saved as ``weights/v<v+1>`` and ``publisher.publish(v + 1, folder)``: the
    next request samples them.
 
@@ -23,23 +26,25 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from engine.client import RolloutClient, collate
+from engine.client import collate
 from engine.errors import ConfigError
-from engine.events.catalog import RolloutKind
+from engine.events.catalog import RolloutKind, RolloutReady
 from engine.losses import (
+    Correction,
     LossOutput,
     group_advantages,
     grpo_loss,
     k3,
     k3_loss,
     mixed_ce_k3_loss,
+    proximal_log_probs,
     token_mean,
 )
 from engine.projections.samples import scalar_reward
@@ -47,7 +52,7 @@ from engine.sample import Sample
 from trainer.policy import FrozenModel, Policy
 from trainer.publish import Publisher
 
-__all__ = ["ALGORITHMS", "LoopConfig", "evaluate", "lane_loss", "train"]
+__all__ = ["ALGORITHMS", "LoopConfig", "Rollouts", "evaluate", "lane_loss", "optimize", "train"]
 
 ALGORITHMS: dict[str, str] = {"grpo": "grpo", "opd": "opd", "mixed": "mixed_ce_k3"}
 """The trainer's ``--algorithm`` and the request's ``algorithm`` (which picks the lane)."""
@@ -55,6 +60,21 @@ ALGORITHMS: dict[str, str] = {"grpo": "grpo", "opd": "opd", "mixed": "mixed_ce_k
 TEACHER_ALGORITHMS = frozenset({"opd", "mixed"})
 
 T = TypeVar("T")
+
+
+class Rollouts(Protocol):
+    """What the loop asks of its rollout source: ``RolloutClient``'s request and load."""
+
+    async def request(
+        self, *, iteration: int, n_prompts: int, n_samples_per_prompt: int | None = None,
+        policy_version: int = 0, knobs: Mapping[str, Any] | None = None,
+        kind: RolloutKind | str = RolloutKind.TRAIN, seed: int = 0,
+        datasets: Sequence[str] | None = None, algorithm: str = "grpo",
+    ) -> str: ...
+
+    async def wait_load(
+        self, rollout_id: str, timeout: float | None = None
+    ) -> tuple[RolloutReady, list[Sample]]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +92,8 @@ class LoopConfig:
     timeout_s: float = 900.0
     datasets: Sequence[str] | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
+    correction: Correction = field(default_factory=Correction)  # grpo only
+    decoupled: bool = False  # grpo only: recompute the proximal policy before the update
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -82,6 +104,16 @@ class LoopConfig:
             raise ConfigError(f"iterations must be >= 1, got {self.iterations}")
         if self.steps_per_rollout < 1:
             raise ConfigError(f"steps_per_rollout must be >= 1, got {self.steps_per_rollout}")
+        if self.algorithm != "grpo" and (self.correction.mode != "none" or self.decoupled):
+            raise ConfigError(
+                f"an off-policy correction (correction {self.correction.mode!r}, decoupled "
+                f"{self.decoupled}) applies to grpo's policy-gradient ratio; algorithm "
+                f"{self.algorithm!r} has none"
+            )
+
+    @property
+    def corrected(self) -> bool:
+        return self.correction.mode != "none" or self.decoupled
 
 
 def _need(batch: dict[str, torch.Tensor], algorithm: str, *keys: str) -> None:
@@ -102,12 +134,16 @@ def lane_loss(
     groups: torch.Tensor,
     clip_eps: float = 0.2,
     reference_log_probs: torch.Tensor | None = None,
+    correction: Correction | None = None,
+    proximal: torch.Tensor | None = None,
 ) -> LossOutput:
     """The loss of ``algorithm``'s lane on a collated ``batch`` (docs/trainers.md, Losses).
 
     Rows with ``remove_sample`` take no part. ``grpo``: group-normalized advantages over
-    ``groups`` and the clipped ratio against ``rollout_log_probs`` over ``loss_mask``; with
-    ``reference_log_probs`` the metric ``kl`` is K3 of the policy against that reference.
+    ``groups`` and the clipped ratio against ``rollout_log_probs`` over ``loss_mask``, or,
+    with ``correction`` / ``proximal``, against the proximal policy with importance weights
+    (``engine.losses.grpo_loss``); with ``reference_log_probs`` the metric ``kl`` is K3 of
+    the policy against that reference.
     ``opd``: K3 against ``teacher_log_probs`` over ``action_mask`` (``loss_mask`` when the
     batch has none: the capture lane already made it the action mask). ``mixed``: the
     sentinel kernel over ``action_mask`` or ``is_teacher_mask`` (the mixed lane's
@@ -119,7 +155,8 @@ def lane_loss(
     if algorithm == "grpo":
         adv = group_advantages(batch["rewards"], groups, valid=valid)
         mask = batch["loss_mask"] * rows
-        out = grpo_loss(log_probs, batch["rollout_log_probs"], adv, mask, clip_eps=clip_eps)
+        out = grpo_loss(log_probs, batch["rollout_log_probs"], adv, mask, clip_eps=clip_eps,
+                        correction=correction, proximal=proximal)
         if reference_log_probs is not None:
             kl = token_mean(k3(log_probs.detach(), reference_log_probs), mask)
             out.metrics["kl"] = float(kl)
@@ -140,6 +177,45 @@ def lane_loss(
         trained = (batch["action_mask"] + batch["is_teacher_mask"]).clamp(max=1).to(rows.dtype)
         return mixed_ce_k3_loss(log_probs, batch["teacher_log_probs"], trained * rows)
     raise ConfigError(f"unknown algorithm {algorithm!r}: expected one of {sorted(ALGORITHMS)}")
+
+
+def optimize(
+    policy: Policy,
+    batch: dict[str, torch.Tensor],
+    config: LoopConfig,
+    *,
+    groups: torch.Tensor,
+    version: int,
+    reference_log_probs: torch.Tensor | None = None,
+) -> tuple[LossOutput, LossOutput, float]:
+    """``config.steps_per_rollout`` optimizer steps on one batch; returns the first step's
+    loss output, the last one's, and the last gradient norm.
+
+    A corrected GRPO (``config.corrected``) anchors every step at the policy before the
+    update. ``decoupled``: the trainer's logprobs recomputed without gradient before the first
+    step, with the rollout's value on the tokens sampled at ``version`` (the weights the
+    trainer holds: ``engine.losses.proximal_log_probs``). Otherwise the first step's own
+    logprobs, detached, anchor the later steps.
+    """
+    proximal = None
+    if config.decoupled:
+        with torch.no_grad():
+            recomputed = policy.log_probs(batch)
+        proximal = proximal_log_probs(recomputed, batch["rollout_log_probs"],
+                                      batch["token_versions"], version)
+    outputs: list[LossOutput] = []
+    grad_norm = 0.0
+    for _ in range(config.steps_per_rollout):
+        # Later steps reuse the rollout: the PPO ratio then moves off 1 and the clip acts.
+        log_probs = policy.log_probs(batch)
+        out = lane_loss(config.algorithm, log_probs, batch, groups=groups,
+                        clip_eps=config.clip_eps, reference_log_probs=reference_log_probs,
+                        correction=config.correction, proximal=proximal)
+        if config.corrected and proximal is None:
+            proximal = log_probs.detach()
+        outputs.append(out)
+        grad_norm = policy.step(out.loss)
+    return outputs[0], outputs[-1], grad_norm
 
 
 async def watched(
@@ -175,7 +251,7 @@ def _rewards(samples: Sequence[Sample]) -> dict[str, float]:
 
 
 async def evaluate(
-    client: RolloutClient, *, iteration: int, version: int, seed: int, timeout_s: float,
+    client: Rollouts, *, iteration: int, version: int, seed: int, timeout_s: float,
     samples_per_prompt: int | None = None, check_alive: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """One eval pass of the current policy: mean reward overall and per eval dataset.
@@ -190,7 +266,7 @@ async def evaluate(
 
 
 async def train(
-    client: RolloutClient,
+    client: Rollouts,
     policy: Policy,
     publisher: Publisher,
     config: LoopConfig,
@@ -238,14 +314,8 @@ async def train(
         t2 = time.monotonic()
         groups = torch.tensor([s.group_index for s in trained], dtype=torch.int64)
         ref = reference.log_probs(batch) if reference is not None else None
-        for step in range(config.steps_per_rollout):
-            # Later steps reuse the rollout: GRPO's ratio then moves off 1 and the clip acts.
-            log_probs = policy.log_probs(batch)
-            out = lane_loss(config.algorithm, log_probs, batch, groups=groups,
-                            clip_eps=config.clip_eps, reference_log_probs=ref)
-            if step == 0:
-                first = out
-            grad_norm = policy.step(out.loss)
+        first, out, grad_norm = optimize(policy, batch, config, groups=groups, version=version,
+                                         reference_log_probs=ref)
         t3 = time.monotonic()
         version += 1
         uri = policy.save(weights_dir / f"v{version}")
@@ -259,6 +329,8 @@ async def train(
             **_rewards(samples),
             "loss": float(first.loss.detach()),
             **first.metrics,
+            **({"correction": f"{config.correction.mode}/{config.correction.level}",
+                "decoupled": config.decoupled} if config.algorithm == "grpo" else {}),
             **({"loss_last_step": float(out.loss.detach())}
                if config.steps_per_rollout > 1 else {}),
             "grad_norm": grad_norm,
