@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from engine.events.log_base import gc_paused
 from engine.ops.view import pages, svg
 from engine.ops.view.data import RolloutData, ViewData
 from engine.projections.placement import render_pool
@@ -74,14 +75,15 @@ def create_app(data: ViewData) -> Starlette:
         lanes = "worker" if q.get("lanes") == "worker" else "node"
         t0, t1 = d.first_ms or 0, d.last_ms or 0
         series = data.pool_series(rid)
-        body = pages.rollout_page(
-            d,
-            timeline_svg=svg.timeline(d, data.open_bands(), lanes=lanes),
-            pool_svg=svg.step_chart(series, t0, max([t1, *(ms for ms, _ in series)])),
-            pool_events=data.pool_events(rid),
-            query=q,
-            histograms=_histograms(d),
-        )
+        with gc_paused():
+            body = pages.rollout_page(
+                d,
+                timeline_svg=svg.timeline(d, data.open_bands(), lanes=lanes),
+                pool_svg=svg.step_chart(series, t0, max([t1, *(ms for ms, _ in series)])),
+                pool_events=data.pool_events(rid),
+                query=q,
+                histograms=_histograms(d),
+            )
         return _html(pages.layout(f"rollout {rid}", body, live=f"/api/stamp?r={rid}",
                                   stamp=await data.stamp(rid)))
 

@@ -31,9 +31,10 @@ from engine.events.catalog import (
 )
 from engine.events.catalog.diagnostics import RolloutStalled
 from engine.events.codec import decode
+from engine.events.fastpath import checked
 from engine.events.ids import id_ms, parse_id
 from engine.events.log import EventLog
-from engine.events.log_base import FIELD
+from engine.events.log_base import FIELD, gc_paused
 from engine.events.memory_log import MemoryEventLog
 from engine.events.names import StreamNames
 from engine.projections.readback import Rollout
@@ -84,22 +85,34 @@ class RolloutData:
     events_of: dict[str, list[str]] = field(default_factory=dict)  # every attempt's entries
     projection: RolloutProjection = field(default_factory=RolloutProjection)
 
-    def feed(self, envelopes: list[Envelope]) -> None:
-        evolve, state = self.projection.evolve, self.state
-        for env in envelopes:
-            ev = env.event
-            evolve(state, env)
-            if isinstance(ev, _ATTEMPT_EVENTS):
-                self.events_of.setdefault(ev.sample_id, []).append(env.id)
-                if isinstance(ev, SampleStarted):
-                    self.starts.setdefault(ev.sample_id, []).append(
-                        Attempt(ev.attempt, id_ms(env.id), ev.node, ev.worker, env.id)
-                    )
-        if envelopes:
+    def feed(self, raw: list[tuple[str, bytes]]) -> None:
+        """Fold the next raw entries: the events a stream is mostly made of from their
+        checked fields (``fastpath.checked``, no event built), the rest decoded."""
+        projection, state = self.projection, self.state
+        last: Event | None = None
+        for entry_id, data in raw:
+            found = checked(data)
+            if found is not None and projection.fold_checked(state, entry_id, *found):
+                cls, fields = found
+                last = None
+            else:
+                try:
+                    last = decode(data)
+                except DecodeError:
+                    continue
+                projection.evolve(state, Envelope(self.stream, entry_id, last))
+                cls, fields = type(last), last
+            if cls in _ATTEMPT_EVENTS:
+                self.events_of.setdefault(fields.sample_id, []).append(entry_id)
+                if cls is SampleStarted:
+                    self.starts.setdefault(fields.sample_id, []).append(Attempt(
+                        fields.attempt, id_ms(entry_id), fields.node, fields.worker, entry_id
+                    ))
+        if raw:
             if self.first_ms is None:
-                self.first_ms = id_ms(envelopes[0].id)
-            self.last_ms = id_ms(envelopes[-1].id)
-            self.last_event = envelopes[-1].event
+                self.first_ms = id_ms(raw[0][0])
+            self.last_ms = id_ms(raw[-1][0])
+            self.last_event = last
 
     @property
     def stalled(self) -> RolloutStalled | None:
@@ -114,25 +127,24 @@ class _Pool:
 
     position: str | None = None
     held: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (rollout, batch)
+    total: dict[str, int] = field(default_factory=dict)  # tokens held per rollout
     series: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # ms, tokens held
     events: dict[str, list[str]] = field(default_factory=dict)  # the rollout's pool entries
 
     def feed(self, env: Envelope) -> None:
         ev = env.event
-        if isinstance(ev, TokenAcquired):
-            self.held.setdefault((ev.rollout_id, ev.batch_id), set()).update(
-                t.token_id for t in ev.tokens
-            )
-        elif isinstance(ev, TokenReleased):
-            tokens = self.held.get((ev.rollout_id, ev.batch_id), set())
-            if ev.token_ids is None:
-                tokens.clear()
-            else:
-                tokens.difference_update(ev.token_ids)
-        else:
+        if not isinstance(ev, TokenAcquired | TokenReleased):
             return
         rid = ev.rollout_id
-        held = sum(len(t) for (r, _), t in self.held.items() if r == rid)
+        tokens = self.held.setdefault((rid, ev.batch_id), set())
+        before = len(tokens)
+        if isinstance(ev, TokenAcquired):
+            tokens.update(t.token_id for t in ev.tokens)
+        elif ev.token_ids is None:
+            tokens.clear()
+        else:
+            tokens.difference_update(ev.token_ids)
+        held = self.total[rid] = self.total.get(rid, 0) + len(tokens) - before
         self.series.setdefault(rid, []).append((id_ms(env.id), held))
         self.events.setdefault(rid, []).append(env.id)
 
@@ -173,10 +185,11 @@ class ViewData:
             data = self._rollouts.get(rollout_id)
             if data is None:
                 data = RolloutData(rollout_id, self.log.names.rollout(rollout_id))
-            raw = await self.log.read_raw(data.stream, after=data.position, page=4096)
-            if raw:
-                data.position = raw[-1][0]
-                data.feed(_decoded(data.stream, raw))
+            with gc_paused():
+                raw = await self.log.read_raw(data.stream, after=data.position, page=4096)
+                if raw:
+                    data.position = raw[-1][0]
+                    data.feed(raw)
             if data.position is None:
                 return None
             self._rollouts[rollout_id] = data
