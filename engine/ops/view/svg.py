@@ -87,12 +87,12 @@ def timeline(data: RolloutData, bands: Sequence[Band], *, lanes: str = "node") -
     packed = {lane: _rows(group) for lane, group in by_lane.items()}
     n_rows = sum(max(r, default=0) + 1 for r in packed.values()) or 1
     row_h = max(2, min(14, 640 // n_rows))
-    height = n_rows * row_h + 20 * len(by_lane) + 30
+    height = n_rows * row_h + 20 * len(by_lane) + 40
     parts = [
         f'<svg class="timeline" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" data-t0="{t0}" data-scale="{scale:.6g}">'
     ]
-    y = 20
+    y = 30
     for lane in sorted(by_lane):
         group, rows = by_lane[lane], packed[lane]
         lane_rows = max(rows) + 1
@@ -119,7 +119,8 @@ def timeline(data: RolloutData, bands: Sequence[Band], *, lanes: str = "node") -
         parts.append(
             f'<rect class="band-{b.kind}" x="{x:.1f}" y="0" width="{w:.1f}" height="{height}">'
             f"<title>{escape(b.label)}</title></rect>"
-            f'<text class="band-label" x="{x + 2:.1f}" y="12">{escape(b.label)}</text>'
+            f'<text class="band-label" x="{x + 2:.1f}" y="{12 if b.kind == "quiesce" else 24}">'
+            f"{escape(b.label)}</text>"
         )
     parts.append(
         f'<text class="axis" x="{GUTTER}" y="{height - 4}">0 s</text>'
