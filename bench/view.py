@@ -52,6 +52,7 @@ from engine.events.catalog import (  # noqa: E402
     TokenReleased,
 )
 from engine.events.catalog.pool import TokenGrant  # noqa: E402
+from engine.events.catalog.servers import ServerDown, ServerUp  # noqa: E402
 from engine.events.names import StreamNames  # noqa: E402
 from engine.outcomes import TerminationReason  # noqa: E402
 
@@ -75,11 +76,12 @@ def synthetic_rollout(
     seed: int = 0,
 ) -> list[Timed]:
     """Every event of one rollout, in time order: ``rl:control`` (the request, a quiesce and
-    an activation mid-way), the rollout stream (tasks, batches of 8, the plan, starts, one
-    turn and a terminal per sample; every 10th sample retried once and every 25th aborted),
-    ``rl:pool`` (a grant and a release per batch) and, with ``ready``, ``RolloutReady``.
-    Sample 0 has ``long_tokens`` response tokens when given; ``hostile`` puts markup in a
-    response, a tool call, an error and a prompt."""
+    an activation mid-way, a model server that goes down and comes back), the rollout
+    stream (tasks, batches of 8, the plan, starts, one turn and a terminal per sample; every
+    10th sample retried once and every 25th aborted), ``rl:pool`` (a grant and a release per
+    batch) and, with ``ready``, ``RolloutReady``. Sample 0 has ``long_tokens`` response
+    tokens when given; ``hostile`` puts markup in a response, a tool call, an error and a
+    prompt."""
     names = names or StreamNames()
     stream, rng = names.rollout(rollout_id), random.Random(seed)
     n_groups = max(1, n_samples // 4)
@@ -157,7 +159,14 @@ def synthetic_rollout(
         out.append((names.pool, TokenReleased(rollout_id=rollout_id, batch_id=bid,
                                               reason="done"), end + 1))
     mid = t0_ms + span_ms // 2
-    out += [(names.control, QuiesceRequested(reason="weight sync", version=3), mid),
+    server = "http://10.0.0.1:30000"
+    out += [(names.control, ServerUp(endpoint=server, worker="worker-0", weight_version=2),
+             t0_ms + 5),
+            (names.control, ServerDown(endpoint=server, worker="worker-1",
+                                       reason="connection refused"), mid - 8000),
+            (names.control, ServerUp(endpoint=server, worker="worker-1", weight_version=3),
+             mid + 950),
+            (names.control, QuiesceRequested(reason="weight sync", version=3), mid),
             (names.control, QuiesceCompleted(reason="weight sync", version=3), mid + 800),
             (names.control, PolicyVersionActivated(version=3, servers=["http://s0"]), mid + 900)]
     if ready:

@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from bench.view import HOSTILE, synthetic_rollout
+from engine.events.catalog import TeacherScored
+from engine.events.catalog.diagnostics import RolloutStalled
 from engine.events.codec import encode
 from engine.events.log_base import FIELD
 from engine.events.memory_log import MemoryEventLog
@@ -166,3 +168,51 @@ async def test_the_stamp_changes_when_the_rollout_moves_and_the_summary_follows(
 def test_the_view_command_binds_loopback_unless_told() -> None:
     args = build_parser(Settings()).parse_args(["view", "--from", "x.rollout"])
     assert args.host == "127.0.0.1" and args.source == Path("x.rollout")
+
+
+async def test_a_stalled_rollout_shows_what_it_waits_for(
+    hostile: tuple[MemoryEventLog, httpx.AsyncClient],
+) -> None:
+    log, client = hostile
+    events = synthetic_rollout("h4", 8, ready=False, t0_ms=1_700_000_200_000)
+    last = max(ms for _, _, ms in events)
+    stall = RolloutStalled(rollout_id="h4", idle_s=120, waiting_for=[f"batch {HOSTILE}"])
+    write_timed(log, [*events, (log.names.rollout("h4"), stall, last + 120_000)])
+    page = (await client.get("/r/h4")).text
+    assert '<span class="status">STALLED</span>' in page
+    assert f"stalled: no progress for 120 s; waiting for:\n  - batch {escape(HOSTILE)}" in page
+    listing = (await client.get("/")).text
+    assert re.search(r'data-rollout="h4"><td>.*?</td><td class="status">STALLED<', listing)
+
+
+async def test_the_timeline_has_a_lane_per_model_server_with_its_states(
+    hostile: tuple[MemoryEventLog, httpx.AsyncClient],
+) -> None:
+    _, client = hostile
+    page = (await client.get("/r/h1")).text
+    assert ">http://10.0.0.1:30000</text>" in page
+    states = re.findall(r'<rect class="server-(up|down|stale)"', page)
+    assert states == ["up", "down", "up"]
+
+
+async def test_one_prompt_is_followed_across_rollouts(
+    hostile: tuple[MemoryEventLog, httpx.AsyncClient],
+) -> None:
+    log, client = hostile
+    write_timed(log, synthetic_rollout("h5", 8, t0_ms=1_700_000_300_000))
+    page = (await client.get("/compare", params={"a": "h1/h1:s4", "across": "1"})).text
+    shown = re.findall(r'<h2>Sample <span data-k="sample_id">([^<]+)</span>', page)
+    assert shown == ["h1:s4", "h5:s4", "h5:s5", "h5:s6", "h5:s7"]  # the prompt of group 1
+
+
+async def test_teacher_logprobs_and_top_k_show_per_token(
+    hostile: tuple[MemoryEventLog, httpx.AsyncClient],
+) -> None:
+    log, client = hostile
+    scored = TeacherScored(
+        rollout_id="h1", sample_id="h1:s4", teacher_logprobs=[-0.5] * 24, top_k=2,
+        topk_ids=[11, 12] * 24, topk_logprobs=[-0.1, -2.0] * 24,
+    )
+    write_timed(log, [(log.names.rollout("h1"), scored, 1_700_000_099_000)])
+    page = (await client.get("/r/h1/s/h1:s4")).text
+    assert page.count("teacher=-0.5000 top: 11:-0.100, 12:-2.000") == 24

@@ -78,7 +78,8 @@ def create_app(data: ViewData) -> Starlette:
         with gc_paused():
             body = pages.rollout_page(
                 d,
-                timeline_svg=svg.timeline(d, data.open_bands(), lanes=lanes),
+                timeline_svg=svg.timeline(d, data.open_bands(), lanes=lanes,
+                                          servers=data.servers),
                 pool_svg=svg.step_chart(series, t0, max([t1, *(ms for ms, _ in series)])),
                 pool_events=data.pool_events(rid),
                 query=q,

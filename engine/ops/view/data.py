@@ -1,7 +1,8 @@
 """What ``rollout view`` reads: every rollout stream on the log, each folded incrementally with
 the rollout projection, plus what the timeline needs that the fold does not keep (each
 attempt's start and the entry ids of every attempt's events), and ``rl:control`` / ``rl:pool``
-for the weight-sync bands and the pool's occupancy.
+for the weight-sync bands, the model servers' states (as the workers reported them) and the
+pool's occupancy.
 
 The log is only read: an entry that does not decode is skipped, never dead-lettered. Each
 refresh reads what was appended since the last one, so a page of a running rollout costs the
@@ -30,6 +31,7 @@ from engine.events.catalog import (
     WeightSyncFailed,
 )
 from engine.events.catalog.diagnostics import RolloutStalled
+from engine.events.catalog.servers import ServerDown, ServerStale, ServerUp
 from engine.events.codec import decode
 from engine.events.fastpath import checked
 from engine.events.ids import id_ms, parse_id
@@ -168,6 +170,7 @@ class ViewData:
         self._control_at: str | None = None
         self._quiesce_open: int | None = None
         self.bands: list[Band] = []
+        self.servers: dict[str, list[tuple[int, str, str]]] = {}  # endpoint: (ms, state, why)
         self._pool = _Pool()
         self._lock = asyncio.Lock()
 
@@ -221,6 +224,12 @@ class ViewData:
             self.bands.append(Band("version", ms, ms, f"v{ev.version}"))
         elif isinstance(ev, WeightSyncFailed):
             self.bands.append(Band("failed", ms, ms, f"sync v{ev.version} failed"))
+        elif isinstance(ev, ServerUp):
+            self.servers.setdefault(ev.endpoint, []).append((ms, "up", f"v{ev.weight_version}"))
+        elif isinstance(ev, ServerDown):
+            self.servers.setdefault(ev.endpoint, []).append((ms, "down", ev.reason))
+        elif isinstance(ev, ServerStale):
+            self.servers.setdefault(ev.endpoint, []).append((ms, "stale", ev.reason))
 
     def open_bands(self) -> list[Band]:
         """The bands, with a quiesce still open as one without an end."""

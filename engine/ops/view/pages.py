@@ -227,7 +227,8 @@ def rollout_page(
         '<p class="legend"><span class="ok">completed</span> <span class="ab">aborted</span> '
         '<span class="retry">retried attempt</span> <span class="run">running</span> '
         '<span class="band-quiesce">quiesce</span> <span class="band-version">version '
-        "activated</span></p>"
+        'activated</span> server: <span class="server-up">up</span> <span class="server-down">'
+        'down</span> <span class="server-stale">stale</span></p>'
         f'<div class="scroll">{timeline_svg}</div>'
         f"<h2>Pool occupancy</h2>{pool_svg}"
         f'<p class="pool-at">pool at an event: {pool_links or "none"}</p>'

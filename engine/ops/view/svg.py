@@ -6,7 +6,7 @@ per span."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 
@@ -74,9 +74,16 @@ def _rows(items: Sequence[Span]) -> list[int]:
     return rows
 
 
-def timeline(data: RolloutData, bands: Sequence[Band], *, lanes: str = "node") -> str:
+def timeline(
+    data: RolloutData,
+    bands: Sequence[Band],
+    *,
+    lanes: str = "node",
+    servers: Mapping[str, Sequence[tuple[int, str, str]]] | None = None,
+) -> str:
     """The rollout's timeline: a lane per node (or worker), each sample's attempts as spans
-    from start to end, quiesces as bands and version activations as lines."""
+    from start to end; a lane per model server, its state (up / down / stale) from each
+    report to the next; quiesces as bands and version activations as lines."""
     items = spans(data, lanes=lanes)
     t0 = data.first_ms or 0
     t1 = max([data.last_ms or t0, *(s.end_ms for s in items)]) or t0
@@ -87,7 +94,8 @@ def timeline(data: RolloutData, bands: Sequence[Band], *, lanes: str = "node") -
     packed = {lane: _rows(group) for lane, group in by_lane.items()}
     n_rows = sum(max(r, default=0) + 1 for r in packed.values()) or 1
     row_h = max(2, min(14, 640 // n_rows))
-    height = n_rows * row_h + 20 * len(by_lane) + 40
+    servers = servers or {}
+    height = n_rows * row_h + 20 * len(by_lane) + 20 * len(servers) + 40
     parts = [
         f'<svg class="timeline" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" data-t0="{t0}" data-scale="{scale:.6g}">'
@@ -110,6 +118,19 @@ def timeline(data: RolloutData, bands: Sequence[Band], *, lanes: str = "node") -
                 f'data-a="{s.attempt}"/>'
             )
         y += lane_rows * row_h + 4
+    for url in sorted(servers):
+        parts.append(f'<text class="lane" x="4" y="{y + 12}">{escape(url)}</text>')
+        reports = servers[url]
+        for i, (ms, state, why) in enumerate(reports):
+            stop = reports[i + 1][0] if i + 1 < len(reports) else t1
+            if stop < t0 or ms > t1:
+                continue
+            x = GUTTER + (max(ms, t0) - t0) * scale
+            w = max(1.0, (min(stop, t1) - max(ms, t0)) * scale)
+            parts.append(f'<rect class="server-{state}" x="{x:.1f}" y="{y + 2}" '
+                         f'width="{w:.1f}" height="12"><title>{escape(f"{state} {why}")}'
+                         "</title></rect>")
+        y += 20
     for b in bands:
         end = t1 if b.end_ms is None else b.end_ms
         if end < t0 or b.start_ms > t1:
