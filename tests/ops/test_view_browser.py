@@ -163,7 +163,9 @@ def test_the_rollout_page_shows_summary_figures_and_every_sample_on_the_timeline
     }
     assert len(browser.find_elements(By.CSS_SELECTOR, "svg.timeline rect.retry")) == 7
     assert browser.find_elements(By.CSS_SELECTOR, "svg.timeline rect.band-quiesce")
+    browser.set_window_size(1300, 1900)
     browser.save_screenshot(str(shots / "rollout.png"))
+    browser.set_window_size(1300, 1100)
     browser.get(f"{served.url}/")
     row = browser.find_element(By.CSS_SELECTOR, f'tr[data-rollout="{RID}"]')
     assert row.find_element(By.CSS_SELECTOR, '[data-k="aborted"]').text == str(
