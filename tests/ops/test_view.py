@@ -22,6 +22,7 @@ from engine.events.memory_log import MemoryEventLog
 from engine.ops.cli import build_parser
 from engine.ops.replay import decode_entries, read_archive, replay_state
 from engine.ops.view import ViewData, archive_log, create_app
+from engine.ops.view.app import LOOPBACK_NAMES
 from engine.projections.summary import build_summary
 from engine.settings import Settings
 
@@ -216,3 +217,12 @@ async def test_teacher_logprobs_and_top_k_show_per_token(
     write_timed(log, [(log.names.rollout("h1"), scored, 1_700_000_099_000)])
     page = (await client.get("/r/h1/s/h1:s4")).text
     assert page.count("teacher=-0.5000 top: 11:-0.100, 12:-2.000") == 24
+
+
+async def test_a_loopback_viewer_answers_only_loopback_host_names() -> None:
+    app = create_app(ViewData(MemoryEventLog()), allowed_hosts=LOOPBACK_NAMES)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8765") as ok:
+        assert (await ok.get("/")).status_code == 200
+    async with httpx.AsyncClient(transport=transport, base_url="http://evil.example") as bad:
+        assert (await bad.get("/")).status_code == 400

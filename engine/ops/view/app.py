@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from html import escape
 from importlib import resources
+from urllib.parse import quote, urlencode
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -43,7 +46,6 @@ CSP = (
     "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 _STATIC = {"view.css": "text/css", "view.js": "text/javascript"}
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _html(text: str, status: int = 200) -> HTMLResponse:
@@ -57,17 +59,24 @@ def _missing(what: str) -> HTMLResponse:
     return _html(pages.layout("not found", f"<h1>{escape(what)}</h1>"), 404)
 
 
-def create_app(data: ViewData) -> Starlette:
-    """The viewer on ``data`` (see the module docstring)."""
+def _path(*parts: str) -> str:
+    return "/" + "/".join(quote(p, safe=":") for p in parts)
 
-    async def index(request: Request) -> Response:
+
+class _Handlers:
+    """The routes' handlers on one :class:`ViewData`."""
+
+    def __init__(self, data: ViewData) -> None:
+        self.data = data
+
+    async def index(self, request: Request) -> Response:
+        data = self.data
         shown = [d for d in [await data.rollout(r) for r in await data.rollout_ids()] if d]
-        stamp = await data.stamp(None)
         return _html(pages.layout("rollouts", pages.list_page(shown), live="/api/stamp",
-                                  stamp=stamp))
+                                  stamp=await data.stamp(None)))
 
-    async def rollout(request: Request) -> Response:
-        rid = request.path_params["rollout"]
+    async def rollout(self, request: Request) -> Response:
+        data, rid = self.data, request.path_params["rollout"]
         d = await data.rollout(rid)
         if d is None:
             return _missing(f"no rollout {rid}")
@@ -85,40 +94,39 @@ def create_app(data: ViewData) -> Starlette:
                 query=q,
                 histograms=_histograms(d),
             )
-        return _html(pages.layout(f"rollout {rid}", body, live=f"/api/stamp?r={rid}",
+        return _html(pages.layout(f"rollout {rid}", body, live=_stamp_url(rid),
                                   stamp=await data.stamp(rid)))
 
-    async def sample_html(d: RolloutData, sid: str) -> str | None:
-        r = d.state.samples.get(sid)
-        if r is None:
+    async def _sample_html(self, rid: str, sid: str) -> str | None:
+        d = await self.data.rollout(rid)
+        r = None if d is None else d.state.samples.get(sid)
+        if d is None or r is None:
             return None
-        rb, attempts = await data.sample(d, sid)
+        rb, attempts = await self.data.sample(d, sid)
         return pages.sample_page(d, r, rb, attempts)
 
-    async def sample(request: Request) -> Response:
+    async def sample(self, request: Request) -> Response:
         rid, sid = request.path_params["rollout"], request.path_params["sample"]
-        d = await data.rollout(rid)
-        body = None if d is None else await sample_html(d, sid)
-        if d is None or body is None:
+        body = await self._sample_html(rid, sid)
+        if body is None:
             return _missing(f"no sample {sid} in rollout {rid}")
-        return _html(pages.layout(f"sample {sid}", body, live=f"/api/stamp?r={rid}",
-                                  stamp=await data.stamp(rid)))
+        return _html(pages.layout(f"sample {sid}", body, live=_stamp_url(rid),
+                                  stamp=await self.data.stamp(rid)))
 
-    async def compare(request: Request) -> Response:
+    async def compare(self, request: Request) -> Response:
         refs = [request.query_params.get(k, "") for k in ("a", "b")]
         if request.query_params.get("across"):
-            refs = await _same_prompt(data, refs[0])
+            refs = await _same_prompt(self.data, refs[0])
         columns = []
         for ref in filter(None, refs):
             rid, _, sid = ref.partition("/")
-            d = await data.rollout(rid)
-            body = None if d is None else await sample_html(d, sid)
+            body = await self._sample_html(rid, sid)
             columns.append(body or f"<p>no sample {escape(ref)}</p>")
         return _html(pages.layout("compare", pages.compare_page(columns, "compare")))
 
-    async def pool(request: Request) -> Response:
+    async def pool(self, request: Request) -> Response:
         at = request.query_params.get("at") or None
-        folded = await pool_at(data.log, until=at)
+        folded = await pool_at(self.data.log, until=at)
         body = (
             '<h1>Pool</h1><form method="get"><input name="at" placeholder="rl:pool event id" '
             f'value="{escape(at or "")}"><button>show</button></form>'
@@ -126,19 +134,19 @@ def create_app(data: ViewData) -> Starlette:
         )
         return _html(pages.layout("pool", body))
 
-    async def find(request: Request) -> Response:
+    async def find(self, request: Request) -> Response:
         sid = request.query_params.get("sample", "")
-        for rid in reversed(await data.rollout_ids()):
-            d = await data.rollout(rid)
+        for rid in reversed(await self.data.rollout_ids()):
+            d = await self.data.rollout(rid)
             if d is not None and sid in d.state.samples:
-                return RedirectResponse(f"/r/{rid}/s/{sid}", 303)
+                return RedirectResponse(_path("r", rid, "s", sid), 303)
         return _missing(f"no rollout holds sample {sid}")
 
-    async def stamp(request: Request) -> Response:
-        return JSONResponse({"stamp": await data.stamp(request.query_params.get("r"))},
-                            headers={"cache-control": "no-store"})
+    async def stamp(self, request: Request) -> Response:
+        stamp = await self.data.stamp(request.query_params.get("r"))
+        return JSONResponse({"stamp": stamp}, headers={"cache-control": "no-store"})
 
-    async def static(request: Request) -> Response:
+    async def static(self, request: Request) -> Response:
         name = request.path_params["name"]
         if name not in _STATIC:
             return Response(status_code=404)
@@ -146,11 +154,27 @@ def create_app(data: ViewData) -> Starlette:
         return Response(text, media_type=_STATIC[name],
                         headers={"x-content-type-options": "nosniff"})
 
-    return Starlette(routes=[
-        Route("/", index), Route("/r/{rollout}", rollout),
-        Route("/r/{rollout}/s/{sample}", sample), Route("/compare", compare),
-        Route("/pool", pool), Route("/find", find), Route("/api/stamp", stamp),
-        Route("/static/{name}", static),
+
+def _stamp_url(rollout_id: str) -> str:
+    return "/api/stamp?" + urlencode({"r": rollout_id})
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def create_app(data: ViewData, *, allowed_hosts: Sequence[str] | None = None) -> Starlette:
+    """The viewer on ``data`` (see the module docstring). ``allowed_hosts``: the ``Host``
+    names it answers (others get 400: a page elsewhere that rebinds its name to loopback
+    cannot read the viewer); None answers any."""
+    h = _Handlers(data)
+    middleware = [] if allowed_hosts is None else [
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    ]
+    return Starlette(middleware=middleware, routes=[
+        Route("/", h.index), Route("/r/{rollout}", h.rollout),
+        Route("/r/{rollout}/s/{sample}", h.sample), Route("/compare", h.compare),
+        Route("/pool", h.pool), Route("/find", h.find), Route("/api/stamp", h.stamp),
+        Route("/static/{name}", h.static),
     ])
 
 
@@ -199,13 +223,16 @@ class _Server(uvicorn.Server):
 
 async def serve(data: ViewData, *, host: str = "127.0.0.1", port: int = 8765,
                 ready: Callable[[str], None] | None = None) -> None:
-    """Serve the viewer until cancelled; ``ready`` gets its URL once it listens."""
+    """Serve the viewer until cancelled; ``ready`` gets its URL once it listens. On a
+    loopback address it answers only loopback ``Host`` names."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
+    loopback = host in LOOPBACK_NAMES
+    app = create_app(data, allowed_hosts=LOOPBACK_NAMES if loopback else None)
     server = _Server(uvicorn.Config(
-        create_app(data), log_config=None, log_level="warning", access_log=False,
+        app, log_config=None, log_level="warning", access_log=False,
         lifespan="off", http="h11", timeout_graceful_shutdown=1,
     ))
     bound = sock.getsockname()[1]
