@@ -84,6 +84,7 @@ _FLAGS = {
         (*CONNECTION, "retention_store", "retention_keep_s", "retention_dead_max"),
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
+    "view": Flags((*CONNECTION, "model_dir")),  # its tokenizer shows each token's text
 }
 
 
@@ -309,12 +310,18 @@ async def _view(settings: Settings, args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"rollout view: {url}", flush=True)
 
+    tokenizer = None
+    if settings.model_dir is not None:
+        from engine.backends.sglang import load_tokenizer
+
+        tokenizer = load_tokenizer(settings.model_dir)
     if args.source is not None:
-        archived = ViewData(archive_log(read_archive(args.source)))
+        archived = ViewData(archive_log(read_archive(args.source)), tokenizer=tokenizer)
         await serve(archived, host=args.host, port=args.port, ready=ready)
         return 0
     async with _log(settings) as log:
-        await serve(ViewData(log), host=args.host, port=args.port, ready=ready)
+        await serve(ViewData(log, tokenizer=tokenizer), host=args.host, port=args.port,
+                    ready=ready)
     return 0
 
 

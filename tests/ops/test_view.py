@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from bench.view import HOSTILE, synthetic_rollout
-from engine.events.catalog import TeacherScored
+from engine.backends.sglang import load_tokenizer
+from engine.events.catalog import SampleCompleted, TeacherScored
 from engine.events.catalog.diagnostics import RolloutStalled
 from engine.events.codec import encode
 from engine.events.log_base import FIELD
@@ -226,3 +227,23 @@ async def test_a_loopback_viewer_answers_only_loopback_host_names() -> None:
         assert (await ok.get("/")).status_code == 200
     async with httpx.AsyncClient(transport=transport, base_url="http://evil.example") as bad:
         assert (await bad.get("/")).status_code == 400
+
+
+async def test_with_a_tokenizer_each_token_shows_its_text_escaped(tinylm_dir: Path) -> None:
+    tokenizer = load_tokenizer(tinylm_dir)
+    ids = tokenizer.encode("<b>bold</b> 42", add_special_tokens=False)
+    log = MemoryEventLog()
+    rid = "tok"
+    events = [e for e in synthetic_rollout(rid, 4) if e[1].type != "SampleCompleted"]
+    done = SampleCompleted(rollout_id=rid, sample_id=f"{rid}:s0", prompt_ids=ids,
+                           response_ids=ids, logprobs=[-0.1] * len(ids),
+                           loss_mask=[1] * len(ids), reward=1.0)
+    write_timed(log, [*events, (log.names.rollout(rid), done, events[-1][2] + 1)])
+    app = create_app(ViewData(log, tokenizer=tokenizer))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://view") as client:
+        page = (await client.get(f"/r/{rid}/s/{rid}:s0")).text
+    texts = tokenizer.batch_decode([[t] for t in ids])
+    shown = re.findall(r'<span class="p\d" title="[^"]*">([^<]*)</span>', page)
+    assert shown == [escape(t) for t in texts]
+    assert "<b>" not in page and escape("<b>bold</b> 42") in page  # the prompt text

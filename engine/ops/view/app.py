@@ -103,7 +103,7 @@ class _Handlers:
         if d is None or r is None:
             return None
         rb, attempts = await self.data.sample(d, sid)
-        return pages.sample_page(d, r, rb, attempts)
+        return pages.sample_page(d, r, rb, attempts, self.data.pieces)
 
     async def sample(self, request: Request) -> Response:
         rid, sid = request.path_params["rollout"], request.path_params["sample"]

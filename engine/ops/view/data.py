@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import DecodeError
 from engine.events.base import Envelope, Event
@@ -164,8 +165,9 @@ def _decoded(stream: str, raw: list[tuple[str, bytes]]) -> list[Envelope]:
 class ViewData:
     """The log as the viewer reads it, kept between requests (see the module docstring)."""
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, *, tokenizer: Any | None = None) -> None:
         self.log = log
+        self.tokenizer = tokenizer
         self._rollouts: dict[str, RolloutData] = {}
         self._control_at: str | None = None
         self._quiesce_open: int | None = None
@@ -237,6 +239,12 @@ class ViewData:
         if self._quiesce_open is not None:
             out.append(Band("quiesce", self._quiesce_open, None, "quiesce (open)"))
         return out
+
+    def pieces(self, token_ids: list[int]) -> list[str] | None:
+        """Each token's text, with the tokenizer given (None: no tokenizer, ids only)."""
+        if self.tokenizer is None:
+            return None
+        return [str(p) for p in self.tokenizer.batch_decode([[t] for t in token_ids])]
 
     def pool_series(self, rollout_id: str) -> list[tuple[int, int]]:
         return self._pool.series.get(rollout_id, [])

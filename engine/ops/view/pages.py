@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from html import escape
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -246,9 +246,12 @@ def _bucket(logprob: float) -> int:
     return min(9, max(0, int(math.exp(min(0.0, logprob)) * 10)))
 
 
-def trajectory(done: SampleCompleted, teacher: TeacherScored | None) -> str:
+def trajectory(
+    done: SampleCompleted, teacher: TeacherScored | None, texts: Sequence[str] | None = None
+) -> str:
     """The response tokens coloured by probability; observation tokens (loss mask 0) grey;
-    each token's index, id, logprob, version and teacher figures in its tooltip."""
+    each token's index, id, logprob, version and teacher figures in its tooltip. Each token
+    shows its text (``texts``, from the tokenizer) or else its id."""
     ids = done.response_ids.tolist()
     logprobs = done.logprobs.tolist()
     mask = done.loss_mask.tolist()
@@ -274,7 +277,8 @@ def trajectory(done: SampleCompleted, teacher: TeacherScored | None) -> str:
         cls = f"p{_bucket(lp)}" if sampled else "o"
         if taught and i < len(taught) and taught[i]:
             cls += " tm"
-        out.append(f'<span class="{cls}" title="{escape(tip)}">{tok}</span>')
+        label = escape(texts[i]).replace("\n", "\u21b5") if texts is not None else tok
+        out.append(f'<span class="{cls}" title="{escape(tip)}">{label}</span>')
     return (
         '<p class="legend">probability: <span class="p0">low</span> <span class="p5">mid'
         '</span> <span class="p9">high</span> <span class="o">observation (loss mask 0)'
@@ -310,8 +314,16 @@ def _event_row(env: Envelope) -> str:
             f"<td class=n>{attempt}</td><td>{escape(what)}</td></tr>")
 
 
+Decode = Callable[[list[int]], list[str] | None]
+"""Each token's text (None: no tokenizer)."""
+
+
 def sample_body(
-    data: RolloutData, r: SampleRecord, rollout: Rollout, attempts: Sequence[Envelope]
+    data: RolloutData,
+    r: SampleRecord,
+    rollout: Rollout,
+    attempts: Sequence[Envelope],
+    decode: Decode | None = None,
 ) -> str:
     """A sample: outcome, task, every attempt's events, the trajectory."""
     task = rollout.task(r)
@@ -336,13 +348,18 @@ def sample_body(
         + "</tbody></table>"
     )
     if isinstance(terminal, SampleCompleted):
+        texts = decode(terminal.response_ids.tolist()) if decode is not None else None
+        prompt = decode(terminal.prompt_ids.tolist()) if decode is not None else None
+        if prompt is not None:
+            head += f'<details><summary>prompt text</summary><pre>{escape("".join(prompt))}' \
+                    "</pre></details>"
         head += (
             f"<h3>Response</h3><pre class=\"response\">{escape(terminal.response_text)}</pre>"
             f"<details><summary>reward detail and metrics</summary>"
             f"<pre>{_json(terminal.reward_detail)}</pre><pre>{_json(terminal.metrics)}</pre>"
             f"</details><h3>Tokens ({len(terminal.prompt_ids)} prompt, "
             f"{len(terminal.response_ids)} response)</h3>"
-            + trajectory(terminal, teacher)
+            + trajectory(terminal, teacher, texts)
         )
     elif isinstance(terminal, SampleAborted):
         head += f'<h3>Aborted</h3><pre class="error">{escape(terminal.error)}</pre>'
@@ -350,9 +367,13 @@ def sample_body(
 
 
 def sample_page(
-    data: RolloutData, r: SampleRecord, rollout: Rollout, attempts: Sequence[Envelope]
+    data: RolloutData,
+    r: SampleRecord,
+    rollout: Rollout,
+    attempts: Sequence[Envelope],
+    decode: Decode | None = None,
 ) -> str:
-    return f'<div class="sample">{sample_body(data, r, rollout, attempts)}</div>'
+    return f'<div class="sample">{sample_body(data, r, rollout, attempts, decode)}</div>'
 
 
 def compare_page(columns: Sequence[str], title: str) -> str:
