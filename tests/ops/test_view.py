@@ -144,6 +144,8 @@ async def test_the_rollout_page_has_the_pool_bands_and_the_pool_at_an_event(
     assert len(at) == 10  # a grant and a release per batch of 8
     pool = (await client.get("/pool", params={"at": at[0]})).text
     assert f"pool at {at[0]}" in pool and "1 batch holding 1 token" in pool
+    refused = await client.get("/pool", params={"at": "<b>1"})
+    assert refused.status_code == 400 and "&lt;b&gt;1 is not a stream id" in refused.text
 
 
 async def test_the_stamp_changes_when_the_rollout_moves_and_the_summary_follows(
@@ -154,6 +156,10 @@ async def test_the_stamp_changes_when_the_rollout_moves_and_the_summary_follows(
     half = next(i for i in range(len(events) // 2, len(events))
                 if events[i][2] != events[i - 1][2])  # two writes at distinct times
     write_timed(log, events[:half])
+    page = (await client.get("/r/h2")).text
+    running = re.findall(r'<rect class="run"[^>]* data-s="([^"]+)"', page)
+    assert running, "the first half starts samples"
+    assert (await client.get(f"/r/h2/s/{running[0]}")).status_code == 200  # no end yet
     before = (await client.get("/api/stamp", params={"r": "h2"})).json()["stamp"]
     listing = (await client.get("/api/stamp")).json()["stamp"]
     write_timed(log, events[half:])

@@ -18,6 +18,7 @@ behind the escaping of every trajectory text.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from collections.abc import Callable, Sequence
 from html import escape
@@ -45,6 +46,7 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
+_STREAM_ID = re.compile(r"\d+(-\d+)?")
 _STATIC = {"view.css": "text/css", "view.js": "text/javascript"}
 
 
@@ -126,6 +128,9 @@ class _Handlers:
 
     async def pool(self, request: Request) -> Response:
         at = request.query_params.get("at") or None
+        if at is not None and not _STREAM_ID.fullmatch(at):
+            return _html(pages.layout("pool", f"<h1>{escape(at)} is not a stream id: expected "
+                                      "&lt;ms&gt;-&lt;seq&gt;</h1>"), 400)
         folded = await pool_at(self.data.log, until=at)
         body = (
             '<h1>Pool</h1><form method="get"><input name="at" placeholder="rl:pool event id" '
