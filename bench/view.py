@@ -53,7 +53,7 @@ from engine.events.catalog import (  # noqa: E402
     TokenAcquired,
     TokenReleased,
 )
-from engine.events.catalog.pool import TokenGrant  # noqa: E402
+from engine.events.catalog.pool import NodeDecl, PoolDeclared, TokenGrant  # noqa: E402
 from engine.events.catalog.servers import ServerDown, ServerUp  # noqa: E402
 from engine.events.names import StreamNames  # noqa: E402
 from engine.outcomes import TerminationReason  # noqa: E402
@@ -80,16 +80,19 @@ def synthetic_rollout(
     """Every event of one rollout, in time order: ``rl:control`` (the request, a quiesce and
     an activation mid-way, a model server that goes down and comes back), the rollout
     stream (tasks, batches of 8, the plan, starts, one turn and a terminal per sample; every
-    10th sample retried once and every 25th aborted), ``rl:pool`` (a grant and a release per
-    batch) and, with ``ready``, ``RolloutReady``. Sample 0 has ``long_tokens`` response
-    tokens when given; ``hostile`` puts markup in a response, a tool call, an error and a
-    prompt."""
+    10th sample retried once and every 25th aborted), ``rl:pool`` (the layout, a grant and a
+    release per batch) and, with ``ready``, ``RolloutReady``. Sample 0 has ``long_tokens``
+    response tokens when given; ``hostile`` puts markup in a response, a tool call, an error
+    and a prompt."""
     names = names or StreamNames()
     stream, rng = names.rollout(rollout_id), random.Random(seed)
     n_groups = max(1, n_samples // 4)
     request = RolloutRequested(rollout_id=rollout_id, n_prompts=n_groups,
                                n_samples_per_prompt=4, iteration=3, policy_version=2)
-    out: list[Timed] = [(names.control, request, t0_ms), (stream, request, t0_ms)]
+    layout = PoolDeclared(nodes=[NodeDecl(node=f"node-{n}", gpus=[0], cpu=8.0, memory_gb=32.0)
+                                 for n in range(3)])
+    out: list[Timed] = [(names.control, request, t0_ms), (stream, request, t0_ms),
+                        (names.pool, layout, t0_ms)]
     sids = [f"{rollout_id}:s{i}" for i in range(n_samples)]
     datasets = ("math_train", "shell_train")
     for i, sid in enumerate(sids):

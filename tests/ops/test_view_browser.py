@@ -190,6 +190,13 @@ def test_planted_markup_shows_as_text_and_never_runs(
     tokens = browser.find_elements(By.CSS_SELECTOR, ".tokens span")
     assert len(tokens) == 300
     browser.save_screenshot(str(shots / "sample.png"))
+    browser.get(f"{served.url}/r/{RID}")
+    browser.find_element(By.CSS_SELECTOR, ".pool-at a:nth-of-type(3)").click()
+    _wait(lambda: "/pool?at=" in browser.current_url, "the pool page")
+    assert "1 batch holding 1 token" in browser.find_element(By.TAG_NAME, "pre").text
+    browser.set_window_size(1300, 420)
+    browser.save_screenshot(str(shots / "pool.png"))
+    browser.set_window_size(1300, 1100)
     browser.get(f"{served.url}/compare?a={RID}/{RID}:s4&b={RID}/{RID}:s5")
     assert len(browser.find_elements(By.CSS_SELECTOR, ".compare .col")) == 2
     browser.save_screenshot(str(shots / "compare.png"))
