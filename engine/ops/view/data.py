@@ -169,6 +169,7 @@ class ViewData:
         self.log = log
         self.tokenizer = tokenizer
         self._rollouts: dict[str, RolloutData] = {}
+        self._first_ids: dict[str, str] = {}
         self._control_at: str | None = None
         self._quiesce_open: int | None = None
         self.bands: list[Band] = []
@@ -180,7 +181,10 @@ class ViewData:
         """The rollouts whose stream is on the log, oldest first."""
         names = self.log.names
         streams = await self.log.list_streams(names.rollout_pattern)
-        firsts = {s: await self.log.first_id(s) for s in streams}
+        firsts = self._first_ids
+        for s in streams:
+            if s not in firsts:  # a stream's first entry stays (retention deletes it whole)
+                firsts[s] = await self.log.first_id(s)
         ordered = sorted(streams, key=lambda s: parse_id(firsts[s] or "0-0"))
         return [rid for rid in (names.rollout_id_of(s) for s in ordered) if rid]
 
