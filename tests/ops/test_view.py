@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.view import HOSTILE, synthetic_rollout
 from engine.backends.sglang import load_tokenizer
@@ -24,6 +26,7 @@ from engine.ops.cli import build_parser
 from engine.ops.replay import decode_entries, read_archive, replay_state
 from engine.ops.view import ViewData, archive_log, create_app
 from engine.ops.view.app import LOOPBACK_NAMES
+from engine.ops.view.svg import Span, _rows
 from engine.projections.summary import build_summary
 from engine.settings import Settings
 
@@ -253,3 +256,19 @@ async def test_with_a_tokenizer_each_token_shows_its_text_escaped(tinylm_dir: Pa
     shown = re.findall(r'<span class="p\d" title="[^"]*">([^<]*)</span>', page)
     assert shown == [escape(t) for t in texts]
     assert "<b>" not in page and escape("<b>bold</b> 42") in page  # the prompt text
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 300)), max_size=60))
+def test_timeline_rows_never_overlap_and_are_as_few_as_the_busiest_moment(
+    bounds: list[tuple[int, int]],
+) -> None:
+    spans = [Span(f"s{i}", 0, "n", a, a + d, "ok") for i, (a, d) in enumerate(bounds)]
+    rows = _rows(spans)
+    for i, a in enumerate(spans):
+        for j, b in enumerate(spans[:i]):
+            if rows[i] == rows[j]:
+                assert a.end_ms <= b.start_ms or b.end_ms <= a.start_ms
+    # a span ending at t leaves its row free for one starting at t
+    busiest = max((sum(s.start_ms <= t < s.end_ms for s in spans) for t in range(1301)),
+                  default=0)
+    assert len(set(rows)) == busiest
