@@ -171,7 +171,9 @@ def test_the_rollout_page_shows_summary_figures_and_every_sample_on_the_timeline
     assert row.find_element(By.CSS_SELECTOR, '[data-k="aborted"]').text == str(
         expected["counts"]["infra_sandbox"]
     )
+    browser.set_window_size(1300, 260)
     browser.save_screenshot(str(shots / "rollouts.png"))
+    browser.set_window_size(1300, 1100)
 
 
 def test_planted_markup_shows_as_text_and_never_runs(
