@@ -13,6 +13,7 @@ selenium the module is skipped; under ``CI=true`` it fails (``.ci/run`` installs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import re
@@ -20,7 +21,6 @@ import shutil
 import threading
 import time
 from collections.abc import Coroutine, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,9 +69,11 @@ class Served:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         urls: queue.Queue[str] = queue.Queue()
-        self.task: Future[None] = asyncio.run_coroutine_threadsafe(
-            serve(ViewData(self.log), port=0, ready=urls.put), self.loop
-        )
+
+        async def start() -> asyncio.Task[None]:
+            return asyncio.create_task(serve(ViewData(self.log), port=0, ready=urls.put))
+
+        self.task = self.call(start())
         self.url = urls.get(timeout=20).rstrip("/")
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -84,9 +86,15 @@ class Served:
         self.call(write())
 
     def close(self) -> None:
-        self.task.cancel()
+        async def stop() -> None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+        self.call(stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")
