@@ -1,8 +1,8 @@
 """The ``rollout`` command.
 
-Log tools (``replay``, ``archive``, ``retention``, ``tail``, ``status``, ``pool``, ``top``)
-take settings flags generated from ``engine.settings``; ``events`` and ``env`` print the
-generated references. A misspelt ``ROLLOUT_*`` variable is refused naming its close
+Log tools (``replay``, ``archive``, ``retention``, ``tail``, ``status``, ``pool``, ``top``,
+``view``) take settings flags generated from ``engine.settings``; ``events`` and ``env``
+print the generated references. A misspelt ``ROLLOUT_*`` variable is refused naming its close
 matches. Process commands parse their own flags: the engine's processes run through the
 entry points the top layer passes in (``workers.cli``), ``tinylm`` and ``demo`` from
 ``engine.ops``. Exit status: 0 ok, 1 the operation failed, 2 bad usage.
@@ -84,6 +84,7 @@ _FLAGS = {
         (*CONNECTION, "retention_store", "retention_keep_s", "retention_dead_max"),
         aliases={"retention_store": "--store", "retention_keep_s": "--keep-s"},
     ),
+    "view": Flags((*CONNECTION, "model_dir")),  # its tokenizer shows each token's text
 }
 
 
@@ -130,6 +131,10 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--rollouts", type=int, default=8, help="most recent rollouts shown")
+    p = command("view", "the rollouts, timelines and samples in the browser (read-only)")
+    p.add_argument("--from", dest="source", type=Path, help="an archive file instead of Redis")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
     p = sub.add_parser("env", help="every ROLLOUT_* variable: type, default, flag, meaning")
     p.add_argument(
         "--markdown", action="store_true", help="as the Markdown table of docs/configuration.md"
@@ -298,6 +303,28 @@ async def _top(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _view(settings: Settings, args: argparse.Namespace) -> int:
+    from engine.ops.view import ViewData, archive_log, serve
+    from engine.runtime.archive import read_archive
+
+    def ready(url: str) -> None:
+        print(f"rollout view: {url}", flush=True)
+
+    tokenizer = None
+    if settings.model_dir is not None:
+        from engine.backends.sglang import load_tokenizer
+
+        tokenizer = load_tokenizer(settings.model_dir)
+    if args.source is not None:
+        archived = ViewData(archive_log(read_archive(args.source)), tokenizer=tokenizer)
+        await serve(archived, host=args.host, port=args.port, ready=ready)
+        return 0
+    async with _log(settings) as log:
+        await serve(ViewData(log, tokenizer=tokenizer), host=args.host, port=args.port,
+                    ready=ready)
+    return 0
+
+
 _COMMANDS = {
     "replay": _replay,
     "archive": _archive,
@@ -306,6 +333,7 @@ _COMMANDS = {
     "status": _status,
     "pool": _pool,
     "top": _top,
+    "view": _view,
 }
 
 
