@@ -20,7 +20,10 @@ def need(module: str, extra: str) -> None:
         pytest.skip(f"{module} is not installed (pip install 'rollout-engine[{extra}]')")
 
 
-def tool_episode(index: int, group: int, *, reward: float = 1.0, version: int = 3) -> Sample:
+def tool_episode(
+    index: int, group: int, *, reward: float = 1.0, version: int = 3,
+    teacher: list[float] | None = None,
+) -> Sample:
     """Prompt [11, 12, 13]; a model turn [20, 21], tool output [30, 31, 32] (masked), a model
     turn [22, 23]; the sampler's logprobs on model tokens, 0 on tool output."""
     mask = [1, 1, 0, 0, 0, 1, 1]
@@ -28,7 +31,7 @@ def tool_episode(index: int, group: int, *, reward: float = 1.0, version: int = 
         index=index, group_index=group, sample_id=f"r:s{index}", prompt="Compute 2 plus 3.",
         response="a call, its output, the answer",
         tokens=[11, 12, 13, 20, 21, 30, 31, 32, 22, 23], response_length=7, loss_mask=mask,
-        rollout_log_probs=[-0.5, -0.25, 0.0, 0.0, 0.0, -1.5, -0.125],
+        rollout_log_probs=[-0.5, -0.25, 0.0, 0.0, 0.0, -1.5, -0.125], teacher_log_probs=teacher,
         reward=reward, status=SampleStatus.COMPLETED, policy_version=version,
         token_versions=[version if m else -1 for m in mask],
         metadata={"dataset": "math_train", "id": f"math-{group}"},
