@@ -14,6 +14,7 @@ num_iterations) != 0``), and ``sampling_per_token_logps`` is the rollout functio
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_cut_spare_logits_normalizes_over_the_tokenizer_ids_and_saves_nothing() 
 @pytest.mark.slow
 @pytest.mark.redis_server
 def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
-    tmp_path: Path,
+    tmp_path: Path, math_model_dir: Path,
 ) -> None:
     need("trl", "trl")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -88,7 +89,6 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
     from trl import GRPOConfig, GRPOTrainer
 
     from engine.client import SyncRolloutClient
-    from engine.ops.tinylm import init_model
     from integrations.trl import EngineTRL, placeholder_dataset
     from trainer.stack import start_stack
 
@@ -102,8 +102,9 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
             self.batches.append(out)
             return out
 
-    student = tmp_path / "student"
-    init_model(student, seed=0, train_steps=0)
+    # The math agent's episode, overfit: its samples call the python tool, so the episodes
+    # are multi-turn with tool output in the response.
+    student = math_model_dir
     stack = start_stack(tmp_path / "run", student_dir=student, teacher_dir=None)
     try:
         client = SyncRolloutClient(stack.trainer_url, block_ms=200, producer="trl")
@@ -111,7 +112,7 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
                            request={"datasets": ["math_train"]}, timeout_s=120)
         args = GRPOConfig(
             output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
-            gradient_accumulation_steps=1, num_iterations=2, max_steps=4, learning_rate=1e-3,
+            gradient_accumulation_steps=1, num_iterations=2, max_steps=3, learning_rate=1e-3,
             temperature=1.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
             save_strategy="no", seed=0, dataloader_num_workers=0,
         )
@@ -124,21 +125,24 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
             rollout_func=bridge.rollout_func, callbacks=[bridge.callback()],
         )
         trainer.train()
-        activated = client.wait_version_active(4, timeout=30)
+        activated = client.wait_version_active(3, timeout=30)
         client.close()
     finally:
         stack.stop()
 
-    # Two generation batches (num_iterations=2 reuses each for two steps), four steps, each
+    # Two generation batches (num_iterations=2 reuses each for two steps), three steps, each
     # published: the second rollout was asked at, and sampled by, version 2.
     assert [r.policy_version for r in bridge.rollouts] == [0, 2]
-    assert activated.version == 4 and bridge.version == 4
+    assert activated.version == 3 and bridge.version == 3
     for record in bridge.rollouts:
         assert set(record.fields["policy_version"]) == {record.policy_version}
         for versions, mask in zip(record.fields["token_versions"], record.fields["env_mask"],
                                   strict=True):
             assert {v for v, m in zip(versions, mask, strict=True) if m} <= {
                 record.policy_version}
+    # Multi-turn tool episodes reached TRL: model tokens, masked tool output, model tokens.
+    masks = ["".join(map(str, m)) for r in bridge.rollouts for m in r.fields["env_mask"]]
+    assert any(re.search("1+0+1", m) for m in masks)
     assert len(Recording.batches) == 2
     for record, batch in zip(bridge.rollouts, Recording.batches, strict=True):
         fields = record.fields
