@@ -28,9 +28,17 @@ prompts of one generation batch, each repeated ``num_generations`` times in a ro
 
 The engine's scheduler picks the tasks (its datasets, its seed); TRL's dataset only paces the
 generation batches: :func:`placeholder_dataset` gives it rows whose ``prompt`` is a
-placeholder. TRL's ``logprobs`` reach its importance-sampling correction only when it runs
-vLLM itself (``use_vllm``); with a rollout function TRL keeps them as
-``sampling_per_token_logps`` for its off-policy mask (``off_policy_mask_threshold``).
+placeholder.
+
+TRL keeps the ``logprobs`` as ``sampling_per_token_logps`` (its off-policy mask reads them,
+``off_policy_mask_threshold``), and applies its importance-sampling correction against them
+(``vllm_importance_sampling_*``: the ratio of its own logprobs of the sampled tokens to the
+sampler's, multiplied into the loss) only on its vLLM path, where ``vllm_generation`` stands
+for the sampler and ``sync_weights()`` pushes the weights before a generation.
+``EngineTRL.correct_sampling(trainer)`` puts the engine in that place: the trainer takes the
+vLLM path with a rollout function (TRL 1.16 then computes the ratio, and calls
+``sync_weights`` only when the step changed), and ``sync_weights`` publishes the step's
+weights unless the callback already has.
 
 Checkpoints pad their embedding rows past the tokenizer, and the engine's servers (SGLang,
 tinylm) never sample the spare ids and normalize over the real ones only; TRL's softmax runs
@@ -60,6 +68,7 @@ from engine.projections.samples import scalar_reward
 from engine.sample import Sample
 
 __all__ = [
+    "EngineSampler",
     "EngineTRL",
     "cut_spare_logits",
     "PublishCallback",
@@ -226,6 +235,29 @@ class EngineTRL:
 
     def callback(self) -> PublishCallback:
         return PublishCallback(self)
+
+    def correct_sampling(self, trainer: Any) -> None:
+        """Turn on TRL's importance-sampling correction against the engine's sampler (see the
+        module docstring): ``trainer`` takes its vLLM path, the engine as its sampler."""
+        if trainer.rollout_func is None:
+            raise ConfigError("correct_sampling needs a GRPOTrainer built with rollout_func")
+        trainer.use_vllm = True
+        trainer.vllm_generation = EngineSampler(self, trainer)
+        trainer._last_loaded_step = trainer.state.global_step  # the servers hold these weights
+
+
+class EngineSampler:
+    """TRL's ``vllm_generation`` on the engine: only ``sync_weights`` is called on it when a
+    rollout function generates."""
+
+    def __init__(self, bridge: EngineTRL, trainer: Any) -> None:
+        self.bridge = bridge
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        step = int(self.trainer.state.global_step)
+        if step != self.bridge.version:
+            self.bridge.publish(self.trainer.model, step)
 
 
 class PublishCallback(TrainerCallback):

@@ -8,7 +8,10 @@ functions (``_generate_and_score_completions``, "Merge extra_fields"); the loss 
 completion token under the model that sampled it, computed when generation and optimizer
 steps are misaligned (``gradient_accumulation_steps % (steps_per_generation *
 num_iterations) != 0``), and ``sampling_per_token_logps`` is the rollout function's
-``logprobs`` padded.
+``logprobs`` padded; on the vLLM path (``use_vllm`` with ``vllm_importance_sampling_correction``,
+which ``EngineTRL.correct_sampling`` turns on) ``importance_sampling_ratio`` is
+``exp(old - sampling)``, summed per sequence in the default ``sequence_mask`` mode, and
+``_generate`` calls ``vllm_generation.sync_weights()`` when the step changed.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
             reward_funcs=engine_reward, args=args, train_dataset=placeholder_dataset(16),
             rollout_func=bridge.rollout_func, callbacks=[bridge.callback()],
         )
+        bridge.correct_sampling(trainer)
         trainer.train()
         activated = client.wait_version_active(3, timeout=30)
         client.close()
@@ -158,6 +162,10 @@ def test_grpo_trainer_trains_on_engine_rollouts_and_publishes_each_step(
         assert trained.any() and width >= max(len(c) for c in fields["completion_ids"])
         diff = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]).abs()
         assert float(diff[trained].max()) < 1e-4
+        # TRL's importance-sampling correction ran against the engine's sampler: its ratio
+        # (per sequence, the default mode) is 1 within the same error.
+        ratio = batch["importance_sampling_ratio"]
+        assert ratio.shape == (n, 1) and float((ratio - 1).abs().max()) < 1e-3
         sampled = [x for lp, m in zip(fields["logprobs"], fields["env_mask"], strict=True)
                    for x, b in zip(lp, m, strict=True) if b]
         assert torch.equal(batch["sampling_per_token_logps"][trained], torch.tensor(sampled))
