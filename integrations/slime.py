@@ -337,8 +337,11 @@ def slime_actor_class() -> Any:
     """slime's ``RolloutManager`` with this manager's ``_get_rollout_data`` / ``eval`` /
     ``dispose``, as a Ray actor: Ray refuses to subclass an actor class, so the plain class
     is taken from the decorator's metadata and the subclass decorated again. Its
-    ``__init__(args, pg)`` runs slime's, then connects the engine."""
+    ``__init__(args, pg)`` runs slime's, then connects the engine; its ``eval`` logs the eval
+    data as slime's does (``log_eval_rollout_data``). Not exercised here: slime does not
+    install from the registry."""
     import ray
+    from slime.observability.rollout_metrics import log_eval_rollout_data
     from slime.ray.rollout import RolloutManager
 
     base = RolloutManager.__ray_metadata__.modified_class
@@ -349,7 +352,9 @@ def slime_actor_class() -> Any:
             SchedulerRolloutManager.__init__(self, args)
 
         def eval(self, rollout_id: int) -> EvalData:
-            return SchedulerRolloutManager.eval(self, rollout_id)
+            data = SchedulerRolloutManager.eval(self, rollout_id)
+            log_eval_rollout_data(rollout_id, self.args, data, None)  # as slime's eval does
+            return data
 
         def dispose(self) -> None:
             SchedulerRolloutManager.dispose(self)

@@ -70,9 +70,9 @@ from engine.sample import Sample
 __all__ = [
     "EngineSampler",
     "EngineTRL",
-    "cut_spare_logits",
     "PublishCallback",
     "RolloutRecord",
+    "cut_spare_logits",
     "engine_reward",
     "placeholder_dataset",
     "trl_fields",
