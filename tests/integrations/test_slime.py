@@ -254,3 +254,56 @@ async def test_the_client_source_turns_an_engine_rollout_into_slime_groups() -> 
     assert [s.reward for s in flat] == [0.0, 1.0, 0.0, 1.0]
     assert all(s.response_length == 8 and s.weight_versions == ["5"] for s in flat)
     assert slime_train_data(flat)["source_names"] == ["ds"] * 4
+
+
+@pytest.mark.redis_server
+@pytest.mark.parametrize("log_backend", ["redis-server"])
+async def test_generate_rollout_is_slimes_entry_point_over_the_engine(
+    make_log: Any, redis_server: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """slime calls ``generate_rollout`` synchronously (its own event loop is not running):
+    here from a thread, while the engine's worker and finalizer run on the test's loop, all
+    on one redis-server, the manager connecting on the engine's settings."""
+    monkeypatch.setenv("ROLLOUT_REDIS_URL", redis_server.url)
+    monkeypatch.delenv("ROLLOUT_STREAM_PREFIX", raising=False)
+    engine = Engine(lambda: make_log(producer="test", block_ms=100, max_deliveries=3),
+                    load_evaluators(EVALUATOR_CONFIG, None))
+    engine.start_worker()
+    engine.start_finalizer()
+    log = make_log(producer="test", block_ms=100)
+    args = argparse.Namespace(rollout_batch_size=2, n_samples_per_prompt=3, rollout_seed=0)
+
+    async def scheduler() -> RolloutRequested:
+        while True:
+            found = [e.event for e in await log.read_all(log.names.control)
+                     if isinstance(e.event, RolloutRequested)]
+            if found:
+                await play_scheduler(log, found[0], script=lambda i: {"turns": 3, "version": 2})
+                return found[0]
+            await asyncio.sleep(0.02)
+
+    def slime_calls() -> list[list[Any]]:
+        from integrations import slime
+
+        manager = SchedulerRolloutManager(args, sample_cls=SlimeSample)
+        slime._MANAGERS[id(args)] = manager  # what generate_rollout would build, our Sample
+        try:
+            out = generate_rollout(args, 2, data_source=None)
+            assert isinstance(out, list)
+            return out
+        finally:
+            del slime._MANAGERS[id(args)]
+            manager.dispose()
+
+    try:
+        played = asyncio.create_task(scheduler())
+        groups = await asyncio.to_thread(slime_calls)
+        request = await played
+    finally:
+        await engine.close()
+    assert (request.iteration, request.policy_version) == (2, 2)
+    assert (request.n_prompts, request.n_samples_per_prompt) == (2, 3)
+    assert [[s.index for s in g] for g in groups] == [[0, 1, 2], [3, 4, 5]]
+    flat = [s for g in groups for s in g]
+    assert all(s.weight_versions == ["2"] and s.response_length == 12 for s in flat)
+    slime_train_data(flat)
