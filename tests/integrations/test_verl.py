@@ -141,20 +141,66 @@ async def test_the_runs_of_one_uid_share_one_engine_rollout() -> None:
     assert all(o.extra_fields["max_global_steps"] == 0 for o in outputs)
 
 
-def test_verls_own_agent_loop_output_takes_the_adapters_fields() -> None:
+async def test_verls_own_agent_loop_runs_on_the_engine(tinylm_dir: Any) -> None:
+    """Where verl imports: its ``AgentLoopOutput`` takes the adapter's fields, the loop is in
+    verl's registry under ``rollout_engine``, and ``EngineAgentLoop.run`` built as
+    ``AgentLoopWorker._run_agent_loop`` builds it returns one engine sample."""
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed (pip install 'rollout-engine[verl]')")
     try:
+        from omegaconf import OmegaConf
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput as VerlOutput
+        from verl.experimental.agent_loop.agent_loop import (
+            DictConfigWrap,
+            _agent_loop_registry,
+        )
     except ImportError as exc:  # verl is there, its own dependencies are not
         pytest.skip(f"verl's agent loop does not import here: {exc}")
-    out = VerlOutput(**agent_loop_fields(tool_episode(0, 0)))
-    as_dict = out.as_dict()
+    from transformers import AutoTokenizer
+
+    from integrations import verl_agent_loop
+
+    as_dict = VerlOutput(**agent_loop_fields(tool_episode(0, 0))).as_dict()
     assert as_dict["response_mask"].tolist() == [1, 1, 0, 0, 0, 1, 1]
     assert as_dict["rm_scores"].tolist()[-1] == 1.0
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-
-    from integrations.verl_agent_loop import EngineAgentLoop  # registers it
-
+    loop_class = verl_agent_loop.EngineAgentLoop
     assert _agent_loop_registry[AGENT_NAME]["_target_"] == (
-        f"{EngineAgentLoop.__module__}.{EngineAgentLoop.__qualname__}")
+        f"{loop_class.__module__}.{loop_class.__qualname__}")
+
+    store = MemoryStore()
+    engine = Engine(lambda: MemoryEventLog(store, producer="test", block_ms=100,
+                                           max_deliveries=3),
+                    load_evaluators(EVALUATOR_CONFIG, None))
+    engine.start_worker()
+    engine.start_finalizer()
+    log = MemoryEventLog(store, producer="test", block_ms=100)
+    groups = EngineGroups(RolloutClient(MemoryEventLog(store, producer="verl", block_ms=100)),
+                          timeout_s=30)
+    verl_agent_loop._GROUPS[id(asyncio.get_running_loop())] = groups
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 2, "response_length": 6}},
+                               "data": {}})
+    loop = loop_class(trainer_config=DictConfigWrap(config), server_manager=None,
+                      tokenizer=AutoTokenizer.from_pretrained(tinylm_dir), processor=None,
+                      dataset_cls=None, data_config=DictConfigWrap(config.data))
+
+    async def scheduler() -> None:
+        while True:
+            found = [e.event for e in await log.read_all(log.names.control)
+                     if isinstance(e.event, RolloutRequested)]
+            if found:
+                await play_scheduler(log, found[0], script=lambda i: {"turns": 2, "version": 0})
+                return
+            await asyncio.sleep(0.02)
+
+    try:
+        playing = asyncio.create_task(scheduler())
+        outs = await asyncio.gather(*(loop.run({}, uid="u", raw_prompt=[]) for _ in range(2)))
+        await playing
+    finally:
+        del verl_agent_loop._GROUPS[id(asyncio.get_running_loop())]
+        await groups.client.aclose()
+        await engine.close()
+    assert all(isinstance(o, VerlOutput) for o in outs)
+    assert [len(o.response_ids) for o in outs] == [6, 6]  # cut to rollout.response_length
+    assert {o.extra_fields["engine_sample_id"] for o in outs} == {
+        f"{outs[0].extra_fields['engine_rollout_id']}:s{i}" for i in range(2)}
