@@ -4,7 +4,7 @@
 
 Starts ``--count`` servers on reserved ports at the active policy version, restarts one that
 exits (capped backoff) and registers them on ``rl:control``; SIGTERM stops and retires them.
-``--role eval --weights DIR --weight-version V`` runs eval servers instead: kept at version V
+``--role eval --model DIR --weight-version V`` runs eval servers instead: kept at version V
 (the syncer never loads them), they serve the eval rollouts pinned to V.
 Server arguments come from ``ROLLOUT_SERVE_ARGS`` and after ``--``; one SGLang's
 ``ServerArgs`` lacks is refused before anything starts. Exit status 2: bad settings or server
@@ -40,7 +40,6 @@ FLAGS = Flags(
         "model_dir",
         "serve_count",
         "serve_role",
-        "serve_weights",
         "serve_weight_version",
         "serve_host",
         "serve_port",
@@ -55,7 +54,6 @@ FLAGS = Flags(
         "model_dir": "--model",
         "serve_count": "--count",
         "serve_role": "--role",
-        "serve_weights": "--weights",
         "serve_weight_version": "--weight-version",
         "serve_host": "--host",
         "serve_port": "--port",
@@ -87,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.model_dir is None:
             raise ConfigError("--model (ROLLOUT_MODEL_DIR) is required: the base model folder")
         check_server_args(server_args, settings.serve_backend)
-        check_role(settings.serve_role, settings.serve_weights, settings.serve_weight_version)
+        check_role(settings.serve_role, settings.serve_weight_version)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -99,7 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         count=settings.serve_count,
         role=settings.serve_role,
         supervisor=consumer,
-        weights=settings.serve_weights,
         weight_version=settings.serve_weight_version,
         host=settings.serve_host,
         port=settings.serve_port,

@@ -384,7 +384,7 @@ class ServerHealth:
                 raise ServersDown(
                     f"no model server serves weight version {version}, the version the "
                     f"rollout is pinned to, for {waited:.0f} s (outage limit {limit:g} s; "
-                    f"start an eval server at it: rollout serve --role eval --weights PATH "
+                    f"start an eval server at it: rollout serve --role eval --model PATH "
                     f"--weight-version {version}): {self.describe_versions()}"
                 )
             with contextlib.suppress(TimeoutError):  # a change of state, or the next look

@@ -100,7 +100,7 @@ async def test_a_sync_lands_while_an_eval_pinned_at_v0_runs_on_the_eval_server(
     with launcher(redis_server.url, tmp_path / "logs", outage_limit_s=120.0) as procs:
         # Everything starts at once; the worker and the syncer find the servers on the log.
         procs.start("serve-eval", "serve", settings={
-            "model_dir": tinylm_dir, "serve_role": "eval", "serve_weights": ckpt[0],
+            "model_dir": ckpt[0], "serve_role": "eval",
             "serve_weight_version": 0, "serve_log_dir": tmp_path / "servers"})  # fmt: skip
         procs.start("w1", "worker", settings={
             "worker_id": "w1", "evaluator_config": CONFIG, "evaluators": "versions",
