@@ -237,9 +237,11 @@ class ServerHealth:
     def add(self, url: str, *, fixed: bool = False) -> None:
         """Track ``url`` too (a server registered while the worker runs): down until a probe
         finds it answering at the active version (``fixed``, an eval server: at a version it
-        reports)."""
+        reports). A server tracked in the other role changes role."""
         if url in self.states:
-            return
+            if (url in self.fixed) == fixed:
+                return
+            self.remove(url, fixed=not fixed)
         if fixed:
             self.fixed.add(url)
         self.urls = (*self.urls, url)
@@ -250,11 +252,12 @@ class ServerHealth:
         self._gauges[url].set(0)
         self._wake.set()
 
-    def remove(self, url: str) -> None:
-        """Stop tracking ``url`` (a retired server): it gets nothing any more."""
-        state = self.states.pop(url, None)
-        if state is None:
+    def remove(self, url: str, *, fixed: bool = False) -> None:
+        """Stop tracking ``url`` (a retired server): it gets nothing any more. Only a server
+        tracked in that role (``fixed``: an eval server) is removed."""
+        if url not in self.states or (url in self.fixed) != fixed:
             return
+        state = self.states.pop(url)
         self.urls = tuple(u for u in self.urls if u != url)
         self._gauges.pop(url).set(0)
         if url in self.fixed:

@@ -185,47 +185,37 @@ class _Shared:
         the up server with the fewest trajectories (ties by rendezvous rank)."""
         url = self.placed.get(key)
         health = self.health
-        if url is not None:
-            if health.is_up(url) or (not health.any_up and url in self.urls):
-                return url
-            self.live[url] -= 1  # its server is down, stale or retired: the trajectory moves
-        urls = health.up_urls() or self.urls or self.known
-        url = max(urls, key=lambda u: (-self.live[u], _rank(key, u)))
-        self.placed[key] = url
-        self.live[url] += 1
-        return url
+        if url is not None and (health.is_up(url) or (not health.any_up and url in self.urls)):
+            return url
+        return self.place_among(key, health.up_urls() or self.urls or self.known)
 
-    def place_pinned(self, key: str, urls: tuple[str, ...]) -> str:
-        """The server of a pinned trajectory among ``urls`` (those serving its version):
-        where it was placed while that one is among them, else the least loaded."""
+    def place_among(self, key: str, urls: tuple[str, ...]) -> str:
+        """The server of trajectory ``key`` among ``urls``: where it was placed while that one
+        is among them, else the least loaded (ties by rendezvous rank); a pinned trajectory's
+        ``urls`` are those serving its version."""
         url = self.placed.get(key)
         if url is not None:
             if url in urls:
                 return url
-            self.live[url] -= 1
+            self.live[url] -= 1  # its server is down, stale or retired: the trajectory moves
         url = max(urls, key=lambda u: (-self.live[u], _rank(key, u)))
         self.placed[key] = url
         self.live[url] += 1
         return url
 
-    def use_eval(self, urls: tuple[str, ...]) -> None:
+    def use(self, urls: tuple[str, ...], *, fixed: bool = False) -> None:
+        """The policy's servers (``fixed``: the eval servers) are ``urls`` from now on."""
         health = self.health
+        before = self.eval_urls if fixed else self.urls
         for url in urls:
-            if url not in self.eval_urls:
-                health.add(url, fixed=True)
-        for url in self.eval_urls:
+            if url not in before:
+                health.add(url, fixed=fixed)
+        for url in before:
             if url not in urls:
-                health.remove(url)
-        self.eval_urls = urls
-
-    def use(self, urls: tuple[str, ...]) -> None:
-        health = self.health
-        for url in urls:
-            if url not in self.urls:
-                health.add(url)
-        for url in self.urls:
-            if url not in urls:
-                health.remove(url)
+                health.remove(url, fixed=fixed)
+        if fixed:
+            self.eval_urls = urls
+            return
         self.urls = urls
         self.known = (*self.known, *(u for u in urls if u not in self.known))
 
@@ -278,7 +268,7 @@ class _Trajectory:
         shared = self.shared
         if self.version is not None:
             found = await shared.health.serving_available(self.version)
-            url = shared.place_pinned(self.key, found)
+            url = shared.place_among(self.key, found)
             return url, shared.backend(url)
         if not shared.health.any_up:
             await shared.health.available()
@@ -439,7 +429,7 @@ class BackendPool:
     def use_eval_servers(self, urls: Sequence[str]) -> None:
         """The eval servers are ``urls`` from now on (see "Pinned versions" in the module
         docstring)."""
-        self._shared.use_eval(parse_urls(list(urls), what="a registered eval server"))
+        self._shared.use(parse_urls(list(urls), what="a registered eval server"), fixed=True)
 
     @property
     def eval_urls(self) -> tuple[str, ...]:

@@ -156,6 +156,24 @@ async def test_an_eval_server_is_never_stale_never_announced_and_not_a_policy_se
     assert E0 not in pool.health.states and pool.eval_urls == ()
 
 
+async def test_an_endpoint_registered_again_in_the_other_role_changes_role() -> None:
+    # Given E0 serving as an eval server at version 0
+    pool, servers = pool_of()
+    await eval_servers(pool, servers, {E0: 0})
+    # When it is registered as a policy server instead (the worker hands both lists over)
+    pool.use_servers([P, E0])
+    pool.use_eval_servers([])
+    # Then it is tracked as a policy server, probed back at the active version
+    assert E0 not in pool.health.fixed and pool.health.states[E0] is ServerState.DOWN
+    servers[E0].version = 1
+    await pool.health.probe(E0)
+    assert pool.health.up_urls() == (P, E0) and pool.health.serving(0) == ()
+    # And back as an eval server, the other way round
+    pool.use_servers([P])
+    pool.use_eval_servers([E0])
+    assert pool.health.fixed == {E0} and pool.health.up_urls() == (P,)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     evals=st.dictionaries(st.sampled_from([E0, E1]), st.sampled_from([0, 1, 2, None]), max_size=2),
