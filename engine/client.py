@@ -175,10 +175,13 @@ class RolloutClient:
         overprovision: float = 1.0,
         tail: Literal["abort", "carry"] = "abort",
         request_stream: str | None = None,
+        pinned_version: int | None = None,
     ) -> str:
         """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm.
         ``max_staleness`` / ``overprovision`` / ``tail`` / ``request_stream``: see
-        ``RolloutRequested`` (docs/configuration.md, "Staleness and partial rollouts")."""
+        ``RolloutRequested`` (docs/configuration.md, "Staleness and partial rollouts").
+        ``pinned_version`` (``kind="eval"`` only): the eval runs on that weight version while
+        training goes on (docs/operations.md, "Eval pinned to a version")."""
         rid = rollout_id or f"it{iteration}-{secrets.token_hex(4)}"
         event = RolloutRequested(
             rollout_id=rid,
@@ -201,6 +204,7 @@ class RolloutClient:
             overprovision=overprovision,
             tail=tail,
             request_stream=request_stream,
+            pinned_version=pinned_version,
         )
         self.names.rollout(rid)  # refuses an id that cannot be a stream key
         await self.log.append(self.names.control, event)

@@ -326,9 +326,9 @@ class Settings(FrozenModel):
         "tinylm", description="What rollout serve runs: tinylm on CPU or SGLang's launch_server."
     )
     serve_count: int = Field(1, ge=1, description="Model servers rollout serve starts.")
-    serve_role: Literal["policy", "teacher"] = Field(
-        "policy", description="What rollout serve's servers serve (a teacher stays at --model)."
-    )
+    serve_role: Literal["policy", "teacher", "eval"] = Field("policy", description="What rollout "
+        "serve's servers serve (a teacher or an eval server stays at --model, never synced).")
+    serve_weight_version: int | None = Field(None, ge=0, description="An eval server's version.")
     serve_host: str = Field("127.0.0.1", description="Address rollout serve's servers bind.")
     serve_port: int | None = Field(
         None, ge=1, le=65535, description="Port of rollout serve's first server, the next ones "

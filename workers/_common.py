@@ -126,10 +126,12 @@ async def follow_servers(
     use: Callable[[tuple[str, ...]], None],
     *,
     outage_limit_s: float | None,
+    use_eval: Callable[[tuple[str, ...]], None] | None = None,
 ) -> AsyncIterator[None]:
     """Hand ``use`` the policy servers registered on ``control``'s stream, then again on every
-    change of them, while the body runs. The first registration is waited for up to the
-    outage limit (``ConfigError`` when none comes)."""
+    change of them, while the body runs (and ``use_eval`` the eval servers, likewise). The
+    first policy registration is waited for up to the outage limit (``ConfigError`` when none
+    comes)."""
     try:
         await control.wait_for(
             lambda state: bool(state.registered_servers()), outage_limit_s,
@@ -144,9 +146,12 @@ async def follow_servers(
     servers = control.state.registered_servers()
     logging.getLogger("workers").info("policy servers from the log: %s", ", ".join(servers))
     use(servers)
+    evals = control.state.registered_servers("eval")
+    if use_eval is not None:
+        use_eval(evals)
 
     async def follow() -> None:
-        nonlocal servers
+        nonlocal servers, evals
         seen = control.version
         while True:
             try:
@@ -161,6 +166,13 @@ async def follow_servers(
                 )
                 servers = now
                 use(now)
+            now = control.state.registered_servers("eval")
+            if use_eval is not None and now != evals:
+                logging.getLogger("workers").info(
+                    "eval servers from the log: %s", ", ".join(now) or "none"
+                )
+                evals = now
+                use_eval(now)
 
     task = asyncio.create_task(follow())
     try:

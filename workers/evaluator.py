@@ -30,7 +30,9 @@ when there is exactly one, so agents that take it leave the choice to the pool.
 With ``ROLLOUT_SERVERS_FROM_LOG`` (``--servers-from-log``) the policy servers are those
 ``rollout serve`` registered on ``rl:control``, followed live: the worker waits up to
 ``--outage-limit-s`` for the first, and each later registration or retirement changes its
-pool's servers (``BackendPool.use_servers``); ``args.sglang_urls`` is then empty.
+pool's servers (``BackendPool.use_servers``); ``args.sglang_urls`` is then empty. Servers
+registered in the ``eval`` role are followed the same way (``BackendPool.use_eval_servers``):
+they run the eval rollouts pinned to their version.
 """
 
 from __future__ import annotations
@@ -251,7 +253,8 @@ async def _serve(
 
 
 class _FollowingServers:
-    """The worker, with its pool's policy servers those registered on ``rl:control``."""
+    """The worker, with its pool's policy and eval servers those registered on
+    ``rl:control``."""
 
     def __init__(self, worker: EvaluatorWorker, backends: BackendPool) -> None:
         self.worker = worker
@@ -260,7 +263,8 @@ class _FollowingServers:
     async def run(self, stop: asyncio.Event) -> None:
         limit = self.worker.config.outage_limit_s
         async with follow_servers(self.worker.control, self.backends.use_servers,
-                                  outage_limit_s=limit):  # fmt: skip
+                                  outage_limit_s=limit,
+                                  use_eval=self.backends.use_eval_servers):  # fmt: skip
             await self.worker.run(stop)
 
 

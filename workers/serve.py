@@ -4,6 +4,8 @@
 
 Starts ``--count`` servers on reserved ports at the active policy version, restarts one that
 exits (capped backoff) and registers them on ``rl:control``; SIGTERM stops and retires them.
+``--role eval --model DIR --weight-version V`` runs eval servers instead: kept at version V
+(the syncer never loads them), they serve the eval rollouts pinned to V.
 Server arguments come from ``ROLLOUT_SERVE_ARGS`` and after ``--``; one SGLang's
 ``ServerArgs`` lacks is refused before anything starts. Exit status 2: bad settings or server
 arguments; 1: Redis failed or a server did not come up.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from engine.errors import BackendUnavailable, ConfigError
 from engine.ops.processes import Processes
-from engine.ops.serve import ServeConfig, Supervisor, check_server_args
+from engine.ops.serve import ServeConfig, Supervisor, check_role, check_server_args
 from engine.settings import PROCESS, Flags, Settings
 from workers._common import consumer_name, serve_actor, settings_parser, start
 from workers.cli import ROLLOUT
@@ -38,6 +40,7 @@ FLAGS = Flags(
         "model_dir",
         "serve_count",
         "serve_role",
+        "serve_weight_version",
         "serve_host",
         "serve_port",
         "serve_args",
@@ -51,6 +54,7 @@ FLAGS = Flags(
         "model_dir": "--model",
         "serve_count": "--count",
         "serve_role": "--role",
+        "serve_weight_version": "--weight-version",
         "serve_host": "--host",
         "serve_port": "--port",
     },
@@ -81,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.model_dir is None:
             raise ConfigError("--model (ROLLOUT_MODEL_DIR) is required: the base model folder")
         check_server_args(server_args, settings.serve_backend)
+        check_role(settings.serve_role, settings.serve_weight_version)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         count=settings.serve_count,
         role=settings.serve_role,
         supervisor=consumer,
+        weight_version=settings.serve_weight_version,
         host=settings.serve_host,
         port=settings.serve_port,
         args=server_args,

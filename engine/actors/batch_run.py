@@ -207,7 +207,7 @@ class BatchRun:
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
-        self._seed = request.seed if request is not None else 0
+        self._seed, self._pinned = (request.seed, request.pinned_version) if request else (0, None)
         knobs: Mapping[str, Any] = request.knobs if request is not None else {}
         # Eval runs student-only: an eval request's ``dagger_beta`` is dropped; an explicit
         # ``eval_dagger_beta`` knob re-injects one.
@@ -350,14 +350,14 @@ class BatchRun:
     ) -> _Held:
         """The attempt's directory, bound view of the pool and context."""
         tmp = LazyTmp(self._batch_tmp, sample_id, attempt)
-        # One trajectory, one policy server while it is up (BackendPool.bind), released
-        # after cleanup; its generations are named SAMPLE/aATTEMPT/tN.
+        # One trajectory, one policy server while it is up (BackendPool.bind; a pinned eval:
+        # one serving its version), released after cleanup; generations named SAMPLE/aATTEMPT/tN.
         backends = (
             self._backends.bind(
                 f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
-                budget=self._budgets.get(sample_id),
-            )
+                budget=self._budgets.get(sample_id), version=self._pinned,
+            )  # fmt: skip
             if self._backends is not None
             else None
         )

@@ -22,6 +22,8 @@ The stages, upstream first (each named only when it holds unfinished samples):
 * workers: admitted batches none of whose unfinished samples has started, with the
   consumers of their ``rl:work:<evaluator>`` stream and how long each has been idle (none:
   no worker serves the evaluator);
+* a pinned version (an eval's ``pinned_version``) that no registered eval server serves and
+  the policy is not at, while samples are unfinished: the servers registered, and the fix;
 * samples running: how many, on which workers;
 * teacher scores: a capture asked for and not all scored yet.
 """
@@ -119,6 +121,9 @@ def decide_stall(
             lines.append(f"rl:work:{evaluator} " + (f"consumed by {who}" if who
                                                     else "has no consumer (no worker serves it)"))
         waits.append(f"workers for {len(not_started)} admitted batches: " + "; ".join(lines))
+    pinned = state.request.pinned_version if state.request is not None else None
+    if pinned is not None and (not_started or running) and (why := _unserved(pinned, policy)):
+        waits.append(why)
     if running:
         on = ", ".join(f"{w} ({n})" for w, n in sorted(running.items()))
         waits.append(f"{sum(running.values())} samples running on {on}")
@@ -136,6 +141,19 @@ def decide_stall(
         running=dict(running),
         consumers=shown,
     )
+
+
+def _unserved(version: int, policy: ControlState) -> str:
+    """What a rollout pinned to ``version`` waits for when no server registered serves it
+    (empty: one is registered at it, or the policy is at it)."""
+    evals = {u: r.weight_version for u, r in policy.registered.items() if r.role == "eval"}
+    if version in evals.values() or policy.active_version == version:
+        return ""
+    shown = ", ".join(f"{u} (version {v})" for u, v in evals.items()) or "none"
+    return (f"a model server serving weight version {version}, the version the rollout is "
+            f"pinned to (active policy version {policy.active_version}; eval servers "
+            f"registered: {shown}): start one with rollout serve --role eval --model PATH "
+            f"--weight-version {version}")
 
 
 def _out_of_service(url: str, word: ServerWord) -> str:

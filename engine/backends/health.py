@@ -36,6 +36,16 @@ without the ``weight_version`` capability is admitted as it is, with a warning.
 ``available()`` returns at once while a server is up; while none is, new turns wait there for
 one to come back, and past ``outage_limit_s`` of all of them down it raises ``ServersDown``.
 
+Eval servers (``add(url, fixed=True)``: registered in the ``eval`` role, kept at the version
+they were started with) are tracked and probed the same way, but apart from the policy: they
+are never stale (their version is whatever they report, never labelled; one that reports
+none stays down), take no policy trajectory (``up_urls``, ``any_up`` and ``available`` are
+the policy servers'), a stall while a sync is open marks them down (no sync pauses them) and
+their changes are not announced (the fleet's word on ``rl:control`` is about the policy).
+``serving(v)`` are the servers a trajectory pinned to version ``v`` may run on: the eval
+servers up at ``v``, else the policy servers up at ``v`` while no sync is open;
+``serving_available(v)`` waits for one, up to the outage limit.
+
 ``RetryBudget`` is one sample's allowance of retried model calls and re-run attempts
 (``engine/backends/pool.py``, ``engine/actors/batch_run.py``).
 """
@@ -164,14 +174,16 @@ class ServerHealth:
         self.expected: Callable[[], int | None] = lambda: None
         self.admin: Callable[[str], ServerAdmin] = ServerAdmin
         self.states = dict.fromkeys(self.urls, ServerState.UP)
+        self.fixed: set[str] = set()  # eval servers: kept at their own version
         self.reasons: dict[str, str] = {}
         self._reported: dict[str, int | None] = dict.fromkeys(self.urls)
-        self._n_up = len(self.urls)
+        self._n_up = len(self.urls)  # policy servers up
         self._up = asyncio.Event()
         if self._n_up:
             self._up.set()
         self._down_since = clock()
         self._wake = asyncio.Event()
+        self._changed = asyncio.Event()  # any change of state (pinned waits look again)
         self._listeners: list[Listener] = []
         self._gauges = {url: metrics.SERVER_UP.labels(url) for url in self.urls}
         for gauge in self._gauges.values():
@@ -188,7 +200,33 @@ class ServerHealth:
         return self._n_up > 0
 
     def up_urls(self) -> tuple[str, ...]:
-        return tuple(u for u, s in self.states.items() if s is ServerState.UP)
+        """The policy servers that are up."""
+        fixed = self.fixed
+        return tuple(u for u, s in self.states.items() if s is ServerState.UP and u not in fixed)
+
+    def version_of(self, url: str) -> int | None:
+        """The weight version an up server serves (None: not up, or unknown)."""
+        if self.states.get(url) is not ServerState.UP:
+            return None
+        expected = None if url in self.fixed else self.expected()
+        return self._reported.get(url) if expected is None else expected
+
+    def serving(self, version: int) -> tuple[str, ...]:
+        """The servers a trajectory pinned to ``version`` may run on (module docstring)."""
+        found = tuple(u for u in self.fixed if self.version_of(u) == version)
+        if found or not self.gate.is_open:
+            return found
+        return tuple(u for u in self.up_urls() if self.version_of(u) == version)
+
+    def describe_versions(self) -> str:
+        """Each tracked server's state and version, for the message of a wait that failed."""
+        expected = self.expected()
+        parts = []
+        for url, state in self.states.items():
+            role = "eval" if url in self.fixed else "policy"
+            version = self._reported.get(url) if url in self.fixed else expected
+            parts.append(f"{url} ({role}, {state.value}, version {version})")
+        return "; ".join(parts) or "no server registered"
 
     def adopt(self, states: Mapping[str, str]) -> None:
         """Start from what the log says (a server another worker saw down is probed first)."""
@@ -196,11 +234,16 @@ class ServerHealth:
             if url in self.states and state != ServerState.UP:
                 self._set(url, ServerState(state), "as the log has it", announce=False)
 
-    def add(self, url: str) -> None:
+    def add(self, url: str, *, fixed: bool = False) -> None:
         """Track ``url`` too (a server registered while the worker runs): down until a probe
-        finds it answering at the active version."""
+        finds it answering at the active version (``fixed``, an eval server: at a version it
+        reports). A server tracked in the other role changes role."""
         if url in self.states:
-            return
+            if (url in self.fixed) == fixed:
+                return
+            self.remove(url, fixed=not fixed)
+        if fixed:
+            self.fixed.add(url)
         self.urls = (*self.urls, url)
         self.states[url] = ServerState.DOWN
         self.reasons[url] = "registered, not probed yet"
@@ -209,14 +252,17 @@ class ServerHealth:
         self._gauges[url].set(0)
         self._wake.set()
 
-    def remove(self, url: str) -> None:
-        """Stop tracking ``url`` (a retired server): it gets nothing any more."""
-        state = self.states.pop(url, None)
-        if state is None:
+    def remove(self, url: str, *, fixed: bool = False) -> None:
+        """Stop tracking ``url`` (a retired server): it gets nothing any more. Only a server
+        tracked in that role (``fixed``: an eval server) is removed."""
+        if url not in self.states or (url in self.fixed) != fixed:
             return
+        state = self.states.pop(url)
         self.urls = tuple(u for u in self.urls if u != url)
         self._gauges.pop(url).set(0)
-        if state is ServerState.UP:
+        if url in self.fixed:
+            self.fixed.discard(url)
+        elif state is ServerState.UP:
             self._n_up -= 1
             if self._n_up == 0:
                 self._up.clear()
@@ -242,13 +288,17 @@ class ServerHealth:
         if before is None:  # removed while its probe ran
             return
         if before is state and (state is not ServerState.STALE or self._reported[url] == version):
+            if version is not None:
+                self._reported[url] = version
             return
         self.states[url] = state
         self.reasons[url] = reason
         self._reported[url] = version
+        fixed = url in self.fixed
         if (before is ServerState.UP) != (state is ServerState.UP):
-            self._n_up += 1 if state is ServerState.UP else -1
             self._gauges[url].set(1 if state is ServerState.UP else 0)
+        if not fixed and (before is ServerState.UP) != (state is ServerState.UP):
+            self._n_up += 1 if state is ServerState.UP else -1
             if self._n_up == 0:
                 self._up.clear()
                 self._down_since = self._clock()
@@ -256,10 +306,11 @@ class ServerHealth:
                 self._up.set()
         if state is not ServerState.UP:
             self._wake.set()
+        self._changed.set()
         metrics.SERVER_CHANGES.labels(url, state.value).inc()
         log = logger.info if state is ServerState.UP else logger.warning
         log("model server %s is %s: %s", url, state.value, reason)
-        if announce:
+        if announce and not fixed:
             self._announce(url, state, reason, version)
 
     def _announce(self, url: str, state: ServerState, reason: str, version: int | None) -> None:
@@ -275,6 +326,9 @@ class ServerHealth:
     def after(
         self, call: ModelCall, result: GenerationResult | None, error: BaseException | None
     ) -> None:
+        if call.url in self.fixed:
+            self._after_fixed(call.url, result, error)
+            return
         if error is None:
             if result is not None and self.wrong_version(result):
                 self.mark(
@@ -287,6 +341,17 @@ class ServerHealth:
         if not infra_failure(error) or (isinstance(error, ServerStalled) and not self.gate.is_open):
             return
         self.mark(call.url, ServerState.DOWN, str(error))
+
+    def _after_fixed(
+        self, url: str, result: GenerationResult | None, error: BaseException | None
+    ) -> None:
+        """An eval server's call ended: a failure marks it down (no sync pauses it); a result
+        tells its version (a restart may have loaded other weights)."""
+        if error is not None:
+            if infra_failure(error):
+                self.mark(url, ServerState.DOWN, str(error))
+        elif result is not None and result.weight_version is not None:
+            self._reported[url] = result.weight_version
 
     def wrong_version(self, result: GenerationResult) -> bool:
         """The result was generated at a version other than the active one (while no sync
@@ -305,10 +370,30 @@ class ServerHealth:
                 raise ServersDown(
                     f"every policy server has been down for {waited:.0f} s (outage limit "
                     f"{limit:g} s): "
-                    + "; ".join(f"{u} ({self.reasons.get(u, '?')})" for u in self.urls)
+                    + "; ".join(f"{u} ({self.reasons.get(u, '?')})" for u in self.urls
+                                if u not in self.fixed)
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._up.wait(), None if limit is None else limit - waited)
+
+    async def serving_available(self, version: int) -> tuple[str, ...]:
+        """The servers of ``serving(version)`` once there is one; ``ServersDown`` naming what
+        was waited for past the outage limit."""
+        start = self._clock()
+        while not (found := self.serving(version)):
+            limit = self.outage_limit_s
+            waited = self._clock() - start
+            if limit is not None and waited >= limit:
+                raise ServersDown(
+                    f"no model server serves weight version {version}, the version the "
+                    f"rollout is pinned to, for {waited:.0f} s (outage limit {limit:g} s; "
+                    f"start an eval server at it: rollout serve --role eval --model PATH "
+                    f"--weight-version {version}): {self.describe_versions()}"
+                )
+            with contextlib.suppress(TimeoutError):  # a change of state, or the next look
+                await asyncio.wait_for(self._changed.wait(), self.probe_every_s)
+            self._changed.clear()
+        return found
 
     async def run(self, stop: asyncio.Event) -> None:
         """Probe each server that is not up, every ``probe_every_s`` (one probe at a time per
@@ -381,13 +466,23 @@ class ServerHealth:
                 self._announce(url, ServerState.DOWN, reason, None)
             return
         except Exception as exc:
-            if self.gate.is_open:  # a paused server (a sync) does not answer either
+            if self.gate.is_open or url in self.fixed:  # a sync pauses policy servers only
                 self._set(url, ServerState.DOWN, f"health probe failed: {exc!r}")
             return
         self._judge(url, version, "it answers /health_generate")
 
     def _judge(self, url: str, version: int | None, why: str) -> None:
-        """Up at the active version (any while none is active), else stale."""
+        """Up at the active version (any while none is active), else stale; an eval server
+        is up at any version it reports, down while it reports none."""
+        if url in self.fixed:
+            if version is None:  # kept down, saying why (it may be down already)
+                reason = ("eval server reports no weight version (SGLang's \"default\"): start "
+                          "it with --weight-version")  # fmt: skip
+                self._set(url, ServerState.DOWN, reason)
+                self.reasons[url] = reason
+            else:
+                self._set(url, ServerState.UP, why, version=version)
+            return
         expected = self.expected()
         if expected is None or version == expected:
             self._set(url, ServerState.UP, why, version=version)
@@ -404,7 +499,8 @@ class ServerHealth:
         """The server's version, labelled ``FIRST_VERSION`` first when it reports none while
         no version is active and no sync is open."""
         version = await backend.weight_version()
-        if version is not None or self.expected() is not None or not self.gate.is_open:
+        fixed = url in self.fixed  # an eval server keeps what it reports
+        if fixed or version is not None or self.expected() is not None or not self.gate.is_open:
             return version
         admin = self.admin(url)
         try:

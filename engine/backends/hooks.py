@@ -154,11 +154,15 @@ class HookedBackend(ModelBackend):
             raise
         self._after(call, entered, None, None)
 
+    def hooks_for(self, call: ModelCall) -> tuple[CallHook, ...]:
+        """The hooks ``call`` passes (a routed backend's depend on the endpoint)."""
+        return self._hooks
+
     async def _before(self, call: ModelCall) -> int:
         """Run the hooks' ``before`` in order; how many returned."""
         entered = 0
         try:
-            for hook in self._hooks:
+            for hook in self.hooks_for(call):
                 await hook.before(call)
                 entered += 1
         except BaseException as exc:
@@ -173,7 +177,7 @@ class HookedBackend(ModelBackend):
         result: GenerationResult | None,
         error: BaseException | None,
     ) -> None:
-        hooks = self._hooks
+        hooks = self.hooks_for(call)
         for i in range(entered - 1, -1, -1):
             hooks[i].after(call, result, error)
 

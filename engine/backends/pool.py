@@ -44,6 +44,16 @@ down) one per episode.
   tracked as down until the health probe admits it at the active version; a server no longer
   listed gets nothing more, and the trajectories placed on it move at their next call, as for
   a down server. While none is listed, calls wait as while none is up.
+- Pinned versions: ``use_eval_servers(urls)`` gives the pool eval servers, kept at the
+  version each was started with (the syncer never loads them); the health tracker probes them
+  apart from the policy (``ServerHealth.add(url, fixed=True)``). A view bound with
+  ``version=v`` (an eval request's ``pinned_version``) runs only on servers serving ``v``
+  (``ServerHealth.serving``): an eval server up at ``v``, else a policy server up at ``v``
+  while no sync is open; kept on one while it serves ``v``, waiting while none does
+  (``ServersDown`` past the outage limit, naming the version). Its calls on an eval server
+  skip the ``TurnGate``: a weight sync of the policy servers neither waits for them nor holds
+  them. A result of another version is never handed back: the turn is retried within the
+  budget, or the call fails as an infrastructure failure (the attempt is re-run).
 - Retries: a view's ``get()`` is a ``RoutedBackend``. It names each generate call
   ``KEY/tN`` (a new N per call, so an abort reaches exactly one request), and with a
   ``RetryBudget`` (``bind(key, budget=...)``, one per sample) it retries a token-level
@@ -79,7 +89,7 @@ from engine.backends._http import check_base_url
 from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
 from engine.backends.gate import TurnGate
 from engine.backends.health import RetryBudget, ServerHealth, infra_failure
-from engine.backends.hooks import CallHook, HookedBackend
+from engine.backends.hooks import CallHook, HookedBackend, ModelCall
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
 
@@ -155,6 +165,8 @@ class _Shared:
         self.gate = TurnGate()
         self.health = ServerHealth(urls, self.backend, self.gate, outage_limit_s=outage_limit_s)
         self.hooks: tuple[CallHook, ...] = (self.gate, self.health, *hooks)
+        self.eval_hooks: tuple[CallHook, ...] = (self.health, *hooks)  # no gate: no sync
+        self.eval_urls: tuple[str, ...] = ()
         self.aborting: set[asyncio.Task[None]] = set()
 
     def backend(self, url: str) -> ModelBackend:
@@ -173,24 +185,37 @@ class _Shared:
         the up server with the fewest trajectories (ties by rendezvous rank)."""
         url = self.placed.get(key)
         health = self.health
+        if url is not None and (health.is_up(url) or (not health.any_up and url in self.urls)):
+            return url
+        return self.place_among(key, health.up_urls() or self.urls or self.known)
+
+    def place_among(self, key: str, urls: tuple[str, ...]) -> str:
+        """The server of trajectory ``key`` among ``urls``: where it was placed while that one
+        is among them, else the least loaded (ties by rendezvous rank); a pinned trajectory's
+        ``urls`` are those serving its version."""
+        url = self.placed.get(key)
         if url is not None:
-            if health.is_up(url) or (not health.any_up and url in self.urls):
+            if url in urls:
                 return url
             self.live[url] -= 1  # its server is down, stale or retired: the trajectory moves
-        urls = health.up_urls() or self.urls or self.known
         url = max(urls, key=lambda u: (-self.live[u], _rank(key, u)))
         self.placed[key] = url
         self.live[url] += 1
         return url
 
-    def use(self, urls: tuple[str, ...]) -> None:
+    def use(self, urls: tuple[str, ...], *, fixed: bool = False) -> None:
+        """The policy's servers (``fixed``: the eval servers) are ``urls`` from now on."""
         health = self.health
+        before = self.eval_urls if fixed else self.urls
         for url in urls:
-            if url not in self.urls:
-                health.add(url)
-        for url in self.urls:
+            if url not in before:
+                health.add(url, fixed=fixed)
+        for url in before:
             if url not in urls:
-                health.remove(url)
+                health.remove(url, fixed=fixed)
+        if fixed:
+            self.eval_urls = urls
+            return
         self.urls = urls
         self.known = (*self.known, *(u for u in urls if u not in self.known))
 
@@ -220,13 +245,16 @@ class _Trajectory:
     (``KEY/tN``, one per call, so each can be aborted by its exact rid) and the sample's
     retry budget."""
 
-    __slots__ = ("key", "shared", "budget", "calls")
+    __slots__ = ("key", "shared", "budget", "calls", "version")
 
-    def __init__(self, key: str, shared: _Shared, budget: RetryBudget | None) -> None:
+    def __init__(
+        self, key: str, shared: _Shared, budget: RetryBudget | None, version: int | None
+    ) -> None:
         self.key = key
         self.shared = shared
         self.budget = budget
         self.calls = 0
+        self.version = version  # the pinned weight version (None: the active policy)
 
     def next_rid(self) -> str:
         rid = f"{self.key}/t{self.calls}"
@@ -235,12 +263,28 @@ class _Trajectory:
 
     async def endpoint(self) -> tuple[str, ModelBackend]:
         """Where the next call goes: the trajectory's server, placed again when it is not
-        up; while none is up, the call waits here (``ServerHealth.available``)."""
+        up; while none is up, the call waits here (``ServerHealth.available``). A pinned
+        trajectory goes to a server serving its version, waiting for one."""
         shared = self.shared
+        if self.version is not None:
+            found = await shared.health.serving_available(self.version)
+            url = shared.place_among(self.key, found)
+            return url, shared.backend(url)
         if not shared.health.any_up:
             await shared.health.available()
         url = shared.urls[0] if len(shared.urls) == 1 else shared.place(self.key)
         return url, shared.backend(url)
+
+    def off_version(self, result: GenerationResult) -> str | None:
+        """Why ``result`` may not be handed back for its weight version (None: it may)."""
+        if self.version is not None:
+            if result.weight_version == self.version:
+                return None
+            return (f"it served weight version {result.weight_version}, the rollout is pinned "
+                    f"to {self.version}")  # fmt: skip
+        if self.shared.health.wrong_version(result):
+            return f"it served weight version {result.weight_version}, not the active one"
+        return None
 
 
 class RoutedBackend(HookedBackend):
@@ -248,9 +292,22 @@ class RoutedBackend(HookedBackend):
     is placed now, and a token-level generate whose rid the view names is retried on an
     infrastructure failure (see the module docstring)."""
 
-    def __init__(self, trajectory: _Trajectory, url: str, hooks: tuple[CallHook, ...]) -> None:
+    def __init__(
+        self,
+        trajectory: _Trajectory,
+        url: str,
+        hooks: tuple[CallHook, ...],
+        eval_hooks: tuple[CallHook, ...],
+    ) -> None:
         super().__init__(trajectory.shared.backend(url), url, hooks)
         self._trajectory = trajectory
+        self._eval_hooks = eval_hooks
+
+    def hooks_for(self, call: ModelCall) -> tuple[CallHook, ...]:
+        """An eval server's calls pass no ``TurnGate`` (no sync pauses them)."""
+        if call.url in self._trajectory.shared.eval_urls:
+            return self._eval_hooks
+        return self._hooks
 
     async def generate(
         self,
@@ -266,10 +323,13 @@ class RoutedBackend(HookedBackend):
         if budget is None or input_ids is None or rid is not None or not self.capabilities.abort:
             url, inner = await t.endpoint()
             try:
-                return await self._generate(
+                result = await self._generate(
                     url, inner, input_ids=input_ids, messages=messages, tools=tools,
                     sampling_params=sampling_params, rid=t.next_rid() if rid is None else rid,
                 )  # fmt: skip
+                if t.version is not None and (why := t.off_version(result)):
+                    raise BackendUnavailable(f"{url}: {why}")
+                return result
             except Exception as exc:
                 if budget is not None and infra_failure(exc):
                     budget.reached_caller = True  # no retry of its own: the attempt is re-run
@@ -309,8 +369,8 @@ class RoutedBackend(HookedBackend):
                 if result.aborted:
                     what = "the server aborted the generation"
                     aborted = result
-                elif t.shared.health.wrong_version(result):
-                    what = f"it served weight version {result.weight_version}, not the active one"
+                elif off := t.off_version(result):
+                    what = off
                 else:
                     return result
                 if not budget.take(url, what):
@@ -366,6 +426,16 @@ class BackendPool:
         docstring)."""
         self._shared.use(parse_urls(list(urls), what="a registered policy server"))
 
+    def use_eval_servers(self, urls: Sequence[str]) -> None:
+        """The eval servers are ``urls`` from now on (see "Pinned versions" in the module
+        docstring)."""
+        self._shared.use(parse_urls(list(urls), what="a registered eval server"), fixed=True)
+
+    @property
+    def eval_urls(self) -> tuple[str, ...]:
+        """The eval servers, in the order given."""
+        return self._shared.eval_urls
+
     @property
     def default_url(self) -> str | None:
         """The policy's first server (the only one, unless several were given)."""
@@ -394,15 +464,18 @@ class BackendPool:
         *,
         hooks: Sequence[CallHook] = (),
         budget: RetryBudget | None = None,
+        version: int | None = None,
     ) -> BackendPool:
         """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server while
         it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too)
-        and whose token-level generations are retried within ``budget``."""
+        and whose token-level generations are retried within ``budget``; ``version`` pins it
+        to the servers serving that weight version (see "Pinned versions" in the module
+        docstring)."""
         if not key:
             raise ValueError("BackendPool.bind needs a non-empty trajectory key")
         view = object.__new__(BackendPool)
         view._shared = self._shared
-        view._trajectory = _Trajectory(key, self._shared, budget)
+        view._trajectory = _Trajectory(key, self._shared, budget, version)
         view._routed = None
         view._own = (*self._own, *hooks)
         view._hooks = (*view._own, *self._shared.hooks)
@@ -447,8 +520,15 @@ class BackendPool:
         routed = self._routed
         if routed is None:
             shared = self._shared
-            url = shared.urls[0] if len(shared.urls) == 1 else shared.place(trajectory.key)
-            routed = self._routed = RoutedBackend(trajectory, url, self._hooks)
+            if trajectory.version is not None:  # placed at its first call, among those serving
+                url = (shared.health.serving(trajectory.version) or shared.eval_urls
+                       or shared.known)[0]  # fmt: skip
+            elif len(shared.urls) == 1:
+                url = shared.urls[0]
+            else:
+                url = shared.place(trajectory.key)
+            eval_hooks = (*self._own, *shared.eval_hooks)
+            routed = self._routed = RoutedBackend(trajectory, url, self._hooks, eval_hooks)
         return routed
 
     def server_of(self, key: str) -> str | None:

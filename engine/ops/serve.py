@@ -11,8 +11,12 @@ Every start and restart of a policy server loads the active policy version: the 
 folder of the last ``PolicyVersionActivated`` on ``rl:control`` with ``--weight-version N``
 (both servers take the flag), or the base model as version 0 before any activation, so a
 server never comes back with older weights than the others serve. A teacher keeps the base
-model. A server that exits is restarted after a wait that doubles from ``serve_backoff_s``
-up to ``serve_backoff_max_s``; one that has served that long starts over from the first wait.
+model. An eval server (``role="eval"``) loads ``model`` (the weights to evaluate) at
+``weight_version`` on every start and restart, and keeps it: the syncer loads only policy
+servers, so the eval rollouts pinned to that version (``RolloutRequested.pinned_version``) run
+there while training moves on. A server that exits is restarted after a wait that doubles
+from ``serve_backoff_s`` up to ``serve_backoff_max_s``; one that has served that long starts
+over from the first wait.
 
 Each server that answers is registered (``ServerRegistered``); on SIGTERM the supervisor
 stops its servers and retires them (``ServerRetired``).
@@ -45,6 +49,7 @@ __all__ = [
     "ServeConfig",
     "Supervisor",
     "active_weights",
+    "check_role",
     "check_server_args",
     "restart_wait",
     "server_argv",
@@ -78,6 +83,21 @@ def check_server_args(args: Sequence[str], backend: str) -> None:
             raise ConfigError(
                 f"server argument {option!r}: rollout serve sets {', '.join(OWNED)} itself"
             )
+
+
+def check_role(role: str, weight_version: int | None) -> None:
+    """``ConfigError`` unless an eval server names its version, and only an eval server does
+    (a policy server loads the active version, a teacher the base model)."""
+    if role == "eval" and weight_version is None:
+        raise ConfigError(
+            "--role eval needs --weight-version (ROLLOUT_SERVE_WEIGHT_VERSION): the version of "
+            "--model the eval server keeps and the pinned eval rollouts ask for"
+        )
+    if role != "eval" and weight_version is not None:
+        raise ConfigError(
+            f"--weight-version is for --role eval only; a {role} server loads "
+            + ("the active policy version" if role == "policy" else "--model")
+        )
 
 
 def server_argv(
@@ -126,6 +146,10 @@ class ServeConfig:
     backoff_max_s: float = 30.0
     start_timeout_s: float = 600.0
     poll_s: float = 0.2
+    weight_version: int | None = None  # the version an eval server keeps
+
+    def __post_init__(self) -> None:
+        check_role(self.role, self.weight_version)
 
 
 @dataclass
@@ -204,8 +228,7 @@ class Supervisor:
 
     async def _start(self, server: _Server) -> None:
         cfg = self.config
-        version: int | None = None
-        model = str(cfg.model)
+        version, model = cfg.weight_version, str(cfg.model)  # an eval server's, kept
         if cfg.role == "policy":
             await self._policy.refresh()
             version, model = active_weights(self._policy.state, cfg.model)

@@ -186,6 +186,9 @@ def build_summary(rollout: Rollout) -> dict[str, Any]:
             "excluded": len(ready.stale_sample_ids) if ready is not None else None,
             "excluded_tokens": ready.stale_tokens if ready is not None else None,
         }
+    if request is not None and request.pinned_version is not None:  # and what its tokens had
+        out["pinned"] = {"version": request.pinned_version,
+                         "version_tokens": ready.version_tokens if ready is not None else None}
     if request is not None and request.n_planned_prompts > request.n_prompts:
         out["partial"] = {
             "overprovision": request.overprovision,

@@ -14,6 +14,7 @@ from engine.events import (
     Envelope,
     Event,
     EventLog,
+    PolicyVersionActivated,
     PolicyVersionPublished,
     QuiesceRequested,
     RolloutRequested,
@@ -28,6 +29,7 @@ from engine.events import (
     WorkerParked,
 )
 from engine.events.catalog import AbortClass
+from engine.events.catalog.servers import ServerRegistered
 from engine.ops.inspection import last_stall, status_lines
 from engine.projections.control import ControlProjection, ControlState
 from engine.projections.placement import PoolProjection, PoolState
@@ -174,6 +176,30 @@ def test_admitted_batches_nobody_started_name_the_consumers_of_their_work_stream
 
 
 A, B = "http://gpu0:30000", "http://gpu1:30000"
+
+
+def test_an_eval_pinned_to_a_version_no_server_serves_names_it_and_the_fix() -> None:
+    # Given an eval pinned to version 0 running on w1, the policy at version 1 and an eval
+    # server registered at version 3 only,
+    pinned = RolloutRequested(rollout_id="r", n_prompts=8, kind="eval", pinned_version=0)
+    events, [first, _] = planned(pinned)
+    state = rollout_state([*events, started(0, "w1")])
+    at_3 = ServerRegistered(endpoint=A, role="eval", backend="tinylm", supervisor="s",
+                            weight_version=3)  # fmt: skip
+    control = policy(PolicyVersionActivated(version=1, servers=[B]), at_3)
+    # when the rollout has not moved for the window,
+    stalled = stall(state, pool(first), policy_state=control)
+    # then it names the version it waits for, what is registered, and the fix;
+    assert stalled is not None
+    assert stalled.waiting_for[1] == (
+        "a model server serving weight version 0, the version the rollout is pinned to "
+        "(active policy version 1; eval servers registered: http://gpu0:30000 (version 3)): "
+        "start one with rollout serve --role eval --model PATH --weight-version 0"
+    )
+    # and says nothing of it once an eval server at version 0 is registered.
+    at_0 = at_3.model_copy(update={"endpoint": B, "weight_version": 0})
+    stalled = stall(state, pool(first), policy_state=policy(at_3, at_0))
+    assert stalled is not None and not any("pinned" in w for w in stalled.waiting_for)
 
 
 def test_samples_waiting_on_servers_down_or_stale_name_them_since_when_and_why() -> None:

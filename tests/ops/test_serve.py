@@ -25,6 +25,7 @@ from engine.ops.serve import (
     ServeConfig,
     Supervisor,
     active_weights,
+    check_role,
     check_server_args,
     restart_wait,
     server_argv,
@@ -103,6 +104,19 @@ def test_servers_start_from_the_active_version_folder_or_the_base_model() -> Non
     assert active_weights(ControlState(), base) == (0, "/models/base")
     active = PolicyVersionActivated(version=3, servers=[], weights_uri="file:///ckpt/v3")
     assert active_weights(ControlState(activated=active), base) == (3, "/ckpt/v3")
+
+
+def test_an_eval_server_names_its_version_and_only_an_eval_server_does() -> None:
+    config = ServeConfig(backend="tinylm", model=Path("/ckpt/v0"), count=1, role="eval",
+                         supervisor="s", weight_version=0)  # fmt: skip
+    assert config.weight_version == 0
+    with pytest.raises(ConfigError, match="--role eval needs --weight-version"):
+        check_role("eval", None)
+    with pytest.raises(ConfigError, match="a policy server loads the active policy version"):
+        ServeConfig(backend="tinylm", model=Path("/m"), count=1, role="policy", supervisor="s",
+                    weight_version=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="for --role eval only; a teacher server loads --model"):
+        check_role("teacher", 0)
 
 
 def test_servers_from_the_log_and_from_flags_are_refused_together() -> None:

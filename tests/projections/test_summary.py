@@ -132,11 +132,14 @@ def _done(rid: str, index: int, reward: float, reason: str = "finish") -> Sample
     )
 
 
-def _eval_rollout() -> Rollout:
+def _eval_rollout(
+    pinned: int | None = None, version_tokens: dict[str, int] | None = None
+) -> Rollout:
     """Dataset a: 2 prompts x 3 samples (2 and 0 correct); dataset b: 1 prompt x 3 (1 abort)."""
     rid = "r"
     events: list[Event] = [
-        RolloutRequested(rollout_id=rid, n_prompts=3, n_samples_per_prompt=3, kind="eval")
+        RolloutRequested(rollout_id=rid, n_prompts=3, n_samples_per_prompt=3, kind="eval",
+                         pinned_version=pinned)  # fmt: skip
     ]
     layout = [(0, "a"), (0, "a"), (0, "a"), (1, "a"), (1, "a"), (1, "a"), (2, "b"), (2, "b"),
               (2, "b")]
@@ -154,7 +157,8 @@ def _eval_rollout() -> Rollout:
         SampleAborted(rollout_id=rid, sample_id=f"{rid}:s8", attempt=1,
                       abort_class=AbortClass.INFRA_SANDBOX, phase="run", error="boom")
     )
-    events.append(RolloutReady(rollout_id=rid, sample_ids=[f"{rid}:s{i}" for i in range(9)]))
+    events.append(RolloutReady(rollout_id=rid, sample_ids=[f"{rid}:s{i}" for i in range(9)],
+                               version_tokens=version_tokens or {}))  # fmt: skip
     return rollout_of(events)
 
 
@@ -192,6 +196,12 @@ def test_summary_counts_and_task_list() -> None:
         "sample_id": "r:s8", "dataset": "b", "group": 2, "reward": 0.0,
         "class": "infra_sandbox", "turns": 0,
     }
+
+
+def test_the_summary_of_a_pinned_eval_records_its_version() -> None:
+    assert "pinned" not in build_summary(_eval_rollout())  # other summaries keep their bytes
+    summary = build_summary(_eval_rollout(pinned=4, version_tokens={"4": 24}))
+    assert summary["pinned"] == {"version": 4, "version_tokens": {"4": 24}}
 
 
 def test_placement_log_has_node_and_gpu_per_turn() -> None:

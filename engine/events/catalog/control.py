@@ -32,6 +32,11 @@ class RolloutRequested(Event):
       keep running and the next request of the same ``request_stream`` takes them over:
       they count toward its prompts and open its stream as ``TaskFetched`` with
       ``carried_from``; see ``TailCarried``).
+    * ``pinned_version``: an eval's episodes run only on servers serving that weight version
+      (a dedicated eval server, or a policy server still at it) and finish on it; training
+      goes on meanwhile, and a request no server serves waits (the outage limit, then it
+      fails). Only an eval request may pin a version, and it takes no staleness bound (its
+      tokens are all of the pinned version by construction).
     """
 
     schema_version: ClassVar[int] = 2
@@ -55,6 +60,7 @@ class RolloutRequested(Event):
     overprovision: float = Field(default=1.0, ge=1.0, le=16.0)
     tail: Literal["abort", "carry"] = "abort"
     request_stream: str | None = Field(default=None, min_length=1)
+    pinned_version: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _carry_needs_a_stream(self) -> RolloutRequested:
@@ -63,6 +69,19 @@ class RolloutRequested(Event):
                 f"rollout {self.rollout_id!r}: tail='carry' needs a request_stream (the next "
                 f"request of that stream takes the carried groups over)"
             )
+        if self.pinned_version is not None:
+            if self.kind is not RolloutKind.EVAL:
+                raise ValueError(
+                    f"rollout {self.rollout_id!r}: pinned_version={self.pinned_version} is for "
+                    f"eval requests only (kind={self.kind.value!r}); a training rollout runs "
+                    f"on the active policy version"
+                )
+            if self.max_staleness is not None:
+                raise ValueError(
+                    f"rollout {self.rollout_id!r}: pinned_version and max_staleness together: "
+                    f"a pinned eval's tokens are all of version {self.pinned_version}, drop "
+                    f"max_staleness"
+                )
         return self
 
     @property

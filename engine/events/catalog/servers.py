@@ -61,13 +61,16 @@ class ServerStale(Event):
     reason: str = ""
 
 
-ServerRole = Literal["policy", "teacher"]
+ServerRole = Literal["policy", "teacher", "eval"]
+"""``eval``: a server kept at the version it was started with (the syncer never loads it);
+it serves eval requests pinned to that version (``RolloutRequested.pinned_version``)."""
 
 
 class ServerRegistered(Event):
     """``endpoint`` (a base URL) serves ``role`` with ``backend`` (``tinylm``, ``sglang``),
-    started by ``supervisor`` at ``weight_version`` (the policy version it loaded; None for
-    a teacher). A later one for the same endpoint replaces it (a restart)."""
+    started by ``supervisor`` at ``weight_version`` (the policy version it loaded, for an
+    eval server the one it keeps; None for a teacher). A later one for the same endpoint
+    replaces it (a restart)."""
 
     type: Literal["ServerRegistered"] = "ServerRegistered"
     endpoint: str
