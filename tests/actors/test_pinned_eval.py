@@ -33,10 +33,10 @@ from engine.events.catalog.servers import ServerRegistered
 from engine.ops.replay import replay_state
 from engine.ops.tinylm import RL_SERVER_ENV
 from engine.projections.summary import build_summary
+from tests.actors.play import play_scheduler
 from tests.ops.test_discovery import until_running
 from tests.redis_server import RedisServer
-from tests.rollout.conftest import launcher
-from tests.rollout.play import play_scheduler
+from tests.rig import launcher
 
 CONFIG = Path(__file__).parent / "fixtures" / "pinned_evaluators.py"
 

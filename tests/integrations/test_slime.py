@@ -45,9 +45,9 @@ from integrations.slime import (
     to_slime,
     to_slime_groups,
 )
+from tests.actors.play import play_scheduler
 from tests.integrations.conftest import tool_episode
-from tests.rollout.conftest import EVALUATOR_CONFIG, Engine
-from tests.rollout.play import play_scheduler
+from tests.rig import EVALUATOR_CONFIG, Engine
 
 
 @dataclass

@@ -32,9 +32,9 @@ from engine.events import RolloutRequested
 from engine.events.memory_log import MemoryEventLog, MemoryStore
 from engine.sample import Sample
 from integrations.verl import AGENT_NAME, EngineGroups, agent_loop_fields, turns_of
+from tests.actors.play import play_scheduler
 from tests.integrations.conftest import tool_episode
-from tests.rollout.conftest import EVALUATOR_CONFIG, Engine
-from tests.rollout.play import play_scheduler
+from tests.rig import EVALUATOR_CONFIG, Engine
 
 
 class AgentLoopMetrics(BaseModel):
