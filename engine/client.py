@@ -103,9 +103,11 @@ __all__ = [
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token and mixed lanes)."""
 
-DEFAULT_STALENESS_POLICY: StalenessPolicy = "drop"
-"""The ``staleness_policy`` a request gets unless it names one, chosen by ``bench/staleness.py``
-(docs/configuration.md, "Staleness and partial rollouts")."""
+DEFAULT_STALENESS_POLICY: StalenessPolicy = "pace"
+"""The ``staleness_policy`` a request gets unless it names one: of the three, the one that kept
+the share of long episodes the trainer learns from at the synchronous run's under async
+refill (``bench/staleness.py``; ``drop`` cut it to 0.5-0.67 of it; docs/configuration.md,
+"Staleness and partial rollouts")."""
 
 
 class RolloutClient:

@@ -82,9 +82,12 @@ async def test_an_unknown_policy_is_refused_at_request_time_naming_field_and_val
         await client.request(iteration=0, n_prompts=1, max_staleness=1,
                              staleness_policy="discard")  # type: ignore[arg-type]
     assert await log.read_all(log.names.control) == []  # nothing half-valid reached the log
-    await client.request(iteration=0, n_prompts=1, max_staleness=1, staleness_policy="pace")
-    (env,) = await log.read_all(log.names.control)
-    assert isinstance(env.event, RolloutRequested) and env.event.staleness_policy == "pace"
+    await client.request(iteration=0, n_prompts=1, max_staleness=1, staleness_policy="keep")
+    await client.request(iteration=1, n_prompts=1, max_staleness=1)
+    keep, default = [e.event for e in await log.read_all(log.names.control)]
+    assert isinstance(keep, RolloutRequested) and keep.staleness_policy == "keep"
+    # the client's default is the measured one (bench/staleness.py): pace
+    assert isinstance(default, RolloutRequested) and default.staleness_policy == "pace"
 
 
 # ---------------------------------------------------------------- keep
