@@ -17,16 +17,21 @@ three warm-up rollouts of another dataset, then new weights published):
   --max-staleness`` and that ``staleness_policy``.
 
 A *long* episode is one of the top decile of length (turns) among the episodes the sync run
-trained on: at least the 90th percentile of that distribution. Per arm, ``long_share`` is the
-share of long episodes among the samples that give the trainer a gradient (loaded, not a
-masked dummy, not a kept stale sample); ``loaded_long_share`` counts the kept stale samples
-too (they reach the trainer, in their groups' statistics, without gradient); ``ratio`` is
-``long_share`` over the sync arm's; ``iterations_per_s`` is iterations over the arm's wall
-time. The last line is one JSON object: ``long_episode_share_ratio`` (the ratio of the
-default policy, ``engine.client.DEFAULT_STALENESS_POLICY``; it must be >= 0.8) and, per
-policy, ``<policy>_long_episode_share_ratio`` and ``<policy>_iterations_per_s``.
+trained on: at least the 90th percentile of that distribution. A sample *reaches the trainer*
+when it gives it a gradient (loaded, not a masked dummy, not a kept stale sample). Per arm:
 
-    python bench/staleness.py [--iterations 8] [--prompts 8] [--max-staleness 0] [--ahead 1]
+- ``long_share``: the share of the long episodes offered (the same in every arm) that reach
+  the trainer; ``<policy>_long_episode_share_ratio`` is it over the sync arm's;
+- ``long_batch_share``: the share of long episodes among the samples that reach the trainer
+  (the batch's composition); ``<policy>_long_batch_share_ratio`` is it over the sync arm's;
+- ``loaded_long_share``: as ``long_share``, counting the stale samples ``keep`` loads without
+  gradient;
+- ``iterations_per_s``: iterations over the arm's wall time.
+
+The last line is one JSON object: ``long_episode_share_ratio`` (the default policy's,
+``engine.client.DEFAULT_STALENESS_POLICY``; it must be >= 0.8) and the per-policy keys.
+
+    python bench/staleness.py [--iterations 8] [--prompts 8] [--max-staleness 1] [--ahead 2]
 """
 
 from __future__ import annotations
@@ -150,8 +155,12 @@ async def arm(
     }
 
 
+def n_long(lengths: list[int], threshold: int) -> int:
+    return sum(1 for n in lengths if n >= threshold)
+
+
 def share(lengths: list[int], threshold: int) -> float:
-    return sum(1 for n in lengths if n >= threshold) / len(lengths) if lengths else 0.0
+    return n_long(lengths, threshold) / len(lengths) if lengths else 0.0
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -183,7 +192,16 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         engine.close()
     ordered = sorted(arms["sync"]["lengths"])
     threshold = ordered[int(0.9 * len(ordered))] if ordered else 1
-    sync_share = share(ordered, threshold)
+    offered = n_long(engine.turns, threshold) * args.samples_per_prompt  # per arm
+    figures = {
+        name: {
+            "long_share": n_long(a["lengths"], threshold) / offered if offered else 0.0,
+            "long_batch_share": share(a["lengths"], threshold),
+            "loaded_long_share": n_long(a["loaded"], threshold) / offered if offered else 0.0,
+        }
+        for name, a in arms.items()
+    }
+    sync = figures["sync"]
     out: dict[str, Any] = {
         "bench": "staleness",
         "iterations": args.iterations,
@@ -194,20 +212,20 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "turns_mean": round(statistics.mean(engine.turns), 3),
         "turns_max": max(engine.turns),
         "long_threshold_turns": threshold,
-        "sync_long_share": round(sync_share, 4),
-        "sync_iterations_per_s": arms["sync"]["iterations_per_s"],
+        "long_offered": offered,
         "default_policy": DEFAULT_STALENESS_POLICY,
     }
-    for name in POLICIES:
-        a = arms[name]
-        ratio = share(a["lengths"], threshold) / sync_share if sync_share else 0.0
-        out[f"{name}_long_episode_share_ratio"] = round(ratio, 3)
+    for name in ("sync", *POLICIES):
+        a, f = arms[name], figures[name]
+        if name != "sync":
+            for key, base in (("long_episode_share_ratio", "long_share"),
+                              ("long_batch_share_ratio", "long_batch_share")):
+                out[f"{name}_{key}"] = round(f[base] / sync[base], 3) if sync[base] else 0.0
         out[f"{name}_iterations_per_s"] = a["iterations_per_s"]
-        out[f"{name}_long_share"] = round(share(a["lengths"], threshold), 4)
-        out[f"{name}_loaded_long_share"] = round(share(a["loaded"], threshold), 4)
+        for key, value in f.items():
+            out[f"{name}_{key}"] = round(value, 4)
         out[f"{name}_trained"] = a["n_trained"]
         out[f"{name}_stale"] = a["n_stale"]
-    out["sync_trained"] = arms["sync"]["n_trained"]
     out["long_episode_share_ratio"] = out[f"{DEFAULT_STALENESS_POLICY}_long_episode_share_ratio"]
     return out
 
@@ -218,8 +236,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples-per-prompt", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--ahead", type=int, default=1, help="rollouts requested ahead")
-    parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--ahead", type=int, default=2, help="rollouts requested ahead")
+    parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the turns")
     parser.add_argument("--max-turns", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)

@@ -104,10 +104,10 @@ TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k
 """Algorithms whose loss needs teacher logprobs (the per-token and mixed lanes)."""
 
 DEFAULT_STALENESS_POLICY: StalenessPolicy = "pace"
-"""The ``staleness_policy`` a request gets unless it names one: of the three, the one that kept
-the share of long episodes the trainer learns from at the synchronous run's under async
-refill (``bench/staleness.py``; ``drop`` cut it to 0.5-0.67 of it; docs/configuration.md,
-"Staleness and partial rollouts")."""
+"""The ``staleness_policy`` a request gets unless it names one: the only one of the three that
+kept the share of long episodes reaching the trainer at 0.8 or more of the synchronous run's
+under async refill (``bench/staleness.py``: pace 1.0, keep 0.63-0.71, drop 0.25-0.43;
+docs/configuration.md, "Staleness and partial rollouts")."""
 
 
 class RolloutClient:
