@@ -78,6 +78,10 @@ from engine.events.catalog import (
 from engine.events.catalog import (
     WeightSyncFailed as WeightSyncFailedEvent,
 )
+from engine.events.catalog.control import (
+    STALENESS_POLICIES,
+    StalenessPolicy,
+)
 from engine.events.ids import EMPTY_ID, exclusive, id_before, parse_id
 from engine.events.log import EventLog
 from engine.events.names import StreamNames
@@ -107,6 +111,12 @@ __all__ = [
 
 TEACHER_ALGORITHMS = frozenset({"opd", "k3", "distill", "mixed_ce_k3", "dagger_k3"})
 """Algorithms whose loss needs teacher logprobs (the per-token and mixed lanes)."""
+
+DEFAULT_STALENESS_POLICY: StalenessPolicy = "pace"
+"""The ``staleness_policy`` a request gets unless it names one: the only one of the three that
+kept the share of long episodes reaching the trainer at 0.8 or more of the synchronous run's
+under async refill (``bench/staleness.py``: pace 1.0, keep 0.63-0.71, drop 0.25-0.43;
+docs/configuration.md, "Staleness and partial rollouts")."""
 
 
 class RolloutClient:
@@ -172,16 +182,23 @@ class RolloutClient:
         stopping: Mapping[str, Any] | None = None,
         rollout_id: str | None = None,
         max_staleness: int | None = None,
+        staleness_policy: StalenessPolicy = DEFAULT_STALENESS_POLICY,
         overprovision: float = 1.0,
         tail: Literal["abort", "carry"] = "abort",
         request_stream: str | None = None,
         pinned_version: int | None = None,
     ) -> str:
         """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm.
-        ``max_staleness`` / ``overprovision`` / ``tail`` / ``request_stream``: see
-        ``RolloutRequested`` (docs/configuration.md, "Staleness and partial rollouts").
+        ``max_staleness`` / ``staleness_policy`` / ``overprovision`` / ``tail`` /
+        ``request_stream``: see ``RolloutRequested`` (docs/configuration.md, "Staleness and
+        partial rollouts"); an unknown ``staleness_policy`` raises ``ConfigError``.
         ``pinned_version`` (``kind="eval"`` only): the eval runs on that weight version while
         training goes on (docs/operations.md, "Eval pinned to a version")."""
+        if staleness_policy not in STALENESS_POLICIES:
+            raise ConfigError(
+                f"request: staleness_policy must be one of {', '.join(STALENESS_POLICIES)}; "
+                f"got {staleness_policy!r}"
+            )
         rid = rollout_id or f"it{iteration}-{secrets.token_hex(4)}"
         event = RolloutRequested(
             rollout_id=rid,
@@ -201,6 +218,7 @@ class RolloutClient:
                 algorithm in TEACHER_ALGORITHMS if teacher_capture is None else teacher_capture
             ),
             max_staleness=max_staleness,
+            staleness_policy=staleness_policy,
             overprovision=overprovision,
             tail=tail,
             request_stream=request_stream,

@@ -3,7 +3,10 @@
 ``collate(samples)`` right-pads into tensors: ``tokens``, ``attention_mask``, ``loss_mask``
 (over the full sequence, prompt positions 0), ``rollout_log_probs`` (same layout, 0 on the
 prompt), ``rewards`` (the scalar reward), ``response_lengths``, ``prompt_lengths``,
-``remove_sample`` and ``token_versions`` (int64, same layout: the server-reported weight
+``remove_sample``, ``stale`` (bool [B]: a stale sample the ``keep`` staleness policy kept;
+its ``loss_mask`` row is all zeros, whatever the sample holds, so it gives no gradient while
+its reward counts in its group's statistics, as ``remove_sample`` is False for it) and
+``token_versions`` (int64, same layout: the server-reported weight
 version of each sampled token, -1 on the prompt, on padding, on observation tokens and
 where no version is known). The teacher lanes add, when every sample that is not removed
 carries them (masked dummies get zeros): ``teacher_log_probs`` [B, T] float32 (the mixed
@@ -50,6 +53,8 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch
     tokens[valid] = _joined(TokenIds, [s.tokens for s in samples])
     loss_mask = np.zeros((batch, width), dtype=np.float32)
     loss_mask[response] = _joined(Mask, [s.loss_mask for s in samples])
+    stale = np.fromiter((s.stale for s in samples), dtype=np.bool_, count=batch)
+    loss_mask[stale] = 0.0
     logprobs = np.zeros((batch, width), dtype=np.float32)
     logprobs[response] = _joined(
         LogProbs, [_or_zeros(s.rollout_log_probs, s.response_length) for s in samples]
@@ -67,6 +72,7 @@ def collate(samples: Sequence[Sample], pad_token_id: int = 0) -> dict[str, torch
         "remove_sample": torch.from_numpy(
             np.fromiter((s.remove_sample for s in samples), dtype=np.bool_, count=batch)
         ),
+        "stale": torch.from_numpy(stale),
     }
     versions = np.full((batch, width), UNKNOWN_VERSION, dtype=np.int64)
     versions[response] = _joined(

@@ -22,7 +22,8 @@ token; ``rollout_log_probs`` and ``teacher_log_probs``, when present, too.
 Two constructors cover the evaluator's outcomes: ``from_agent_result`` for a finished episode
 (an inconsistent result is an ``AgentError`` naming the task) and ``masked_dummy`` for an
 aborted one: two zero tokens, fully masked, ``remove_sample=True``, so it carries no gradient
-while keeping the trainer's batch shape intact.
+while keeping the trainer's batch shape intact. ``as_stale`` marks a kept stale sample: it
+stays in its group's statistics (``remove_sample`` False) with an all-zero ``loss_mask``.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class Sample(FrozenModel):
     remove_sample: bool = False
     policy_version: NonNegInt | None = None
     token_versions: TokenIds | None = None
+    # A stale sample a ready rollout kept (the ``keep`` staleness policy): its reward counts
+    # in its group's statistics, its ``loss_mask`` is all zeros, so it gives no gradient.
+    stale: bool = False
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
@@ -111,7 +115,14 @@ class Sample(FrozenModel):
                 out.pop(name, None)
         if not self.teacher_top_k:
             out.pop("teacher_top_k", None)
+        if not self.stale:
+            out.pop("stale", None)
         return out
+
+    def as_stale(self) -> Sample:
+        """This sample kept stale: ``stale`` set and every response token masked out."""
+        mask = Mask(bytes(len(self.loss_mask)))
+        return self.model_copy(update={"stale": True, "loss_mask": mask})
 
     @model_validator(mode="after")
     def _arrays_line_up(self) -> Sample:

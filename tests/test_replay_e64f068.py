@@ -46,9 +46,12 @@ def test_samples_loaded_from_an_e64f068_archive_collate_to_the_same_tensors(name
     assert len(samples) == expected["n_samples"]
     batch = collate(samples)
     # e64f068 recorded no weight versions: every token of its samples is of unknown version
-    # (-1); the tensor came after it, the others are held to its digests.
+    # (-1); the tensor came after it, as did ``stale``; the others are held to its digests.
     versions = batch.pop("token_versions")
     assert versions.shape == batch["tokens"].shape and bool((versions == -1).all())
+    # Nor had it a staleness policy that keeps stale samples: none of its samples is one.
+    stale = batch.pop("stale")
+    assert stale.shape == batch["rewards"].shape and not bool(stale.any())
     got = {
         key: {
             "dtype": str(t.dtype),

@@ -68,10 +68,18 @@ from engine.events.catalog import (
     TaskFetched,
 )
 from engine.messages import explain
+from engine.projections.control import ControlState
 from engine.projections.data_cursor import DataState
 from engine.projections.rollout import RolloutState, staleness_floor
 
-__all__ = ["Plan", "Planner", "admission_refused", "admission_wait", "check_partial"]
+__all__ = [
+    "Plan",
+    "Planner",
+    "admission_refused",
+    "admission_wait",
+    "check_partial",
+    "pace_wait",
+]
 
 _L = TypeVar("_L", StoppingCriteria, SamplingParams)
 
@@ -418,6 +426,35 @@ def admission_wait(state: RolloutState, published: int | None) -> str | None:
     return (
         f"its staleness bound needs weights of version {floor} or newer; the highest "
         f"published is {published}"
+    )
+
+
+def pace_wait(request: RolloutRequested | None, control: ControlState) -> str | None:
+    """Why a ``pace`` rollout's next batch must wait (None: it need not).
+
+    The rule: a batch is admitted only once (a) the highest published version is active, so
+    its samples start on the trainer's current version ``P``, and (b) at most
+    ``max_staleness`` bounded training rollouts requested before this one are not yet
+    trained on (``ControlState.rollouts_ahead``). A trainer publishes one version per step
+    and steps on rollouts in request order, so before this rollout is decided it publishes
+    at most that many versions: the trainer's version at the decision is at most ``P +
+    ahead``, and every sample admitted meets the bound. Nothing is generated that the bound
+    would exclude. A trainer that publishes more often breaks the premise; the worker's
+    guard and the decision still drop what went stale. Pure."""
+    if request is None or request.staleness_policy != "pace" or request.max_staleness is None:
+        return None
+    if request.kind is not RolloutKind.TRAIN:
+        return None
+    published = control.published
+    if published is not None and control.needs_sync(published):
+        return f"staleness_policy 'pace': version {published} is published, not active yet"
+    ahead = control.rollouts_ahead(request.rollout_id)
+    if ahead <= request.max_staleness:
+        return None
+    return (
+        f"staleness_policy 'pace': {ahead} earlier bounded rollouts are not yet trained on, "
+        f"so a sample admitted now could be {ahead} versions behind when decided "
+        f"(max_staleness {request.max_staleness})"
     )
 
 

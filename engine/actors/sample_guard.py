@@ -9,7 +9,8 @@ backend's class:
 - before each generation (and before the sample starts) it refuses work the sample can no
   longer use: a turn of a sample whose earlier turns already ran on weights older than the
   bound (the trainer's current version minus ``max_staleness``; a turn of unknown version
-  never meets a bound), or anything of a sample in the aborted tail of a rollout that became
+  never meets a bound; not under the ``keep`` policy, whose stale samples run to the end),
+  or anything of a sample in the aborted tail of a rollout that became
   ready. ``ended`` is then the reason, which wins over whatever the agent made of the refusal;
 - it keeps each generation in flight by its rid (the attempt's view of the pool names every
   call, ``engine/backends/pool.py``) and the server it runs on, so that ending the attempt
@@ -66,6 +67,10 @@ class SampleGuard:
         self.in_flight: dict[str, ModelBackend] = {}  # rid -> its server (abort capability)
 
     def floor(self) -> int | None:
+        """The bound the attempt is held to; None under the ``keep`` policy, whose stale
+        samples run to the end (their rewards count in their groups)."""
+        if self.request is not None and self.request.staleness_policy == "keep":
+            return None
         published = self.control.state.published if self.control is not None else None
         return staleness_floor(self.request, published)
 

@@ -59,7 +59,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.actors.admission import GateClosed, PoolGate, check_deadlock
-from engine.actors.planning import Plan, Planner, admission_refused, admission_wait
+from engine.actors.planning import (
+    Plan,
+    Planner,
+    admission_refused,
+    admission_wait,
+    pace_wait,
+)
 from engine.config.layout import ClusterLayout
 from engine.domain import EvaluatorProfile
 from engine.errors import AppendConflict, ConfigError, PlacementError
@@ -325,8 +331,9 @@ class Scheduler:
 
     async def _admissible(self, rollout: Follower[RolloutState], rollout_id: str) -> bool:
         """Whether the rollout's next batch may be admitted (False: it never will be);
-        waits while its staleness bound is out of reach (rl:control may move it; the
-        rollout stream is looked at again every half second)."""
+        waits while its staleness bound is out of reach or its ``pace`` policy holds it
+        (``pace_wait``; rl:control may move either; the rollout stream is looked at again
+        every half second)."""
         said = False
         while True:
             await rollout.refresh()
@@ -334,7 +341,10 @@ class Scheduler:
                 logger.info("rollout %s: %s; batches left unadmitted", rollout_id, why)
                 return False
             seen = self.control.version
-            wait = admission_wait(rollout.state, self.control.state.published)
+            control = self.control.state
+            wait = admission_wait(rollout.state, control.published) or pace_wait(
+                rollout.state.request, control
+            )
             if wait is None:
                 return True
             if self.gate.closed:

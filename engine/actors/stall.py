@@ -13,8 +13,8 @@ The stages, upstream first (each named only when it holds unfinished samples):
 * the plan: no ``RolloutPlanned`` yet;
 * admission: sealed batches the pool has not placed, with the cause the scheduler waits on:
   an open weight sync or a failed one (generation poisoned), every policy server down or
-  stale, the request's version not yet active, its staleness bound out of reach, else the
-  placement pool (tokens held);
+  stale, the request's version not yet active, its staleness bound out of reach or its
+  ``pace`` policy holding it, else the placement pool (tokens held);
 * policy servers (while samples are unfinished): each one the log last said is down or stale,
   since when (the entry that said so first), by which worker, and why: a down server's error,
   a stale one's version against the active one (``servers_said`` folds ``ServerDown`` /
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from engine.actors.evaluator_worker import GROUP as WORK_GROUP
-from engine.actors.planning import admission_wait
+from engine.actors.planning import admission_wait, pace_wait
 from engine.events.base import Envelope
 from engine.events.catalog import BatchSealed
 from engine.events.catalog.diagnostics import RolloutStalled
@@ -183,7 +183,7 @@ def _admission_cause(state: RolloutState, pool: PoolState, policy: ControlState)
     request = state.request
     if request is not None and policy.needs_sync(request.policy_version):
         return f"version {request.policy_version} is published but not active yet"
-    stale = admission_wait(state, policy.published)
+    stale = admission_wait(state, policy.published) or pace_wait(request, policy)
     if stale is not None:
         return stale
     return (f"the placement pool ({pool.tokens_held} tokens held by {len(pool.held)} "

@@ -19,7 +19,12 @@ The state keeps:
   tail's sample ids and what the request said to do with them (``abort`` / ``carry``), so a
   worker can abort the tail samples it still runs; the most recent ``keep_tails`` only;
 * ``outcomes``: per rollout, the entry id of its first ``RolloutReady`` or ``RolloutFailed``
-  (what the trainer's ``wait_ready`` reads back); the most recent ``keep_outcomes`` only.
+  (what the trainer's ``wait_ready`` reads back); the most recent ``keep_outcomes`` only;
+* ``unconsumed``: the training rollouts with a staleness bound the trainer has not stepped
+  on yet, in request order, each with whether it is ready. A rollout leaves on its
+  ``RolloutFailed``, or when a new version is published after it became ready (the oldest
+  ready one: a trainer steps on rollouts in order and publishes once a step). The
+  ``pace`` staleness policy reads it (``rollouts_ahead``).
 
 Generation may run only when no sync is open and the engine is not poisoned
 (``generation_stopped``). The fold also keeps each policy server's last word from any worker
@@ -45,7 +50,9 @@ from engine.events.catalog import (
     QuiesceCompleted,
     QuiesceRequested,
     RolloutFailed,
+    RolloutKind,
     RolloutReady,
+    RolloutRequested,
     WeightSyncFailed,
     WorkerParked,
 )
@@ -82,6 +89,7 @@ class ControlState:
     outcomes: Mapping[str, str] = field(default_factory=dict)
     servers: Mapping[str, str] = field(default_factory=dict)  # endpoint -> up / down / stale
     registered: Mapping[str, ServerRegistered] = field(default_factory=dict)
+    unconsumed: tuple[tuple[str, bool], ...] = ()  # (rollout id, ready), request order
 
     @property
     def active_version(self) -> int | None:
@@ -135,6 +143,14 @@ class ControlState:
         higher."""
         return max(requested, self.published if self.published is not None else requested)
 
+    def rollouts_ahead(self, rollout_id: str) -> int:
+        """Bounded training rollouts requested before ``rollout_id`` that the trainer has
+        not stepped on yet (ready or not); 0 for a rollout the fold does not hold."""
+        for at, (rid, _) in enumerate(self.unconsumed):
+            if rid == rollout_id:
+                return at
+        return 0
+
     def tail_of(self, rollout_id: str) -> Tail | None:
         """``(mode, sample ids)`` of a ready rollout's tail; None: not ready with one."""
         return self.tails.get(rollout_id)
@@ -148,6 +164,23 @@ def _kept(items: Mapping[str, V], key: str, value: V, keep: int) -> dict[str, V]
     for old in list(out)[: max(0, len(out) - keep)]:
         del out[old]
     return out
+
+
+def _settled(
+    unconsumed: tuple[tuple[str, bool], ...], ev: RolloutReady | RolloutFailed
+) -> tuple[tuple[str, bool], ...]:
+    """A ready rollout is marked so; a failed one leaves (no step comes of it)."""
+    if isinstance(ev, RolloutFailed):
+        return tuple(e for e in unconsumed if e[0] != ev.rollout_id)
+    return tuple((rid, ready or rid == ev.rollout_id) for rid, ready in unconsumed)
+
+
+def _consumed(unconsumed: tuple[tuple[str, bool], ...]) -> tuple[tuple[str, bool], ...]:
+    """Without the oldest ready rollout: the trainer's step on it made the new version."""
+    for at, (_, ready) in enumerate(unconsumed):
+        if ready:
+            return unconsumed[:at] + unconsumed[at + 1 :]
+    return unconsumed
 
 
 class ControlProjection:
@@ -165,9 +198,19 @@ class ControlProjection:
     def evolve(self, state: ControlState, env: Envelope) -> ControlState:
         ev = env.event
         replace = dataclasses.replace
+        if isinstance(ev, RolloutRequested):
+            if ev.max_staleness is None or ev.kind is not RolloutKind.TRAIN:
+                return state
+            if ev.rollout_id in state.outcomes or any(
+                rid == ev.rollout_id for rid, _ in state.unconsumed
+            ):
+                return state
+            unconsumed = (*state.unconsumed, (ev.rollout_id, False))
+            return replace(state, unconsumed=unconsumed[-self._keep_outcomes :])
         if isinstance(ev, (RolloutReady, RolloutFailed)):
             if ev.rollout_id in state.outcomes:
                 return state
+            state = replace(state, unconsumed=_settled(state.unconsumed, ev))
             outcomes = _kept(state.outcomes, ev.rollout_id, env.id, self._keep_outcomes)
             tails = state.tails
             if isinstance(ev, RolloutReady) and ev.tail_sample_ids:
@@ -177,8 +220,12 @@ class ControlProjection:
             return replace(state, outcomes=outcomes, tails=tails)
         if isinstance(ev, PolicyVersionPublished):
             top = ev.version if state.published is None else max(state.published, ev.version)
+            unconsumed = state.unconsumed
+            if state.published is None or top > state.published:
+                unconsumed = _consumed(unconsumed)
             return replace(
-                state, published=top, published_versions=state.published_versions | {ev.version},
+                state, published=top, unconsumed=unconsumed,
+                published_versions=state.published_versions | {ev.version},
                 last_published=ev, last_published_id=env.id,
             )
         if isinstance(ev, QuiesceRequested):

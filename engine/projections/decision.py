@@ -2,7 +2,8 @@
 
 When a rollout is worth deciding (:func:`worth_deciding`, from the fold's counters), which
 samples it is made of (:func:`select_groups`: every sample, or an over-provisioned
-rollout's first whole groups), which are stale (:func:`stale_split`), kept or dropped by the
+rollout's first whole groups), which are stale (:func:`stale_split`) and which of those the
+``keep`` policy keeps (:func:`kept_stale_ids`), kept or dropped by the
 request's filters (:func:`apply_filters`) and by the CE lane (an over-long sub-sample drops
 its trajectory), whether the teacher must score them first (:func:`decide_capture`), and
 the ``RolloutReady`` with its counts and metrics (:func:`decide_ready`); then what settles a
@@ -23,6 +24,7 @@ from engine.events.catalog import (
     FilterSpec,
     RolloutKind,
     RolloutReady,
+    RolloutRequested,
     SampleAborted,
     TailCarried,
     TaskFetched,
@@ -41,6 +43,7 @@ __all__ = [
     "decide_capture",
     "decide_ready",
     "groups_needed",
+    "kept_stale_ids",
     "ready_metrics",
     "route",
     "select_groups",
@@ -131,6 +134,18 @@ def stale_split(
         else:
             fresh.append(r)
     return fresh, stale, tokens
+
+
+def kept_stale_ids(request: RolloutRequested | None, stale: list[SampleRecord]) -> set[str]:
+    """The stale samples a ready rollout keeps: under the ``keep`` policy the completed ones
+    (their rewards count in their groups' statistics; the trainer gives them no gradient,
+    ``engine.collate``), except in the CE lane, whose sub-samples have no group statistics
+    to keep them for; none under ``drop`` and ``pace``."""
+    if request is None or request.staleness_policy != "keep":
+        return set()
+    if request_lane(request) is Lane.CE:
+        return set()
+    return {r.sample_id for r in stale if r.completed}
 
 
 _INFRA = frozenset({AbortClass.INFRA_CONN, AbortClass.INFRA_SANDBOX, AbortClass.INFRA_OTHER})
@@ -284,8 +299,13 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
     request = state.request
     floor = staleness_floor(request, trainer_version)
     fresh, stale, stale_tokens = stale_split(selection.samples, floor)
-    kept, dropped = apply_filters(state, fresh)
-    if needs_teacher(request) and _unscored(state, kept):
+    kept_stale = kept_stale_ids(request, stale)
+    candidates = fresh
+    if kept_stale:
+        keep = kept_stale | {r.sample_id for r in fresh}
+        candidates = [r for r in selection.samples if r.sample_id in keep]
+    kept, dropped = apply_filters(state, candidates)
+    if needs_teacher(request) and _unscored(state, [s for s in kept if s not in kept_stale]):
         return None
     routed = route(state, kept, dropped)
     kept, dropped = routed.kept, routed.dropped
@@ -297,6 +317,8 @@ def decide_ready(state: RolloutState, trainer_version: int | None = None) -> Rol
         assert request is not None and request.max_staleness is not None
         current = floor + request.max_staleness
         metrics["n_stale"] = float(len(stale))
+        if request.staleness_policy == "keep":
+            metrics["n_stale_kept"] = float(len(kept_stale.intersection(kept)))
         metrics["stale_tokens"] = float(stale_tokens)
     if selection.tail:
         metrics["n_tail"] = float(len(selection.tail))

@@ -318,16 +318,18 @@ def ce_samples(rollout: Rollout, chunks: Sequence[CeChunk]) -> list[Sample]:
 
 
 def samples_named(rollout: Rollout, ids: Sequence[str], lane: Lane) -> list[Sample]:
-    """The samples of ``ids``, in that order, shaped by ``lane`` (not CE); raises naming the
-    first id with no terminal event, before building any."""
+    """The samples of ``ids``, in that order, shaped by ``lane`` (not CE); a stale one the
+    ready rollout kept (``keep`` policy) as :meth:`Sample.as_stale`; raises naming the first
+    id with no terminal event, before building any."""
     samples = rollout.state.samples
     check_terminal(samples, rollout.state.rollout_id, ids)
+    ready = rollout.state.ready
+    stale = set(ready.stale_sample_ids) if ready is not None else set()
     out: list[Sample] = []
     for sample_id in ids:
         r = samples[sample_id]
-        out.append(
-            sample_of(rollout.task(r), rollout.terminal(r), rollout.teacher(r), lane=lane)
-        )
+        built = sample_of(rollout.task(r), rollout.terminal(r), rollout.teacher(r), lane=lane)
+        out.append(built.as_stale() if sample_id in stale else built)
     return out
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
+from engine.events.catalog import RolloutReady, RolloutRequested
 from engine.outcomes import FailureClass, TerminationReason
 from engine.projections.readback import Rollout, wanted
 from engine.projections.rollout import RolloutState, SampleRecord
@@ -180,12 +181,7 @@ def build_summary(rollout: Rollout) -> dict[str, Any]:
     }
     # Present only for a request that uses them, so other summaries keep their bytes.
     if request is not None and request.max_staleness is not None:
-        out["staleness"] = {
-            "max_staleness": request.max_staleness,
-            "trainer_version": ready.trainer_version if ready is not None else None,
-            "excluded": len(ready.stale_sample_ids) if ready is not None else None,
-            "excluded_tokens": ready.stale_tokens if ready is not None else None,
-        }
+        out["staleness"] = _staleness(request, ready)
     if request is not None and request.pinned_version is not None:  # and what its tokens had
         out["pinned"] = {"version": request.pinned_version,
                          "version_tokens": ready.version_tokens if ready is not None else None}
@@ -298,3 +294,24 @@ def render_artifacts(rollout: Rollout) -> dict[str, bytes]:
         "placement.jsonl": _jsonl(placement_log(rollout)),
         "samples.jsonl": _jsonl(s.model_dump(mode="json") for s in samples),
     }
+
+
+def _staleness(request: RolloutRequested, ready: RolloutReady | None) -> dict[str, Any]:
+    """The bound and what it did; a policy other than ``drop`` is named, with the stale
+    samples the ``keep`` policy loaded without gradient (``kept_stale``), so that a drop
+    summary keeps its bytes."""
+    stale = ready.stale_sample_ids if ready is not None else None
+    kept_stale = 0
+    if ready is not None and request.staleness_policy == "keep":
+        kept_stale = len(set(ready.stale_sample_ids).intersection(ready.sample_ids))
+    out: dict[str, Any] = {
+        "max_staleness": request.max_staleness,
+        "trainer_version": ready.trainer_version if ready is not None else None,
+        "excluded": len(stale) - kept_stale if stale is not None else None,
+        "excluded_tokens": ready.stale_tokens if ready is not None else None,
+    }
+    if request.staleness_policy != "drop":
+        out["policy"] = request.staleness_policy
+    if request.staleness_policy == "keep":
+        out["kept_stale"] = kept_stale if ready is not None else None
+    return out

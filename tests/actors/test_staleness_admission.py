@@ -1,8 +1,10 @@
 """The scheduler admits no batch of a rollout whose staleness bound no published version can
-meet (issue 12, point 4): a request whose ``policy_version`` is more than ``max_staleness``
-ahead of the highest ``PolicyVersionPublished`` waits, following ``rl:control``, and is
-admitted once a version within its bound is published. A real redis-server and the engine's
-scheduler; the decision itself is :func:`engine.actors.planning.admission_wait`.
+meet: a request whose ``policy_version`` is more than ``max_staleness`` ahead of the highest
+``PolicyVersionPublished`` waits, following ``rl:control``, and is admitted once a version
+within its bound is published. Nor, under the ``pace`` policy, one whose samples could miss
+the bound: it waits until the rollouts ahead of it are trained on and the new version is
+active. A real redis-server and the engine's scheduler; the decisions themselves are
+:func:`engine.actors.planning.admission_wait` and :func:`~engine.actors.planning.pace_wait`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from engine.events import (
     BatchAdmitted,
     Envelope,
     EventLog,
+    PolicyVersionActivated,
     PolicyVersionPublished,
+    RolloutReady,
     RolloutRequested,
 )
 from engine.events.redis_log import RedisEventLog, RedisSettings
@@ -108,6 +112,70 @@ async def test_admission_waits_for_a_version_within_the_bound(
             return len(await _admitted(log, "ahead")) == 1
 
         await asyncio.wait_for(until(ahead_admitted), 30)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await log.aclose()
+        await scheduler.log.aclose()
+
+
+async def test_a_paced_rollout_waits_for_the_step_on_the_one_before_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    redis = redis_connect(RedisSettings(url=redis_server.url))
+    await redis.flushall()
+    await redis.aclose()
+
+    def new_log() -> RedisEventLog:
+        return RedisEventLog(redis_connect(RedisSettings(url=redis_server.url, block_ms=200)),
+                             producer="test", block_ms=200)
+
+    profile = EvaluatorProfile(evaluator_id=EVALUATOR, resource=Resource(concurrency=4),
+                               batch_size=4)
+    config = write_config(tmp_path, {"ds": (EVALUATOR, 20)}, {"ev": (EVALUATOR, 2)})
+    scheduler = Scheduler(
+        new_log(),
+        planner=Planner(load_rollout_config(config), {EVALUATOR: profile}),
+        layout=None,
+        config=SchedulerConfig(scheduler_id="s0", block_ms=200, heartbeat_ms=1000,
+                               claim_idle_ms=5000),
+    )
+    log = new_log()
+    stop = asyncio.Event()
+    await scheduler.start()
+    running = asyncio.create_task(scheduler.run(stop))
+
+    async def until(predicate: Callable[[], Awaitable[bool]]) -> None:
+        while not await predicate():
+            await asyncio.sleep(0.05)
+
+    async def waits_after(count: int) -> bool:  # it looked again and still waits
+        return scheduler.version_waits > count
+
+    try:
+        # given two paced rollouts with max_staleness 0, requested back to back
+        for rid in ("first", "second"):
+            await log.append(log.names.control, RolloutRequested(
+                rollout_id=rid, n_prompts=2, n_samples_per_prompt=2, max_staleness=0,
+                staleness_policy="pace",
+            ))
+
+        async def admitted(rid: str) -> bool:
+            return bool(await _admitted(log, rid))
+
+        # then the first is admitted and the second waits
+        await asyncio.wait_for(until(lambda: admitted("first")), 30)
+        await asyncio.wait_for(until(lambda: waits_after(0)), 30)
+        # when the first is ready and its step's weights are published, not yet active
+        await log.append(log.names.control, RolloutReady(rollout_id="first", sample_ids=[]))
+        await log.append(log.names.control, PolicyVersionPublished(version=1))
+        await scheduler.control.wait_for(lambda s: s.published == 1)
+        seen = scheduler.version_waits
+        await asyncio.wait_for(until(lambda: waits_after(seen)), 30)
+        assert await _admitted(log, "second") == []  # it looked with both and still waits
+        # when version 1 is active, the second is admitted
+        await log.append(log.names.control, PolicyVersionActivated(version=1, servers=["s"]))
+        await asyncio.wait_for(until(lambda: admitted("second")), 30)
     finally:
         stop.set()
         await asyncio.wait_for(running, 30)

@@ -154,6 +154,13 @@ def test_admission_names_an_open_or_failed_weight_sync_and_an_unreachable_bound(
     assert stalled is not None and "staleness bound needs weights of version 8" in (
         stalled.waiting_for[0]
     )
+    paced = REQUEST.model_copy(update={"max_staleness": 0, "staleness_policy": "pace"})
+    before = RolloutRequested(rollout_id="q", n_prompts=1, max_staleness=0)
+    events, _ = planned(paced)
+    stalled = stall(rollout_state(events), policy_state=policy(before, paced))
+    assert stalled is not None and "staleness_policy 'pace': 1 earlier bounded rollouts" in (
+        stalled.waiting_for[0]
+    )
 
 
 def test_admitted_batches_nobody_started_name_the_consumers_of_their_work_stream() -> None:

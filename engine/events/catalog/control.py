@@ -18,13 +18,26 @@ class FilterSpec(Record):
     finish_only: bool = False
 
 
+StalenessPolicy = Literal["drop", "keep", "pace"]
+STALENESS_POLICIES: tuple[StalenessPolicy, ...] = ("drop", "keep", "pace")
+
+
 class RolloutRequested(Event):
     """A trainer asks for one iteration's trajectories.
 
     * ``max_staleness``: how many versions behind the trainer's current one (the highest
       ``PolicyVersionPublished.version`` on ``rl:control``, or ``policy_version`` when
       higher) a sampled token may be; None: no bound. A sample with an older token -- or a
-      sampled token of unknown version -- is excluded from the ``RolloutReady``.
+      sampled token of unknown version -- is stale.
+    * ``staleness_policy``: what a bounded rollout does with stale samples. ``drop``: a
+      worker ends an attempt once it can no longer meet the bound, and the ``RolloutReady``
+      excludes stale samples. ``keep``: stale samples run to the end and the ready rollout
+      keeps them, in its group statistics (their rewards count in the group's advantages),
+      listed in ``stale_sample_ids`` as well, so the trainer gives them no gradient
+      (``engine.collate``). ``pace``: admission is paced so that a sample is admitted only
+      where it can meet the bound (``engine.actors.planning.pace_wait``); a sample that goes
+      stale all the same (a tail carried on, a trainer publishing more than once per
+      rollout) is dropped.
     * ``overprovision``: plan ``ceil(n_prompts * overprovision)`` prompts and become ready
       once ``n_prompts`` whole groups are terminal.
     * ``tail``: what happens to the other groups then: ``abort`` (their requests are
@@ -57,6 +70,7 @@ class RolloutRequested(Event):
     filters: FilterSpec = FilterSpec()
     teacher_capture: bool = False
     max_staleness: int | None = Field(default=None, ge=0)
+    staleness_policy: StalenessPolicy = "drop"
     overprovision: float = Field(default=1.0, ge=1.0, le=16.0)
     tail: Literal["abort", "carry"] = "abort"
     request_stream: str | None = Field(default=None, min_length=1)
@@ -126,9 +140,10 @@ class RolloutReady(Event):
     # tasks per optimizer step constant. 1.0 for every other lane.
     gbs_scale: float = 1.0
     # Staleness bound (``request.max_staleness``): the trainer's current version the
-    # bound was checked against (None: the request set no bound), the samples it excluded
-    # (in index order; not in ``sample_ids`` / ``dropped_sample_ids``) and their sampled
-    # tokens.
+    # bound was checked against (None: the request set no bound), the stale samples (in
+    # index order) and their sampled tokens. Under the ``keep`` policy the completed stale
+    # samples are in ``sample_ids`` too (loaded, no gradient); otherwise they are in
+    # neither ``sample_ids`` nor ``dropped_sample_ids``.
     trainer_version: int | None = None
     stale_sample_ids: list[str] = Field(default_factory=list)
     stale_tokens: int = 0
