@@ -26,7 +26,7 @@ from tests.sandbox.conftest import docker_image  # noqa: F401 - the session fixt
 pytestmark = [pytest.mark.slow, pytest.mark.redis_server, pytest.mark.docker]
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "tests" / "rollout" / "fixtures" / "docker_evaluators.py"
+CONFIG = ROOT / "tests" / "actors" / "fixtures" / "docker_evaluators.py"
 
 
 @pytest.fixture
