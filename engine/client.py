@@ -166,10 +166,12 @@ class RolloutClient:
         overprovision: float = 1.0,
         tail: Literal["abort", "carry"] = "abort",
         request_stream: str | None = None,
+        max_version_span: int | None = None,
     ) -> str:
         """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm.
-        ``max_staleness`` / ``overprovision`` / ``tail`` / ``request_stream``: see
-        ``RolloutRequested`` (docs/configuration.md, "Staleness and partial rollouts")."""
+        ``max_staleness`` / ``overprovision`` / ``tail`` / ``request_stream`` /
+        ``max_version_span``: see ``RolloutRequested`` (docs/configuration.md, "Staleness
+        and partial rollouts"); a value out of range raises before anything is appended."""
         rid = rollout_id or f"it{iteration}-{secrets.token_hex(4)}"
         event = RolloutRequested(
             rollout_id=rid,
@@ -192,6 +194,7 @@ class RolloutClient:
             overprovision=overprovision,
             tail=tail,
             request_stream=request_stream,
+            max_version_span=max_version_span,
         )
         self.names.rollout(rid)  # refuses an id that cannot be a stream key
         await self.log.append(self.names.control, event)

@@ -321,6 +321,11 @@ class Settings(FrozenModel):
         description="A worker silent on its work streams for longer is not waited for by a "
         "sync (unset: the claim window).",
     )
+    sync_interrupt: bool = Field(
+        True,
+        description="A sync aborts the turns in flight and continues them from their partial "
+        "tokens on the new weights, instead of waiting for them to finish.",
+    )
     # -- rollout serve ----------------------------------------------------------------------
     serve_backend: Literal["tinylm", "sglang"] = Field(
         "tinylm", description="What rollout serve runs: tinylm on CPU or SGLang's launch_server."

@@ -213,6 +213,7 @@ class BatchRun:
         # ``eval_dagger_beta`` knob re-injects one.
         self._dagger_beta = _float_knob(knobs, "dagger_beta" if self._train else "eval_dagger_beta")
         self._t_max = _int_knob(knobs, "t_max")
+        self._max_version_span = request.max_version_span if request is not None else None
         # Only a request with a staleness bound or an over-provisioned plan can have samples
         # become unusable while they run: only those are guarded (engine.actors.sample_guard).
         self._guarded = control is not None and request is not None and (
@@ -357,6 +358,7 @@ class BatchRun:
                 f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
                 budget=self._budgets.get(sample_id),
+                max_version_span=self._max_version_span,
             )
             if self._backends is not None
             else None

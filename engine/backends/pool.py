@@ -58,6 +58,20 @@ down) one per episode.
   call is of another kind (chat, a forwarded pass-through), the failure goes to the agent
   and ``budget.reached_caller`` says so: the attempt is then re-run (``batch_run``).
 
+- Interruption: a view's token-level generate (``input_ids``, a backend with the abort
+  capability, no rid of the caller's) is *resumable*: when a weight sync interrupts it (the
+  gate aborts it, ``TurnGate.interrupt``), the turn is continued once the gate opens, from
+  the prompt plus the partial tokens with the token budget reduced by them, on the new
+  weights (``engine/backends/continuation.py``). The agent gets one result: the partial
+  tokens with the logprobs and the version they were sampled with, then the continuation's
+  (``GenerationResult.token_versions``). An interruption takes nothing from the budget and
+  is never the agent's failure.
+- ``bind(key, max_version_span=N)``: before each turn and before continuing an interrupted
+  one (once the gate is open, so against the version it would run on), a trajectory whose
+  oldest token version and the active version would span more than ``N`` versions is not
+  generated further: the turn ends with what it has, ``finish_reason`` ``version_span``
+  (``FinishReason.VERSION_SPAN``), and the agent ends the episode for that reason.
+
 A router (``sglang-router``) in front of the servers is the other way to run several: give the
 worker the router's URL as its one endpoint, and the router keeps a conversation's requests on
 one server with its own cache-aware policy (see docs/sglang.md).
@@ -76,10 +90,11 @@ from typing import Any
 
 from engine import metrics
 from engine.backends._http import check_base_url
-from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
+from engine.backends.base import FinishReason, ForceDecodeScore, GenerationResult, ModelBackend
+from engine.backends.continuation import joined, rest_of_turn
 from engine.backends.gate import TurnGate
 from engine.backends.health import RetryBudget, ServerHealth, infra_failure
-from engine.backends.hooks import CallHook, HookedBackend
+from engine.backends.hooks import CallHook, CallKind, HookedBackend, ModelCall
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
 
@@ -217,16 +232,41 @@ class _Shared:
 
 class _Trajectory:
     """A bound view's trajectory: its key, the rids its generate calls are sent with
-    (``KEY/tN``, one per call, so each can be aborted by its exact rid) and the sample's
-    retry budget."""
+    (``KEY/tN``, one per call, so each can be aborted by its exact rid), the sample's
+    retry budget, and the versions its turns ran on, against ``max_version_span``."""
 
-    __slots__ = ("key", "shared", "budget", "calls")
+    __slots__ = ("key", "shared", "budget", "calls", "max_span", "oldest")
 
-    def __init__(self, key: str, shared: _Shared, budget: RetryBudget | None) -> None:
+    def __init__(
+        self, key: str, shared: _Shared, budget: RetryBudget | None, max_span: int | None
+    ) -> None:
         self.key = key
         self.shared = shared
         self.budget = budget
         self.calls = 0
+        self.max_span = max_span
+        self.oldest: int | None = None  # the oldest known weight version of its tokens
+
+    def saw(self, result: GenerationResult) -> None:
+        known = [v for v in result.versions() if v is not None]
+        if known:
+            low = min(known)
+            self.oldest = low if self.oldest is None else min(self.oldest, low)
+
+    def span_exceeded(self) -> str | None:
+        """Why the next tokens, on the active version, would make the trajectory span more
+        versions than ``max_span`` (None: they would not, or a version is unknown)."""
+        active = self.shared.health.expected()
+        if self.max_span is None or self.oldest is None or active is None:
+            return None
+        span = active - self.oldest + 1
+        if span <= self.max_span:
+            return None
+        return (
+            f"trajectory {self.key}: its tokens from version {self.oldest} on and the active "
+            f"version {active} would span {span} versions, more than max_version_span "
+            f"{self.max_span}"
+        )
 
     def next_rid(self) -> str:
         rid = f"{self.key}/t{self.calls}"
@@ -263,7 +303,7 @@ class RoutedBackend(HookedBackend):
     ) -> GenerationResult:
         t = self._trajectory
         budget = t.budget
-        if budget is None or input_ids is None or rid is not None or not self.capabilities.abort:
+        if input_ids is None or rid is not None or not self.capabilities.abort:
             url, inner = await t.endpoint()
             try:
                 return await self._generate(
@@ -274,7 +314,51 @@ class RoutedBackend(HookedBackend):
                 if budget is not None and infra_failure(exc):
                     budget.reached_caller = True  # no retry of its own: the attempt is re-run
                 raise
-        return await self._retried(t, budget, input_ids, sampling_params)
+        result = await self._turn(t, input_ids, sampling_params)
+        t.saw(result)
+        return result
+
+    async def _turn(
+        self, t: _Trajectory, input_ids: Sequence[int], sampling_params: Mapping[str, Any]
+    ) -> GenerationResult:
+        """One turn, continued from its partial tokens each time a weight sync interrupts
+        it (``TurnGate.interrupt``): the prompt plus the tokens so far, with the token
+        budget reduced by them, on the weights activated meanwhile. The parts join into one
+        result whose tokens keep their logprobs and the version of the part that sampled
+        them; a turn whose trajectory would span more than ``max_version_span`` versions is
+        not (or no further) generated (``FinishReason.VERSION_SPAN``)."""
+        parts: list[GenerationResult] = []
+        params: Mapping[str, Any] | None = sampling_params
+        gate = t.shared.gate
+        while params is not None:
+            await gate.wait_open()  # the span is judged against the version it will run on
+            why = t.span_exceeded()
+            if why is not None:
+                logger.info("%s: ended", why)
+                return joined(parts, FinishReason.VERSION_SPAN)
+            ids = [*input_ids, *(tok for part in parts for tok in part.token_ids or ())]
+            result, interrupted = await self._once(t, ids, params)
+            if not (interrupted and result.aborted):
+                return joined([*parts, result])
+            parts.append(result)
+            t.saw(result)
+            params = rest_of_turn(sampling_params, sum(len(p.token_ids or ()) for p in parts))
+        return joined(parts, FinishReason.LENGTH)  # the budget was spent before the abort
+
+    async def _once(
+        self, t: _Trajectory, input_ids: Sequence[int], sampling_params: Mapping[str, Any]
+    ) -> tuple[GenerationResult, bool]:
+        """One generation, retried within the budget when there is one; whether a weight
+        sync interrupted it."""
+        budget = t.budget
+        if budget is not None:
+            return await self._retried(t, budget, input_ids, sampling_params)
+        url, inner = await t.endpoint()
+        call = ModelCall(CallKind.GENERATE, url, inner, t.next_rid(), resumable=True)
+        result = await self._generate_call(
+            call, input_ids=input_ids, sampling_params=sampling_params
+        )
+        return result, call.interrupted
 
     async def _retried(
         self,
@@ -282,40 +366,44 @@ class RoutedBackend(HookedBackend):
         budget: RetryBudget,
         input_ids: Sequence[int],
         sampling_params: Mapping[str, Any],
-    ) -> GenerationResult:
+    ) -> tuple[GenerationResult, bool]:
         """The same turn again from the same tokens, on a server that is up, until it gives
-        a result of the active weights or the budget is spent. A call that raised, or whose
-        result is not handed back, produced no turn of the agent's, so running it again
-        cannot record a turn twice."""
+        a result of the active weights or the budget is spent; an interrupted call is no
+        failure and is handed back as it is. A call that raised, or whose result is not
+        handed back, produced no turn of the agent's, so running it again cannot record a
+        turn twice."""
         aborted: GenerationResult | None = None  # handed back when a retry is refused
         while True:
             url, inner = await t.endpoint()
             self.base_url = url
             rid = t.next_rid()
+            call = ModelCall(CallKind.GENERATE, url, inner, rid, resumable=True)
             try:
-                result = await self._generate(
-                    url, inner, input_ids=input_ids, sampling_params=sampling_params, rid=rid
+                result = await self._generate_call(
+                    call, input_ids=input_ids, sampling_params=sampling_params
                 )
             except Exception as exc:
                 if not infra_failure(exc):
                     if aborted is not None:  # a hook refused the retry (the sample ended)
-                        return aborted
+                        return aborted, False
                     raise
                 t.shared.abort_later(inner, rid)  # the request may still run there
                 if not budget.take(url, f"{type(exc).__name__}: {exc}"):
                     budget.reached_caller = True
                     raise
             else:
+                if call.interrupted and result.aborted:
+                    return result, True
                 if result.aborted:
                     what = "the server aborted the generation"
                     aborted = result
                 elif t.shared.health.wrong_version(result):
                     what = f"it served weight version {result.weight_version}, not the active one"
                 else:
-                    return result
+                    return result, False
                 if not budget.take(url, what):
                     budget.reached_caller = True
-                    return result
+                    return result, False
             metrics.MODEL_RETRIES.labels("turn").inc()
             await asyncio.sleep(budget.pause_s())
 
@@ -394,15 +482,19 @@ class BackendPool:
         *,
         hooks: Sequence[CallHook] = (),
         budget: RetryBudget | None = None,
+        max_version_span: int | None = None,
     ) -> BackendPool:
         """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server while
-        it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too)
-        and whose token-level generations are retried within ``budget``."""
+        it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too),
+        whose token-level generations are retried within ``budget`` and continued across a
+        weight sync, and whose trajectory spans at most ``max_version_span`` versions."""
         if not key:
             raise ValueError("BackendPool.bind needs a non-empty trajectory key")
+        if max_version_span is not None and max_version_span < 1:
+            raise ValueError(f"max_version_span must be >= 1, got {max_version_span}")
         view = object.__new__(BackendPool)
         view._shared = self._shared
-        view._trajectory = _Trajectory(key, self._shared, budget)
+        view._trajectory = _Trajectory(key, self._shared, budget, max_version_span)
         view._routed = None
         view._own = (*self._own, *hooks)
         view._hooks = (*view._own, *self._shared.hooks)

@@ -32,6 +32,10 @@ class RolloutRequested(Event):
       keep running and the next request of the same ``request_stream`` takes them over:
       they count toward its prompts and open its stream as ``TaskFetched`` with
       ``carried_from``; see ``TailCarried``).
+    * ``max_version_span``: the most weight versions one trajectory's tokens may come from
+      (1: every token of a trajectory from one version); a trajectory that would span more
+      (at the start of a turn, or continuing a turn a weight sync interrupted) ends there
+      as ``version_span``. None: no cap.
     """
 
     schema_version: ClassVar[int] = 2
@@ -55,6 +59,7 @@ class RolloutRequested(Event):
     overprovision: float = Field(default=1.0, ge=1.0, le=16.0)
     tail: Literal["abort", "carry"] = "abort"
     request_stream: str | None = Field(default=None, min_length=1)
+    max_version_span: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _carry_needs_a_stream(self) -> RolloutRequested:
@@ -146,13 +151,16 @@ class QuiesceRequested(Event):
     """The weight syncer stops generation before it changes weights: schedulers stop
     admitting batches, workers let running generate calls finish, start no new one and say
     so with ``WorkerParked``. ``version`` is the policy version the quiesce is for (None
-    in a v1 event, which has none)."""
+    in a v1 event, which has none). ``interrupt``: workers abort their resumable generate
+    calls instead of letting them finish, and continue those turns from their partial
+    tokens on the new weights (``engine/backends/gate.py``)."""
 
     schema_version: ClassVar[int] = 2
 
     type: Literal["QuiesceRequested"] = "QuiesceRequested"
     reason: str = ""
     version: int | None = None
+    interrupt: bool = False
 
 
 @upcaster("QuiesceRequested", 1)
