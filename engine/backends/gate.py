@@ -20,7 +20,9 @@ backend the pool hands out, and the recording proxy's pass-through (``forwarded_
   tokens once the gate opens again. The aborts are sent again every ``ABORT_EVERY_S`` while
   such a call is still in flight and the gate closed: SGLang drops an abort whose rid it does
   not hold yet (``TokenizerManager.abort_request``), which happens when the request is still
-  on its way. Other calls (a score, a chat call, a forwarded one) are waited for.
+  on its way. Other calls (a score, a chat call, a forwarded one) are waited for, and so is
+  a call whose server refuses the abort (401/403: a server started with an admin key keeps
+  ``/abort_request`` for that key, which workers do not hold; docs/security.md).
 
 The gate is asyncio-only (one event loop, the worker's); it holds no lock across an await,
 so a cancelled call never leaves it counting a call that is not running.
@@ -35,6 +37,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from engine.backends.hooks import CallKind, ModelCall
+from engine.errors import BackendHTTPError
 
 __all__ = ["ABORT_EVERY_S", "TurnGate"]
 
@@ -97,7 +100,16 @@ class TurnGate:
                 try:
                     async with asyncio.timeout(_ABORT_TIMEOUT_S):
                         await call.backend.abort(call.rid)
-                except Exception as exc:  # the call then ends on its own, and is waited for
+                except BackendHTTPError as exc:
+                    if exc.status not in (401, 403):
+                        continue
+                    # The server keeps /abort_request for its admin key, which workers do
+                    # not hold: this call is waited for, as without interrupting.
+                    call.interrupted = False
+                    self.interrupted -= 1
+                    logger.warning("cannot interrupt %s on %r for the sync (%s): waiting for "
+                                   "it instead", call.rid, call.backend, exc)
+                except Exception as exc:  # tried again, unless the call ends meanwhile
                     logger.debug("abort of %s on %r failed: %r", call.rid, call.backend, exc)
             await asyncio.sleep(ABORT_EVERY_S)
 
