@@ -355,10 +355,8 @@ class BatchRun:
         # after cleanup; its generations are named SAMPLE/aATTEMPT/tN.
         backends = (
             self._backends.bind(
-                f"{sample_id}/a{attempt}",
-                hooks=(guard,) if guard is not None else (),
-                budget=self._budgets.get(sample_id),
-                max_version_span=self._max_version_span,
+                f"{sample_id}/a{attempt}", hooks=(guard,) if guard is not None else (),
+                budget=self._budgets.get(sample_id), max_version_span=self._max_version_span,
             )
             if self._backends is not None
             else None
