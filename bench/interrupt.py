@@ -12,7 +12,7 @@ on an in-memory log: the ``WeightSyncer`` requests the quiesce, the worker's
 * ``interrupt``: the worker aborts them, the weights are swapped, and each turn continues
   from its partial tokens on the new weights.
 
-The pause is the time the worker's gate stays closed (sampled every millisecond). The arms
+The pause is the time the worker's gate stays closed (its ``close`` to its ``open``). The arms
 alternate for ``--rounds`` rounds; ``interrupt_vs_wait_pause_ratio`` = median interrupting
 pause / median waiting pause (target <= 0.2). Every turn is checked to come back whole
 (``--tokens`` tokens) and, when interrupted, split between the two versions. The last line
@@ -75,18 +75,25 @@ async def keep_listed(log: MemoryEventLog, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.1)
 
 
-async def closed_for(pool: BackendPool, stop: asyncio.Event) -> list[float]:
-    """Each stretch of time the gate was closed, in seconds (sampled every millisecond)."""
-    spans: list[float] = []
-    closed_at: float | None = None
-    while not stop.is_set():
-        now = time.perf_counter()
-        if not pool.gate.is_open and closed_at is None:
-            closed_at = now
-        elif pool.gate.is_open and closed_at is not None:
-            spans.append(now - closed_at)
-            closed_at = None
-        await asyncio.sleep(0.001)
+def time_the_gate(pool: BackendPool) -> list[float]:
+    """Each stretch of time the worker's gate will be closed, in seconds: its ``close`` and
+    ``open`` are timed as the worker's quiesce calls them."""
+    gate, spans = pool.gate, []
+    close, open_ = gate.close, gate.open
+    closed_at: list[float] = []
+
+    def closing(reason: str = "") -> None:
+        if gate.is_open:
+            closed_at.append(time.perf_counter())
+        close(reason)
+
+    def opening() -> None:
+        if not gate.is_open and closed_at:
+            spans.append(time.perf_counter() - closed_at.pop())
+        open_()
+
+    setattr(gate, "close", closing)  # noqa: B010 (an instance's methods, timed)
+    setattr(gate, "open", opening)  # noqa: B010
     return spans
 
 
@@ -104,6 +111,7 @@ async def one_sync(
     pool = BackendPool(server.url, build=lambda url: SGLangBackend(
         config=SGLangConfig(url=url, stall_s=30.0)))
     pool.health.expected = lambda: control.state.active_version
+    pauses = time_the_gate(pool)
     quiesce = WorkerQuiesce(worker_log, pool.gate, worker_id="w1", control=control)
     syncer = WeightSyncer(sync_log, SyncConfig(
         syncer_id="s1", servers=(server.url,), live_window_ms=5_000, heartbeat_ms=100,
@@ -118,7 +126,6 @@ async def one_sync(
             asyncio.create_task(syncer.run(stop)),
             asyncio.create_task(keep_listed(worker_log, stop)),
         ]
-        gate_watch = asyncio.create_task(closed_for(pool, stop))
         turns = [
             asyncio.create_task(pool.bind(f"s{i}/a1").get().generate(
                 input_ids=PROMPT, sampling_params=params))
@@ -132,7 +139,6 @@ async def one_sync(
         results: list[GenerationResult] = await asyncio.gather(*turns)
         stop.set()
         control.close()  # the worker's quiesce ends with its follower
-        pauses = await gate_watch
         await asyncio.gather(*tasks, return_exceptions=True)
     await pool.aclose()
     for log in logs:
