@@ -211,3 +211,27 @@ def test_a_cap_below_one_is_refused_when_the_rollout_is_requested() -> None:
     with pytest.raises(ValueError, match="max_version_span"):
         BackendPool("http://127.0.0.1:1").bind("k", max_version_span=0)
     assert RolloutRequested(rollout_id="r", n_prompts=1).max_version_span is None
+
+
+async def test_a_server_that_refuses_the_abort_has_its_turn_waited_for(
+    tinylm_dir: Path,
+) -> None:
+    # An admin key keeps /abort_request for its holder; workers hold none (docs/security.md).
+    with start_server(tinylm_dir, weight_version="0", admin_api_key="admin-key") as keyed:
+        seen = Seen()
+        pool = BackendPool(keyed.url, hooks=(seen,))
+        active = [0]
+        pool.health.expected = lambda: active[0]
+        view = pool.bind("s1/a1")
+        turn = asyncio.ensure_future(view.get().generate(input_ids=PROMPT,
+                                                         sampling_params=GREEDY))
+        await asyncio.to_thread(steps_later, keyed, 20)
+        pool.gate.close("sync to version 1")
+        pool.gate.interrupt()
+        await asyncio.wait_for(pool.gate.drained(), 60)  # the turn ran to its end
+        result = await turn
+        assert pool.gate.interrupted == 0 and len(seen.results) == 1
+        assert len(result.token_ids or ()) == TURN and result.versions() == (0,) * TURN
+        assert result.finish_reason == FinishReason.LENGTH
+        pool.gate.open()
+        await pool.aclose()
