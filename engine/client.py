@@ -187,11 +187,13 @@ class RolloutClient:
         tail: Literal["abort", "carry"] = "abort",
         request_stream: str | None = None,
         pinned_version: int | None = None,
+        max_version_span: int | None = None,
     ) -> str:
         """Ask for a rollout; returns its id. ``teacher_capture=None`` follows the algorithm.
         ``max_staleness`` / ``staleness_policy`` / ``overprovision`` / ``tail`` /
-        ``request_stream``: see ``RolloutRequested`` (docs/configuration.md, "Staleness and
-        partial rollouts"); an unknown ``staleness_policy`` raises ``ConfigError``.
+        ``request_stream`` / ``max_version_span``: see ``RolloutRequested``
+        (docs/configuration.md, "Staleness and partial rollouts"); an unknown
+        ``staleness_policy`` or a value out of range raises before anything is appended.
         ``pinned_version`` (``kind="eval"`` only): the eval runs on that weight version while
         training goes on (docs/operations.md, "Eval pinned to a version")."""
         if staleness_policy not in STALENESS_POLICIES:
@@ -223,6 +225,7 @@ class RolloutClient:
             tail=tail,
             request_stream=request_stream,
             pinned_version=pinned_version,
+            max_version_span=max_version_span,
         )
         self.names.rollout(rid)  # refuses an id that cannot be a stream key
         await self.log.append(self.names.control, event)

@@ -10,7 +10,9 @@ disagree with the others::
        SampleStatus (the trainer's)          TerminationReason + reward
 
 * ``TerminationReason``: why an episode ended -- the agent's own reasons (``finish``,
-  ``length``, ``max_turns``, ``max_context``) followed by the abort classes.
+  ``length``, ``max_turns``, ``max_context``) followed by the abort classes, then
+  ``version_span`` (a truncation the engine decided: the request's cap on the weight
+  versions one trajectory may span).
 * ``AbortClass``: the subset of reasons that abort a sample (the evaluator's
   ``classify_abort``); its values are spelled exactly as the reasons they derive from.
 * ``FailureClass``: the eight summary classes (seeds: ``classify_termination``): the four
@@ -115,6 +117,10 @@ class TerminationReason(StrEnum):
     # ready without it (``tail="abort"``); its requests were aborted on the model server.
     STALE = "stale"
     TAIL_ABORTED = "tail_aborted"
+    # The trajectory would have spanned more weight versions than its request's
+    # ``max_version_span`` (at the start of a turn, or continuing a turn a weight sync
+    # interrupted): kept as it stands, truncated there.
+    VERSION_SPAN = "version_span"
 
     @property
     def abort_class(self) -> AbortClass | None:
@@ -154,4 +160,5 @@ _TRUNCATED: dict[TerminationReason, FailureClass] = {
     TerminationReason.MAX_TURNS: FailureClass.TRUNCATED_TURNS,
     TerminationReason.MAX_CONTEXT: FailureClass.TRUNCATED_CONTEXT,
     TerminationReason.LENGTH: FailureClass.TRUNCATED_CONTEXT,
+    TerminationReason.VERSION_SPAN: FailureClass.TRUNCATED_CONTEXT,
 }

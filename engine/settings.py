@@ -316,11 +316,11 @@ class Settings(FrozenModel):
         120.0, ge=0, description="How long a sync waits for live workers to park."
     )
     live_window_ms: int | None = Field(
-        None,
-        ge=1,
-        description="A worker silent on its work streams for longer is not waited for by a "
-        "sync (unset: the claim window).",
+        None, ge=1, description="A worker silent on its work streams for longer is not waited "
+        "for by a sync (unset: the claim window).",
     )
+    sync_interrupt: bool = Field(True, description="A sync aborts the turns in flight and "
+                                 "continues them on the new weights instead of waiting for them.")
     # -- rollout serve ----------------------------------------------------------------------
     serve_backend: Literal["tinylm", "sglang"] = Field(
         "tinylm", description="What rollout serve runs: tinylm on CPU or SGLang's launch_server."

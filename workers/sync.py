@@ -36,7 +36,7 @@ __all__ = ["FLAGS", "build_parser", "main"]
 logger = logging.getLogger("workers.sync")
 
 FLAGS = Flags((*PROCESS, "max_deliveries", "sglang_url", "servers_from_log", "park_timeout_s",
-               "live_window_ms", "grace_s"))
+               "live_window_ms", "sync_interrupt", "grace_s"))
 
 
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin_key=settings.admin_key(),
             park_timeout_s=settings.park_timeout_s,
             live_window_ms=settings.live_window_ms,
+            interrupt=settings.sync_interrupt,
             heartbeat_ms=settings.heartbeat_ms,
             claim_idle_ms=settings.claim_idle_ms,
             block_ms=settings.block_ms,

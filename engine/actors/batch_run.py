@@ -16,26 +16,22 @@ attempt (``engine.actors.sandbox_labels``). Per sample, in this order:
 5. the outcome is emitted: one ``TurnCompleted`` per turn, then ``SampleCompleted`` -- or
    ``SampleAborted``. With a ``PromptStore`` (``engine.actors.prompt_store``) a group's
    prompt tokens are stored once and each ``SampleCompleted`` refers to them;
-6. the token goes back (``engine.actors.batch_tokens``: surplus tokens are released at once
-   with ``TokenReleased``, the rest when the batch ends).
+6. the token goes back (``engine.actors.batch_tokens``).
 
 Failure semantics: any exception, in any phase, aborts the attempt (``SampleAborted``:
-``classify_abort`` class, the agent's own termination reason when it had one, phase, elapsed
-time vs the episode window, node, turns). A model-server failure that reached the agent is no
-outcome: the sample runs again as a new attempt while its ``RetryBudget`` lasts (a failed
-turn is retried by the pool first, ``engine.backends.pool``); a spent budget is named in the
-abort, and a sample that waited past the outage limit with every policy server down fails
-its rollout (``RolloutFailed``). The episode window is ``StoppingCriteria.timeout_s`` of the
-``TaskFetched`` and covers init, run and eval (not the wait for a token); when it elapses the
-sample is aborted as ``agent_timeout``, as when the agent *returns* an abort reason. A
-training rollout needs response tokens with logprobs; a result without them is
-``infra_other``. Cancellation (shutdown past the grace period) is no failure: the sample
-emits nothing, keeps its token with the batch, and is re-run by the worker that claims it.
+``classify_abort`` class, the agent's own termination reason, phase, elapsed time vs the
+episode window, node, turns). A model-server failure that reached the agent is no outcome:
+the sample runs again as a new attempt while its ``RetryBudget`` lasts (the pool retries a
+failed turn first); a spent budget is named in the abort, and a sample that waited past the
+outage limit with every policy server down fails its rollout. The episode window
+(``StoppingCriteria.timeout_s`` of the ``TaskFetched``) covers init, run and eval; when it
+elapses the sample is aborted as ``agent_timeout``. A training result without response
+logprobs is ``infra_other``. Cancellation (shutdown past the grace period) is no failure:
+the sample emits nothing, keeps its token, and is re-run by the worker that claims it.
 Outcome events are decided by the pure functions of :mod:`engine.actors.outcomes`.
 
 Events go through an ``EventSink`` (the worker's group-commit appender): emitting never
-waits for Redis, order is preserved, and the worker flushes before it acks the batch.
-"""
+waits for Redis, order is kept, and the worker flushes before it acks the batch."""
 
 from __future__ import annotations
 
@@ -207,7 +203,10 @@ class BatchRun:
         request = plan.request
         self._train = request is None or request.kind is RolloutKind.TRAIN
         self._policy_version = request.policy_version if request is not None else 0
-        self._seed, self._pinned = (request.seed, request.pinned_version) if request else (0, None)
+        self._seed, self._pinned, self._max_version_span = (
+            (request.seed, request.pinned_version, request.max_version_span) if request
+            else (0, None, None)
+        )  # fmt: skip
         knobs: Mapping[str, Any] = request.knobs if request is not None else {}
         # Eval runs student-only: an eval request's ``dagger_beta`` is dropped; an explicit
         # ``eval_dagger_beta`` knob re-injects one.
@@ -357,6 +356,7 @@ class BatchRun:
                 f"{sample_id}/a{attempt}",
                 hooks=(guard,) if guard is not None else (),
                 budget=self._budgets.get(sample_id), version=self._pinned,
+                max_version_span=self._max_version_span,
             )  # fmt: skip
             if self._backends is not None
             else None

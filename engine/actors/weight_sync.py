@@ -12,7 +12,12 @@ The saga (all on ``rl:control``; DESIGN "Policy versions and weight sync")
    its sync as well, so a rollout requested after a publication runs on the new weights);
    every evaluator worker closes its ``TurnGate`` (``engine/backends/gate.py``): generate
    calls in flight finish, none starts, so trajectories wait at a turn boundary with their
-   whole state. A worker with nothing in flight appends ``WorkerParked(version, worker)``.
+   whole state. With ``QuiesceRequested.interrupt`` (``SyncConfig.interrupt``, the default)
+   the worker aborts its resumable calls instead of waiting for them (``TurnGate.interrupt``):
+   each such turn waits with its partial tokens and continues from them on the new weights
+   once the gate opens (``engine/backends/pool.py``), so the quiesce lasts an abort, not the
+   longest turn in flight. A worker with nothing in flight appends ``WorkerParked(version,
+   worker)``.
 4. The syncer waits until every *live* worker is parked, then appends
    ``QuiesceCompleted(version, parked, unparked)``. Live workers are the consumers of the
    ``evaluators`` group on the work streams whose idle time (since their last read, claim or
@@ -172,6 +177,8 @@ class WorkerQuiesce:
                         state.active_version)
             self.gate.open()
         quiesce = state.quiesce
+        if quiesce is not None and quiesce.interrupt:
+            self.gate.interrupt()
         if (
             quiesce is not None
             and state.quiesce_id != self._reported
@@ -209,7 +216,8 @@ class SyncConfig:
     worker silent on its work streams for longer is not waited for (default: the claim idle
     window, after which its work is taken over anyway). ``repush_tries`` / ``repush_pause_s``:
     tries at loading the active weights on a stale server, and the first pause between them
-    (doubling).
+    (doubling). ``interrupt``: workers abort their resumable turns for the sync and continue
+    them on the new weights instead of waiting for them (``QuiesceRequested.interrupt``).
     """
 
     syncer_id: str
@@ -227,6 +235,7 @@ class SyncConfig:
     outage_limit_s: float | None = 300.0
     repush_tries: int = 5
     repush_pause_s: float = 1.0
+    interrupt: bool = True
 
     def __post_init__(self) -> None:
         if self.servers and self.servers_from_log:
@@ -412,7 +421,10 @@ class WeightSyncer:
             if state.quiesce is not None:  # another sync is open: it ends first
                 await self.control.changed(seen, 1.0)
                 continue
-            request = QuiesceRequested(version=version, reason=f"weight sync to version {version}")
+            request = QuiesceRequested(
+                version=version, reason=f"weight sync to version {version}",
+                interrupt=self.config.interrupt,
+            )  # fmt: skip
             try:
                 await self.log.append_if_last(
                     self.control.stream, request, self.control.position, causation=ref

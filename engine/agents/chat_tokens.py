@@ -162,12 +162,18 @@ class TokenSeries:
         return [*self.prompt, *self.response]
 
     def generated(
-        self, token_ids: Sequence[int], logprobs: Sequence[float], version: int | None
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int | None],
     ) -> None:
+        """The policy's tokens, each with its logprob and the version that sampled it."""
+        if len(versions) != len(token_ids):
+            raise ValueError(f"{len(versions)} versions for {len(token_ids)} generated tokens")
         self.response.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.mask.extend([1] * len(token_ids))
-        self.versions.extend([UNKNOWN_VERSION if version is None else version] * len(token_ids))
+        self.versions.extend(UNKNOWN_VERSION if v is None else v for v in versions)
 
     def observed(self, token_ids: Sequence[int]) -> None:
         self.response.extend(token_ids)

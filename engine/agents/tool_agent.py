@@ -11,11 +11,13 @@ each call in the sandbox; append the observation increment (``chat_tokens``) wit
 Stop conditions, checked after each generation in this order:
 
 1. the text holds a final answer (``answer_pattern``): ``finish``;
-2. the generation hit its token budget: ``max_context`` when that budget was what was left of
+2. the trajectory would have spanned more weight versions than its request allows (the
+   backend ended the turn with ``finish_reason`` ``version_span``): ``version_span``;
+3. the generation hit its token budget: ``max_context`` when that budget was what was left of
    ``max_context_len``, else ``length``;
-3. no tool call and no malformed tool-call block: ``finish``;
-4. this was turn ``max_turns``: ``max_turns`` (its calls are not run: nothing would read them);
-5. the observation would leave no room for another token within ``max_context_len``:
+4. no tool call and no malformed tool-call block: ``finish``;
+5. this was turn ``max_turns``: ``max_turns`` (its calls are not run: nothing would read them);
+6. the observation would leave no room for another token within ``max_context_len``:
    ``max_context`` (the observation is not appended).
 
 Each turn's budget is ``min(max_new_tokens, max_context_len - len(series))``; every turn gets
@@ -359,7 +361,10 @@ class ToolAgent(EpisodeAgent):
         the conversation, the tools called)``."""
         gen, ids = action.gen, action.token_ids
         if action.trained:
-            series.generated(ids, action.logprobs, gen.weight_version)
+            versions = gen.versions()
+            if len(versions) != len(ids):  # not the generation's own tokens
+                versions = (gen.weight_version,) * len(ids)
+            series.generated(ids, action.logprobs, versions)
         else:  # not the policy's tokens: in the series, out of the loss
             series.observed(ids)
         text = self.chat.decode(ids, skip_special_tokens=True)
@@ -367,6 +372,8 @@ class ToolAgent(EpisodeAgent):
         names = tuple(call.name for call in parsed.tool_calls)
         if self._answer.search(text):
             return TerminationReason.FINISH, history, names
+        if gen.finish_reason == FinishReason.VERSION_SPAN:
+            return TerminationReason.VERSION_SPAN, history, names
         if gen.finish_reason == FinishReason.LENGTH:
             out_of_room = len(series) >= limits.max_context
             reason = TerminationReason.MAX_CONTEXT if out_of_room else TerminationReason.LENGTH

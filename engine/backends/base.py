@@ -26,8 +26,10 @@ Contract shared by every implementation:
 
 - ``generate`` is keyword-only; exactly one of ``input_ids`` / ``messages`` is given, and a
   backend that cannot take the given one raises ``NotImplementedError`` before any I/O.
-- A request the server aborted is *not* an exception: it returns an empty result whose
-  ``finish_reason`` is ``"abort"`` (the sample becomes a masked dummy upstream).
+- A request the server aborted is *not* an exception: it returns a result whose
+  ``finish_reason`` is ``"abort"``, holding the tokens (and their logprobs) sampled before
+  the abort where the server sent them (SGLang does for a running request), so a caller can
+  continue the turn from them; otherwise it is empty.
 - Transport and protocol failures raise the ``BackendError`` subclasses of ``engine.errors``
   (``BackendUnavailable``, ``BackendHTTPError``, ``BackendProtocolError``), never httpx's.
 - A backend owns one pooled HTTP client, created lazily on first use inside the running event
@@ -82,6 +84,9 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     TOOL_CALLS = "tool_calls"
+    # The trajectory would have spanned more weight versions than its request allows, so
+    # the turn was not (or no further) generated (``BackendPool.bind(max_version_span=)``).
+    VERSION_SPAN = "version_span"
 
 
 def error_finish_reason(detail: str) -> str:
@@ -142,6 +147,9 @@ class GenerationResult:
     (the thinking a reasoning parser split off, as SGLang and others return it).
     ``weight_version`` is the policy version the *server* reported for the weights that
     generated this reply (SGLang's ``meta_info.weight_version``); None when it reported none.
+    ``token_versions`` is set when the tokens came from more than one version (a turn
+    interrupted by a weight update and continued on the new weights): per token, the
+    version that sampled it, ``weight_version`` being the last one's.
     """
 
     text: str
@@ -153,6 +161,7 @@ class GenerationResult:
     refusal: str | None = None
     reasoning_content: str | None = None
     weight_version: int | None = None
+    token_versions: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) != (self.logprobs is None):
@@ -163,6 +172,19 @@ class GenerationResult:
                     f"GenerationResult: {len(self.token_ids)} token ids but "
                     f"{len(self.logprobs)} logprobs"
                 )
+        if self.token_versions is not None and len(self.token_versions) != len(
+            self.token_ids or ()
+        ):
+            raise ValueError(
+                f"GenerationResult: {len(self.token_versions)} token versions for "
+                f"{len(self.token_ids or ())} token ids"
+            )
+
+    def versions(self) -> tuple[int | None, ...]:
+        """Per token, the weight version that sampled it (None: not reported)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return (self.weight_version,) * len(self.token_ids or ())
 
     @property
     def aborted(self) -> bool:

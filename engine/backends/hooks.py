@@ -17,7 +17,9 @@ A hook (``CallHook``) has two methods, run for each call in this order:
   must not raise.
 
 ``ModelCall`` names what the hooks see: the kind of call, the endpoint and its backend (the
-server's own, to abort a request on or probe), the request id. A ``HookedBackend`` is cheap (an
+server's own, to abort a request on or probe), the request id, and whether the caller can
+continue the call's turn from its partial tokens (``resumable``: the worker's ``TurnGate`` may
+then abort it for a weight sync and set ``interrupted``). A ``HookedBackend`` is cheap (an
 object per ``get`` of a guarded view, one ``ModelCall`` per call) and owns nothing:
 ``aclose`` leaves the endpoint's backend to the pool.
 """
@@ -43,13 +45,23 @@ class CallKind(StrEnum):
 class ModelCall:
     """One model call as its hooks see it (``rid`` may be set by a hook's ``before``)."""
 
-    __slots__ = ("kind", "url", "backend", "rid")
+    __slots__ = ("kind", "url", "backend", "rid", "resumable", "interrupted")
 
-    def __init__(self, kind: CallKind, url: str, backend: ModelBackend, rid: str | None) -> None:
+    def __init__(
+        self,
+        kind: CallKind,
+        url: str,
+        backend: ModelBackend,
+        rid: str | None,
+        *,
+        resumable: bool = False,
+    ) -> None:
         self.kind = kind
         self.url = url
         self.backend = backend
         self.rid = rid
+        self.resumable = resumable
+        self.interrupted = False  # aborted on purpose, for a weight sync (``TurnGate``)
 
 
 class CallHook(Protocol):
@@ -102,6 +114,22 @@ class HookedBackend(ModelBackend):
     ) -> GenerationResult:
         """One ``generate`` on endpoint ``url`` (its backend ``inner``) through the hooks."""
         call = ModelCall(CallKind.GENERATE, url, inner, rid)
+        return await self._generate_call(
+            call, input_ids=input_ids, messages=messages, tools=tools,
+            sampling_params=sampling_params,
+        )  # fmt: skip
+
+    async def _generate_call(
+        self,
+        call: ModelCall,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        sampling_params: Mapping[str, Any],
+    ) -> GenerationResult:
+        """``call`` (a ``generate``) through the hooks, on ``call.backend``."""
+        inner = call.backend
         entered = await self._before(call)
         try:
             result = await inner.generate(

@@ -68,6 +68,20 @@ down) one per episode.
   call is of another kind (chat, a forwarded pass-through), the failure goes to the agent
   and ``budget.reached_caller`` says so: the attempt is then re-run (``batch_run``).
 
+- Interruption: a view's token-level generate (``input_ids``, a backend with the abort
+  capability, no rid of the caller's) is *resumable*: when a weight sync interrupts it (the
+  gate aborts it, ``TurnGate.interrupt``), the turn is continued once the gate opens, from
+  the prompt plus the partial tokens with the token budget reduced by them, on the new
+  weights (``engine/backends/continuation.py``). The agent gets one result: the partial
+  tokens with the logprobs and the version they were sampled with, then the continuation's
+  (``GenerationResult.token_versions``). An interruption takes nothing from the budget and
+  is never the agent's failure.
+- ``bind(key, max_version_span=N)``: before each turn and before continuing an interrupted
+  one (once the gate is open, so against the version it would run on), a trajectory whose
+  oldest token version and the active version would span more than ``N`` versions is not
+  generated further: the turn ends with what it has, ``finish_reason`` ``version_span``
+  (``FinishReason.VERSION_SPAN``), and the agent ends the episode for that reason.
+
 A router (``sglang-router``) in front of the servers is the other way to run several: give the
 worker the router's URL as its one endpoint, and the router keeps a conversation's requests on
 one server with its own cache-aware policy (see docs/sglang.md).
@@ -75,21 +89,16 @@ one server with its own cache-aware policy (see docs/sglang.md).
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import logging
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
 
-from engine import metrics
 from engine.backends._http import check_base_url
-from engine.backends.base import ForceDecodeScore, GenerationResult, ModelBackend
+from engine.backends.base import ModelBackend
 from engine.backends.gate import TurnGate
-from engine.backends.health import RetryBudget, ServerHealth, infra_failure
-from engine.backends.hooks import CallHook, HookedBackend, ModelCall
+from engine.backends.health import RetryBudget, ServerHealth
+from engine.backends.hooks import CallHook, HookedBackend
+from engine.backends.routing import BackendBuilder, RoutedBackend, Shared, Trajectory
 from engine.backends.sglang import SGLangBackend, SGLangConfig
 from engine.errors import BackendUnavailable, ConfigError
 
@@ -103,11 +112,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_ABORT_TIMEOUT_S = 5.0
-
-BackendBuilder = Callable[[str], ModelBackend]
-"""Builds the backend of one endpoint from its base URL (called once per endpoint)."""
 
 
 DEFAULT_STALL_S = 20.0
@@ -139,265 +143,6 @@ def parse_urls(urls: str | Sequence[str] | None, *, what: str = "--sglang-url") 
     return tuple(out)
 
 
-def _rank(key: str, url: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
-
-
-class _Shared:
-    """What the pool and its bound views share: the backends, the servers' health and the
-    trajectory placement."""
-
-    def __init__(
-        self,
-        urls: tuple[str, ...],
-        build: BackendBuilder,
-        hooks: Sequence[CallHook],
-        outage_limit_s: float | None,
-    ) -> None:
-        self.urls = urls
-        self.known = urls  # every policy server ever listed (a retired one included)
-        self.build = build
-        self.backends: dict[str, ModelBackend] = {}  # each endpoint's own backend
-        self.hooked: dict[str, HookedBackend] = {}  # the same, with the pool's hooks
-        self.closed = False
-        self.placed: dict[str, str] = {}
-        self.live: Counter[str] = Counter()
-        self.gate = TurnGate()
-        self.health = ServerHealth(urls, self.backend, self.gate, outage_limit_s=outage_limit_s)
-        self.hooks: tuple[CallHook, ...] = (self.gate, self.health, *hooks)
-        self.eval_hooks: tuple[CallHook, ...] = (self.health, *hooks)  # no gate: no sync
-        self.eval_urls: tuple[str, ...] = ()
-        self.aborting: set[asyncio.Task[None]] = set()
-
-    def backend(self, url: str) -> ModelBackend:
-        backend = self.backends.get(url)
-        if backend is None:
-            if self.closed:
-                raise BackendUnavailable(
-                    "the worker's backend pool is closed (the worker is stopping); no new "
-                    "generations"
-                )
-            backend = self.backends[url] = self.build(url)
-        return backend
-
-    def place(self, key: str) -> str:
-        """The server of trajectory ``key``: where it was placed while that one is up, else
-        the up server with the fewest trajectories (ties by rendezvous rank)."""
-        url = self.placed.get(key)
-        health = self.health
-        if url is not None and (health.is_up(url) or (not health.any_up and url in self.urls)):
-            return url
-        return self.place_among(key, health.up_urls() or self.urls or self.known)
-
-    def place_among(self, key: str, urls: tuple[str, ...]) -> str:
-        """The server of trajectory ``key`` among ``urls``: where it was placed while that one
-        is among them, else the least loaded (ties by rendezvous rank); a pinned trajectory's
-        ``urls`` are those serving its version."""
-        url = self.placed.get(key)
-        if url is not None:
-            if url in urls:
-                return url
-            self.live[url] -= 1  # its server is down, stale or retired: the trajectory moves
-        url = max(urls, key=lambda u: (-self.live[u], _rank(key, u)))
-        self.placed[key] = url
-        self.live[url] += 1
-        return url
-
-    def use(self, urls: tuple[str, ...], *, fixed: bool = False) -> None:
-        """The policy's servers (``fixed``: the eval servers) are ``urls`` from now on."""
-        health = self.health
-        before = self.eval_urls if fixed else self.urls
-        for url in urls:
-            if url not in before:
-                health.add(url, fixed=fixed)
-        for url in before:
-            if url not in urls:
-                health.remove(url, fixed=fixed)
-        if fixed:
-            self.eval_urls = urls
-            return
-        self.urls = urls
-        self.known = (*self.known, *(u for u in urls if u not in self.known))
-
-    def release(self, key: str) -> None:
-        url = self.placed.pop(key, None)
-        if url is not None:
-            self.live[url] -= 1
-
-    def abort_later(self, backend: ModelBackend, rid: str) -> None:
-        """Abort request ``rid`` where a failed call may still run, in the background (the
-        server may not answer at all): best effort, bounded."""
-
-        async def abort() -> None:
-            try:
-                async with asyncio.timeout(_ABORT_TIMEOUT_S):
-                    await backend.abort(rid)
-            except Exception as exc:  # a dead server runs nothing any more
-                logger.debug("abort of %s on %r failed: %r", rid, backend, exc)
-
-        task = asyncio.ensure_future(abort())
-        self.aborting.add(task)
-        task.add_done_callback(self.aborting.discard)
-
-
-class _Trajectory:
-    """A bound view's trajectory: its key, the rids its generate calls are sent with
-    (``KEY/tN``, one per call, so each can be aborted by its exact rid) and the sample's
-    retry budget."""
-
-    __slots__ = ("key", "shared", "budget", "calls", "version")
-
-    def __init__(
-        self, key: str, shared: _Shared, budget: RetryBudget | None, version: int | None
-    ) -> None:
-        self.key = key
-        self.shared = shared
-        self.budget = budget
-        self.calls = 0
-        self.version = version  # the pinned weight version (None: the active policy)
-
-    def next_rid(self) -> str:
-        rid = f"{self.key}/t{self.calls}"
-        self.calls += 1
-        return rid
-
-    async def endpoint(self) -> tuple[str, ModelBackend]:
-        """Where the next call goes: the trajectory's server, placed again when it is not
-        up; while none is up, the call waits here (``ServerHealth.available``). A pinned
-        trajectory goes to a server serving its version, waiting for one."""
-        shared = self.shared
-        if self.version is not None:
-            found = await shared.health.serving_available(self.version)
-            url = shared.place_among(self.key, found)
-            return url, shared.backend(url)
-        if not shared.health.any_up:
-            await shared.health.available()
-        url = shared.urls[0] if len(shared.urls) == 1 else shared.place(self.key)
-        return url, shared.backend(url)
-
-    def off_version(self, result: GenerationResult) -> str | None:
-        """Why ``result`` may not be handed back for its weight version (None: it may)."""
-        if self.version is not None:
-            if result.weight_version == self.version:
-                return None
-            return (f"it served weight version {result.weight_version}, the rollout is pinned "
-                    f"to {self.version}")  # fmt: skip
-        if self.shared.health.wrong_version(result):
-            return f"it served weight version {result.weight_version}, not the active one"
-        return None
-
-
-class RoutedBackend(HookedBackend):
-    """A bound view's backend on the policy's servers: each call goes where the trajectory
-    is placed now, and a token-level generate whose rid the view names is retried on an
-    infrastructure failure (see the module docstring)."""
-
-    def __init__(
-        self,
-        trajectory: _Trajectory,
-        url: str,
-        hooks: tuple[CallHook, ...],
-        eval_hooks: tuple[CallHook, ...],
-    ) -> None:
-        super().__init__(trajectory.shared.backend(url), url, hooks)
-        self._trajectory = trajectory
-        self._eval_hooks = eval_hooks
-
-    def hooks_for(self, call: ModelCall) -> tuple[CallHook, ...]:
-        """An eval server's calls pass no ``TurnGate`` (no sync pauses them)."""
-        if call.url in self._trajectory.shared.eval_urls:
-            return self._eval_hooks
-        return self._hooks
-
-    async def generate(
-        self,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        sampling_params: Mapping[str, Any],
-        rid: str | None = None,
-    ) -> GenerationResult:
-        t = self._trajectory
-        budget = t.budget
-        if budget is None or input_ids is None or rid is not None or not self.capabilities.abort:
-            url, inner = await t.endpoint()
-            try:
-                result = await self._generate(
-                    url, inner, input_ids=input_ids, messages=messages, tools=tools,
-                    sampling_params=sampling_params, rid=t.next_rid() if rid is None else rid,
-                )  # fmt: skip
-                if t.version is not None and (why := t.off_version(result)):
-                    raise BackendUnavailable(f"{url}: {why}")
-                return result
-            except Exception as exc:
-                if budget is not None and infra_failure(exc):
-                    budget.reached_caller = True  # no retry of its own: the attempt is re-run
-                raise
-        return await self._retried(t, budget, input_ids, sampling_params)
-
-    async def _retried(
-        self,
-        t: _Trajectory,
-        budget: RetryBudget,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any],
-    ) -> GenerationResult:
-        """The same turn again from the same tokens, on a server that is up, until it gives
-        a result of the active weights or the budget is spent. A call that raised, or whose
-        result is not handed back, produced no turn of the agent's, so running it again
-        cannot record a turn twice."""
-        aborted: GenerationResult | None = None  # handed back when a retry is refused
-        while True:
-            url, inner = await t.endpoint()
-            self.base_url = url
-            rid = t.next_rid()
-            try:
-                result = await self._generate(
-                    url, inner, input_ids=input_ids, sampling_params=sampling_params, rid=rid
-                )
-            except Exception as exc:
-                if not infra_failure(exc):
-                    if aborted is not None:  # a hook refused the retry (the sample ended)
-                        return aborted
-                    raise
-                t.shared.abort_later(inner, rid)  # the request may still run there
-                if not budget.take(url, f"{type(exc).__name__}: {exc}"):
-                    budget.reached_caller = True
-                    raise
-            else:
-                if result.aborted:
-                    what = "the server aborted the generation"
-                    aborted = result
-                elif off := t.off_version(result):
-                    what = off
-                else:
-                    return result
-                if not budget.take(url, what):
-                    budget.reached_caller = True
-                    return result
-            metrics.MODEL_RETRIES.labels("turn").inc()
-            await asyncio.sleep(budget.pause_s())
-
-    async def score(
-        self, prompt_ids: Sequence[int], response_ids: Sequence[int], *, top_logprobs_num: int = 0
-    ) -> ForceDecodeScore:
-        url, inner = await self._trajectory.endpoint()
-        return await self._score(url, inner, prompt_ids, response_ids, top_logprobs_num)
-
-    @asynccontextmanager
-    async def forwarded_call(self) -> AsyncIterator[None]:
-        url, inner = await self._trajectory.endpoint()
-        try:
-            async with self._forward(url, inner):
-                yield
-        except Exception:
-            budget = self._trajectory.budget
-            if budget is not None:  # the scaffold saw it: the attempt is re-run
-                budget.reached_caller = True
-            raise
-
-
 class BackendPool:
     """One ``ModelBackend`` per model endpoint (see the module docstring)."""
 
@@ -410,8 +155,8 @@ class BackendPool:
         outage_limit_s: float | None = 300.0,
     ):
         urls = parse_urls(default_url, what="the worker's model endpoint")
-        self._shared = _Shared(urls, build, hooks, outage_limit_s)
-        self._trajectory: _Trajectory | None = None
+        self._shared = Shared(urls, build, hooks, outage_limit_s)
+        self._trajectory: Trajectory | None = None
         self._routed: RoutedBackend | None = None
         self._own: tuple[CallHook, ...] = ()  # a view's own hooks
         self._hooks: tuple[CallHook, ...] = ()  # and the pool's after them (none: no own)
@@ -465,17 +210,21 @@ class BackendPool:
         hooks: Sequence[CallHook] = (),
         budget: RetryBudget | None = None,
         version: int | None = None,
+        max_version_span: int | None = None,
     ) -> BackendPool:
         """A view of this pool whose ``get()`` keeps trajectory ``key`` on one server while
-        it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too)
-        and whose token-level generations are retried within ``budget``; ``version`` pins it
-        to the servers serving that weight version (see "Pinned versions" in the module
-        docstring)."""
+        it is up, whose calls on the policy's servers pass ``hooks`` first (this view's too),
+        whose token-level generations are retried within ``budget`` and continued across a
+        weight sync, and whose trajectory spans at most ``max_version_span`` versions;
+        ``version`` pins it to the servers serving that weight version (see "Pinned
+        versions" in the module docstring)."""
         if not key:
             raise ValueError("BackendPool.bind needs a non-empty trajectory key")
+        if max_version_span is not None and max_version_span < 1:
+            raise ValueError(f"max_version_span must be >= 1, got {max_version_span}")
         view = object.__new__(BackendPool)
         view._shared = self._shared
-        view._trajectory = _Trajectory(key, self._shared, budget, version)
+        view._trajectory = Trajectory(key, self._shared, budget, version, max_version_span)
         view._routed = None
         view._own = (*self._own, *hooks)
         view._hooks = (*view._own, *self._shared.hooks)
@@ -516,7 +265,7 @@ class BackendPool:
             return HookedBackend(shared.backends[endpoint], endpoint, self._hooks)
         return hooked
 
-    def _routed_backend(self, trajectory: _Trajectory) -> RoutedBackend:
+    def _routed_backend(self, trajectory: Trajectory) -> RoutedBackend:
         routed = self._routed
         if routed is None:
             shared = self._shared

@@ -18,11 +18,13 @@ back, so the tokens the model emitted are the tokens training sees.
 
 - ``messages`` are accepted too when a tokenizer is configured: they are rendered with its chat
   template (``add_generation_prompt``) and tokenized here, then sent as ``input_ids``.
-- A reply whose ``finish_reason.type`` is ``abort`` becomes an empty result with
-  ``finish_reason="abort"`` (the sample is dropped upstream), also when the request was aborted
-  while queued and SGLang's reply has no ``prompt_tokens`` (the usage then counts the prompt
-  that was sent); other finish types map to ``stop`` / ``length``, anything unknown to
-  ``error:<type>``.
+- A reply whose ``finish_reason.type`` is ``abort`` becomes a result with
+  ``finish_reason="abort"`` holding the partial output SGLang sends for a request aborted
+  while running (``output_ids`` and their ``output_token_logprobs``, sampled before the abort),
+  so the turn can be continued from them (``engine/backends/pool.py``); it is empty when the
+  request was aborted while queued and SGLang's reply has no ``prompt_tokens`` (the usage
+  then counts the prompt that was sent) or when the reply carries no logprobs. Other finish
+  types map to ``stop`` / ``length``, anything unknown to ``error:<type>``.
 - ``sampling_params["n"] > 1`` makes SGLang answer a list of ``n`` results: ``generate_samples``
   returns them all (``generate`` itself returns one result, so it refuses ``n > 1``). SGLang
   0.5.23 gives each parallel sample a fresh uuid as its rid (``TokenizerManager.
@@ -236,10 +238,11 @@ class SGLangBackend(ModelBackend):
             completion_tokens=reply.completion_tokens,
         )
         if reply.finish_type == FinishReason.ABORT:
+            partial = reply.output_logprobs is not None
             return GenerationResult(
-                text="",
-                token_ids=(),
-                logprobs=(),
+                text=reply.text if partial else "",
+                token_ids=reply.output_ids if partial else (),
+                logprobs=reply.output_logprobs if reply.output_logprobs is not None else (),
                 finish_reason=FinishReason.ABORT,
                 usage=usage,
                 weight_version=reply.weight_version,

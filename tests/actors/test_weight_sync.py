@@ -36,6 +36,7 @@ from engine.events import (
     QuiesceCompleted,
     QuiesceRequested,
     RolloutRequested,
+    SampleAborted,
     SampleCompleted,
     ServerStale,
     ServerUp,
@@ -64,10 +65,12 @@ class TurnsAgent(BaseAgent):
     """``turns`` generate calls, each followed by a fixed observation and a short pause
     (a tool call); per token, the version the server reported for its turn."""
 
-    def __init__(self, turns: int, pause_s: float, tokens: int = 6) -> None:
+    def __init__(self, turns: int, pause_s: float, tokens: int = 6, *, ignore_eos: bool = False
+                 ) -> None:
         self.turns = turns
         self.pause_s = pause_s
         self.tokens = tokens
+        self.ignore_eos = ignore_eos
 
     async def run(self, task: Task, context: EpisodeContext) -> AgentResult:
         assert context.backends is not None
@@ -78,15 +81,16 @@ class TurnsAgent(BaseAgent):
         mask: list[int] = []
         versions: list[int] = []
         records: list[TurnRecord] = []
-        params = {"max_new_tokens": self.tokens, "temperature": 0.0}
+        params = {"max_new_tokens": self.tokens, "temperature": 0.0,
+                  "ignore_eos": self.ignore_eos}
         for turn in range(self.turns):
             gen = await backend.generate(input_ids=ids + response, sampling_params=params)
             assert gen.token_ids is not None and gen.logprobs is not None
-            version = -1 if gen.weight_version is None else gen.weight_version
             response += [*gen.token_ids, *OBSERVATION]
             logprobs += [*gen.logprobs, *([0.0] * len(OBSERVATION))]
             mask += [1] * len(gen.token_ids) + [0] * len(OBSERVATION)
-            versions += [version] * len(gen.token_ids) + [-1] * len(OBSERVATION)
+            versions += [-1 if v is None else v for v in gen.versions()]
+            versions += [-1] * len(OBSERVATION)
             records.append(
                 TurnRecord(index=turn, prompt_tokens=len(ids), response_tokens=len(gen.token_ids),
                            weight_version=gen.weight_version)
@@ -144,7 +148,7 @@ class Stack:
         self.logs.append(log)
         return log
 
-    def start(self, servers: list[str], agent: BaseAgent) -> None:
+    def start(self, servers: list[str], agent: BaseAgent, *, interrupt: bool = True) -> None:
         profile = EvaluatorProfile(
             evaluator_id="turns", resource=Resource(concurrency=8), batch_size=4
         )
@@ -164,7 +168,7 @@ class Stack:
             self.log(),
             SyncConfig(syncer_id="s1", servers=tuple(servers), park_timeout_s=60,
                        live_window_ms=10_000, heartbeat_ms=100, claim_idle_ms=2000,
-                       block_ms=BLOCK_MS),
+                       block_ms=BLOCK_MS, interrupt=interrupt),
             admin=lambda url: ServerAdmin(url, admin_key=ADMIN, transport=Trace(self.trace)),
         )
         finalizer = Finalizer(
@@ -247,7 +251,8 @@ async def test_a_version_published_mid_rollout_lands_between_turns(
     stack: Stack, procs: Processes, tinylm_dir: Path, v1_dir: Path
 ) -> None:
     server = serve(procs, "tinylm", tinylm_dir)
-    stack.start([server.url], TurnsAgent(turns=8, pause_s=0.15))
+    # A sync that waits for the turns in flight (``interrupt=False``).
+    stack.start([server.url], TurnsAgent(turns=8, pause_s=0.15), interrupt=False)
     log = stack.log()
     client = RolloutClient(stack.log())
     await request_rollout(client, log, "mid", 4, version=0)
@@ -317,6 +322,81 @@ async def test_a_version_published_mid_rollout_lands_between_turns(
     new = np.array([e[0] for e in rescored["meta_info"]["input_token_logprobs"][1:]])
     old = np.array(completed.logprobs.tolist()[a:b])
     assert new.shape == old.shape and float(np.abs(new - old).max()) > 1e-3
+
+
+LONG_TURN = 400
+
+
+async def test_an_interrupting_sync_continues_the_turns_in_flight_on_the_new_weights(
+    stack: Stack, procs: Processes, tinylm_dir: Path, v1_dir: Path
+) -> None:
+    # Workers abort their own requests: a server with an admin key would refuse them that
+    # (docs/security.md), and the sync would wait for the turns instead.
+    server = serve(procs, "tinylm", tinylm_dir, admin_key=False)
+    stack.start([server.url], TurnsAgent(turns=2, pause_s=0.0, tokens=LONG_TURN,
+                                         ignore_eos=True))
+    log = stack.log()
+    client = RolloutClient(stack.log())
+    await request_rollout(client, log, "long", 2, version=0)
+    stream = log.names.rollout("long")
+    # Publish while the first turns are generating (each takes a while: LONG_TURN tokens).
+    while stack.trace.count(("gen-start", server.url)) < 2:
+        await asyncio.sleep(0.02)
+    # The syncer waits for the workers it sees on the work streams: this one, once listed.
+    while "w1" not in await log.group_consumers(log.names.work("turns"), "evaluators"):
+        await asyncio.sleep(0.02)
+    await client.publish_version(1, f"file://{v1_dir}")
+    await client.wait_version_active(1, timeout=60)
+    ready = await client.wait_ready("long", timeout=120)
+    assert len(ready.sample_ids) == 2 and not await events_of(log, stream, SampleAborted)
+
+    # The turns in flight were aborted, not waited for: every generate that started before
+    # the load had ended, and the load did not wait for a turn to finish its tokens.
+    control = log.names.control
+    (quiesce,) = await events_of(log, control, QuiesceRequested)
+    assert quiesce.interrupt and quiesce.version == 1
+    (done,) = await events_of(log, control, QuiesceCompleted)
+    assert done.parked == ["w1"] and done.unparked == []
+    load_start = stack.trace.index(("load-start", server.url))
+    before = stack.trace[:load_start]
+    assert before.count(("gen-start", server.url)) == before.count(("gen-end", server.url))
+
+    # Each turn recorded once, whole: LONG_TURN tokens (the partial ones, then the rest),
+    # each carrying the version that sampled it; a turn in flight at the swap is split.
+    turns = await events_of(log, stream, TurnCompleted)
+    assert sorted((t.sample_id, t.turn) for t in turns) == sorted(
+        (sid, n) for sid in ready.sample_ids for n in range(2)
+    )
+    samples = await client.load("long")
+    split = []
+    for sample in samples:
+        mask = sample.loss_mask.tolist()
+        assert sample.token_versions is not None
+        versions = sample.token_versions.tolist()[-sample.response_length:]
+        segments = _segments(mask)
+        assert [b - a for a, b in segments] == [LONG_TURN, LONG_TURN]
+        generated = [versions[i] for a, b in segments for i in range(a, b)]
+        assert generated == sorted(generated) and set(generated) <= {0, 1}
+        split += [(sample, a, b) for a, b in segments if len(set(versions[a:b])) == 2]
+    assert split, "no turn was in flight when the weights changed"
+
+    # The continuation's logprobs are the new weights' (rescored on version 1 now).
+    sample, a, b = split[0]
+    completed = next(e for e in await events_of(log, stream, SampleCompleted)
+                     if e.sample_id == sample.sample_id)
+    versions = completed.token_versions.tolist()
+    cut = a + versions[a:b].index(1)
+    prompt = completed.prompt_ids.tolist()
+    head = prompt + completed.response_ids.tolist()[:cut]
+    rest = completed.response_ids.tolist()[cut:b]
+    rescored = httpx.post(server.url + "/generate", json={
+        "input_ids": head + rest, "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": len(head) - 1,
+    }, timeout=60).json()
+    assert rescored["meta_info"]["weight_version"] == "1"
+    new = np.array([e[0] for e in rescored["meta_info"]["input_token_logprobs"][1:]])
+    served = np.array(completed.logprobs.tolist()[cut:b])
+    assert new.shape == served.shape and float(np.abs(new - served).max()) < 1e-3
 
 
 async def test_a_sync_failing_on_one_server_poisons_generation_until_a_good_sync(

@@ -127,6 +127,7 @@ class Reply:
     text: str
     eos: bool = True
     finish: str | None = None  # force a finish type, e.g. "abort"
+    version: str | None = None  # the meta_info.weight_version reported (None: none)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class ScriptedGenerate:
                     "output_token_logprobs": [
                         [lp, tid, None] for lp, tid in zip(logprobs, ids, strict=True)
                     ],
+                    **({} if reply.version is None else {"weight_version": reply.version}),
                 },
             },
         )

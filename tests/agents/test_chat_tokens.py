@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.agents.chat_tokens import ChatTokens
+from engine.agents.chat_tokens import ChatTokens, TokenSeries
 from engine.agents.tools import PythonTool
 from engine.backends.sglang import load_tokenizer
 from engine.errors import AgentError
@@ -49,3 +49,14 @@ def test_a_template_that_is_not_append_only_is_refused(model_dir: Path) -> None:
     chat = ChatTokens(tok, None)
     with pytest.raises(AgentError, match="token-exactly"):
         chat.observation(HISTORY, [1], TOOL)
+
+
+def test_generated_tokens_keep_the_version_each_was_sampled_with() -> None:
+    series = TokenSeries(prompt=[1, 2])
+    series.generated([5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 1])  # a turn continued on v1
+    series.observed([9])
+    series.generated([8], [-0.4], [None])
+    assert series.versions == [0, 0, 1, -1, -1]
+    assert series.mask == [1, 1, 1, 0, 1] and series.ids() == [1, 2, 5, 6, 7, 9, 8]
+    with pytest.raises(ValueError, match="2 versions for 3 generated tokens"):
+        series.generated([1, 2, 3], [0.0, 0.0, 0.0], [1, 1])

@@ -390,3 +390,27 @@ def test_config_is_validated(tokenizer: Any) -> None:
         ToolAgent(ToolAgentConfig(), verifier=MathVerifier())
     limits = SandboxLimits(memory_mb=128)
     assert ToolAgentConfig(sandbox_limits=limits).sandbox_limits is limits
+
+
+async def test_a_trajectory_that_would_span_too_many_versions_ends_before_its_next_turn(
+    tokenizer: Any, provider: LocalSandboxProvider, tmp_path: Path
+) -> None:
+    script = ScriptedGenerate(
+        tokenizer,
+        [Reply(python_call("print(6 * 7)"), version="0"), Reply("<answer>42</answer>")],
+    )
+    # Version 1 is active once the first turn (on version 0) came back.
+    script.backends.health.expected = lambda: 1 if script.requests else 0
+    agent = agent_for(script)
+    task = make_task("What is 6 * 7?", "42")
+    view = script.backends.bind(f"{task.sample_id}/a1", max_version_span=1)
+    result, _ = await run_episode(
+        agent, task, make_context(task, sandboxes=provider, backends=view, tmp_path=tmp_path)
+    )
+    assert result.termination_reason is TerminationReason.VERSION_SPAN
+    assert len(script.requests) == 1  # the second turn was not generated
+    first, last = result.turns
+    assert first.weight_version == 0 and last.finish_reason == "version_span"
+    assert last.response_tokens == 0
+    generated = [v for v, m in zip(result.response_versions, result.loss_mask, strict=True) if m]
+    assert generated and set(generated) == {0}

@@ -108,7 +108,7 @@ async def test_concurrent_generations_share_one_pooled_client(sglang: SGLangBack
     assert sglang._http._client is None
 
 
-async def test_abort_by_rid_gives_an_empty_aborted_result(
+async def test_abort_by_rid_gives_an_aborted_result_holding_the_partial_output(
     sglang: SGLangBackend, tinylm_server: TinyLMServer
 ) -> None:
     task = asyncio.create_task(
@@ -125,8 +125,15 @@ async def test_abort_by_rid_gives_an_empty_aborted_result(
     )
     await sglang.abort("abort-me")
     result = await task
+    # The tokens sampled before the abort come back with their logprobs (SGLang answers a
+    # running request it aborts with its partial output), so a turn can be continued.
     assert result == GenerationResult(
-        text="", token_ids=(), logprobs=(), finish_reason="abort", usage=result.usage
+        text=result.text, token_ids=result.token_ids, logprobs=result.logprobs,
+        finish_reason="abort", usage=result.usage,
+    )  # fmt: skip
+    assert result.aborted and result.usage is not None
+    assert len(result.token_ids or ()) == len(result.logprobs or ()) == (
+        result.usage.completion_tokens
     )
 
 

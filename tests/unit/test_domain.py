@@ -196,7 +196,8 @@ class TestOutcomeFamily:
         assert [r.value for r in TerminationReason] == [
             "finish", "length", "max_turns", "max_context",
             "agent_timeout", "infra_conn", "infra_sandbox", "infra_other",
-            "stale", "tail_aborted",  # issue 12: appended, the older strings unchanged
+            "stale", "tail_aborted",  # appended, the older strings unchanged
+            "version_span",
         ]
         assert [s.value for s in SampleStatus] == [
             "pending", "completed", "truncated", "aborted", "failed",

@@ -50,6 +50,10 @@ class RolloutRequested(Event):
       goes on meanwhile, and a request no server serves waits (the outage limit, then it
       fails). Only an eval request may pin a version, and it takes no staleness bound (its
       tokens are all of the pinned version by construction).
+    * ``max_version_span``: the most weight versions one trajectory's tokens may come from
+      (1: every token of a trajectory from one version); a trajectory that would span more
+      (at the start of a turn, or continuing a turn a weight sync interrupted) ends there
+      as ``version_span``. None: no cap.
     """
 
     schema_version: ClassVar[int] = 2
@@ -75,6 +79,7 @@ class RolloutRequested(Event):
     tail: Literal["abort", "carry"] = "abort"
     request_stream: str | None = Field(default=None, min_length=1)
     pinned_version: int | None = Field(default=None, ge=0)
+    max_version_span: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _carry_needs_a_stream(self) -> RolloutRequested:
@@ -199,13 +204,16 @@ class QuiesceRequested(Event):
     """The weight syncer stops generation before it changes weights: schedulers stop
     admitting batches, workers let running generate calls finish, start no new one and say
     so with ``WorkerParked``. ``version`` is the policy version the quiesce is for (None
-    in a v1 event, which has none)."""
+    in a v1 event, which has none). ``interrupt``: workers abort their resumable generate
+    calls instead of letting them finish, and continue those turns from their partial
+    tokens on the new weights (``engine/backends/gate.py``)."""
 
     schema_version: ClassVar[int] = 2
 
     type: Literal["QuiesceRequested"] = "QuiesceRequested"
     reason: str = ""
     version: int | None = None
+    interrupt: bool = False
 
 
 @upcaster("QuiesceRequested", 1)

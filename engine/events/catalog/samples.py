@@ -69,8 +69,9 @@ class SampleCompleted(Event):
     elapsed_s: float = 0.0
     policy_version: int = 0
     metrics: dict[str, JSON] = Field(default_factory=dict)
-    # Per response token, the server-reported weight version of the turn that sampled it; -1
-    # for observation tokens and unknown versions. Empty: not recorded.
+    # Per response token, the server-reported weight version that sampled it (a turn a
+    # weight sync interrupted and continued has both); -1 for observation tokens and unknown
+    # versions. Empty: not recorded.
     token_versions: TokenIds = Field(default_factory=TokenIds.empty)
     # DAgger rollin (engine.agents.dagger): 1 on response tokens the teacher produced; empty
     # when the agent recorded none (every token is then the student's or an observation).
