@@ -297,6 +297,8 @@ class Scheduler:
             )
         request = env.event
         version = request.policy_version if isinstance(request, RolloutRequested) else 0
+        # A pinned eval runs on servers serving its version, which no sync touches.
+        pinned = isinstance(request, RolloutRequested) and request.pinned_version is not None
         # A partial rollout done with its groups admits no more batches, and a
         # bounded one waits while no published version can meet its bound.
         watch = isinstance(request, RolloutRequested) and (
@@ -312,7 +314,8 @@ class Scheduler:
                 break  # the rest will never be admitted: admission closes here
             try:  # no admission while weights change, after a failed sync, or before the
                 # version the request asks for is active (when it was published)
-                await self._generation_allowed(version)
+                if not pinned:
+                    await self._generation_allowed(version)
             except FollowerClosed as exc:
                 raise GateClosed(f"stopping before batch {batch.batch_id!r} was admitted") from exc
             await self.gate.admit(batch, specs[batch.evaluator_id], causation=env.ref)
